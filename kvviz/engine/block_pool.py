@@ -1,0 +1,140 @@
+"""The physical blocks: refcounts, the LRU free queue and the prefix-cache hash map.
+
+Semantics of vLLM's block pool: a block whose refcount drops to zero goes to the tail of the free
+queue if it holds a cached hash (kept for reuse, evicted last) or to the head if not (reused
+first). Eviction is lazy: a cached free block keeps its hash until it is popped for new content,
+and only then is its hash-map entry removed. Plain Python, no torch: the engine owns the tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+from .events import BlockEvent, EventKind
+from .hashing import BlockHash
+
+
+class OutOfBlocks(RuntimeError):
+    """Raised before any change when a request needs more free blocks than the pool has."""
+
+    def __init__(self, needed: int, free: int):
+        super().__init__(f"need {needed} free KV blocks, only {free} available")
+        self.needed, self.free = needed, free
+
+
+@dataclass(slots=True, eq=False)
+class Block:
+    id: int
+    ref_cnt: int = 0
+    hash: BlockHash | None = None
+    lifetime: int = 0  # bumped on every allocation: slots written in older lifetimes are stale
+    prev: Block | None = field(default=None, repr=False)
+    next: Block | None = field(default=None, repr=False)
+
+
+class FreeQueue:
+    """Free blocks in eviction order (head first), as a doubly linked list: O(1) removal anywhere."""
+
+    def __init__(self, blocks: Iterable[Block]):
+        self._head, self._tail = Block(-1), Block(-2)
+        self._head.next, self._tail.prev = self._tail, self._head
+        self._len = 0
+        for b in blocks:
+            self.push_tail(b)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[Block]:
+        b = self._head.next
+        while b is not self._tail:
+            yield b
+            b = b.next
+
+    def __contains__(self, b: Block) -> bool:
+        return b.prev is not None
+
+    def _link(self, b: Block, prev: Block, nxt: Block) -> None:
+        b.prev, b.next, prev.next, nxt.prev = prev, nxt, b, b
+        self._len += 1
+
+    def push_head(self, b: Block) -> None:
+        self._link(b, self._head, self._head.next)
+
+    def push_tail(self, b: Block) -> None:
+        self._link(b, self._tail.prev, self._tail)
+
+    def remove(self, b: Block) -> None:
+        b.prev.next, b.next.prev = b.next, b.prev
+        b.prev = b.next = None
+        self._len -= 1
+
+    def pop_head(self) -> Block:
+        b = self._head.next
+        self.remove(b)
+        return b
+
+
+class BlockPool:
+    """A fixed set of blocks shared by every request; reports each change through `emit`."""
+
+    def __init__(self, num_blocks: int, emit: Callable[[BlockEvent], None]):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free = FreeQueue(self.blocks)
+        self.cached: dict[BlockHash, Block] = {}
+        self._emit = emit
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def event(self, kind: EventKind, b: Block, request: str | None, source: int | None = None) -> None:
+        self._emit(BlockEvent(kind, b.id, request, b.ref_cnt, source))
+
+    def allocate(self, n: int, request: str) -> list[Block]:
+        """Pop `n` blocks for new content, evicting cached ones from the head of the queue."""
+        if n > self.num_free:
+            raise OutOfBlocks(n, self.num_free)
+        out = []
+        for _ in range(n):
+            b = self.free.pop_head()
+            if b.hash is not None:
+                self.evict(b, request)
+            b.ref_cnt, b.lifetime = 1, b.lifetime + 1
+            self.event("allocate", b, request)
+            out.append(b)
+        return out
+
+    def evict(self, b: Block, request: str | None) -> None:
+        """Forget a block's hash when it is reused; the map entry must go with it."""
+        if self.cached.get(b.hash) is b:
+            del self.cached[b.hash]
+        b.hash = None
+        self.event("evict", b, request)
+
+    def acquire(self, blocks: Iterable[Block], request: str, kind: EventKind = "hit") -> None:
+        """Add a reference to blocks that already hold content (prefix hits, forks)."""
+        for b in blocks:
+            if b.ref_cnt == 0:
+                self.free.remove(b)
+            b.ref_cnt += 1
+            self.event(kind, b, request)
+
+    def release(self, blocks: Iterable[Block], request: str, kind: EventKind = "free") -> None:
+        """Drop one reference from each block, in the order given (callers pass reverse order)."""
+        for b in blocks:
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                (self.free.push_tail if b.hash is not None else self.free.push_head)(b)
+            self.event(kind, b, request)
+
+    def cache(self, b: Block, h: BlockHash, request: str) -> None:
+        """Publish a full block under its hash, unless another block already holds that hash."""
+        if h in self.cached:
+            return
+        b.hash = h
+        self.cached[h] = b
+        self.event("cache", b, request)

@@ -1,0 +1,26 @@
+"""What happened to a block, as a flat record a recorder can store without knowing the pool."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+EventKind = Literal["allocate", "hit", "share", "free", "preempt", "cow", "cache", "evict"]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockEvent:
+    """One change to one physical block.
+
+    allocate: popped from the free queue for new content (refcount 1, new lifetime);
+    hit: reused from the prefix cache on admission; share: referenced by a forked child;
+    free / preempt: a request dropped its reference (refcount is the count left);
+    cow: `block` is the private copy of shared block `source`; cache: a full block got its hash;
+    evict: a cached free block lost its hash because it was taken for new content.
+    """
+
+    kind: EventKind
+    block: int
+    request: str | None
+    refcount: int
+    source: int | None = None

@@ -1,0 +1,272 @@
+"""Page tables over the shared block pool: admission with prefix-cache hits, append, fork,
+copy-on-write, free and preempt, plus slot provenance, invariant checks and snapshots.
+
+Lifecycle of one request (the engine drives it once per step):
+`add` -> `admit` (reuse cached prefix blocks, allocate for the first chunk) -> forward writes K/V
+-> `commit` (record provenance, hash newly full blocks) -> `append_tokens` (sampled token) ->
+`allocate` (next chunk or decode token) -> ... -> `free`. Every allocation is all or nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+from .block_pool import Block, BlockPool, OutOfBlocks
+from .events import BlockEvent
+from .hashing import PREFIX_SEED, BlockHash, block_hash, next_prefix_id
+from .provenance import SlotProvenance
+
+
+@dataclass(slots=True)
+class Sequence:
+    """One request's view of the cache: its tokens, page table and how many K/V are written."""
+
+    id: str
+    token_ids: list[int]
+    salt: str | None = None
+    extra_keys: tuple = ()
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    prefix_ids: list[int] = field(default_factory=list)
+    block_hashes: list[BlockHash] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.token_ids)
+        self.prefix_ids, self.block_hashes = [], []
+        self._extend_prefix_ids(self.token_ids)
+
+    def _extend_prefix_ids(self, tokens: Seq[int]) -> None:
+        p = self.prefix_ids[-1] if self.prefix_ids else PREFIX_SEED
+        for t in tokens:
+            p = next_prefix_id(p, t)
+            self.prefix_ids.append(p)
+
+    def append(self, tokens: Seq[int]) -> None:
+        self.token_ids.extend(tokens)
+        self._extend_prefix_ids(tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    """Where the next K/V writes of one request go, and which blocks the engine must copy first."""
+
+    start: int  # first position written
+    slots: list[int]
+    copies: list[tuple[int, int]]  # (source block, destination block) copy-on-write pairs
+
+
+@dataclass(frozen=True)
+class PoolSnapshot:
+    """Page tables and block states at one instant, detached from the live pool."""
+
+    block_size: int
+    refcounts: tuple[int, ...]
+    hashes: tuple[BlockHash | None, ...]
+    lifetimes: tuple[int, ...]
+    free_queue: tuple[int, ...]
+    page_tables: dict[str, tuple[int, ...]]
+    num_computed: dict[str, int]
+
+    def state(self, block: int) -> str:
+        if self.refcounts[block] > 0:
+            return "used"
+        return "cached" if self.hashes[block] is not None else "free"
+
+
+class InvariantError(AssertionError):
+    """The pool's bookkeeping is inconsistent; the message lists every violation found."""
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.events: list[BlockEvent] = []
+        self.pool = BlockPool(num_blocks, self.events.append)
+        self.provenance = SlotProvenance(num_blocks * block_size)
+        self.seqs: dict[str, Sequence] = {}
+        self.prefix_queries = self.prefix_hits = 0  # in tokens, as vLLM counts them
+
+    # -- requests ---------------------------------------------------------------------------
+    def add(self, seq_id: str, token_ids: Seq[int], salt: str | None = None, extra_keys: tuple = ()) -> Sequence:
+        if seq_id in self.seqs:
+            raise ValueError(f"request {seq_id!r} is already in the cache")
+        if not token_ids:
+            raise ValueError(f"request {seq_id!r} has no tokens")
+        seq = self.seqs[seq_id] = Sequence(seq_id, list(token_ids), salt, tuple(extra_keys))
+        return seq
+
+    def append_tokens(self, seq_id: str, token_ids: Seq[int]) -> None:
+        self.seqs[seq_id].append(token_ids)
+
+    def block_hash(self, seq: Sequence, i: int) -> BlockHash:
+        """Hash of the seq's i-th full block; the salt enters block 0 and the rest via the chain."""
+        B = self.block_size
+        while len(seq.block_hashes) <= i:
+            j = len(seq.block_hashes)
+            extra = ((seq.salt,) if j == 0 and seq.salt is not None else ()) + seq.extra_keys
+            parent = seq.block_hashes[j - 1] if j else None
+            seq.block_hashes.append(block_hash(parent, seq.token_ids[j * B:(j + 1) * B], extra))
+        return seq.block_hashes[i]
+
+    def lookup(self, seq_id: str) -> list[Block]:
+        """Cached blocks for the longest prefix of full blocks; the last prompt token is never a hit."""
+        seq = self.seqs[seq_id]
+        if not self.enable_prefix_caching:
+            return []
+        hits = []
+        for i in range((len(seq.token_ids) - 1) // self.block_size):
+            b = self.pool.cached.get(self.block_hash(seq, i))
+            if b is None:
+                break
+            hits.append(b)
+        return hits
+
+    def admit(self, seq_id: str, budget: int) -> Allocation:
+        """Start or restart a request: take its cached prefix, then room for up to `budget` tokens."""
+        seq = self.seqs[seq_id]
+        assert not seq.block_table, f"{seq_id} already holds blocks"
+        hits = self.lookup(seq_id)
+        cached = len(hits) * self.block_size
+        n = min(budget, len(seq.token_ids) - cached)
+        new_blocks = self._blocks_for(cached + n) - len(hits)
+        needed = new_blocks + sum(b.ref_cnt == 0 for b in hits)
+        if needed > self.pool.num_free:
+            raise OutOfBlocks(needed, self.pool.num_free)
+        self.pool.acquire(hits, seq_id, "hit")
+        seq.block_table = [b.id for b in hits]
+        seq.num_computed = cached
+        self.prefix_queries += len(seq.token_ids)
+        self.prefix_hits += cached
+        return self.allocate(seq_id, n)
+
+    def allocate(self, seq_id: str, num_tokens: int) -> Allocation:
+        """Room for the next `num_tokens` K/V writes; copies a shared partial block first."""
+        seq, B = self.seqs[seq_id], self.block_size
+        start = seq.num_computed
+        if start + num_tokens > len(seq.token_ids):
+            raise ValueError(f"{seq_id}: cannot allocate past its {len(seq.token_ids)} known tokens")
+        shared_tail = start % B != 0 and self.pool.blocks[seq.block_table[start // B]].ref_cnt > 1
+        new_blocks = max(0, self._blocks_for(start + num_tokens) - len(seq.block_table))
+        if new_blocks + shared_tail > self.pool.num_free:
+            raise OutOfBlocks(new_blocks + shared_tail, self.pool.num_free)
+        copies = [self.copy_on_write(seq, start // B)] if shared_tail else []
+        seq.block_table += [b.id for b in self.pool.allocate(new_blocks, seq_id)]
+        return Allocation(start, [self.slot(seq, p) for p in range(start, start + num_tokens)], copies)
+
+    def copy_on_write(self, seq: Sequence, index: int) -> tuple[int, int]:
+        """Give `seq` a private copy of its shared block `index`; other holders keep the original."""
+        src = self.pool.blocks[seq.block_table[index]]
+        (dst,) = self.pool.allocate(1, seq.id)
+        B = self.block_size
+        self.provenance.copy(src.id * B, dst.id * B, seq.num_computed - index * B, dst.lifetime)
+        self.pool.release([src], seq.id, "free")
+        seq.block_table[index] = dst.id
+        self.pool.event("cow", dst, seq.id, source=src.id)
+        return src.id, dst.id
+
+    def commit(self, seq_id: str, num_tokens: int, slots: Seq[int] | None = None) -> None:
+        """The forward wrote K/V for the next `num_tokens` positions (into `slots` if given):
+        record who produced each slot, then publish blocks that just became full."""
+        seq, B = self.seqs[seq_id], self.block_size
+        start, end = seq.num_computed, seq.num_computed + num_tokens
+        for k, p in enumerate(range(start, end)):
+            s = slots[k] if slots is not None else self.slot(seq, p)
+            self.provenance.record(s, seq.prefix_ids[p], p, seq_id, seq.salt, self.pool.blocks[s // B].lifetime)
+        seq.num_computed = end
+        if self.enable_prefix_caching:
+            for i in range(start // B, end // B):
+                self.pool.cache(self.pool.blocks[seq.block_table[i]], self.block_hash(seq, i), seq_id)
+
+    def fork(self, parent_id: str, child_id: str) -> Sequence:
+        """A child of the same tenant sharing every block of its parent, partial last block included."""
+        parent = self.seqs[parent_id]
+        if child_id in self.seqs:
+            raise ValueError(f"request {child_id!r} is already in the cache")
+        child = Sequence(child_id, parent.token_ids, parent.salt, parent.extra_keys)
+        child.block_table, child.num_computed = list(parent.block_table), parent.num_computed
+        self.pool.acquire((self.pool.blocks[b] for b in child.block_table), child_id, "share")
+        self.seqs[child_id] = child
+        return child
+
+    def free(self, seq_id: str) -> None:
+        """Release a finished request's blocks, last block first so its tail is evicted first."""
+        seq = self.seqs.pop(seq_id)
+        self._release(seq, "free")
+
+    def preempt(self, seq_id: str) -> None:
+        """Drop a request's blocks but keep its tokens, to be recomputed when it is admitted again."""
+        self._release(self.seqs[seq_id], "preempt")
+
+    def _release(self, seq: Sequence, kind: str) -> None:
+        self.pool.release((self.pool.blocks[b] for b in reversed(seq.block_table)), seq.id, kind)
+        seq.block_table, seq.num_computed = [], 0
+
+    # -- addressing ----------------------------------------------------------------------------
+    def slot(self, seq: Sequence, pos: int) -> int:
+        """Page-table lookup: the physical slot of logical position `pos`."""
+        return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def pop_events(self) -> list[BlockEvent]:
+        out, self.events[:] = list(self.events), []
+        return out
+
+    # -- inspection ----------------------------------------------------------------------------
+    def snapshot(self) -> PoolSnapshot:
+        blocks = self.pool.blocks
+        return PoolSnapshot(
+            self.block_size,
+            tuple(b.ref_cnt for b in blocks),
+            tuple(b.hash for b in blocks),
+            tuple(b.lifetime for b in blocks),
+            tuple(b.id for b in self.pool.free),
+            {s.id: tuple(s.block_table) for s in self.seqs.values()},
+            {s.id: s.num_computed for s in self.seqs.values()},
+        )
+
+    def foreign_slots(self, seq_id: str) -> list[int]:
+        """Positions of `seq_id` whose slot does not hold K/V of this request's own prefix."""
+        seq, prov, B = self.seqs[seq_id], self.provenance, self.block_size
+        bad = []
+        for p in range(seq.num_computed):
+            s = self.slot(seq, p)
+            if not (prov.life[s] == self.pool.blocks[s // B].lifetime and prov.pos[s] == p
+                    and prov.prefix[s] == seq.prefix_ids[p]):
+                bad.append(p)
+        return bad
+
+    def check(self) -> None:
+        """Assert every bookkeeping invariant of the pool; raise InvariantError listing all failures."""
+        errors, blocks, B = [], self.pool.blocks, self.block_size
+        refs = [0] * len(blocks)
+        for seq in self.seqs.values():
+            for b in seq.block_table:
+                refs[b] += 1
+            lo, hi = self._blocks_for(seq.num_computed), self._blocks_for(len(seq.token_ids))
+            if not lo <= len(seq.block_table) <= hi:
+                errors.append(f"{seq.id}: {len(seq.block_table)} blocks for {seq.num_computed} computed tokens")
+            for i in range(seq.num_computed // B):
+                h = blocks[seq.block_table[i]].hash
+                if h is not None and h != self.block_hash(seq, i):
+                    errors.append(f"{seq.id}: block {seq.block_table[i]} cached under another prefix")
+        queued = [b.id for b in self.pool.free]
+        if len(queued) != len(set(queued)) or len(queued) != len(self.pool.free):
+            errors.append(f"free queue has duplicates or a wrong length: {queued}")
+        for b in blocks:
+            if b.ref_cnt != refs[b.id]:
+                errors.append(f"block {b.id}: refcount {b.ref_cnt} but {refs[b.id]} page-table references")
+            if (b.ref_cnt == 0) != (b in self.pool.free):
+                errors.append(f"block {b.id}: refcount {b.ref_cnt} but in free queue = {b in self.pool.free}")
+            if b.hash is not None and self.pool.cached.get(b.hash) is not b:
+                errors.append(f"block {b.id}: has a hash the map does not point back to")
+        for h, b in self.pool.cached.items():
+            if b.hash != h:
+                errors.append(f"hash map points at block {b.id}, which holds another hash")
+        if errors:
+            raise InvariantError("; ".join(errors))
