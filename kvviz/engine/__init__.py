@@ -1,13 +1,17 @@
-"""The inference engine: the shared block pool and (later) the scheduler and paged attention.
+"""The inference engine: the shared block pool, the scheduler and paged attention over it.
 
 Knows nothing of Streamlit or DuckDB; a recorder consumes its events and snapshots.
 """
 
 from .block_pool import Block, BlockPool, OutOfBlocks
+from .config import ConfigError, EngineConfig
+from .defences import Defences
+from .engine import Engine, EngineError, RequestResult, RunResult, StepRecord
 from .events import BlockEvent
 from .kv_cache import Allocation, InvariantError, KVCacheManager, PoolSnapshot, Sequence
 
 __all__ = [
-    "Allocation", "Block", "BlockEvent", "BlockPool", "InvariantError", "KVCacheManager",
-    "OutOfBlocks", "PoolSnapshot", "Sequence",
+    "Allocation", "Block", "BlockEvent", "BlockPool", "ConfigError", "Defences", "Engine", "EngineConfig",
+    "EngineError", "InvariantError", "KVCacheManager", "OutOfBlocks", "PoolSnapshot", "RequestResult",
+    "RunResult", "Sequence", "StepRecord",
 ]

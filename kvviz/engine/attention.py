@@ -1,0 +1,90 @@
+"""Paged attention over the shared pool, plugged into unmodified transformers models.
+
+The model runs one forward over every scheduled token of every request (`input_ids [1, T]`).
+In each layer, transformers calls `paged_attention` with that layer's new K/V; it writes them into
+the pool by slot mapping, gathers each group's keys by physical slot and attends under the mask
+the step plan built once for all layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+
+from .defences import sdpa_attend
+
+ATTN_IMPLEMENTATION = "kvviz_paged"
+
+
+class KVTensors:
+    """The physical K/V pool of every layer, [num_slots, kv_heads, head_dim], made on first write."""
+
+    def __init__(self, num_slots: int):
+        self.num_slots = num_slots
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+
+    def layer(self, idx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if idx not in self.k:
+            shape = (self.num_slots, like.shape[1], like.shape[3])  # like: [1, KVH, T, D]
+            self.k[idx] = torch.zeros(shape, dtype=like.dtype, device=like.device)
+            self.v[idx] = torch.zeros(shape, dtype=like.dtype, device=like.device)
+        return self.k[idx], self.v[idx]
+
+    def copy_blocks(self, pairs: list[tuple[int, int]], block_size: int) -> None:
+        """Copy-on-write: duplicate whole blocks (src -> dst) in every layer."""
+        if not pairs or not self.k:
+            return
+        dev = next(iter(self.k.values())).device
+        offs = torch.arange(block_size, device=dev)
+        src = (torch.tensor([s for s, _ in pairs], device=dev)[:, None] * block_size + offs).flatten()
+        dst = (torch.tensor([d for _, d in pairs], device=dev)[:, None] * block_size + offs).flatten()
+        for pool in (*self.k.values(), *self.v.values()):
+            pool[dst] = pool[src]
+
+
+@dataclass
+class AttentionGroup:
+    """Queries that share one key layout: a request's prefill chunk, all decode tokens of the
+    step, or (shared-axis mechanism) every query against every live slot."""
+
+    q_index: torch.Tensor  # [R, Q] indices into the step's packed tokens
+    key_slots: torch.Tensor  # [R, L] physical slots read as keys (padding is masked out)
+    mask: torch.Tensor  # [R, Q, L] True = may attend
+
+
+@dataclass
+class StepBatch:
+    """Everything the attention function needs for one step, built once and shared by all layers."""
+
+    write_slots: torch.Tensor  # [T] where each new token's K/V goes
+    groups: list[AttentionGroup]
+    kv: KVTensors
+    attend: Callable | None  # the inspect path's attend defence; None selects the fast path
+    on_probs: Callable[[int, AttentionGroup, torch.Tensor], None] | None = None
+
+
+def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, kvviz_step=None, **_):
+    """transformers attention signature: query [1, H, T, D], key/value [1, KVH, T, D] (RoPE applied)."""
+    step: StepBatch = kvviz_step
+    kc, vc = step.kv.layer(module.layer_idx, key)
+    kc[step.write_slots] = key[0].transpose(0, 1)
+    vc[step.write_slots] = value[0].transpose(0, 1)
+    q = query[0].transpose(0, 1)  # [T, H, D]
+    out = torch.empty_like(q)
+    for g in step.groups:
+        qg, kg, vg = q[g.q_index], kc[g.key_slots], vc[g.key_slots]
+        if step.attend is None:
+            og = sdpa_attend(qg, kg, vg, g.mask, scaling)
+        else:
+            og, probs = step.attend(qg, kg, vg, g.mask, scaling)
+            if step.on_probs is not None:
+                step.on_probs(module.layer_idx, g, probs)
+        out[g.q_index] = og
+    return out[None], None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)

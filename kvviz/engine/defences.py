@@ -1,0 +1,69 @@
+"""The isolation defences, each a small replaceable function.
+
+A fault (kvviz.faults) swaps one of these for a deliberately broken variant; nothing else in the
+engine changes. The leak oracle never calls them: it judges from slot provenance alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+NOT_OWNED = 1 << 62  # owner position of a key slot the query's request does not own
+
+
+def page_lookup(tables: torch.Tensor, pos: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Physical slots of logical positions: `table[pos // B] * B + pos % B`, row by row.
+    tables [R, NB] (padded with block 0), pos [R, L] -> slots [R, L]."""
+    return tables.gather(1, pos // block_size) * block_size + pos % block_size
+
+
+def causal_mask(key_pos: torch.Tensor, ctx_len: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
+    """Paged isolation: each row's keys are its own context; a query sees positions <= its own.
+    key_pos [R, L], ctx_len [R], q_pos [R, Q] -> [R, Q, L] (True = may attend)."""
+    return (key_pos[:, None, :] <= q_pos[:, :, None]) & (key_pos < ctx_len[:, None])[:, None, :]
+
+
+def shared_axis_mask(owner_pos: torch.Tensor, q_row: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
+    """The seed's block-diagonal AND causal mask over one shared key axis.
+    owner_pos [R, S] holds the logical position of key slot s in request r's context, or NOT_OWNED;
+    q_row [T] is each query's request row, q_pos [T] its position -> [T, S]."""
+    return owner_pos[q_row] <= q_pos[:, None]
+
+
+def masked_softmax_attend(q, k, v, mask, scale):
+    """Inspect path: float32 logits, boolean mask applied as -inf before softmax, rows with no
+    visible key set to zero (never NaN, never uniform). q [R,Q,H,D], k/v [R,L,KVH,D],
+    mask [R,Q,L] -> (out [R,Q,H,D], probs [R,H,Q,L])."""
+    R, Q, H, D = q.shape
+    KVH = k.shape[2]
+    G = H // KVH  # query head h reads KV head h // G, as transformers' repeat_kv does
+    qf = q.float().view(R, Q, KVH, G, D).permute(0, 2, 3, 1, 4).reshape(R, KVH, G * Q, D)
+    logits = (qf @ k.float().permute(0, 2, 3, 1)) * scale  # [R, KVH, G*Q, L]
+    logits = logits.view(R, H, Q, -1).masked_fill(~mask[:, None], float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    probs = torch.where(mask.any(-1)[:, None, :, None], probs, 0.0)
+    out = probs.view(R, KVH, G * Q, -1) @ v.float().transpose(1, 2)  # [R, KVH, G*Q, D]
+    return out.view(R, H, Q, D).transpose(1, 2).to(q.dtype), probs
+
+
+def sdpa_attend(q, k, v, mask, scale):
+    """Fast path: torch SDPA with the boolean mask; no probabilities leave it."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None], scale=scale,
+        enable_gqa=True)
+    return torch.where(mask.any(-1)[:, :, None, None], out.transpose(1, 2), 0.0)
+
+
+@dataclass(frozen=True)
+class Defences:
+    """The attention-side defences in force for a run (the pool-side ones are methods of
+    KVCacheManager and BlockPool: copy_on_write, release, block_hash, evict)."""
+
+    page_lookup: Callable = page_lookup
+    paged_mask: Callable = causal_mask
+    shared_axis_mask: Callable = shared_axis_mask
+    attend: Callable = masked_softmax_attend

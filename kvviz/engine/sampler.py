@@ -1,0 +1,26 @@
+"""Next-token choice: greedy by default; temperature and top-p from a per-request seeded
+generator, so a run with the same seed samples the same tokens."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+
+def request_generator(seed: int, request_id: str, device: torch.device) -> torch.Generator:
+    """A generator that depends only on the run's seed and the request's id, not on batching."""
+    digest = hashlib.sha256(f"{seed}/{request_id}".encode()).digest()
+    return torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
+def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
+    """One token from a [V] logits row."""
+    if temperature == 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1:
+        sorted_p, order = probs.sort(descending=True)
+        keep = sorted_p.cumsum(-1) - sorted_p < top_p  # the smallest set whose mass reaches top_p
+        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
+    return int(torch.multinomial(probs, 1, generator=generator))

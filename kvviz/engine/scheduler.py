@@ -1,0 +1,77 @@
+"""Continuous batching under a per-step token budget, with chunked prefill and preemption.
+
+Each step: running requests first, oldest first (one decode token, or the next prefill chunk);
+when the pool runs out, the youngest running request is preempted (its blocks freed, requeued at
+the front to be recomputed). Then waiting requests are admitted in arrival order while the budget
+and the pool allow, unless this step preempted (admitting then would only thrash).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_pool import OutOfBlocks
+from .kv_cache import Allocation, KVCacheManager
+
+
+@dataclass
+class StepSchedule:
+    work: list[tuple[str, Allocation]] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    admitted: list[str] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_batch_tokens: int):
+        self.kv = kv
+        self.max_batch_tokens = max_batch_tokens
+        self.waiting: deque[str] = deque()
+        self.running: list[str] = []
+
+    def add_waiting(self, seq_id: str) -> None:
+        self.waiting.append(seq_id)
+
+    def add_running(self, seq_id: str) -> None:
+        """A request that already holds blocks (a forked child) joins as the youngest."""
+        self.running.append(seq_id)
+
+    def finish(self, seq_id: str) -> None:
+        self.running.remove(seq_id)
+
+    def schedule(self) -> StepSchedule:
+        out, budget, i = StepSchedule(), self.max_batch_tokens, 0
+        while i < len(self.running) and budget > 0:
+            sid = self.running[i]
+            seq = self.kv.seqs[sid]
+            n = min(len(seq.token_ids) - seq.num_computed, budget)
+            alloc = self._allocate_or_preempt(sid, n, out)
+            if alloc is None:
+                break
+            out.work.append((sid, alloc))
+            budget -= n
+            i += 1
+        while self.waiting and budget > 0 and not out.preempted:
+            sid = self.waiting[0]
+            try:
+                alloc = self.kv.admit(sid, budget)
+            except OutOfBlocks:
+                break
+            self.waiting.popleft()
+            self.running.append(sid)
+            out.work.append((sid, alloc))
+            out.admitted.append(sid)
+            budget -= len(alloc.slots)
+        return out
+
+    def _allocate_or_preempt(self, sid: str, n: int, out: StepSchedule) -> Allocation | None:
+        while True:
+            try:
+                return self.kv.allocate(sid, n)
+            except OutOfBlocks:
+                victim = self.running.pop()  # youngest; never one already scheduled this step
+                self.kv.preempt(victim)
+                self.waiting.appendleft(victim)
+                out.preempted.append(victim)
+                if victim == sid:
+                    return None
