@@ -2,7 +2,7 @@
 
 {"requests": [{"id": "A", "prompt": "text" | "prompt_ids": [..], "max_new_tokens": 16,
   "arrival_step": 0, "cache_salt": "tenant-1", "parent": "id to fork from",
-  "temperature": 0.0, "top_p": 1.0}],
+  "temperature": 0.0, "top_p": 1.0, "ignore_eos": false}],
  "engine": {"block_size": 16, "num_blocks": 256, "max_batch_tokens": 256, "isolation": "paged",
   "compute": "inspect", "prefix_caching": true},
  "seed": 0}
@@ -32,6 +32,7 @@ class RequestSpec:
     parent: str | None = None
     temperature: float = 0.0
     top_p: float = 1.0
+    ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks)
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,7 @@ def _request(r: object, where: str, earlier: dict[str, RequestSpec]) -> RequestS
         "cache_salt": (lambda v: v is None or isinstance(v, str), "a string or null"),
         "temperature": (lambda v: _is_number(v) and v >= 0, "a number >= 0"),
         "top_p": (lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]"),
+        "ignore_eos": (lambda v: isinstance(v, bool), "true or false"),
     }
     for name, (ok, what) in checks.items():
         if name in r and not ok(r[name]):

@@ -35,14 +35,17 @@ def workloads(tokenizer) -> dict[str, dict]:
     return {
         "mixed_lengths_late_arrivals_chunked": {
             "requests": [{"id": f"m{i}", "prompt_ids": p, "max_new_tokens": n, "arrival_step": a}
-                         for i, (p, n, a) in enumerate(zip(mixed, [8, 5, 12, 6, 4, 10], [0, 0, 1, 3, 4, 6]))],
+                         for i, (p, n, a) in enumerate(zip(mixed, [8, 5, 12, 6, 4, 10], [0, 0, 1, 3, 4, 6],
+                                                           strict=True))],
             "engine": {"block_size": 8, "num_blocks": 64, "max_batch_tokens": 24},
         },
         "shared_prefix_with_and_without_salt": {
             "requests": [
                 {"id": "s1", "prompt_ids": system + tails[0], "max_new_tokens": 6, "cache_salt": "t1"},
-                {"id": "s2", "prompt_ids": system + tails[1], "max_new_tokens": 6, "cache_salt": "t1", "arrival_step": 2},
-                {"id": "s3", "prompt_ids": system + tails[2], "max_new_tokens": 6, "cache_salt": "t2", "arrival_step": 2},
+                {"id": "s2", "prompt_ids": system + tails[1], "max_new_tokens": 6, "cache_salt": "t1",
+                 "arrival_step": 2},
+                {"id": "s3", "prompt_ids": system + tails[2], "max_new_tokens": 6, "cache_salt": "t2",
+                 "arrival_step": 2},
                 {"id": "s4", "prompt_ids": system + tails[3], "max_new_tokens": 6, "arrival_step": 3},
                 {"id": "s5", "prompt_ids": system + tails[3], "max_new_tokens": 4, "arrival_step": 4},
             ],

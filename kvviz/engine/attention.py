@@ -9,7 +9,7 @@ the step plan built once for all layers.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface
@@ -51,9 +51,22 @@ class AttentionGroup:
     """Queries that share one key layout: a request's prefill chunk, all decode tokens of the
     step, or (shared-axis mechanism) every query against every live slot."""
 
-    q_index: torch.Tensor  # [R, Q] indices into the step's packed tokens
+    start: int  # the group's queries are packed tokens start .. start + R*Q, row by row
     key_slots: torch.Tensor  # [R, L] physical slots read as keys (padding is masked out)
     mask: torch.Tensor  # [R, Q, L] True = may attend
+    layout: str = field(init=False, default="masked")  # or "full"/"causal": lets SDPA skip the mask
+
+    @property
+    def span(self) -> slice:
+        R, Q, _ = self.mask.shape
+        return slice(self.start, self.start + R * Q)
+
+    def __post_init__(self) -> None:
+        R, Q, L = self.mask.shape
+        if bool(self.mask.all()):
+            self.layout = "full"
+        elif R == 1 and Q == L and torch.equal(self.mask[0], torch.ones_like(self.mask[0]).tril()):
+            self.layout = "causal"
 
 
 @dataclass
@@ -76,14 +89,15 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     q = query[0].transpose(0, 1)  # [T, H, D]
     out = torch.empty_like(q)
     for g in step.groups:
-        qg, kg, vg = q[g.q_index], kc[g.key_slots], vc[g.key_slots]
+        qg = q[g.span].view(*g.mask.shape[:2], *q.shape[1:])
+        kg, vg = kc[g.key_slots], vc[g.key_slots]
         if step.attend is None:
-            og = sdpa_attend(qg, kg, vg, g.mask, scaling)
+            og = sdpa_attend(qg, kg, vg, g.mask, scaling, g.layout)
         else:
             og, probs = step.attend(qg, kg, vg, g.mask, scaling)
             if step.on_probs is not None:
                 step.on_probs(module.layer_idx, g, probs)
-        out[g.q_index] = og
+        out[g.span] = og.reshape(-1, *q.shape[1:])
     return out[None], None
 
 

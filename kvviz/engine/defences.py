@@ -50,12 +50,19 @@ def masked_softmax_attend(q, k, v, mask, scale):
     return out.view(R, H, Q, D).transpose(1, 2).to(q.dtype), probs
 
 
-def sdpa_attend(q, k, v, mask, scale):
-    """Fast path: torch SDPA with the boolean mask; no probabilities leave it."""
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None], scale=scale,
-        enable_gqa=True)
-    return torch.where(mask.any(-1)[:, :, None, None], out.transpose(1, 2), 0.0)
+def sdpa_attend(q, k, v, mask, scale, layout: str = "masked"):
+    """Fast path: torch SDPA; no probabilities leave it. A mask the plan found to be all-visible
+    ("full") or exactly causal ("causal") is passed as such, which selects faster kernels."""
+    args = dict(scale=scale, enable_gqa=True)
+    if layout == "full":
+        args["attn_mask"] = None
+    elif layout == "causal":
+        args["is_causal"] = True
+    else:
+        args["attn_mask"] = mask[:, None]
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **args)
+    out = out.transpose(1, 2)
+    return out if layout != "masked" else torch.where(mask.any(-1)[:, :, None, None], out, 0.0)
 
 
 @dataclass(frozen=True)

@@ -176,6 +176,7 @@ class Engine:
             seq = kv.seqs[sid]
             tokens = seq.token_ids[a.start:a.start + len(a.slots)]
             work.append(ScheduledWork(sid, a.start, tokens, list(seq.block_table)))
+        work.sort(key=lambda w: len(w.token_ids) > 1)  # single-token rows first: groups are contiguous
         live_tables = {s.id: s.block_table for s in kv.seqs.values() if s.block_table}
         inp = build_step(work, live_tables, cfg.block_size, tensors.num_slots, cfg.isolation, self.defences, dev)
         sampling = [r for r, w in enumerate(work) if w.end == len(kv.seqs[w.seq_id].token_ids)]
@@ -206,8 +207,9 @@ class Engine:
                 state.first_token_step = step
             sampled[sid] = tok
             stats.generated_tokens += 1
-            if tok in self.eos_ids or len(state.output_ids) >= state.spec.max_new_tokens:
-                state.finish_reason = "eos" if tok in self.eos_ids else "length"
+            eos = tok in self.eos_ids and not state.spec.ignore_eos
+            if eos or len(state.output_ids) >= state.spec.max_new_tokens:
+                state.finish_reason = "eos" if eos else "length"
                 state.finish_step = step
                 finished.append(sid)
             else:

@@ -62,20 +62,21 @@ def build_step(work: list[ScheduledWork], live_tables: dict[str, list[int]], blo
 
 
 def _paged_groups(work, offsets, tables, B, defences, device) -> list[AttentionGroup]:
-    """One group per prefill chunk (R=1, Q=chunk) and one for all single-token rows (R=n, Q=1)."""
+    """One group for all single-token rows (R=n, Q=1) and one per prefill chunk (R=1, Q=chunk);
+    `work` lists the single-token rows first, so every group is a contiguous span of tokens."""
     singles = [r for r, w in enumerate(work) if len(w.token_ids) == 1]
     chunks = [[r] for r, w in enumerate(work) if len(w.token_ids) > 1]
+    assert singles == list(range(len(singles))), "single-token rows must come first"
     groups = []
-    for rows in chunks + ([singles] if singles else []):
+    for rows in ([singles] if singles else []) + chunks:
         Q = len(work[rows[0]].token_ids)
         L = max(work[r].end for r in rows)
         idx = torch.tensor(rows, device=device)
-        q_index = torch.tensor([offsets[r] for r in rows], device=device)[:, None] + torch.arange(Q, device=device)
         q_pos = torch.tensor([work[r].start for r in rows], device=device)[:, None] + torch.arange(Q, device=device)
         key_pos = torch.arange(L, device=device).expand(len(rows), L)
         ctx_len = torch.tensor([work[r].end for r in rows], device=device)
         key_slots = defences.page_lookup(tables[idx], key_pos, B)
-        groups.append(AttentionGroup(q_index, key_slots, defences.paged_mask(key_pos, ctx_len, q_pos)))
+        groups.append(AttentionGroup(offsets[rows[0]], key_slots, defences.paged_mask(key_pos, ctx_len, q_pos)))
     return groups
 
 
@@ -91,5 +92,4 @@ def _shared_axis_group(work, live_tables, tables, q_row, q_pos, B, num_slots, de
         axis = axis_of_slot[defences.page_lookup(tables[r:r + 1], p[None], B)[0]]
         owner_pos[r, axis[axis >= 0]] = p[axis >= 0]  # a slot off the live axis cannot be seen
     mask = defences.shared_axis_mask(owner_pos, q_row, q_pos)
-    T = len(q_row)
-    return AttentionGroup(torch.arange(T, device=device)[None], axis_slots[None], mask[None])
+    return AttentionGroup(0, axis_slots[None], mask[None])

@@ -3,7 +3,9 @@
 Each step: running requests first, oldest first (one decode token, or the next prefill chunk);
 when the pool runs out, the youngest running request is preempted (its blocks freed, requeued at
 the front to be recomputed). Then waiting requests are admitted in arrival order while the budget
-and the pool allow, unless this step preempted (admitting then would only thrash).
+and the pool allow, unless this step preempted (admitting then would only thrash). A waiting
+request whose next uncached block is being computed this step by a request admitted just before
+it waits one step, so that it hits the cache instead of computing the same prefix twice.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class Scheduler:
 
     def schedule(self) -> StepSchedule:
         out, budget, i = StepSchedule(), self.max_batch_tokens, 0
+        computing: set[bytes] = set()  # full blocks that this step will compute
         while i < len(self.running) and budget > 0:
             sid = self.running[i]
             seq = self.kv.seqs[sid]
@@ -49,20 +52,39 @@ class Scheduler:
             if alloc is None:
                 break
             out.work.append((sid, alloc))
+            self._note_computing(sid, alloc, computing)
             budget -= n
             i += 1
-        while self.waiting and budget > 0 and not out.preempted:
-            sid = self.waiting[0]
+        for sid in list(self.waiting):
+            if budget <= 0 or out.preempted:
+                break
+            if self._next_block_hash(sid) in computing:
+                continue
             try:
                 alloc = self.kv.admit(sid, budget)
             except OutOfBlocks:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(sid)
             self.running.append(sid)
             out.work.append((sid, alloc))
             out.admitted.append(sid)
+            self._note_computing(sid, alloc, computing)
             budget -= len(alloc.slots)
         return out
+
+    def _note_computing(self, sid: str, alloc: Allocation, computing: set[bytes]) -> None:
+        if self.kv.enable_prefix_caching:
+            seq, B = self.kv.seqs[sid], self.kv.block_size
+            end = alloc.start + len(alloc.slots)
+            computing.update(self.kv.block_hash(seq, i) for i in range(alloc.start // B, end // B))
+
+    def _next_block_hash(self, sid: str) -> bytes | None:
+        """Hash of the first full block of `sid` that the prefix cache cannot serve, if any."""
+        seq, B = self.kv.seqs[sid], self.kv.block_size
+        if not self.kv.enable_prefix_caching:
+            return None
+        i = len(self.kv.lookup(sid))
+        return self.kv.block_hash(seq, i) if (i + 1) * B <= len(seq.token_ids) else None
 
     def _allocate_or_preempt(self, sid: str, n: int, out: StepSchedule) -> Allocation | None:
         while True:

@@ -1,0 +1,147 @@
+"""`python -m kvviz bench`: throughput of kvviz against transformers, measured in one process.
+
+Peers, on the same prompts: kvviz `fast` and `inspect` (paged, prefix caching on), transformers
+batched `generate` with left padding, and transformers `generate_batch` (its own continuous
+batching). Ratios are against `generate` measured in the same run; every request generates exactly
+the same number of tokens (EOS ignored) so the work is equal.
+"""
+
+from __future__ import annotations
+
+import platform
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from transformers import GenerationConfig
+
+from .engine import Engine, EngineConfig
+from .models import LoadedModel
+from .workload import RequestSpec, Workload
+
+
+@dataclass(frozen=True)
+class BenchCase:
+    name: str
+    prompts: list[list[int]]
+    new_tokens: int
+
+
+@dataclass
+class Measurement:
+    case: str
+    peer: str
+    seconds: float
+    generated: int
+    prefill_computed: int | None = None  # kvviz only: prompt positions actually computed
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated / self.seconds
+
+
+def cases(vocab: int, sizes: list[int], new_tokens: int, seed: int = 0) -> list[BenchCase]:
+    """Uniform prompts (144 tokens), mixed prompts (32-256), and a shared 256-token system prompt."""
+    rng = random.Random(seed)
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(100, vocab) for _ in range(n)]
+
+    out = []
+    for n in sizes:
+        mixed = [32 + (224 * i) // max(n - 1, 1) for i in range(n)]
+        rng.shuffle(mixed)
+        system = ids(256)
+        out += [
+            BenchCase(f"uniform-{n}", [ids(144) for _ in range(n)], new_tokens),
+            BenchCase(f"mixed-{n}", [ids(k) for k in mixed], new_tokens),
+            BenchCase(f"shared-system-{n}", [system + ids(rng.randrange(16, 64)) for _ in range(n)], new_tokens),
+        ]
+    return out
+
+
+def run_kvviz(m: LoadedModel, case: BenchCase, compute: str, prefix_caching: bool = True) -> Measurement:
+    longest = max(len(p) for p in case.prompts) + case.new_tokens
+    cfg = EngineConfig(block_size=16, num_blocks=len(case.prompts) * (-(-longest // 16)) + 8,
+                       max_batch_tokens=2048, isolation="paged", compute=compute, prefix_caching=prefix_caching)
+    reqs = [RequestSpec(f"r{i}", prompt_ids=p, max_new_tokens=case.new_tokens, ignore_eos=True)
+            for i, p in enumerate(case.prompts)]
+    t = time.perf_counter()
+    res = Engine(m, cfg).run(Workload(reqs, cfg))
+    seconds = time.perf_counter() - t
+    peer = f"kvviz {compute}" + ("" if prefix_caching else " (no prefix cache)")
+    return Measurement(case.name, peer, seconds, res.stats.generated_tokens, res.stats.prefill_tokens_computed)
+
+
+def _no_eos(m: LoadedModel, n: int) -> GenerationConfig:
+    return GenerationConfig(max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
+                            pad_token_id=m.tokenizer.pad_token_id or 0)
+
+
+def run_generate(m: LoadedModel, case: BenchCase) -> Measurement:
+    width = max(len(p) for p in case.prompts)
+    pad = m.tokenizer.pad_token_id or 0
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in case.prompts], device=m.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in case.prompts], device=m.device)
+    t = time.perf_counter()
+    with torch.inference_mode():
+        out = m.model.generate(input_ids=ids, attention_mask=mask, generation_config=_no_eos(m, case.new_tokens))
+    seconds = time.perf_counter() - t
+    return Measurement(case.name, "hf generate", seconds, (out.shape[1] - width) * len(case.prompts))
+
+
+def run_generate_batch(m: LoadedModel, case: BenchCase) -> Measurement:
+    t = time.perf_counter()
+    with torch.inference_mode():
+        out = m.model.generate_batch(inputs=case.prompts, generation_config=_no_eos(m, case.new_tokens),
+                                     progress_bar=False)
+    seconds = time.perf_counter() - t
+    return Measurement(case.name, "hf generate_batch", seconds, sum(len(o.generated_tokens) for o in out.values()))
+
+
+PEERS: dict[str, Callable[[LoadedModel, BenchCase], Measurement]] = {
+    "kvviz fast": lambda m, c: run_kvviz(m, c, "fast"),
+    "kvviz inspect": lambda m, c: run_kvviz(m, c, "inspect"),
+    "hf generate": run_generate,
+    "hf generate_batch": run_generate_batch,
+}
+
+
+def run_bench(m: LoadedModel, sizes: list[int], new_tokens: int,
+              progress: Callable[[str], None] = print) -> list[Measurement]:
+    warm = BenchCase("warm-up", [[101, 102, 103, 104]] * 2, 2)
+    for fn in PEERS.values():
+        fn(m, warm)
+    out = []
+    for case in cases(m.config.vocab_size, sizes, new_tokens):
+        for peer, fn in PEERS.items():
+            out.append(fn(m, case))
+            progress(f"{case.name:>18}  {peer:<20} {out[-1].tokens_per_second:8.1f} tok/s")
+        if case.name.startswith("shared"):
+            out.append(run_kvviz(m, case, "fast", prefix_caching=False))
+            progress(f"{case.name:>18}  {out[-1].peer:<20} prefill computed {out[-1].prefill_computed}")
+    return out
+
+
+def report(m: LoadedModel, results: list[Measurement], sizes: list[int], new_tokens: int) -> str:
+    """A markdown table: tokens/s per case and peer, ratio to `generate`, prefill tokens computed."""
+    lines = [
+        f"Model `{m.name}` ({m.config.model_type}, {m.dtype}), device {m.device}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, {platform.machine()}; {sizes} requests, {new_tokens} new tokens each.",
+        "",
+        "| case | peer | tok/s | x generate | prefill tokens computed |",
+        "| --- | --- | ---: | ---: | ---: |",
+    ]
+    base = {r.case: r.tokens_per_second for r in results if r.peer == "hf generate"}
+    for r in results:
+        computed = "" if r.prefill_computed is None else str(r.prefill_computed)
+        lines.append(f"| {r.case} | {r.peer} | {r.tokens_per_second:.1f} | "
+                     f"{r.tokens_per_second / base[r.case]:.2f} | {computed} |")
+    for case in {r.case for r in results if r.case.startswith("shared")}:
+        on = next(r for r in results if r.case == case and r.peer == "kvviz fast").prefill_computed
+        off = next(r for r in results if r.case == case and r.peer.endswith("(no prefix cache)")).prefill_computed
+        lines.append(f"\n{case}: prefix caching computes {on} prefill tokens instead of {off} "
+                     f"({100 * (1 - on / off):.0f}% fewer).")
+    return "\n".join(lines) + "\n"
