@@ -28,27 +28,67 @@ def cmd_fetch_model(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    """Run a workload through the engine; print a table, or JSON as the last line with --json."""
+    """Run a workload or scenario with both oracles; a table, or JSON as the last line with --json.
+    Exit 1 with --fail-on-leak when the run has findings, 2 on bad input."""
+    from .checked_run import FaultMismatch, run_checked
     from .engine import ConfigError, Engine, EngineError
+    from .faults import UnknownFault
     from .models import ModelError, load_model
+    from .scenarios import UnknownScenario, scenario
     from .workload import Workload, WorkloadError
 
     try:
-        wl = Workload.from_file(args.workload)
-        wl = _with_overrides(wl, args)
+        if (args.workload is None) == (args.scenario is None):
+            raise WorkloadError("give exactly one of --workload FILE or --scenario NAME")
+        sc = scenario(args.scenario) if args.scenario else None
+        fault = args.fault if args.fault is not None else (sc.fault if sc else None)
         m = load_model(args.model, device=args.device)
+        wl = Workload.from_dict(sc.build(m.tokenizer)) if sc else Workload.from_file(args.workload)
+        wl = _with_overrides(wl, args)
         total = sum(r.max_new_tokens for r in wl.requests)
         with tqdm(total=total, unit="tok", desc="generating", file=sys.stderr, disable=args.quiet) as bar:
-            result = Engine(m, wl.engine).run(wl, on_step=lambda rec: bar.update(len(rec.sampled)))
-    except (WorkloadError, ConfigError, ModelError, EngineError) as e:
+            def progress(rec):
+                bar.update(len(rec.sampled))
+            if wl.engine.compute == "fast" and fault is None:
+                summary = Engine(m, wl.engine).run(wl, on_step=progress).summary()
+                summary.update(fault=None, leak=None, divergence=None, findings=None)
+            else:
+                summary = run_checked(m, wl, fault, on_step=progress).summary()
+    except (WorkloadError, ConfigError, ModelError, EngineError, UnknownFault, UnknownScenario, FaultMismatch) as e:
         print(f"kvviz: error: {e}", file=sys.stderr)
         return 2
-    summary = {**result.summary(), "model": {"name": m.name, "fingerprint": m.fingerprint}}
+    summary = {**summary, "scenario": args.scenario, "model": {"name": m.name, "fingerprint": m.fingerprint}}
     if args.json:
         print(json.dumps(summary, ensure_ascii=False))
     else:
         _print_run(summary)
+    return 1 if args.fail_on_leak and summary["findings"] else 0
+
+
+def cmd_scenarios(args: argparse.Namespace) -> int:
+    from .scenarios import SCENARIOS
+
+    for sc in SCENARIOS.values():
+        print(f"{sc.name:30} {sc.fault or '(control)':22} {sc.title}")
     return 0
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    """The detection matrix: every fault against its scenario and the same workload clean."""
+    from .audit import audit, format_matrix
+    from .models import ModelError, load_model
+
+    try:
+        m = load_model(args.model, device=args.device)
+    except ModelError as e:
+        print(f"kvviz: error: {e}", file=sys.stderr)
+        return 2
+    rows = audit(m, progress=lambda s: print(s, file=sys.stderr, flush=True))
+    print(format_matrix(rows))
+    bad = [r for r in rows if not r.ok]
+    print(f"\n{len(rows) - len(bad)} of {len(rows)} rows as expected" + (": " + ", ".join(
+        f"{r.scenario}/{r.fault or 'clean'}" for r in bad) + " NOT" if bad else "."))
+    return 1 if bad else 0
 
 
 def _with_overrides(wl, args):
@@ -63,13 +103,27 @@ def _with_overrides(wl, args):
 def _print_run(s: dict) -> None:
     e, st = s["engine"], s["stats"]
     print(f"run {s['run_id']}  model {s['model']['name']}  isolation {e['isolation']}  compute {e['compute']}  "
-          f"blocks {e['num_blocks']}x{e['block_size']}")
+          f"blocks {e['num_blocks']}x{e['block_size']}  fault {s['fault'] or 'none'}")
     for r in s["requests"]:
         print(f"  {r['id']:>10}  {len(r['output_ids']):3d} tok  cached {r['cached_tokens']:4d}  "
               f"{r['finish_reason']:6}  {r['text']!r}")
     print(f"{st['steps']} steps, {st['generated_tokens']} tokens in {st['seconds']:.2f} s "
           f"({st['tokens_per_second']:.1f} tok/s), prefill computed {st['prefill_tokens_computed']} "
           f"of {st['prompt_tokens']} prompt tokens, {st['preemptions']} preemptions")
+    if s["leak"] is None:
+        print("oracles off (compute fast)")
+        return
+    lk, dv = s["leak"], s["divergence"]
+    print(f"leak: max foreign mass {lk['max_foreign_mass']:.4f}, leak rate {lk['leak_rate']:.4f}, "
+          f"weights own/foreign/stale {lk['counts']['own']}/{lk['counts']['foreign']}/{lk['counts']['stale']}; "
+          f"{dv['diverged_requests']} requests diverge from running alone (max |logit diff| "
+          f"{dv['max_logit_diff']:.2e})")
+    for f in s["findings"][:20]:
+        src = f" from {f['source_request']}" if f["source_request"] else ""
+        print(f"  finding {f['kind']:13} {f['request']:>8} step {f['step']:3d} layer {f['layer']:2d} "
+              f"head {f['head']:2d} pos {f['position']:4d}{src}  mass {f['mass']:.4f}")
+    if len(s["findings"]) > 20:
+        print(f"  ... {len(s['findings']) - 20} more findings (use --json for all)")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -108,7 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.set_defaults(func=cmd_fetch_model)
 
     run = sub.add_parser("run", help="run a workload through the engine")
-    run.add_argument("--workload", required=True, metavar="FILE.json", help="requests, engine settings and seed")
+    run.add_argument("--workload", metavar="FILE.json", help="requests, engine settings and seed")
+    run.add_argument("--scenario", metavar="NAME", help="a catalogue scenario (python -m kvviz scenarios)")
+    run.add_argument("--fault", metavar="NAME", help="inject a fault from the catalogue (docs/faults.md)")
+    run.add_argument("--fail-on-leak", action="store_true", help="exit 1 when the oracles report findings")
     run.add_argument("--model", default="smollm2", help="smollm2 (default), tiny-llama, tiny-gpt2 or a path")
     run.add_argument("--device", default="auto", help="auto (default), cpu, cuda or cuda:N")
     run.add_argument("--isolation", choices=["paged", "masked"], help="override the workload's isolation mechanism")
@@ -117,6 +174,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--json", action="store_true", help="print one JSON summary as the last line of stdout")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     run.set_defaults(func=cmd_run)
+
+    scen = sub.add_parser("scenarios", help="list the replayable scenarios")
+    scen.set_defaults(func=cmd_scenarios)
+
+    aud = sub.add_parser("audit", help="the detection matrix: every fault x its workload, plus clean controls")
+    aud.add_argument("--model", default="smollm2", help="smollm2 (default), tiny-llama, tiny-gpt2 or a path")
+    aud.add_argument("--device", default="auto", help="auto (default), cpu, cuda or cuda:N")
+    aud.set_defaults(func=cmd_audit)
 
     bench = sub.add_parser("bench", help="throughput against transformers generate and generate_batch")
     bench.add_argument("--model", default="smollm2", help="smollm2 (default), tiny-llama, tiny-gpt2 or a path")

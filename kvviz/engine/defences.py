@@ -15,6 +15,17 @@ import torch.nn.functional as F
 NOT_OWNED = 1 << 62  # owner position of a key slot the query's request does not own
 
 
+def read_table(step: int, seq_ids: list[str], tables: list[list[int]]) -> list[list[int]]:
+    """The page tables attention reads through: the requests' own tables."""
+    return tables
+
+
+def slot_mapping(tables: torch.Tensor, q_row: torch.Tensor, q_pos: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Where each new token's K/V is written: its own page table at its position.
+    tables [R, NB], q_row [T], q_pos [T] -> slots [T]."""
+    return page_lookup(tables[q_row], q_pos[:, None], block_size)[:, 0]
+
+
 def page_lookup(tables: torch.Tensor, pos: torch.Tensor, block_size: int) -> torch.Tensor:
     """Physical slots of logical positions: `table[pos // B] * B + pos % B`, row by row.
     tables [R, NB] (padded with block 0), pos [R, L] -> slots [R, L]."""
@@ -34,20 +45,28 @@ def shared_axis_mask(owner_pos: torch.Tensor, q_row: torch.Tensor, q_pos: torch.
     return owner_pos[q_row] <= q_pos[:, None]
 
 
-def masked_softmax_attend(q, k, v, mask, scale):
-    """Inspect path: float32 logits, boolean mask applied as -inf before softmax, rows with no
-    visible key set to zero (never NaN, never uniform). q [R,Q,H,D], k/v [R,L,KVH,D],
-    mask [R,Q,L] -> (out [R,Q,H,D], probs [R,H,Q,L])."""
+def grouped_attend(q, k, v, mask, scale, probs_fn):
+    """Inspect-path arithmetic in float32 with a pluggable logits -> probabilities step.
+    q [R,Q,H,D], k/v [R,L,KVH,D], mask [R,Q,L] -> (out [R,Q,H,D], probs [R,H,Q,L])."""
     R, Q, H, D = q.shape
     KVH = k.shape[2]
     G = H // KVH  # query head h reads KV head h // G, as transformers' repeat_kv does
     qf = q.float().view(R, Q, KVH, G, D).permute(0, 2, 3, 1, 4).reshape(R, KVH, G * Q, D)
-    logits = (qf @ k.float().permute(0, 2, 3, 1)) * scale  # [R, KVH, G*Q, L]
-    logits = logits.view(R, H, Q, -1).masked_fill(~mask[:, None], float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    probs = torch.where(mask.any(-1)[:, None, :, None], probs, 0.0)
+    logits = ((qf @ k.float().permute(0, 2, 3, 1)) * scale).view(R, H, Q, -1)
+    probs = probs_fn(logits, mask[:, None])
     out = probs.view(R, KVH, G * Q, -1) @ v.float().transpose(1, 2)  # [R, KVH, G*Q, D]
     return out.view(R, H, Q, D).transpose(1, 2).to(q.dtype), probs
+
+
+def masked_softmax(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Boolean mask applied as -inf before a float32 softmax; a row with no visible key is all
+    zeros (never NaN, never uniform)."""
+    probs = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)
+    return torch.where(mask.any(-1, keepdim=True), probs, 0.0)
+
+
+def masked_softmax_attend(q, k, v, mask, scale):
+    return grouped_attend(q, k, v, mask, scale, masked_softmax)
 
 
 def sdpa_attend(q, k, v, mask, scale, layout: str = "masked"):
@@ -67,10 +86,14 @@ def sdpa_attend(q, k, v, mask, scale, layout: str = "masked"):
 
 @dataclass(frozen=True)
 class Defences:
-    """The attention-side defences in force for a run (the pool-side ones are methods of
-    KVCacheManager and BlockPool: copy_on_write, release, block_hash, evict)."""
+    """The defences in force for a run. Attention side: functions of tensors. Pool side (copy_on_write,
+    release, block_hash, evict: methods of KVCacheManager and BlockPool): `patch_pool` may replace
+    them on the run's fresh manager."""
 
+    read_table: Callable = read_table
+    slot_mapping: Callable = slot_mapping
     page_lookup: Callable = page_lookup
     paged_mask: Callable = causal_mask
     shared_axis_mask: Callable = shared_axis_mask
     attend: Callable = masked_softmax_attend
+    patch_pool: Callable | None = None

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -19,6 +19,7 @@ from .config import EngineConfig
 from .defences import Defences
 from .events import BlockEvent
 from .kv_cache import KVCacheManager, PoolSnapshot
+from .observer import AttentionObserver, StepContext
 from .plan import ScheduledWork, build_step
 from .sampler import request_generator, sample
 from .scheduler import Scheduler
@@ -41,6 +42,7 @@ class RequestResult:
     arrival_step: int
     first_token_step: int
     finish_step: int
+    greedy: bool
     logits: list[torch.Tensor] | None = None  # one float32 [V] row per generated token, on request
 
 
@@ -130,11 +132,16 @@ class Engine:
             self.eos_ids.add(model.tokenizer.eos_token_id)
 
     def run(self, workload: Workload, on_step: Callable[[StepRecord], None] | None = None,
-            on_probs: Callable | None = None, keep_logits: bool = False) -> RunResult:
-        """Run every request of the workload to completion; steps are numbered from 0."""
+            observers: Sequence[AttentionObserver] = (), keep_logits: bool = False) -> RunResult:
+        """Run every request of the workload to completion; steps are numbered from 0. Observers
+        see every layer's attention probabilities, which only the inspect path computes."""
         cfg = self.config
+        if observers and cfg.compute != "inspect":
+            raise EngineError("attention observers (the leak oracle) need compute='inspect'")
         specs = self._resolve(workload)
         kv = KVCacheManager(cfg.num_blocks, cfg.block_size, cfg.prefix_caching)
+        if self.defences.patch_pool is not None:
+            self.defences.patch_pool(kv)
         sched = Scheduler(kv, cfg.max_batch_tokens)
         tensors = KVTensors(cfg.num_blocks * cfg.block_size)
         live: dict[str, _Live] = {}
@@ -152,7 +159,7 @@ class Engine:
                         raise EngineError(f"step {step}: no request can be scheduled (pool too small?)")
                     step = arrivals[0][0].arrival_step  # idle until the next arrival
                     continue
-                record = self._step(step, plan, kv, tensors, live, stats, on_probs)
+                record = self._step(step, plan, kv, tensors, live, stats, observers)
                 for sid in record.finished:
                     sched.finish(sid)
                     kv.free(sid)
@@ -168,7 +175,7 @@ class Engine:
         return RunResult(uuid.uuid4().hex[:12], cfg, [self._result(live[s.id]) for s, _ in specs], stats)
 
     # -- one step ------------------------------------------------------------------------------
-    def _step(self, step, plan, kv, tensors, live, stats, on_probs) -> StepRecord:
+    def _step(self, step, plan, kv, tensors, live, stats, observers) -> StepRecord:
         cfg, dev = self.config, self.m.device
         tensors.copy_blocks([c for _, a in plan.work for c in a.copies], cfg.block_size)
         work = []
@@ -178,19 +185,36 @@ class Engine:
             work.append(ScheduledWork(sid, a.start, tokens, list(seq.block_table)))
         work.sort(key=lambda w: len(w.token_ids) > 1)  # single-token rows first: groups are contiguous
         live_tables = {s.id: s.block_table for s in kv.seqs.values() if s.block_table}
-        inp = build_step(work, live_tables, cfg.block_size, tensors.num_slots, cfg.isolation, self.defences, dev)
+        inp = build_step(step, work, live_tables, cfg.block_size, tensors.num_slots, cfg.isolation, self.defences,
+                         dev)
         sampling = [r for r, w in enumerate(work) if w.end == len(kv.seqs[w.seq_id].token_ids)]
         last = [inp.offsets[r] + len(work[r].token_ids) - 1 for r in sampling]
         keep = torch.tensor(last, dtype=torch.long, device=dev)
-        batch = StepBatch(inp.write_slots, inp.groups, tensors,
-                          None if cfg.compute == "fast" else self.defences.attend, on_probs)
-        logits = self.m.model(input_ids=inp.input_ids, position_ids=inp.position_ids, use_cache=False,
-                              logits_to_keep=keep, kvviz_step=batch).logits[0]
+        # Provenance is recorded where the K/V really go (the forward writes exactly these slots),
+        # before the forward, so observers judge this step's reads with this step's writes.
         write_slots = inp.write_slots.tolist()
         for r, w in enumerate(work):
             kv.commit(w.seq_id, len(w.token_ids), write_slots[inp.offsets[r]:inp.offsets[r] + len(w.token_ids)])
             prompt_len = len(live[w.seq_id].prompt_ids)
             stats.prefill_tokens_computed += max(0, min(w.end, prompt_len) - w.start)
+        if observers:
+            ctx = StepContext(step, work, inp.q_row, inp.position_ids[0], cfg.block_size, kv.provenance,
+                              [b.lifetime for b in kv.pool.blocks],
+                              [kv.seqs[w.seq_id].prefix_ids[:w.end] for w in work],
+                              [kv.seqs[w.seq_id].salt for w in work])
+            for o in observers:
+                o.begin_step(ctx)
+
+        def on_attention(layer, group, probs):
+            for o in observers:
+                o.on_attention(layer, group, probs)
+
+        batch = StepBatch(inp.write_slots, inp.groups, tensors,
+                          None if cfg.compute == "fast" else self.defences.attend, on_attention if observers else None)
+        logits = self.m.model(input_ids=inp.input_ids, position_ids=inp.position_ids, use_cache=False,
+                              logits_to_keep=keep, kvviz_step=batch).logits[0]
+        for o in observers:
+            o.end_step()
         allocs = dict(plan.work)
         for sid in plan.admitted:
             if live[sid].cached_tokens < 0:
@@ -265,4 +289,4 @@ class Engine:
     def _result(self, s: _Live) -> RequestResult:
         text = self.m.tokenizer.decode(s.output_ids, skip_special_tokens=True)
         return RequestResult(s.spec.id, s.prompt_ids, s.output_ids, text, s.finish_reason, s.cached_tokens,
-                             s.spec.arrival_step, s.first_token_step, s.finish_step, s.logits)
+                             s.spec.arrival_step, s.first_token_step, s.finish_step, s.spec.temperature == 0, s.logits)

@@ -153,12 +153,13 @@ class KVCacheManager:
         new_blocks = max(0, self._blocks_for(start + num_tokens) - len(seq.block_table))
         if new_blocks + shared_tail > self.pool.num_free:
             raise OutOfBlocks(new_blocks + shared_tail, self.pool.num_free)
-        copies = [self.copy_on_write(seq, start // B)] if shared_tail else []
+        copies = self.copy_on_write(seq, start // B) if shared_tail else []
         seq.block_table += [b.id for b in self.pool.allocate(new_blocks, seq_id)]
         return Allocation(start, [self.slot(seq, p) for p in range(start, start + num_tokens)], copies)
 
-    def copy_on_write(self, seq: Sequence, index: int) -> tuple[int, int]:
-        """Give `seq` a private copy of its shared block `index`; other holders keep the original."""
+    def copy_on_write(self, seq: Sequence, index: int) -> list[tuple[int, int]]:
+        """Give `seq` a private copy of its shared block `index`; other holders keep the original.
+        Returns the (source, destination) block pair for the engine to copy K/V."""
         src = self.pool.blocks[seq.block_table[index]]
         (dst,) = self.pool.allocate(1, seq.id)
         B = self.block_size
@@ -166,7 +167,7 @@ class KVCacheManager:
         self.pool.release([src], seq.id, "free")
         seq.block_table[index] = dst.id
         self.pool.event("cow", dst, seq.id, source=src.id)
-        return src.id, dst.id
+        return [(src.id, dst.id)]
 
     def commit(self, seq_id: str, num_tokens: int, slots: Seq[int] | None = None) -> None:
         """The forward wrote K/V for the next `num_tokens` positions (into `slots` if given):
@@ -175,7 +176,8 @@ class KVCacheManager:
         start, end = seq.num_computed, seq.num_computed + num_tokens
         for k, p in enumerate(range(start, end)):
             s = slots[k] if slots is not None else self.slot(seq, p)
-            self.provenance.record(s, seq.prefix_ids[p], p, seq_id, seq.salt, self.pool.blocks[s // B].lifetime)
+            self.provenance.record(s, seq.prefix_ids[p], p, seq.token_ids[p], seq_id, seq.salt,
+                                   self.pool.blocks[s // B].lifetime)
         seq.num_computed = end
         if self.enable_prefix_caching:
             for i in range(start // B, end // B):

@@ -40,8 +40,8 @@ def _tables(tables: list[list[int]], width: int, device) -> torch.Tensor:
     return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=device)
 
 
-def build_step(work: list[ScheduledWork], live_tables: dict[str, list[int]], block_size: int, num_slots: int,
-               isolation: str, defences: Defences, device: torch.device) -> StepInputs:
+def build_step(step: int, work: list[ScheduledWork], live_tables: dict[str, list[int]], block_size: int,
+               num_slots: int, isolation: str, defences: Defences, device: torch.device) -> StepInputs:
     B = block_size
     offsets, ids, pos, rows = [], [], [], []
     for r, w in enumerate(work):
@@ -52,8 +52,9 @@ def build_step(work: list[ScheduledWork], live_tables: dict[str, list[int]], blo
     q_pos = torch.tensor(pos, dtype=torch.long, device=device)
     q_row = torch.tensor(rows, dtype=torch.long, device=device)
     width = max(-(-w.end // B) for w in work)
-    tables = _tables([w.block_table for w in work], width, device)
-    write_slots = defences.page_lookup(tables[q_row], q_pos[:, None], B)[:, 0]
+    write_slots = defences.slot_mapping(_tables([w.block_table for w in work], width, device), q_row, q_pos, B)
+    read = defences.read_table(step, [w.seq_id for w in work], [list(w.block_table) for w in work])
+    tables = _tables(read, width, device)
     if isolation == "paged":
         groups = _paged_groups(work, offsets, tables, B, defences, device)
     else:

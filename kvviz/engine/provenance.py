@@ -33,35 +33,39 @@ class Interner:
 class SlotFacts:
     prefix_id: int
     pos: int
+    token: int
     writer: str | None
     tenant: str | None
     lifetime: int
 
 
 class SlotProvenance:
-    """Per slot: prefix id, position, writer, tenant and the block lifetime it was written in."""
+    """Per slot: prefix id, position, token, writer, tenant and the block lifetime it was written in."""
 
     def __init__(self, num_slots: int):
         self.prefix = array("q", [0]) * num_slots
         self.pos = array("q", [-1]) * num_slots
+        self.token = array("q", [-1]) * num_slots
         self.writer = array("q", [0]) * num_slots
         self.tenant = array("q", [0]) * num_slots
         self.life = array("q", [0]) * num_slots  # 0: never written (lifetimes start at 1)
         self.requests, self.tenants = Interner(), Interner()
 
-    def record(self, slot: int, prefix_id: int, pos: int, writer: str, tenant: str | None, life: int) -> None:
-        self.prefix[slot], self.pos[slot], self.life[slot] = prefix_id, pos, life
+    def record(self, slot: int, prefix_id: int, pos: int, token: int, writer: str, tenant: str | None,
+               life: int) -> None:
+        self.prefix[slot], self.pos[slot], self.token[slot], self.life[slot] = prefix_id, pos, token, life
         self.writer[slot], self.tenant[slot] = self.requests.id(writer), self.tenants.id(tenant)
 
     def copy(self, src: int, dst: int, n: int, life: int) -> None:
         """A copy-on-write moved `n` slots: the content (and who produced it) moves with it."""
         for k in range(n):
             self.prefix[dst + k], self.pos[dst + k] = self.prefix[src + k], self.pos[src + k]
+            self.token[dst + k] = self.token[src + k]
             self.writer[dst + k], self.tenant[dst + k] = self.writer[src + k], self.tenant[src + k]
             self.life[dst + k] = life
 
     def facts(self, slot: int) -> SlotFacts:
         return SlotFacts(
-            self.prefix[slot], self.pos[slot], self.requests.name(self.writer[slot]),
+            self.prefix[slot], self.pos[slot], self.token[slot], self.requests.name(self.writer[slot]),
             self.tenants.name(self.tenant[slot]), self.life[slot],
         )

@@ -1,0 +1,56 @@
+"""A run with both oracles attached: what `run`, `audit`, the scenarios and the UI all use."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from .engine import Engine, RunResult, StepRecord
+from .faults import FAULTS, defences_with
+from .models import LoadedModel
+from .oracle import Finding, OracleConfig, ProvenanceOracle
+from .oracle.reference import Divergence, compare_with_isolated, divergence_summary
+from .workload import Workload
+
+
+class FaultMismatch(ValueError):
+    """The fault needs the other isolation mechanism."""
+
+
+@dataclass
+class CheckedRun:
+    workload: Workload
+    fault: str | None
+    result: RunResult
+    oracle: ProvenanceOracle
+    divergences: list[Divergence]
+
+    @property
+    def findings(self) -> list[Finding]:
+        return self.oracle.findings
+
+    def summary(self) -> dict:
+        """The run's JSON summary with the keys scripts gate on: leak, divergence, findings."""
+        return {**self.result.summary(), "fault": self.fault, "leak": self.oracle.summary(),
+                "divergence": divergence_summary(self.divergences),
+                "findings": [f.to_dict() for f in self.findings]}
+
+
+def run_checked(m: LoadedModel, workload: Workload, fault: str | None = None,
+                on_step: Callable[[StepRecord], None] | None = None, config: OracleConfig | None = None,
+                reference: bool = True) -> CheckedRun:
+    """Run with the provenance oracle on every layer (inspect path) and compare each request with
+    itself run alone."""
+    if fault is not None and fault in FAULTS and FAULTS[fault].isolation not in (None, workload.engine.isolation):
+        raise FaultMismatch(f"fault {fault!r} breaks the {FAULTS[fault].isolation} mechanism; this workload uses "
+                            f"isolation {workload.engine.isolation!r}")
+    engine_cfg = replace(workload.engine, compute="inspect")  # the oracle needs the probabilities
+    oracle = ProvenanceOracle(config or OracleConfig())
+    defences = defences_with(fault, engine_cfg.block_size)
+    result = Engine(m, engine_cfg, defences).run(workload, on_step=on_step, observers=[oracle], keep_logits=reference)
+    leaked: dict[str, float] = {}
+    for s in oracle.steps:
+        for r, name in enumerate(s.requests):
+            leaked[name] = max(leaked.get(name, 0.0), float(s.max_foreign[r].max()))
+    divs = compare_with_isolated(m, result, leaked) if reference else []
+    return CheckedRun(workload, fault, result, oracle, divs)

@@ -1,0 +1,239 @@
+"""The fault catalogue: each fault is one defence replaced by a deliberately broken variant.
+
+A fault never touches the oracle: the engine runs with broken defences, the oracle judges from
+provenance, and the detection matrix (`python -m kvviz audit`) checks that each fault is seen by
+the oracle that should see it. docs/faults.md explains each one and the real bug it mirrors.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from .engine import Defences
+from .engine.defences import NOT_OWNED, grouped_attend, shared_axis_mask
+from .engine.hashing import block_hash
+
+
+@dataclass(frozen=True)
+class Scope:
+    """Where a page-table fault strikes: some steps and/or some requests (None = all)."""
+
+    steps: frozenset[int] | None = None
+    requests: frozenset[str] | None = None
+    every: int | None = None  # strike on steps divisible by this (the intermittent positional leak)
+
+    def hits(self, step: int, request: str) -> bool:
+        return ((self.steps is None or step in self.steps) and (self.every is None or step % self.every == 0)
+                and (self.requests is None or request in self.requests))
+
+
+@dataclass(frozen=True)
+class Fault:
+    name: str
+    defence: str  # the defence it replaces
+    breaks: str  # what goes wrong, in a sentence
+    mirrors: str  # the public bug it reproduces
+    expected: tuple[str, ...]  # finding kinds the provenance oracle must raise (any of them)
+    isolation: str | None  # the mechanism it needs ("masked", "paged") or None for both
+    apply: Callable[[Defences, Scope, int], Defences] = field(repr=False)  # (defences, scope, block_size)
+    default_scope: Scope = Scope()
+
+
+# -- page tables and slot mapping --------------------------------------------------------------
+def _zero_block_table(d: Defences, scope: Scope, B: int) -> Defences:
+    def read_table(step, seq_ids, tables):
+        return [[0] * len(t) if scope.hits(step, s) else t for s, t in zip(seq_ids, tables, strict=True)]
+    return replace(d, read_table=read_table)
+
+
+def _positional(d: Defences, scope: Scope, B: int) -> Defences:
+    """On struck steps, the first block after the prefix a request shares with the previous request
+    in the batch resolves to that request's block (a prefix-sharing boundary off by one)."""
+    def read_table(step, seq_ids, tables):
+        out = [list(t) for t in tables]
+        for r in range(1, len(out)):
+            prev, mine = tables[r - 1], tables[r]
+            k = next((i for i, (a, b) in enumerate(zip(prev, mine, strict=False)) if a != b), None)
+            if k is not None and scope.hits(step, seq_ids[r]):
+                out[r][k] = prev[k]
+        return out
+    return replace(d, read_table=read_table)
+
+
+def _wrong_slot_mapping(d: Defences, scope: Scope, B: int) -> Defences:
+    """Writes assume a request's new slots are contiguous from its first slot of the step."""
+    def slot_mapping(tables, q_row, q_pos, block_size):
+        first = torch.full((tables.shape[0],), 1 << 62, dtype=torch.long, device=q_pos.device)
+        first = first.scatter_reduce(0, q_row, q_pos, "amin")
+        base = tables.gather(1, (first // block_size)[:, None])[:, 0] * block_size + first % block_size
+        return base[q_row] + q_pos - first[q_row]
+    return replace(d, slot_mapping=slot_mapping)
+
+
+# -- masks (the shared-key-axis mechanism) -----------------------------------------------------
+def _owned(owner_pos: torch.Tensor) -> torch.Tensor:
+    return owner_pos < NOT_OWNED
+
+
+def _boundary(d: Defences, scope: Scope, B: int) -> Defences:
+    """Each request's last query also sees the first slot of the block physically after its last block."""
+    def mask_fn(owner_pos, q_row, q_pos):
+        mask = shared_axis_mask(owner_pos, q_row, q_pos)
+        R, S = owner_pos.shape
+        blocks = _owned(owner_pos).view(R, S // B, B).any(-1)  # [R, blocks on the axis]
+        last_block = torch.where(blocks, torch.arange(S // B, device=blocks.device), -1).amax(-1)
+        nxt = (last_block + 1) * B  # axis index of the next block's first slot
+        last_query = torch.zeros_like(q_pos, dtype=torch.bool)
+        for r in range(R):
+            rows = (q_row == r).nonzero()[:, 0]
+            last_query[rows[q_pos[rows].argmax()]] = True
+        for t in last_query.nonzero()[:, 0].tolist():
+            a = int(nxt[q_row[t]])
+            if a < S and not bool(_owned(owner_pos[q_row[t], a:a + 1]).any()):
+                mask[t, a] = True
+        return mask
+    return replace(d, shared_axis_mask=mask_fn)
+
+
+def _global(d: Defences, scope: Scope, B: int) -> Defences:
+    """The isolation mask is gone: a query sees every slot any other request has written."""
+    def mask_fn(owner_pos, q_row, q_pos):
+        others = _owned(owner_pos).any(0)[None, :] & ~_owned(owner_pos)[q_row]
+        return shared_axis_mask(owner_pos, q_row, q_pos) | others
+    return replace(d, shared_axis_mask=mask_fn)
+
+
+def _padding_as_isolation(d: Defences, scope: Scope, B: int) -> Defences:
+    """Only padding is masked: a query sees every written slot up to its own place on the axis."""
+    def mask_fn(owner_pos, q_row, q_pos):
+        own_place = (owner_pos[q_row] == q_pos[:, None]).int().argmax(-1)  # [T] axis index of the query
+        axis = torch.arange(owner_pos.shape[1], device=owner_pos.device)
+        return _owned(owner_pos).any(0)[None, :] & (axis[None, :] <= own_place[:, None])
+    return replace(d, shared_axis_mask=mask_fn)
+
+
+def _additive_mask_sum(d: Defences, scope: Scope, B: int) -> Defences:
+    """Isolation and causal planes summed as 0/1 instead of combined with AND: 1 + 0 still passes."""
+    def mask_fn(owner_pos, q_row, q_pos):
+        same_request = _owned(owner_pos)[q_row].int()
+        causal = (owner_pos.amin(0)[None, :] <= q_pos[:, None]).int()  # by position, any request
+        return (same_request + causal) > 0
+    return replace(d, shared_axis_mask=mask_fn)
+
+
+# -- the attention arithmetic ------------------------------------------------------------------
+def _softmax_then_mask(d: Defences, scope: Scope, B: int) -> Defences:
+    def probs(logits, m):
+        return torch.softmax(logits, -1) * m
+    return replace(d, attend=lambda q, k, v, mask, scale: grouped_attend(q, k, v, mask, scale, probs))
+
+
+def _low_precision_fill(d: Defences, scope: Scope, B: int) -> Defences:
+    """float16 logits large enough (scaled x10^4, as a model with huge attention logits) that the
+    finite fill -1e4 no longer hides masked keys; fully masked rows become uniform, not zero."""
+    def probs(logits, m):
+        return torch.softmax((logits * 1e4).half() + (~m).half() * -1e4, -1).float()
+    return replace(d, attend=lambda q, k, v, mask, scale: grouped_attend(q, k, v, mask, scale, probs))
+
+
+# -- block lifecycle ---------------------------------------------------------------------------
+def _pool_patch(patch: Callable) -> Callable[[Defences, Scope, int], Defences]:
+    def apply(d: Defences, scope: Scope, B: int) -> Defences:
+        return replace(d, patch_pool=patch)
+    return apply
+
+
+def _missing_cow(kv) -> None:
+    kv.copy_on_write = lambda seq, index: []  # the writer writes into the block it shares
+
+
+def _early_free(kv) -> None:
+    pool = kv.pool
+
+    def release(blocks, request, kind="free"):
+        for b in blocks:
+            if b.ref_cnt == 0:
+                continue  # already freed early
+            b.ref_cnt = 0  # drops every holder's reference, not just this request's
+            (pool.free.push_tail if b.hash is not None else pool.free.push_head)(b)
+            pool.event(kind, b, request)
+    pool.release = release
+
+
+def _stale_hash(kv) -> None:
+    pool = kv.pool
+
+    def evict(b, request):
+        b.hash = None  # the hash -> block entry is left behind: a later lookup hits new content
+        pool.event("evict", b, request)
+    pool.evict = evict
+
+
+def _unsalted_prefix(kv) -> None:
+    def unsalted(self, seq, i):
+        B = self.block_size
+        while len(seq.block_hashes) <= i:
+            j = len(seq.block_hashes)
+            parent = seq.block_hashes[j - 1] if j else None
+            seq.block_hashes.append(block_hash(parent, seq.token_ids[j * B:(j + 1) * B], seq.extra_keys))
+        return seq.block_hashes[i]
+    kv.block_hash = types.MethodType(unsalted, kv)
+
+
+FAULTS: dict[str, Fault] = {f.name: f for f in [
+    Fault("boundary", "shared-axis mask",
+          "a request's last query also sees the first slot of the physically next request",
+          "the seed's boundary leak: 红橙黄 | 绿青蓝 with A's 黄 attending 绿", ("foreign",), "masked", _boundary),
+    Fault("global", "shared-axis mask", "the isolation mask is dropped: every query sees every live slot",
+          "the seed's global leak (mask lost entirely)", ("foreign",), "masked", _global),
+    Fault("positional", "page-table lookup",
+          "on every other step, the first block after a shared prefix resolves to the previous request's",
+          "the seed's positional leak: a prefix-sharing boundary bug, intermittent", ("foreign",), None,
+          _positional, Scope(every=2)),
+    Fault("padding_as_isolation", "shared-axis mask", "only padding is masked, not other requests",
+          "packed-sequence contamination: transformers #46634, torchtune #875, axolotl #3796", ("foreign",),
+          "masked", _padding_as_isolation),
+    Fault("softmax_then_mask", "attention arithmetic",
+          "the mask is applied after softmax: kept weights no longer sum to 1", "timm #2236",
+          ("normalisation",), None, _softmax_then_mask),
+    Fault("additive_mask_sum", "shared-axis mask", "0/1 isolation and causal planes summed: OR instead of AND",
+          "NeMo #2658, transformers #26421", ("foreign",), "masked", _additive_mask_sum),
+    Fault("low_precision_fill", "attention arithmetic",
+          "float16 logits with a finite -1e4 fill: large logits see through it, empty rows go uniform",
+          "transformers #17306; PyTorch #41508, #103749; the seed's 0.3% fp16 leak",
+          ("foreign", "stale", "non_finite"), None,
+          _low_precision_fill),
+    Fault("zero_block_table", "page-table lookup", "attention reads through a page table of zeros (block 0)",
+          "vLLM #7018", ("foreign", "stale", "normalisation"), None, _zero_block_table),
+    Fault("missing_cow", "copy-on-write", "a fork writes into the partial block it shares with its parent",
+          "no CoW for shared partial blocks (what HF's continuous batching copies for)", ("foreign",), None,
+          _pool_patch(_missing_cow)),
+    Fault("early_free", "refcount release", "a shared block is freed when its first holder finishes",
+          "mini-sglang #142 (use after free), #52 (lock off by one), vLLM #42571", ("foreign", "stale"), None,
+          _pool_patch(_early_free)),
+    Fault("stale_hash", "eviction", "an evicted block's hash entry survives: later lookups hit new content",
+          "vLLM #4761", ("foreign",), None, _pool_patch(_stale_hash)),
+    Fault("unsalted_prefix", "prefix-cache hash key", "the tenant salt is left out: tenants share prefix blocks",
+          "CVE-2025-46570, vLLM RFC #16016 (timing side channel)", ("cross_tenant",), None,
+          _pool_patch(_unsalted_prefix)),
+    Fault("wrong_slot_mapping", "slot mapping", "writes assume a request's new slots are contiguous",
+          "TGI #2711", ("foreign", "stale"), None, _wrong_slot_mapping),
+]}
+
+
+class UnknownFault(ValueError):
+    pass
+
+
+def defences_with(name: str | None, block_size: int, scope: Scope | None = None) -> Defences:
+    """The defences for a run: the correct ones, or with the named fault injected."""
+    if name is None:
+        return Defences()
+    if name not in FAULTS:
+        raise UnknownFault(f"unknown fault {name!r}; the catalogue: {', '.join(FAULTS)}")
+    fault = FAULTS[name]
+    return fault.apply(Defences(), scope or fault.default_scope, block_size)

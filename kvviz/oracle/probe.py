@@ -1,0 +1,56 @@
+"""One query's attention over the key axis, for the seed's table: which slots the last prompt
+token of a request looks at, averaged over layers and heads, with who wrote each slot."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..engine.attention import AttentionGroup
+from ..engine.observer import StepContext
+
+
+@dataclass(frozen=True)
+class KeyWeight:
+    slot: int
+    writer: str | None
+    position: int
+    token_id: int
+    weight: float
+
+
+@dataclass
+class LastPromptTokenProbe:
+    """An AttentionObserver capturing request `request`'s query at position `position`."""
+
+    request: str
+    position: int
+    weights: list[KeyWeight] = field(default_factory=list)
+    _sum: torch.Tensor | None = None
+    _slots: torch.Tensor | None = None
+    _layers: int = 0
+
+    def begin_step(self, ctx: StepContext) -> None:
+        self.ctx, self.token = ctx, None
+        rows = [r for r, w in enumerate(ctx.work) if w.seq_id == self.request and w.start <= self.position < w.end]
+        if rows:
+            hit = ((ctx.q_row == rows[0]) & (ctx.q_pos == self.position)).nonzero()
+            self.token = int(hit[0, 0])
+
+    def on_attention(self, layer: int, group: AttentionGroup, probs: torch.Tensor) -> None:
+        if self.token is None or not group.span.start <= self.token < group.span.stop:
+            return
+        R, H, Q, L = probs.shape
+        r, q = divmod(self.token - group.span.start, Q)
+        row = probs[r, :, q].mean(0)  # head mean, [L]
+        self._sum = row if self._sum is None else self._sum + row
+        self._slots, self._layers = group.key_slots[r], self._layers + 1
+
+    def end_step(self) -> None:
+        if self._sum is None or self.weights:
+            return
+        prov, mean = self.ctx.provenance, (self._sum / self._layers).tolist()
+        for slot, weight in zip(self._slots.tolist(), mean, strict=True):
+            f = prov.facts(slot)
+            self.weights.append(KeyWeight(slot, f.writer, f.pos, f.token, weight))

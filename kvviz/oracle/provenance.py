@@ -1,0 +1,198 @@
+"""The provenance oracle: every attention weight classified as own, foreign or stale.
+
+It runs inside the inspect path on the model's device, and judges from facts alone (slot
+provenance recorded when K/V were written, each request's own prefix ids): never from the masks or
+page tables it is checking. A key slot s is *own* for a query of request q at position j iff s was
+written in its block's current lifetime, pos(s) <= j and prefix_id(s) == p_q(pos(s)); otherwise it
+is *foreign* (written by another prefix, attributed to its writer) or *stale* (not written in this
+lifetime).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..engine.attention import AttentionGroup
+from ..engine.observer import StepContext
+
+KINDS = ("foreign", "stale", "normalisation", "non_finite", "cross_tenant", "duplicate")
+
+
+@dataclass(frozen=True)
+class OracleConfig:
+    threshold: float = 1e-6  # foreign/stale/cross-tenant mass that counts as a leak in one row
+    norm_tolerance: float = 1e-4  # |1 - own mass| allowed when no foreign or stale mass explains it
+
+
+@dataclass(frozen=True)
+class Finding:
+    """The worst instance of one kind of anomaly for one request, step and source."""
+
+    kind: str
+    request: str
+    step: int
+    layer: int
+    head: int
+    position: int
+    source_request: str | None
+    mass: float
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class StepLeak:
+    """One step's oracle metrics per (request, layer, head), reduced over that request's queries."""
+
+    step: int
+    requests: list[str]
+    max_foreign: torch.Tensor  # [R, layers, H] max over queries of foreign + stale mass
+    sum_foreign: torch.Tensor  # [R, layers, H]
+    leak_rows: torch.Tensor  # [R, layers, H] queries whose foreign + stale mass > threshold
+    rows: list[int]  # queries per request this step
+
+
+@dataclass
+class _Layer:
+    """Per packed query token x head, for one layer."""
+
+    foreign: torch.Tensor
+    stale: torch.Tensor
+    own: torch.Tensor
+    cross: torch.Tensor
+    nonfinite: torch.Tensor
+    duplicate: torch.Tensor
+    source: torch.Tensor  # writer id (provenance interner) of the largest foreign source, 0 = none
+    cross_source: torch.Tensor  # writer id of the largest other-tenant source
+
+
+@dataclass
+class ProvenanceOracle:
+    """An AttentionObserver: attach to Engine.run(observers=[...]) with compute="inspect"."""
+
+    config: OracleConfig = field(default_factory=OracleConfig)
+    findings: list[Finding] = field(default_factory=list)
+    steps: list[StepLeak] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=lambda: {"own": 0, "foreign": 0, "stale": 0})
+
+    def begin_step(self, ctx: StepContext) -> None:
+        dev = ctx.q_pos.device
+        prov = ctx.provenance
+
+        def tensor(a) -> torch.Tensor:  # a view of the provenance array on CPU, a copy elsewhere
+            return torch.frombuffer(a, dtype=torch.int64).to(dev)
+
+        self.ctx = ctx
+        self.slot_prefix, self.slot_pos = tensor(prov.prefix), tensor(prov.pos)
+        self.slot_writer, self.slot_tenant, self.slot_life = tensor(prov.writer), tensor(prov.tenant), tensor(prov.life)
+        self.block_life = torch.tensor(ctx.block_lifetimes, dtype=torch.long, device=dev)
+        width = max(len(p) for p in ctx.prefix_ids)
+        self.req_prefix = torch.tensor([p + [-1] * (width - len(p)) for p in ctx.prefix_ids], device=dev)
+        self.req_tenant = torch.tensor([prov.tenants.id(t) for t in ctx.tenants], device=dev)
+        self.writer_names = prov.requests.names
+        self.layers: dict[int, _Layer] = {}
+
+    def on_attention(self, layer: int, group: AttentionGroup, probs: torch.Tensor) -> None:
+        R, H, Q, L = probs.shape
+        ctx, slots = self.ctx, group.key_slots
+        qr, qp = ctx.q_row[group.span].view(R, Q), ctx.q_pos[group.span].view(R, Q)
+        kpos = self.slot_pos[slots]  # [R, L]
+        written = (self.slot_life[slots] == self.block_life[slots // ctx.block_size]) & (kpos >= 0)
+        expected = self.req_prefix[qr[:, :, None], kpos.clamp(0, self.req_prefix.shape[1] - 1)[:, None, :]]
+        own = written[:, None] & (kpos[:, None] <= qp[..., None]) & (self.slot_prefix[slots][:, None] == expected)
+        foreign = written[:, None] & ~own  # [R, Q, L]
+        stale = ~written[:, None].expand_as(own)
+        finite = torch.isfinite(probs)
+        p = torch.where(finite, probs, 0.0)
+        visible = p > 0
+        other_tenant = self.slot_tenant[slots][:, None] != self.req_tenant[qr][..., None]
+
+        def mass(cls: torch.Tensor) -> torch.Tensor:  # [R, Q, L] -> [R, H, Q]
+            return (p * cls[:, None]).sum(-1)
+
+        writers = self.slot_writer[slots]
+
+        def top_writer(weights: torch.Tensor) -> torch.Tensor:  # [R, H, Q, L] -> writer id per row
+            per_writer = torch.zeros(R, H, Q, len(self.writer_names), device=p.device)
+            per_writer.scatter_add_(-1, writers[:, None, None, :].expand(R, H, Q, L), weights)
+            return per_writer.argmax(-1)
+
+        foreign_m, cross_m = mass(foreign), mass(own & other_tenant)
+        no_source = torch.zeros(R, H, Q, dtype=torch.long, device=p.device)
+        source = top_writer(p * foreign[:, None]) if bool((foreign_m > 0).any()) else no_source
+        cross_source = top_writer(p * (own & other_tenant)[:, None]) if bool((cross_m > 0).any()) else no_source
+        for name, cls in (("own", own), ("foreign", foreign), ("stale", stale)):
+            self.counts[name] += int((visible & cls[:, None]).sum())
+
+        def per_token(x: torch.Tensor) -> torch.Tensor:  # [R, H, Q] -> [R*Q, H] in packed order
+            return x.permute(0, 2, 1).reshape(R * Q, H)
+
+        own_visible = (visible & own[:, None]).sum(-1)
+        rows = _Layer(per_token(foreign_m), per_token(mass(stale)), per_token(mass(own)), per_token(cross_m),
+                      per_token((~finite).sum(-1)), per_token(own_visible > qp[:, None] + 1),
+                      per_token(source), per_token(cross_source))
+        self._store(layer, group, rows)
+
+    def _store(self, layer: int, group: AttentionGroup, rows: _Layer) -> None:
+        T, H = len(self.ctx.q_row), rows.foreign.shape[1]
+        if layer not in self.layers:
+            self.layers[layer] = _Layer(*(torch.zeros(T, H, dtype=getattr(rows, n).dtype, device=rows.foreign.device)
+                                          for n in _Layer.__dataclass_fields__))
+        acc = self.layers[layer]
+        for name in acc.__dataclass_fields__:
+            getattr(acc, name)[group.span] = getattr(rows, name)
+
+    def end_step(self) -> None:
+        ctx, cfg = self.ctx, self.config
+        order = sorted(self.layers)
+        stack = {n: torch.stack([getattr(self.layers[i], n) for i in order]) for n in _Layer.__dataclass_fields__}
+        leak = stack["foreign"] + stack["stale"]  # [layers, T, H]
+        R, per_query = len(ctx.work), leak.permute(1, 0, 2)  # [T, layers, H]
+        zeros = torch.zeros(R, *per_query.shape[1:], device=leak.device)
+        idx = ctx.q_row[:, None, None].expand_as(per_query)
+        names = [w.seq_id for w in ctx.work]
+        self.steps.append(StepLeak(
+            ctx.step, names,
+            zeros.scatter_reduce(0, idx, per_query, "amax").cpu(),
+            zeros.index_add(0, ctx.q_row, per_query).cpu(),
+            zeros.index_add(0, ctx.q_row, (per_query > cfg.threshold).to(zeros.dtype)).cpu(),
+            torch.bincount(ctx.q_row, minlength=R).tolist()))
+        unexplained = torch.where(leak > cfg.threshold, 0.0, (1 - stack["own"]).abs())
+        checks = [  # kind, value per row, limit above which it is a finding, source of the value
+            ("foreign", stack["foreign"], cfg.threshold, stack["source"]),
+            ("stale", stack["stale"], cfg.threshold, None),
+            ("normalisation", unexplained, cfg.norm_tolerance, None),
+            ("non_finite", stack["nonfinite"].float(), 0.5, None),
+            ("cross_tenant", stack["cross"], cfg.threshold, stack["cross_source"]),
+            ("duplicate", stack["duplicate"].float(), 0.5, None),
+        ]
+        for kind, values, limit, source in checks:
+            self._findings(kind, values, limit, source, order, names)
+        del self.layers
+
+    def _findings(self, kind, values, limit, source, layers, names) -> None:
+        """One finding per (request, source) for each kind: its worst (layer, head, query)."""
+        worst: dict[tuple, tuple] = {}
+        for li, t, h in (values > limit).nonzero().tolist():
+            src = self.writer_names[int(source[li, t, h])] if source is not None else None
+            key, v = (names[int(self.ctx.q_row[t])], src), float(values[li, t, h])
+            if key not in worst or v > worst[key][0]:
+                worst[key] = (v, layers[li], h, int(self.ctx.q_pos[t]))
+        for (req, src), (v, layer, head, pos) in worst.items():
+            self.findings.append(Finding(kind, req, self.ctx.step, layer, head, pos, src, round(v, 6)))
+
+    def summary(self) -> dict:
+        """Run-level leak figures with the keys scripts gate on."""
+        total_rows = sum(sum(s.rows) * s.max_foreign.shape[1] * s.max_foreign.shape[2] for s in self.steps)
+        leaky = sum(float(s.leak_rows.sum()) for s in self.steps)
+        summed = sum(float(s.sum_foreign.sum()) for s in self.steps)
+        worst = max((float(s.max_foreign.max()) for s in self.steps), default=0.0)
+        return {
+            "max_foreign_mass": round(worst, 6),
+            "mean_foreign_mass": round(summed / total_rows, 8) if total_rows else 0.0,
+            "leak_rate": round(leaky / total_rows, 6) if total_rows else 0.0,
+            "counts": dict(self.counts),
+        }

@@ -1,0 +1,152 @@
+"""Replayable scenarios: a workload, an optional fault, the finding expected, and why.
+
+The seed's three leak patterns come first, then one scenario per catalogue fault, then the clean
+controls. Every scenario with a fault has a control: the same workload with the correct defences,
+which must stay exactly clean.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .faults import FAULTS
+
+SYSTEM = "You are a helpful assistant. Answer in one short sentence."
+
+
+def _req(rid: str, prompt: str, new: int = 6, **kw) -> dict:
+    return {"id": rid, "prompt": prompt, "max_new_tokens": new, **kw}
+
+
+def _engine(**kw) -> dict:
+    return {"block_size": 4, "num_blocks": 128, "max_batch_tokens": 256, **kw}
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    title: str
+    explanation: str
+    workload: dict
+    fault: str | None = None
+    tight_pool: bool = False  # size the pool to the largest request + 1 block, for any tokenizer
+
+    def build(self, tokenizer) -> dict:
+        """The workload for a model: a tight pool is sized from this tokenizer's token counts."""
+        if not self.tight_pool:
+            return self.workload
+        B = self.workload["engine"]["block_size"]
+        longest = max(len(tokenizer(r["prompt"]).input_ids) + r["max_new_tokens"] for r in self.workload["requests"])
+        return {**self.workload, "engine": {**self.workload["engine"], "num_blocks": -(-longest // B) + 1}}
+
+    @property
+    def expected(self) -> tuple[str, ...]:
+        """Finding kinds the provenance oracle must raise (any of them); () for a clean control."""
+        return FAULTS[self.fault].expected if self.fault else ()
+
+
+_TWO_MASKED = {"requests": [_req("A", "Passphrase: red orange yellow"), _req("B", "Passphrase: green cyan blue")],
+               "engine": _engine(isolation="masked")}
+_THREE = {"requests": [_req("A", "The capital of France is"), _req("B", "Water boils at a temperature of", 8),
+                       _req("C", "One, two, three, four,", 5, arrival_step=2)]}
+_CHAT = {"requests": [_req(f"u{i}", f"{SYSTEM}\nUser: {q}\nAssistant:", 8, arrival_step=i)
+                      for i, q in enumerate(["What colour is the sky?", "Name a prime number.",
+                                             "What is the capital of Italy?", "How many legs has a spider?"])],
+         "engine": _engine()}
+
+
+def _three(isolation: str) -> dict:
+    return {**_THREE, "engine": _engine(isolation=isolation)}
+
+
+SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
+    Scenario("passphrase", "The seed's passphrase experiment",
+             "Requests 红 橙 黄 and 绿 青 蓝 (and an English pair) share one key axis, isolated by the "
+             "block-diagonal AND causal mask alone. Run it to see A's last prompt token attend only to its own "
+             "slots; replay it with --fault boundary to see it reach into B's.",
+             {"requests": [_req("A", "红 橙 黄"), _req("B", "绿 青 蓝"),
+                           _req("C", "red orange yellow"), _req("D", "green cyan blue")],
+              "engine": _engine(isolation="masked")}),
+    Scenario("boundary", "Boundary leak",
+             "Two requests sit next to each other in the shared buffer; a mask off by one at the edge lets A's "
+             "last token see the first slot of B. The weight is modest (the seed saw 0.20) but enough to change "
+             "the continuation.", _TWO_MASKED, "boundary"),
+    Scenario("global", "Global leak",
+             "The isolation mask is lost: every token of A sees every token of B, with foreign weight spread "
+             "roughly as B's share of the buffer. The output is nonsense.", _TWO_MASKED, "global"),
+    Scenario("positional", "Positional leak in a multi-turn chat",
+             "Users share a system prompt through the prefix cache. On every other step the first block after "
+             "the shared prefix resolves to the previous user's block: small, intermittent weight on another "
+             "user's turn, and sometimes an answer to the wrong question.", _CHAT, "positional"),
+    Scenario("padding_as_isolation", "Padding mask used as the isolation mask",
+             "The mask separates real tokens from padding, not request from request: packed requests read "
+             "each other's earlier tokens.", _three("masked"), "padding_as_isolation"),
+    Scenario("softmax_then_mask", "Mask applied after softmax",
+             "The normaliser already contains the masked logits: the kept weights sum to less than 1. No "
+             "foreign weight survives, so only the normalisation check sees it.", _three("paged"),
+             "softmax_then_mask"),
+    Scenario("additive_mask_sum", "Masks summed instead of combined with AND",
+             "0/1 isolation and causal planes are added: a key that passes either passes, so other requests' "
+             "early positions become visible.", _three("masked"), "additive_mask_sum"),
+    Scenario("low_precision_fill", "Finite fill under float16",
+             "Masked logits are filled with -1e4 in float16; with logits as large as some models produce, the "
+             "fill no longer hides masked keys, and a fully masked row would attend uniformly.",
+             _three("masked"), "low_precision_fill"),
+    Scenario("zero_block_table", "Page table of zeros",
+             "Attention reads through a page table that points every logical block at physical block 0, "
+             "which holds another request's keys.", _three("paged"), "zero_block_table"),
+    Scenario("missing_cow", "Fork without copy-on-write",
+             "A parallel-sampling fork shares its parent's partial last block; without copy-on-write both write "
+             "their next tokens into it and each reads the other's.",
+             {"requests": [_req("P", "List three fruits:", 10), _req("F", "", 8, parent="P", arrival_step=1),
+                           _req("G", " and", 8, parent="P", arrival_step=2)],
+              "engine": _engine(block_size=64, num_blocks=16)}, "missing_cow"),
+    Scenario("early_free", "Shared block freed early (use after free)",
+             "A fork shares its parent's blocks; when the parent finishes, its blocks are freed although the "
+             "fork still reads them, and the next request's keys are written over them.",
+             {"requests": [_req("P", SYSTEM, 2), _req("F", " Sure.", 16, parent="P", arrival_step=1),
+                           _req("C", "Completely different words now fill the freed blocks", 8, arrival_step=3)],
+              "engine": _engine(prefix_caching=False)}, "early_free"),
+    Scenario("stale_hash", "Stale hash entry after eviction",
+             "A cached prefix is evicted under pressure but its hash entry survives; a later request with the "
+             "same prefix 'hits' a block that now holds someone else's keys.",
+             {"requests": [_req("A", SYSTEM, 1), _req("B", "Unrelated filler text " * 6, 8, arrival_step=1),
+                           _req("C", SYSTEM + " Again.", 6, arrival_step=3)],
+              "engine": _engine()}, "stale_hash", tight_pool=True),
+    Scenario("unsalted_prefix", "Prefix cache shared across tenants",
+             "Two tenants send the same system prompt; without the salt their prefix blocks are shared. "
+             "Attention is correct (the content is identical), yet a trust boundary is crossed: the timing side "
+             "channel of prompt caching. Only the cross-tenant check sees it.",
+             {"requests": [_req("A", SYSTEM + " Hi.", 4, cache_salt="tenant-a"),
+                           _req("B", SYSTEM + " Hello.", 4, cache_salt="tenant-b", arrival_step=2)],
+              "engine": _engine()}, "unsalted_prefix"),
+    Scenario("wrong_slot_mapping", "Slot mapping assumes contiguous slots",
+             "Two requests finish and free their blocks; the next prompt gets those recycled blocks, which are "
+             "not physically contiguous. Writes that assume contiguous slots land in the wrong blocks: the "
+             "request reads holes where its keys should be.",
+             {"requests": [_req("P", "First short prompt", 1), _req("Q", "Second short prompt", 1),
+                           _req("B", "A longer prompt written into recycled, scattered blocks", 4, arrival_step=1)],
+              "engine": _engine(block_size=2, prefix_caching=False)}, "wrong_slot_mapping"),
+    Scenario("control_shared_system_prompt", "Control: a shared system prompt",
+             "Users share a system prompt through the prefix cache with correct defences: zero foreign weight.",
+             _CHAT),
+    Scenario("control_tenants", "Control: many tenants with salts",
+             "Six requests from three tenants with the same system prompt: salts keep each tenant's blocks apart.",
+             {"requests": [_req(f"r{i}", f"{SYSTEM} Question {i}?", 4, cache_salt=f"tenant-{i % 3}", arrival_step=i)
+                           for i in range(6)], "engine": _engine()}),
+    Scenario("control_forks", "Control: forks with copy-on-write",
+             "Parallel samples forked from one prompt share its blocks and copy the partial one on first write.",
+             {"requests": [_req("P", "List three fruits:", 10), _req("F", "", 8, parent="P", arrival_step=1),
+                           _req("G", " and", 8, parent="P", arrival_step=2)],
+              "engine": _engine(block_size=64, num_blocks=16)}),
+]}
+
+
+class UnknownScenario(ValueError):
+    pass
+
+
+def scenario(name: str) -> Scenario:
+    if name not in SCENARIOS:
+        raise UnknownScenario(f"unknown scenario {name!r}; try: {', '.join(SCENARIOS)}")
+    return SCENARIOS[name]

@@ -1,0 +1,160 @@
+"""The oracles: controls exactly clean, every fault seen by the oracle that should see it, the
+passphrase experiment, and the reference comparison."""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import pytest
+
+from kvviz.audit import audit
+from kvviz.checked_run import FaultMismatch, run_checked
+from kvviz.engine import Engine
+from kvviz.faults import FAULTS, UnknownFault
+from kvviz.models import load_model
+from kvviz.oracle.probe import LastPromptTokenProbe
+from kvviz.scenarios import SCENARIOS
+from kvviz.workload import Workload
+
+
+@functools.cache
+def model(name):
+    return load_model(name, device="cpu")
+
+
+WORDS = "red orange yellow green cyan blue violet the sky is and a prime number of legs".split()
+
+
+def random_workload(rng: random.Random) -> Workload:
+    """Random lengths, arrivals, forks, shared prefixes, tenants, pool sizes (with preemption)."""
+    system = " ".join(rng.choices(WORDS, k=rng.randint(2, 10)))
+    reqs = []
+    for i in range(rng.randint(2, 6)):
+        r = {"id": f"r{i}", "max_new_tokens": rng.randint(1, 8), "arrival_step": rng.randint(0, 6)}
+        if reqs and rng.random() < 0.25:
+            parent = rng.choice(reqs)
+            r.update(parent=parent["id"], arrival_step=max(r["arrival_step"], parent["arrival_step"]))
+            if rng.random() < 0.5:
+                r["prompt"] = " " + rng.choice(WORDS)
+        else:
+            own = " ".join(rng.choices(WORDS, k=rng.randint(1, 8)))
+            r["prompt"] = f"{system} {own}" if rng.random() < 0.6 else own
+            r["cache_salt"] = rng.choice([None, "t1", "t2"])
+        reqs.append(r)
+    tight = rng.random() < 0.3
+    engine = {"block_size": rng.choice([1, 4, 8]), "num_blocks": 256, "max_batch_tokens": rng.choice([8, 32, 256]),
+              "isolation": rng.choice(["paged", "masked"]), "prefix_caching": rng.random() < 0.8}
+    wl = Workload.from_dict({"requests": reqs, "engine": engine, "seed": rng.randint(0, 9)})
+    if tight:  # a pool barely larger than the longest request: preemption and eviction
+        longest = 200  # bytes of the byte tokenizer, bounded by the word list above
+        wl = Workload.from_dict({**wl.to_dict(), "engine": {**engine, "num_blocks": longest // engine["block_size"]}})
+    return wl
+
+
+@pytest.mark.parametrize("seed", range(50))
+def test_random_controls_are_exactly_clean(seed):
+    rng = random.Random(seed)
+    wl = random_workload(rng)
+    run = run_checked(model(["tiny-llama", "tiny-gpt2"][seed % 2]), wl)
+    s = run.summary()
+    assert run.findings == [], run.findings[:3]
+    assert s["leak"]["max_foreign_mass"] == 0 and s["leak"]["counts"]["foreign"] == 0
+    assert s["leak"]["counts"]["stale"] == 0 and s["leak"]["counts"]["own"] > 0
+    assert s["divergence"]["diverged_requests"] == 0, run.divergences
+    assert all(d.classification in ("identical", "batch_variance") for d in run.divergences)
+
+
+FAULTED = [s for s in SCENARIOS.values() if s.fault]
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt2"])
+@pytest.mark.parametrize("sc", FAULTED, ids=lambda s: s.name)
+def test_every_fault_is_detected_and_its_control_is_clean(sc, name):
+    m = model(name)
+    wl = Workload.from_dict(sc.build(m.tokenizer))
+    faulty = run_checked(m, wl, sc.fault)
+    kinds = {f.kind for f in faulty.findings}
+    assert kinds & set(sc.expected), f"{sc.fault} raised {kinds}, expected one of {sc.expected}"
+    control = run_checked(m, wl)
+    assert control.findings == [] and control.summary()["divergence"]["diverged_requests"] == 0
+
+
+def test_unsalted_prefix_is_a_cross_tenant_finding_not_foreign_attention():
+    m = model("tiny-llama")
+    run = run_checked(m, Workload.from_dict(SCENARIOS["unsalted_prefix"].build(m.tokenizer)), "unsalted_prefix")
+    assert {f.kind for f in run.findings} == {"cross_tenant"}
+    assert run.summary()["leak"]["max_foreign_mass"] == 0
+    f = run.findings[0]
+    assert (f.request, f.source_request) == ("B", "A")
+    assert all(d.classification == "identical" or d.classification == "batch_variance" for d in run.divergences)
+
+
+def test_findings_name_the_source_request():
+    m = model("tiny-llama")
+    run = run_checked(m, Workload.from_dict(SCENARIOS["global"].workload), "global")
+    sources = {(f.request, f.source_request) for f in run.findings if f.kind == "foreign"}
+    assert ("A", "B") in sources and ("B", "A") in sources
+    assert all(d.classification == "leak" for d in run.divergences)
+
+
+def test_softmax_then_mask_is_a_normalisation_error_without_foreign_mass():
+    m = model("tiny-gpt2")
+    run = run_checked(m, Workload.from_dict(SCENARIOS["softmax_then_mask"].workload), "softmax_then_mask")
+    assert {f.kind for f in run.findings} == {"normalisation"}
+    assert run.summary()["leak"]["max_foreign_mass"] == 0
+    assert all(d.classification == "divergence" for d in run.divergences)
+
+
+def test_fault_for_the_other_mechanism_and_unknown_fault_are_refused():
+    wl = Workload.from_dict(SCENARIOS["softmax_then_mask"].workload)  # paged
+    with pytest.raises(FaultMismatch, match="masked mechanism"):
+        run_checked(model("tiny-llama"), wl, "boundary")
+    with pytest.raises(UnknownFault, match="the catalogue"):
+        run_checked(model("tiny-llama"), wl, "cosmic_ray")
+
+
+def test_catalogue_has_every_fault_of_the_issue():
+    assert set(FAULTS) == {
+        "boundary", "global", "positional", "padding_as_isolation", "softmax_then_mask", "additive_mask_sum",
+        "low_precision_fill", "zero_block_table", "missing_cow", "early_free", "stale_hash", "unsalted_prefix",
+        "wrong_slot_mapping"}
+    assert {s.fault for s in FAULTED} == set(FAULTS)
+
+
+def passphrase_weights(m, fault):
+    from kvviz.faults import defences_with
+
+    wl = Workload.from_dict(SCENARIOS["passphrase"].build(m.tokenizer))
+    a_len = len(m.tokenizer(wl.requests[0].prompt).input_ids)
+    probe = LastPromptTokenProbe("A", a_len - 1)
+    cfg = wl.engine
+    result = Engine(m, cfg, defences_with(fault, cfg.block_size)).run(wl, observers=[probe])
+    on_b = sum(k.weight for k in probe.weights if k.writer == "B")
+    on_a = sum(k.weight for k in probe.weights if k.writer == "A")
+    return on_a, on_b, result.requests[0].output_ids
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", pytest.param("smollm2", marks=pytest.mark.slow)])
+def test_passphrase_boundary_reaches_into_the_other_request(name):
+    m = model(name)
+    own, other, clean_out = passphrase_weights(m, None)
+    assert other == 0 and own == pytest.approx(1.0, abs=1e-5)
+    own_f, other_f, faulty_out = passphrase_weights(m, "boundary")
+    assert other_f > 0.01, f"boundary fault put only {other_f} on B's slots"
+    assert faulty_out != clean_out, "the continuation must change"
+
+
+@pytest.mark.slow
+def test_audit_on_smollm2_detects_every_fault_and_controls_are_clean():
+    rows = audit(model("smollm2"))
+    bad = [r for r in rows if not r.ok]
+    assert not bad, bad
+    assert {r.fault for r in rows if r.fault} == set(FAULTS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(3))
+def test_random_controls_are_clean_on_smollm2(seed):
+    run = run_checked(model("smollm2"), random_workload(random.Random(1000 + seed)))
+    assert run.findings == [] and run.summary()["divergence"]["diverged_requests"] == 0
