@@ -1,6 +1,7 @@
 """`python -m kvviz bench`: throughput of kvviz against transformers, measured in one process.
 
-Peers, on the same prompts: kvviz `fast` and `inspect` (paged, prefix caching on), transformers
+Peers, on the same prompts: kvviz `fast` and `inspect` (paged, prefix caching on), `inspect` with
+the provenance oracle on every layer, transformers
 batched `generate` with left padding, and transformers `generate_batch` (its own continuous
 batching). Ratios are against `generate` measured in the same run; every request generates exactly
 the same number of tokens (EOS ignored) so the work is equal.
@@ -19,6 +20,7 @@ from transformers import GenerationConfig
 
 from .engine import Engine, EngineConfig
 from .models import LoadedModel
+from .oracle import ProvenanceOracle
 from .workload import RequestSpec, Workload
 
 
@@ -62,16 +64,18 @@ def cases(vocab: int, sizes: list[int], new_tokens: int, seed: int = 0) -> list[
     return out
 
 
-def run_kvviz(m: LoadedModel, case: BenchCase, compute: str, prefix_caching: bool = True) -> Measurement:
+def run_kvviz(m: LoadedModel, case: BenchCase, compute: str, prefix_caching: bool = True,
+              oracle: bool = False) -> Measurement:
     longest = max(len(p) for p in case.prompts) + case.new_tokens
     cfg = EngineConfig(block_size=16, num_blocks=len(case.prompts) * (-(-longest // 16)) + 8,
                        max_batch_tokens=2048, isolation="paged", compute=compute, prefix_caching=prefix_caching)
     reqs = [RequestSpec(f"r{i}", prompt_ids=p, max_new_tokens=case.new_tokens, ignore_eos=True)
             for i, p in enumerate(case.prompts)]
+    observers = [ProvenanceOracle()] if oracle else []
     t = time.perf_counter()
-    res = Engine(m, cfg).run(Workload(reqs, cfg))
+    res = Engine(m, cfg).run(Workload(reqs, cfg), observers=observers)
     seconds = time.perf_counter() - t
-    peer = f"kvviz {compute}" + ("" if prefix_caching else " (no prefix cache)")
+    peer = f"kvviz {compute}" + (" + oracle" if oracle else "") + ("" if prefix_caching else " (no prefix cache)")
     return Measurement(case.name, peer, seconds, res.stats.generated_tokens, res.stats.prefill_tokens_computed)
 
 
@@ -104,6 +108,7 @@ def run_generate_batch(m: LoadedModel, case: BenchCase) -> Measurement:
 PEERS: dict[str, Callable[[LoadedModel, BenchCase], Measurement]] = {
     "kvviz fast": lambda m, c: run_kvviz(m, c, "fast"),
     "kvviz inspect": lambda m, c: run_kvviz(m, c, "inspect"),
+    "kvviz inspect + oracle": lambda m, c: run_kvviz(m, c, "inspect", oracle=True),
     "hf generate": run_generate,
     "hf generate_batch": run_generate_batch,
 }
@@ -139,7 +144,12 @@ def report(m: LoadedModel, results: list[Measurement], sizes: list[int], new_tok
         computed = "" if r.prefill_computed is None else str(r.prefill_computed)
         lines.append(f"| {r.case} | {r.peer} | {r.tokens_per_second:.1f} | "
                      f"{r.tokens_per_second / base[r.case]:.2f} | {computed} |")
-    for case in {r.case for r in results if r.case.startswith("shared")}:
+    for case in sorted({r.case for r in results}):
+        plain = next(r for r in results if r.case == case and r.peer == "kvviz inspect")
+        checked = next(r for r in results if r.case == case and r.peer == "kvviz inspect + oracle")
+        lines.append(f"\n{case}: the oracle on every layer makes inspect "
+                     f"{100 * (plain.tokens_per_second / checked.tokens_per_second - 1):.0f}% slower.")
+    for case in sorted({r.case for r in results if r.case.startswith("shared")}):
         on = next(r for r in results if r.case == case and r.peer == "kvviz fast").prefill_computed
         off = next(r for r in results if r.case == case and r.peer.endswith("(no prefix cache)")).prefill_computed
         lines.append(f"\n{case}: prefix caching computes {on} prefill tokens instead of {off} "

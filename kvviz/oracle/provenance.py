@@ -63,10 +63,22 @@ class _Layer:
     stale: torch.Tensor
     own: torch.Tensor
     cross: torch.Tensor
-    nonfinite: torch.Tensor
+    nonfinite: torch.Tensor  # 1 where the row holds a NaN or an infinity
     duplicate: torch.Tensor
     source: torch.Tensor  # writer id (provenance interner) of the largest foreign source, 0 = none
     cross_source: torch.Tensor  # writer id of the largest other-tenant source
+
+
+@dataclass
+class _KeyClasses:
+    """Per (query row, key) of one attention group, [R, Q, L]."""
+
+    own: torch.Tensor
+    not_own: torch.Tensor
+    foreign: torch.Tensor  # written by another prefix; the rest of not_own is stale
+    cross: torch.Tensor | None  # own by content but written by another tenant (None: no such key)
+    q_pos: torch.Tensor  # [R, Q]
+    writers: torch.Tensor  # [R, L] writer id of each key slot
 
 
 @dataclass
@@ -94,47 +106,62 @@ class ProvenanceOracle:
         self.req_tenant = torch.tensor([prov.tenants.id(t) for t in ctx.tenants], device=dev)
         self.writer_names = prov.requests.names
         self.layers: dict[int, _Layer] = {}
+        self.classes: dict[int, _KeyClasses] = {}
 
-    def on_attention(self, layer: int, group: AttentionGroup, probs: torch.Tensor) -> None:
-        R, H, Q, L = probs.shape
+    def _classify(self, group: AttentionGroup) -> _KeyClasses:
+        """Key classes per (query row, key) of a group: the same in every layer, so computed once."""
+        if id(group) in self.classes:
+            return self.classes[id(group)]
+        R, Q, L = group.mask.shape
         ctx, slots = self.ctx, group.key_slots
         qr, qp = ctx.q_row[group.span].view(R, Q), ctx.q_pos[group.span].view(R, Q)
         kpos = self.slot_pos[slots]  # [R, L]
         written = (self.slot_life[slots] == self.block_life[slots // ctx.block_size]) & (kpos >= 0)
         expected = self.req_prefix[qr[:, :, None], kpos.clamp(0, self.req_prefix.shape[1] - 1)[:, None, :]]
         own = written[:, None] & (kpos[:, None] <= qp[..., None]) & (self.slot_prefix[slots][:, None] == expected)
-        foreign = written[:, None] & ~own  # [R, Q, L]
-        stale = ~written[:, None].expand_as(own)
-        finite = torch.isfinite(probs)
-        p = torch.where(finite, probs, 0.0)
-        visible = p > 0
-        other_tenant = self.slot_tenant[slots][:, None] != self.req_tenant[qr][..., None]
+        cross = own & (self.slot_tenant[slots][:, None] != self.req_tenant[qr][..., None])
+        out = self.classes[id(group)] = _KeyClasses(own, ~own, written[:, None].expand_as(own) & ~own,
+                                                     cross if bool(cross.any()) else None, qp, self.slot_writer[slots])
+        return out
 
-        def mass(cls: torch.Tensor) -> torch.Tensor:  # [R, Q, L] -> [R, H, Q]
-            return (p * cls[:, None]).sum(-1)
-
-        writers = self.slot_writer[slots]
-
-        def top_writer(weights: torch.Tensor) -> torch.Tensor:  # [R, H, Q, L] -> writer id per row
-            per_writer = torch.zeros(R, H, Q, len(self.writer_names), device=p.device)
-            per_writer.scatter_add_(-1, writers[:, None, None, :].expand(R, H, Q, L), weights)
-            return per_writer.argmax(-1)
-
-        foreign_m, cross_m = mass(foreign), mass(own & other_tenant)
-        no_source = torch.zeros(R, H, Q, dtype=torch.long, device=p.device)
-        source = top_writer(p * foreign[:, None]) if bool((foreign_m > 0).any()) else no_source
-        cross_source = top_writer(p * (own & other_tenant)[:, None]) if bool((cross_m > 0).any()) else no_source
-        for name, cls in (("own", own), ("foreign", foreign), ("stale", stale)):
-            self.counts[name] += int((visible & cls[:, None]).sum())
+    def on_attention(self, layer: int, group: AttentionGroup, probs: torch.Tensor) -> None:
+        """Per query row and head: mass on own / foreign / stale / other-tenant keys, and the source.
+        Clean rows cost three passes over the probabilities (row sum, non-own mass, own count)."""
+        R, H, Q, L = probs.shape
+        k = self._classify(group)
+        total = probs.sum(-1)  # NaN or inf anywhere in the row shows here
+        finite = torch.isfinite(total)
+        p = probs if bool(finite.all()) else torch.where(torch.isfinite(probs), probs, 0.0)
+        zero = torch.zeros(R, H, Q, device=p.device)
+        leak = (p * k.not_own[:, None]).sum(-1)
+        foreign_m, stale_m, source = zero, zero, zero.long()
+        if bool((leak > 0).any()):
+            foreign_w = p * k.foreign[:, None]
+            foreign_m, stale_m = foreign_w.sum(-1), leak - foreign_w.sum(-1)
+            source = self._top_writer(foreign_w, k.writers)
+            self.counts["foreign"] += int((foreign_w > 0).sum())
+            self.counts["stale"] += int(((p > 0) & (k.not_own & ~k.foreign)[:, None]).sum())
+        own_visible = ((p > 0) & k.own[:, None]).sum(-1)
+        self.counts["own"] += int(own_visible.sum())
+        cross_m, cross_source = zero, zero.long()
+        if k.cross is not None:
+            cross_w = p * k.cross[:, None]
+            cross_m, cross_source = cross_w.sum(-1), self._top_writer(cross_w, k.writers)
 
         def per_token(x: torch.Tensor) -> torch.Tensor:  # [R, H, Q] -> [R*Q, H] in packed order
             return x.permute(0, 2, 1).reshape(R * Q, H)
 
-        own_visible = (visible & own[:, None]).sum(-1)
-        rows = _Layer(per_token(foreign_m), per_token(mass(stale)), per_token(mass(own)), per_token(cross_m),
-                      per_token((~finite).sum(-1)), per_token(own_visible > qp[:, None] + 1),
+        rows = _Layer(per_token(foreign_m), per_token(stale_m), per_token(torch.where(finite, total, 0) - leak),
+                      per_token(cross_m), per_token((~finite).long()), per_token(own_visible > k.q_pos[:, None] + 1),
                       per_token(source), per_token(cross_source))
         self._store(layer, group, rows)
+
+    def _top_writer(self, weights: torch.Tensor, writers: torch.Tensor) -> torch.Tensor:
+        """The writer holding the most weight in each row: [R, H, Q, L] -> [R, H, Q] writer ids."""
+        R, H, Q, L = weights.shape
+        per_writer = torch.zeros(R, H, Q, len(self.writer_names), device=weights.device)
+        per_writer.scatter_add_(-1, writers[:, None, None, :].expand(R, H, Q, L), weights)
+        return per_writer.argmax(-1)
 
     def _store(self, layer: int, group: AttentionGroup, rows: _Layer) -> None:
         T, H = len(self.ctx.q_row), rows.foreign.shape[1]
@@ -171,7 +198,7 @@ class ProvenanceOracle:
         ]
         for kind, values, limit, source in checks:
             self._findings(kind, values, limit, source, order, names)
-        del self.layers
+        del self.layers, self.classes
 
     def _findings(self, kind, values, limit, source, layers, names) -> None:
         """One finding per (request, source) for each kind: its worst (layer, head, query)."""
