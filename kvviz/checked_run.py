@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from .engine import Engine, RunResult, StepRecord
+from .engine.observer import AttentionObserver
 from .faults import FAULTS, defences_with
 from .models import LoadedModel
 from .oracle import Finding, OracleConfig, ProvenanceOracle
@@ -38,7 +39,7 @@ class CheckedRun:
 
 def run_checked(m: LoadedModel, workload: Workload, fault: str | None = None,
                 on_step: Callable[[StepRecord], None] | None = None, config: OracleConfig | None = None,
-                reference: bool = True) -> CheckedRun:
+                reference: bool = True, probes: Sequence[AttentionObserver] = ()) -> CheckedRun:
     """Run with the provenance oracle on every layer (inspect path) and compare each request with
     itself run alone."""
     if fault is not None and fault in FAULTS and FAULTS[fault].isolation not in (None, workload.engine.isolation):
@@ -47,7 +48,8 @@ def run_checked(m: LoadedModel, workload: Workload, fault: str | None = None,
     engine_cfg = replace(workload.engine, compute="inspect")  # the oracle needs the probabilities
     oracle = ProvenanceOracle(config or OracleConfig())
     defences = defences_with(fault, engine_cfg.block_size)
-    result = Engine(m, engine_cfg, defences).run(workload, on_step=on_step, observers=[oracle], keep_logits=reference)
+    result = Engine(m, engine_cfg, defences).run(workload, on_step=on_step, observers=[oracle, *probes],
+                                                 keep_logits=reference)
     leaked: dict[str, float] = {}
     for s in oracle.steps:
         for r, name in enumerate(s.requests):

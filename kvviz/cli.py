@@ -37,6 +37,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .scenarios import UnknownScenario, scenario
     from .workload import Workload, WorkloadError
 
+    probe = None
     try:
         if (args.workload is None) == (args.scenario is None):
             raise WorkloadError("give exactly one of --workload FILE or --scenario NAME")
@@ -53,7 +54,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                 summary = Engine(m, wl.engine).run(wl, on_step=progress).summary()
                 summary.update(fault=None, leak=None, divergence=None, findings=None)
             else:
-                summary = run_checked(m, wl, fault, on_step=progress).summary()
+                probe = _seed_probe(m, sc, wl)
+                summary = run_checked(m, wl, fault, on_step=progress, probes=[probe] if probe else []).summary()
     except (WorkloadError, ConfigError, ModelError, EngineError, UnknownFault, UnknownScenario, FaultMismatch) as e:
         print(f"kvviz: error: {e}", file=sys.stderr)
         return 2
@@ -62,7 +64,19 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(json.dumps(summary, ensure_ascii=False))
     else:
         _print_run(summary)
+        if probe is not None and probe.weights:
+            print(f"{probe.request}'s last prompt token over the shared buffer (mean of layers and heads):")
+            print(probe.table(m.tokenizer))
     return 1 if args.fail_on_leak and summary["findings"] else 0
+
+
+def _seed_probe(m, sc, wl):
+    """For the seed's scenarios, watch request A's last prompt token (the seed's table)."""
+    from .oracle.probe import LastPromptTokenProbe
+
+    if sc is None or sc.name not in ("passphrase", "boundary", "global"):
+        return None
+    return LastPromptTokenProbe("A", len(m.tokenizer(wl.requests[0].prompt).input_ids) - 1)
 
 
 def cmd_scenarios(args: argparse.Namespace) -> int:

@@ -64,3 +64,55 @@ def test_bad_model_exits_2(tmp_path):
 def test_bad_bench_arguments_exit_2():
     p = kvviz("bench", "--sizes", "eight", "--model", "tiny-llama")
     assert p.returncode == 2 and "--sizes takes positive integers" in p.stderr
+
+
+def test_scenarios_lists_the_seed_patterns_first():
+    p = kvviz("scenarios")
+    names = [line.split()[0] for line in p.stdout.splitlines()]
+    assert p.returncode == 0 and names[:4] == ["passphrase", "boundary", "global", "positional"]
+    assert "control_tenants" in names
+
+
+def test_run_scenario_json_has_the_gating_keys_and_fail_on_leak():
+    p = kvviz("run", "--scenario", "boundary", "--model", "tiny-llama", "--json", "--fail-on-leak")
+    assert p.returncode == 1, p.stderr
+    s = json.loads(p.stdout.strip().splitlines()[-1])
+    assert set(s["leak"]) == {"max_foreign_mass", "mean_foreign_mass", "leak_rate", "counts"}
+    assert set(s["leak"]["counts"]) == {"own", "foreign", "stale"}
+    assert set(s["divergence"]) == {"diverged_requests", "max_logit_diff"}
+    assert s["findings"] and set(s["findings"][0]) == {"kind", "request", "step", "layer", "head", "position",
+                                                       "source_request", "mass"}
+    assert s["leak"]["max_foreign_mass"] > 0 and s["fault"] == "boundary"
+    clean = kvviz("run", "--scenario", "passphrase", "--model", "tiny-llama", "--json", "--fail-on-leak")
+    assert clean.returncode == 0, clean.stderr
+    assert json.loads(clean.stdout.strip().splitlines()[-1])["findings"] == []
+
+
+def test_run_workload_with_a_fault_and_the_seed_table(tmp_path):
+    p = kvviz("run", "--scenario", "passphrase", "--fault", "boundary", "--model", "tiny-llama", "--quiet")
+    assert p.returncode == 0 and "last prompt token over the shared buffer" in p.stdout
+    assert "finding foreign" in p.stdout
+    wl = tmp_path / "wl.json"
+    wl.write_text(json.dumps({"requests": [{"id": "A", "prompt": "abc"}, {"id": "B", "prompt": "xyz"}],
+                              "engine": {"isolation": "paged"}}))
+    p = kvviz("run", "--workload", str(wl), "--fault", "zero_block_table", "--model", "tiny-llama", "--json")
+    assert p.returncode == 0 and json.loads(p.stdout.splitlines()[-1])["findings"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--scenario", "nope"], "unknown scenario 'nope'"),
+    (["--scenario", "passphrase", "--fault", "nope"], "unknown fault 'nope'"),
+    (["--scenario", "softmax_then_mask", "--fault", "boundary"], "breaks the masked mechanism"),
+    ([], "exactly one of --workload FILE or --scenario NAME"),
+])
+def test_bad_scenario_or_fault_exits_2(args, message):
+    p = kvviz("run", *args, "--model", "tiny-llama")
+    assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr
+
+
+def test_audit_on_a_tiny_model_passes():
+    p = kvviz("audit", "--model", "tiny-llama")
+    assert p.returncode == 0, p.stdout[-2000:]
+    assert "rows as expected." in p.stdout and "unsalted_prefix" in p.stdout
+    row = next(line for line in p.stdout.splitlines() if line.startswith("unsalted_prefix") and "clean" not in line)
+    assert "cross-tenant" in row

@@ -47,6 +47,23 @@ class LastPromptTokenProbe:
         self._sum = row if self._sum is None else self._sum + row
         self._slots, self._layers = group.key_slots[r], self._layers + 1
 
+    def table(self, tokenizer) -> str:
+        """The seed's table: each request's slots in physical order, text and weight. Tokens that are
+        pieces of one character (byte-level tokenizers split 红 in three) are merged, weights summed."""
+        by_writer: dict[str, list[str]] = {}
+        pending: dict[str, tuple[list[int], float]] = {}
+        for k in sorted(self.weights, key=lambda k: k.slot):
+            if k.writer is None or k.token_id < 0:
+                continue
+            ids, weight = pending.pop(k.writer, ([], 0.0))
+            ids, weight = ids + [k.token_id], weight + k.weight
+            text = tokenizer.decode(ids)
+            if "\ufffd" in text and len(ids) < 4:
+                pending[k.writer] = (ids, weight)
+            else:
+                by_writer.setdefault(k.writer, []).append(f"{text.strip() or text!r} {weight:.2f}")
+        return "\n".join(f"  {w:>6} | " + "  ".join(cells) for w, cells in by_writer.items())
+
     def end_step(self) -> None:
         if self._sum is None or self.weights:
             return
