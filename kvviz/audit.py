@@ -52,10 +52,10 @@ def audit(m: LoadedModel, progress: Callable[[str], None] = lambda s: None) -> l
 
 
 def format_matrix(rows: list[AuditRow]) -> str:
-    head = f"{'scenario':30} {'fault':22} {'expected':26} {'raised':40} {'detected by':24} {'mass':>7} {'div':>4}  ok"
+    head = f"{'scenario':30} {'fault':22} {'expected':28} {'raised':40} {'detected by':24} {'mass':>7} {'div':>4}  ok"
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r.scenario:30} {r.fault or 'clean':22} {','.join(r.expected) or '-':26} "
+        lines.append(f"{r.scenario:30} {r.fault or 'clean':22} {','.join(r.expected) or '-':28} "
                      f"{','.join(r.kinds) or '-':40} {r.detected_by:24} {r.max_foreign_mass:7.4f} "
                      f"{r.diverged:4d}  {'yes' if r.ok else 'NO'}")
     return "\n".join(lines)
