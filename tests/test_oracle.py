@@ -7,6 +7,7 @@ import functools
 import random
 
 import pytest
+import torch
 
 from kvviz.audit import audit
 from kvviz.checked_run import FaultMismatch, run_checked
@@ -158,3 +159,16 @@ def test_audit_on_smollm2_detects_every_fault_and_controls_are_clean():
 def test_random_controls_are_clean_on_smollm2(seed):
     run = run_checked(model("smollm2"), random_workload(random.Random(1000 + seed)))
     assert run.findings == [] and run.summary()["divergence"]["diverged_requests"] == 0
+
+
+def test_positional_entropy_is_zero_for_a_single_key_and_grows_with_context():
+    from kvviz.oracle import ProvenanceOracle
+
+    m = model("tiny-llama")
+    oracle = ProvenanceOracle()
+    wl = Workload.from_dict({"requests": [{"id": "A", "prompt_ids": [5], "max_new_tokens": 6}]})
+    Engine(m, wl.engine).run(wl, observers=[oracle])
+    first, last = oracle.steps[0], oracle.steps[-1]
+    assert float(first.sum_entropy.abs().max()) < 1e-6  # position 0 sees only itself
+    assert float(last.sum_entropy.min()) > 0
+    assert float(last.sum_entropy.max()) <= torch.log(torch.tensor(6.0)) + 1e-5  # at most uniform over 6 keys

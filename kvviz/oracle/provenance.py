@@ -52,6 +52,7 @@ class StepLeak:
     max_foreign: torch.Tensor  # [R, layers, H] max over queries of foreign + stale mass
     sum_foreign: torch.Tensor  # [R, layers, H]
     leak_rows: torch.Tensor  # [R, layers, H] queries whose foreign + stale mass > threshold
+    sum_entropy: torch.Tensor  # [R, layers, H] positional entropy (nats), summed over queries
     rows: list[int]  # queries per request this step
 
 
@@ -67,6 +68,7 @@ class _Layer:
     duplicate: torch.Tensor
     source: torch.Tensor  # writer id (provenance interner) of the largest foreign source, 0 = none
     cross_source: torch.Tensor  # writer id of the largest other-tenant source
+    entropy: torch.Tensor  # the seed's positional entropy of the row, in nats
 
 
 @dataclass
@@ -126,7 +128,7 @@ class ProvenanceOracle:
 
     def on_attention(self, layer: int, group: AttentionGroup, probs: torch.Tensor) -> None:
         """Per query row and head: mass on own / foreign / stale / other-tenant keys, and the source.
-        Clean rows cost three passes over the probabilities (row sum, non-own mass, own count)."""
+        Clean rows cost four passes over the probabilities (row sum, non-own mass, own count, entropy)."""
         R, H, Q, L = probs.shape
         k = self._classify(group)
         total = probs.sum(-1)  # NaN or inf anywhere in the row shows here
@@ -153,7 +155,7 @@ class ProvenanceOracle:
 
         rows = _Layer(per_token(foreign_m), per_token(stale_m), per_token(torch.where(finite, total, 0) - leak),
                       per_token(cross_m), per_token((~finite).long()), per_token(own_visible > k.q_pos[:, None] + 1),
-                      per_token(source), per_token(cross_source))
+                      per_token(source), per_token(cross_source), per_token(torch.special.entr(p).sum(-1)))
         self._store(layer, group, rows)
 
     def _top_writer(self, weights: torch.Tensor, writers: torch.Tensor) -> torch.Tensor:
@@ -186,6 +188,7 @@ class ProvenanceOracle:
             zeros.scatter_reduce(0, idx, per_query, "amax").cpu(),
             zeros.index_add(0, ctx.q_row, per_query).cpu(),
             zeros.index_add(0, ctx.q_row, (per_query > cfg.threshold).to(zeros.dtype)).cpu(),
+            zeros.index_add(0, ctx.q_row, stack["entropy"].permute(1, 0, 2)).cpu(),
             torch.bincount(ctx.q_row, minlength=R).tolist()))
         unexplained = torch.where(leak > cfg.threshold, 0.0, (1 - stack["own"]).abs())
         checks = [  # kind, value per row, limit above which it is a finding, source of the value
