@@ -39,17 +39,18 @@ class CheckedRun:
 
 def run_checked(m: LoadedModel, workload: Workload, fault: str | None = None,
                 on_step: Callable[[StepRecord], None] | None = None, config: OracleConfig | None = None,
-                reference: bool = True, probes: Sequence[AttentionObserver] = ()) -> CheckedRun:
+                reference: bool = True, probes: Sequence[AttentionObserver] = (), run_id: str | None = None,
+                oracle: ProvenanceOracle | None = None) -> CheckedRun:
     """Run with the provenance oracle on every layer (inspect path) and compare each request with
     itself run alone."""
     if fault is not None and fault in FAULTS and FAULTS[fault].isolation not in (None, workload.engine.isolation):
         raise FaultMismatch(f"fault {fault!r} breaks the {FAULTS[fault].isolation} mechanism; this workload uses "
                             f"isolation {workload.engine.isolation!r}")
     engine_cfg = replace(workload.engine, compute="inspect")  # the oracle needs the probabilities
-    oracle = ProvenanceOracle(config or OracleConfig())
+    oracle = oracle or ProvenanceOracle(config or OracleConfig())
     defences = defences_with(fault, engine_cfg.block_size)
     result = Engine(m, engine_cfg, defences).run(workload, on_step=on_step, observers=[oracle, *probes],
-                                                 keep_logits=reference)
+                                                 keep_logits=reference, run_id=run_id)
     leaked: dict[str, float] = {}
     for s in oracle.steps:
         for r, name in enumerate(s.requests):

@@ -11,6 +11,8 @@ from tqdm import tqdm
 
 from . import __version__
 
+DEFAULT_DB = "runs/kvviz.duckdb"
+
 
 def cmd_fetch_model(args: argparse.Namespace) -> int:
     """Fetch and convert a model now (e.g. at image build time) so later loads are fast."""
@@ -30,11 +32,12 @@ def cmd_fetch_model(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     """Run a workload or scenario with both oracles; a table, or JSON as the last line with --json.
     Exit 1 with --fail-on-leak when the run has findings, 2 on bad input."""
-    from .checked_run import FaultMismatch, run_checked
+    from .checked_run import FaultMismatch
     from .engine import ConfigError, Engine, EngineError
     from .faults import UnknownFault
     from .models import ModelError, load_model
     from .scenarios import UnknownScenario, scenario
+    from .store import StoreError
     from .workload import Workload, WorkloadError
 
     probe = None
@@ -55,8 +58,9 @@ def cmd_run(args: argparse.Namespace) -> int:
                 summary.update(fault=None, leak=None, divergence=None, findings=None)
             else:
                 probe = _seed_probe(m, sc, wl)
-                summary = run_checked(m, wl, fault, on_step=progress, probes=[probe] if probe else []).summary()
-    except (WorkloadError, ConfigError, ModelError, EngineError, UnknownFault, UnknownScenario, FaultMismatch) as e:
+                summary = _recorded_run(args, m, wl, fault, progress, probe)
+    except (WorkloadError, ConfigError, ModelError, EngineError, UnknownFault, UnknownScenario, FaultMismatch,
+            StoreError) as e:
         print(f"kvviz: error: {e}", file=sys.stderr)
         return 2
     summary = {**summary, "scenario": args.scenario, "model": {"name": m.name, "fingerprint": m.fingerprint}}
@@ -68,6 +72,58 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(f"{probe.request}'s last prompt token over the shared buffer (mean of layers and heads):")
             print(probe.table(m.tokenizer))
     return 1 if args.fail_on_leak and summary["findings"] else 0
+
+
+def _recorded_run(args, m, wl, fault, progress, probe) -> dict:
+    """A checked run recorded step by step into --db; a run that dies is marked failed there."""
+    from .checked_run import run_checked
+    from .engine.engine import new_run_id
+    from .oracle import ProvenanceOracle
+    from .store import RunRecorder
+
+    run_id, oracle = new_run_id(), ProvenanceOracle()
+    rec = RunRecorder(args.db, run_id, model=m, workload=wl, scenario=args.scenario, fault=fault, oracle=oracle)
+
+    def on_step(r):
+        rec.on_step(r)
+        progress(r)
+
+    try:
+        run = run_checked(m, wl, fault, on_step=on_step, probes=[probe] if probe else [], run_id=run_id,
+                          oracle=oracle)
+    except BaseException as e:
+        rec.fail(e)
+        raise
+    rec.finish(run)
+    return {**run.summary(), "db": str(args.db)}
+
+
+def cmd_sql(args: argparse.Namespace) -> int:
+    """A read-only query over the run store; exit 2 with the reason when it is refused."""
+    from .store import SqlError, open_sandbox, run_query
+
+    try:
+        con = open_sandbox(args.db)
+        res = run_query(con, args.query, max_rows=args.limit)
+    except SqlError as e:
+        print(f"kvviz: sql: {e}", file=sys.stderr)
+        return 2
+    if args.format == "json":
+        print(json.dumps([dict(zip(res.columns, r, strict=True)) for r in res.rows], default=str, ensure_ascii=False))
+    elif args.format == "csv":
+        import csv
+
+        w = csv.writer(sys.stdout)
+        w.writerow(res.columns)
+        w.writerows(res.rows)
+    else:
+        widths = [max([len(c)] + [len(str(r[i])) for r in res.rows]) for i, c in enumerate(res.columns)]
+        print("  ".join(c.ljust(w) for c, w in zip(res.columns, widths, strict=True)))
+        for r in res.rows:
+            print("  ".join(str(v).ljust(w) for v, w in zip(r, widths, strict=True)))
+    if res.truncated:
+        print(f"kvviz: sql: showing the first {args.limit} rows", file=sys.stderr)
+    return 0
 
 
 def _seed_probe(m, sc, wl):
@@ -187,7 +243,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     run.add_argument("--json", action="store_true", help="print one JSON summary as the last line of stdout")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
+    run.add_argument("--db", default=str(DEFAULT_DB), help=f"run store to record into (default {DEFAULT_DB})")
     run.set_defaults(func=cmd_run)
+
+    sql = sub.add_parser("sql", help="a read-only SQL query over the run store")
+    sql.add_argument("query", help='e.g. "SELECT run_id, status, fault, max_foreign_mass FROM runs"')
+    sql.add_argument("--db", default=str(DEFAULT_DB), help=f"run store (default {DEFAULT_DB})")
+    sql.add_argument("--format", choices=["table", "csv", "json"], default="table")
+    sql.add_argument("--limit", type=int, default=10_000, help="most rows returned (default 10000)")
+    sql.set_defaults(func=cmd_sql)
 
     scen = sub.add_parser("scenarios", help="list the replayable scenarios")
     scen.set_defaults(func=cmd_scenarios)

@@ -5,15 +5,18 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+DB = Path(tempfile.mkdtemp(prefix="kvviz-cli-")) / "kvviz.duckdb"  # keep the repository's runs/ untouched
 
 
 def kvviz(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvviz", *args], cwd=ROOT, capture_output=True, text=True,
+    extra = ["--db", str(DB)] if args and args[0] == "run" else []
+    return subprocess.run([sys.executable, "-m", "kvviz", *args, *extra], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
 
 

@@ -27,6 +27,10 @@ from .scheduler import Scheduler
 _MODEL_LOCK = threading.Lock()  # the attention implementation is a property of the shared model
 
 
+def new_run_id() -> str:
+    return uuid.uuid4().hex[:12]
+
+
 class EngineError(RuntimeError):
     """The workload cannot run on this model and pool (it says which request and why)."""
 
@@ -132,7 +136,8 @@ class Engine:
             self.eos_ids.add(model.tokenizer.eos_token_id)
 
     def run(self, workload: Workload, on_step: Callable[[StepRecord], None] | None = None,
-            observers: Sequence[AttentionObserver] = (), keep_logits: bool = False) -> RunResult:
+            observers: Sequence[AttentionObserver] = (), keep_logits: bool = False,
+            run_id: str | None = None) -> RunResult:
         """Run every request of the workload to completion; steps are numbered from 0. Observers
         see every layer's attention probabilities, which only the inspect path computes."""
         cfg = self.config
@@ -172,7 +177,7 @@ class Engine:
         stats.seconds = time.perf_counter() - t0
         stats.cached_tokens = sum(r.cached_tokens for r in live.values())
         stats.prompt_tokens = sum(len(r.prompt_ids) for r in live.values())
-        return RunResult(uuid.uuid4().hex[:12], cfg, [self._result(live[s.id]) for s, _ in specs], stats)
+        return RunResult(run_id or new_run_id(), cfg, [self._result(live[s.id]) for s, _ in specs], stats)
 
     # -- one step ------------------------------------------------------------------------------
     def _step(self, step, plan, kv, tensors, live, stats, observers) -> StepRecord:

@@ -1,0 +1,131 @@
+"""Records a run step by step: buffered in columns, inserted in bulk as Arrow tables.
+
+The run row is written as `running` before the first step and finished as `complete` or `failed`;
+buffers are flushed every few steps in their own transaction, so a run killed midway leaves a
+database that opens, with the run shown as running and its steps so far readable.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING
+
+import pyarrow as pa
+
+from .. import __version__
+from ..engine import StepRecord
+from ..engine.hashing import hash_to_u64
+from .db import open_writer
+
+if TYPE_CHECKING:
+    from ..checked_run import CheckedRun
+    from ..oracle import ProvenanceOracle
+
+
+_TYPES = {"hash": pa.uint64()}  # vLLM-style 64-bit hashes exceed int64
+
+
+class RunRecorder:
+    def __init__(self, db_path, run_id: str, *, model, workload, scenario: str | None = None,
+                 fault: str | None = None, oracle: ProvenanceOracle | None = None, flush_every: int = 8):
+        self.con = open_writer(db_path)
+        self.run_id, self.oracle, self.flush_every = run_id, oracle, flush_every
+        self.rows: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+        self._oracle_steps = self._pending = 0
+        self.con.execute(
+            "INSERT INTO runs (run_id, created_at, status, model, model_fingerprint, scenario, fault, seed, engine, "
+            "workload, kvviz_version) VALUES (?, ?, 'running', ?, ?, ?, ?, ?, ?, ?, ?)",
+            [run_id, datetime.now(UTC).replace(tzinfo=None), model.name, model.fingerprint, scenario, fault,
+             workload.seed, json.dumps(workload.engine.to_dict()), json.dumps(workload.to_dict(), ensure_ascii=False),
+             __version__])
+
+    def _add(self, table: str, **cols) -> None:
+        for k, v in cols.items():
+            self.rows[table][k].append(v)
+
+    def on_step(self, rec: StepRecord) -> None:
+        """The engine's per-step callback: plan, page tables, blocks and events after the step."""
+        rid, s = self.run_id, rec.step
+        for req, (start, n) in rec.work.items():
+            self._add("step_work", run_id=rid, step=s, request_id=req, start=start, tokens=n,
+                      admitted=req in rec.admitted, preempted=req in rec.preempted,
+                      sampled_token=rec.sampled.get(req), finished=req in rec.finished)
+        snap = rec.snapshot
+        self._add("steps", run_id=rid, step=s, seconds=rec.seconds, free_blocks=len(snap.free_queue))
+        for req, table in snap.page_tables.items():
+            for i, b in enumerate(table):
+                self._add("page_tables", run_id=rid, step=s, request_id=req, logical_block=i, physical_block=b)
+        for b, (ref, h, life) in enumerate(zip(snap.refcounts, snap.hashes, snap.lifetimes, strict=True)):
+            self._add("blocks", run_id=rid, step=s, block=b, refcount=ref, hash=None if h is None else hash_to_u64(h),
+                      lifetime=life, state=snap.state(b))
+        for i, e in enumerate(rec.events):
+            self._add("block_events", run_id=rid, step=s, seq=i, kind=e.kind, block=e.block, request_id=e.request,
+                      refcount=e.refcount, source=e.source)
+        self._pending += 1
+        if self._pending >= self.flush_every:
+            self.flush()
+
+    def _collect_oracle(self) -> None:
+        if self.oracle is None:
+            return
+        cols = self.rows["leak_metrics"]
+        for st in self.oracle.steps[self._oracle_steps:]:
+            R, layers, H = st.max_foreign.shape
+            per_request = layers * H
+            cols["run_id"] += [self.run_id] * (R * per_request)
+            cols["step"] += [st.step] * (R * per_request)
+            cols["request_id"] += [req for req in st.requests for _ in range(per_request)]
+            cols["layer"] += [layer for _ in range(R) for layer in range(layers) for _ in range(H)]
+            cols["head"] += list(range(H)) * (R * layers)
+            cols["rows"] += [n for n in st.rows for _ in range(per_request)]
+            for name in ("max_foreign", "sum_foreign", "leak_rows", "sum_entropy"):
+                cols[name] += getattr(st, name).flatten().tolist()
+        self._oracle_steps = len(self.oracle.steps)
+
+    def flush(self) -> None:
+        """Insert everything buffered, in one transaction."""
+        self._collect_oracle()
+        if not self.rows:
+            return
+        self.con.execute("BEGIN TRANSACTION")
+        for table, cols in self.rows.items():
+            buf = pa.table({k: pa.array(v, type=_TYPES.get(k)) for k, v in cols.items()})  # noqa: F841 (read by name)
+            self.con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM buf")
+        self.con.execute("COMMIT")
+        self.rows.clear()
+        self._pending = 0
+
+    def finish(self, run: CheckedRun, seconds: float | None = None) -> None:
+        res, summary = run.result, run.summary()
+        for r in res.requests:
+            spec = next(s for s in run.workload.requests if s.id == r.id)
+            self._add("requests", run_id=self.run_id, request_id=r.id, tenant=spec.cache_salt, parent=spec.parent,
+                      prompt_ids=r.prompt_ids, output_ids=r.output_ids, text=r.text, arrival_step=r.arrival_step,
+                      first_token_step=r.first_token_step, finish_step=r.finish_step, finish_reason=r.finish_reason,
+                      cached_tokens=r.cached_tokens)
+        for f in run.findings:
+            self._add("findings", run_id=self.run_id, kind=f.kind, request_id=f.request, step=f.step, layer=f.layer,
+                      head=f.head, position=f.position, source_request=f.source_request, mass=f.mass)
+        for d in run.divergences:
+            self._add("divergence", run_id=self.run_id, request_id=d.request,
+                      first_divergent_step=d.first_divergent_step, max_logit_diff=d.max_logit_diff, max_kl=d.max_kl,
+                      classification=d.classification)
+        self.flush()
+        st = res.stats
+        self.con.execute(
+            "UPDATE runs SET status = 'complete', steps = ?, seconds = ?, generated_tokens = ?, max_foreign_mass = ?, "
+            "leak_rate = ?, findings = ? WHERE run_id = ?",
+            [st.steps, seconds if seconds is not None else st.seconds, st.generated_tokens,
+             summary["leak"]["max_foreign_mass"], summary["leak"]["leak_rate"], len(run.findings), self.run_id])
+        self.con.close()
+
+    def fail(self, error: BaseException) -> None:
+        """Keep what was recorded and mark the run failed with the reason."""
+        try:
+            self.flush()
+        finally:
+            self.con.execute("UPDATE runs SET status = 'failed', error = ? WHERE run_id = ?",
+                             [f"{type(error).__name__}: {error}", self.run_id])
+            self.con.close()

@@ -1,0 +1,172 @@
+"""The run store: a recorded run round-trips through DuckDB, failures are marked, and user SQL is
+read-only and locked down."""
+
+from __future__ import annotations
+
+import functools
+import subprocess
+import sys
+from pathlib import Path
+
+import duckdb
+import pytest
+
+from kvviz.checked_run import run_checked
+from kvviz.engine.engine import new_run_id
+from kvviz.models import load_model
+from kvviz.oracle import ProvenanceOracle
+from kvviz.scenarios import SCENARIOS
+from kvviz.store import SCHEMA_VERSION, RunRecorder, SqlError, StoreError, open_sandbox, open_writer, run_query
+from kvviz.workload import Workload
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@functools.cache
+def tiny():
+    return load_model("tiny-llama")
+
+
+def record(db: Path, scenario: str, fault: str | None = None):
+    m = tiny()
+    wl = Workload.from_dict(SCENARIOS[scenario].build(m.tokenizer))
+    run_id, oracle = new_run_id(), ProvenanceOracle()
+    rec = RunRecorder(db, run_id, model=m, workload=wl, scenario=scenario, fault=fault, oracle=oracle, flush_every=3)
+    run = run_checked(m, wl, fault, on_step=rec.on_step, run_id=run_id, oracle=oracle)
+    rec.finish(run)
+    return run
+
+
+@pytest.fixture(scope="module")
+def db(tmp_path_factory):
+    path = tmp_path_factory.mktemp("store") / "kvviz.duckdb"
+    record(path, "boundary", "boundary")
+    record(path, "control_forks")
+    return path
+
+
+def test_a_recorded_run_round_trips(db):
+    con = duckdb.connect(str(db), read_only=True)
+    runs = con.execute("SELECT run_id, status, scenario, fault, steps, findings, max_foreign_mass FROM runs "
+                       "ORDER BY created_at").fetchall()
+    assert [(r[1], r[2], r[3]) for r in runs] == [("complete", "boundary", "boundary"),
+                                                  ("complete", "control_forks", None)]
+    faulty, clean = runs[0][0], runs[1][0]
+    assert runs[0][5] > 0 and runs[0][6] > 0 and runs[1][5] == 0 and runs[1][6] == 0
+    for run_id, steps in ((faulty, runs[0][4]), (clean, runs[1][4])):
+        assert con.execute("SELECT count(*) FROM steps WHERE run_id = ?", [run_id]).fetchone()[0] == steps
+        blocks = con.execute("SELECT count(DISTINCT block) FROM blocks WHERE run_id = ?", [run_id]).fetchone()[0]
+        assert con.execute("SELECT count(*) FROM blocks WHERE run_id = ?", [run_id]).fetchone()[0] == steps * blocks
+    layers, heads = tiny().config.num_hidden_layers, tiny().config.num_attention_heads
+    per_step = con.execute("SELECT count(*) FROM step_work WHERE run_id = ?", [faulty]).fetchone()[0]
+    assert con.execute("SELECT count(*) FROM leak_metrics WHERE run_id = ?", [faulty]).fetchone()[0] == \
+        per_step * layers * heads
+    n_findings = con.execute("SELECT count(*) FROM findings WHERE run_id = ?", [faulty]).fetchone()[0]
+    assert n_findings == runs[0][5]
+    assert con.execute("SELECT count(*) FROM findings WHERE run_id = ?", [clean]).fetchone()[0] == 0
+    kinds = {r[0] for r in con.execute("SELECT DISTINCT kind FROM block_events WHERE run_id = ?", [clean]).fetchall()}
+    assert {"allocate", "share", "cow", "free"} <= kinds
+    reqs = con.execute("SELECT request_id, output_ids FROM requests WHERE run_id = ? ORDER BY request_id",
+                       [clean]).fetchall()
+    assert [r[0] for r in reqs] == ["F", "G", "P"] and all(len(r[1]) > 0 for r in reqs)
+    # the views answer the common questions
+    assert con.execute("SELECT max(max_foreign_mass) FROM leak_rate_per_step WHERE run_id = ?",
+                       [faulty]).fetchone()[0] == pytest.approx(runs[0][6], abs=1e-6)
+    assert con.execute("SELECT count(*) FROM top_leaking_heads WHERE run_id = ?", [faulty]).fetchone()[0] == \
+        layers * heads
+    used = con.execute("SELECT max(used) FROM block_occupancy WHERE run_id = ?", [clean]).fetchone()[0]
+    assert used > 0
+    assert con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0] == SCHEMA_VERSION
+
+
+def test_a_failed_run_is_marked_with_its_error_and_keeps_its_steps(tmp_path):
+    m = tiny()
+    wl = Workload.from_dict(SCENARIOS["control_forks"].workload)
+    run_id, db = new_run_id(), tmp_path / "k.duckdb"
+    rec = RunRecorder(db, run_id, model=m, workload=wl, flush_every=1)
+
+    def on_step(r):
+        rec.on_step(r)
+        if r.step == 2:
+            raise RuntimeError("power cut")
+
+    with pytest.raises(RuntimeError):
+        try:
+            run_checked(m, wl, on_step=on_step, run_id=run_id)
+        except RuntimeError as e:
+            rec.fail(e)
+            raise
+    con = duckdb.connect(str(db), read_only=True)
+    assert con.execute("SELECT status, error FROM runs").fetchone() == ("failed", "RuntimeError: power cut")
+    assert con.execute("SELECT count(*) FROM steps").fetchone()[0] == 3
+
+
+def test_wrong_schema_version_is_refused(tmp_path):
+    db = tmp_path / "k.duckdb"
+    open_writer(db).close()
+    con = duckdb.connect(str(db))
+    con.execute("UPDATE meta SET value = '999'")
+    con.close()
+    with pytest.raises(StoreError, match="schema version 999"):
+        open_writer(db)
+
+
+ALL_TABLES = ["runs", "requests", "steps", "step_work", "page_tables", "blocks", "block_events", "leak_metrics",
+              "findings", "divergence", "leak_rate_per_step", "top_leaking_heads", "block_occupancy", "meta"]
+
+
+def test_selects_over_every_table_and_view_work(db):
+    con = open_sandbox(db)
+    for t in ALL_TABLES:
+        res = run_query(con, f"SELECT * FROM {t} LIMIT 5")
+        assert res.columns and not res.truncated
+    res = run_query(con, "SELECT layer, head, max_foreign_mass FROM top_leaking_heads ORDER BY 3 DESC", max_rows=3)
+    assert len(res.rows) == 3 and res.truncated
+    assert run_query(con, "EXPLAIN SELECT 1").rows
+
+
+HOSTILE = [
+    ("SELECT * FROM read_csv('/etc/passwd')", None),
+    ("SELECT * FROM read_text('/etc/passwd')", None),
+    ("COPY runs TO '/tmp/kvviz-stolen.csv'", "not COPY"),
+    ("ATTACH '/tmp/other.duckdb' AS o", "not ATTACH"),
+    ("INSTALL httpfs", "not LOAD"),  # DuckDB files INSTALL under LOAD
+    ("LOAD httpfs", "not LOAD"),
+    ("DELETE FROM runs", "not DELETE"),
+    ("UPDATE runs SET status = 'x'", "not UPDATE"),
+    ("DROP TABLE runs", "not DROP"),
+    ("SET enable_external_access = true", "not SET"),
+    ("CREATE TABLE t AS SELECT 1", "not CREATE"),
+    ("SELECT 1; DROP TABLE runs", "exactly one statement"),
+    ("SELECT 1; SELECT 2", "exactly one statement"),
+    ("DETACH kvviz", "not DETACH"),
+    ("PRAGMA enable_external_access", None),
+    ("SELECT * FROM sys.modules", None),
+    ("SELCT oops", "cannot parse"),
+]
+
+
+@pytest.mark.parametrize("sql,message", HOSTILE)
+def test_hostile_sql_is_refused_and_changes_nothing(db, sql, message):
+    con = open_sandbox(db)
+    before = run_query(con, "SELECT count(*), min(status) FROM runs").rows
+    with pytest.raises(SqlError) as err:
+        run_query(con, sql)
+    if message:
+        assert message in str(err.value)
+    assert run_query(con, "SELECT count(*), min(status) FROM runs").rows == before
+    assert not Path("/tmp/kvviz-stolen.csv").exists()
+
+
+def test_sql_cli_formats_and_refusals(db):
+    def sql(*args):
+        return subprocess.run([sys.executable, "-m", "kvviz", "sql", *args, "--db", str(db)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)
+
+    ok = sql("SELECT scenario, status FROM runs ORDER BY created_at", "--format", "csv")
+    assert ok.returncode == 0 and ok.stdout.splitlines()[:2] == ["scenario,status", "boundary,complete"]
+    refused = sql("DELETE FROM runs")
+    assert refused.returncode == 2 and "only SELECT queries are allowed" in refused.stderr
+    missing = subprocess.run([sys.executable, "-m", "kvviz", "sql", "SELECT 1", "--db", "/nonexistent/k.duckdb"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and "no database at" in missing.stderr
