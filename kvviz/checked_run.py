@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 from .engine import Engine, RunResult, StepRecord
 from .engine.observer import AttentionObserver
-from .faults import FAULTS, defences_with
+from .faults import FAULTS, UnknownFault, defences_with
 from .models import LoadedModel
 from .oracle import Finding, OracleConfig, ProvenanceOracle
 from .oracle.reference import Divergence, compare_with_isolated, divergence_summary
@@ -37,15 +37,24 @@ class CheckedRun:
                 "findings": [f.to_dict() for f in self.findings]}
 
 
+def check_fault(fault: str | None, workload: Workload) -> None:
+    """Refuse an unknown fault, or one for the other isolation mechanism, before anything runs."""
+    if fault is None:
+        return
+    if fault not in FAULTS:
+        raise UnknownFault(f"unknown fault {fault!r}; the catalogue: {', '.join(FAULTS)}")
+    if FAULTS[fault].isolation not in (None, workload.engine.isolation):
+        raise FaultMismatch(f"fault {fault!r} breaks the {FAULTS[fault].isolation} mechanism; this workload uses "
+                            f"isolation {workload.engine.isolation!r}")
+
+
 def run_checked(m: LoadedModel, workload: Workload, fault: str | None = None,
                 on_step: Callable[[StepRecord], None] | None = None, config: OracleConfig | None = None,
                 reference: bool = True, probes: Sequence[AttentionObserver] = (), run_id: str | None = None,
                 oracle: ProvenanceOracle | None = None) -> CheckedRun:
     """Run with the provenance oracle on every layer (inspect path) and compare each request with
     itself run alone."""
-    if fault is not None and fault in FAULTS and FAULTS[fault].isolation not in (None, workload.engine.isolation):
-        raise FaultMismatch(f"fault {fault!r} breaks the {FAULTS[fault].isolation} mechanism; this workload uses "
-                            f"isolation {workload.engine.isolation!r}")
+    check_fault(fault, workload)
     engine_cfg = replace(workload.engine, compute="inspect")  # the oracle needs the probabilities
     oracle = oracle or ProvenanceOracle(config or OracleConfig())
     defences = defences_with(fault, engine_cfg.block_size)

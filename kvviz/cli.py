@@ -76,11 +76,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _recorded_run(args, m, wl, fault, progress, probe) -> dict:
     """A checked run recorded step by step into --db; a run that dies is marked failed there."""
-    from .checked_run import run_checked
+    from .checked_run import check_fault, run_checked
     from .engine.engine import new_run_id
     from .oracle import ProvenanceOracle
     from .store import RunRecorder
 
+    check_fault(fault, wl)  # bad input is refused before a run row exists
     run_id, oracle = new_run_id(), ProvenanceOracle()
     rec = RunRecorder(args.db, run_id, model=m, workload=wl, scenario=args.scenario, fault=fault, oracle=oracle)
 

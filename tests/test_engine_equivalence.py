@@ -6,6 +6,7 @@ compute paths, in workloads that mix lengths, arrivals, chunked prefill, forks, 
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 
@@ -18,9 +19,12 @@ MODES = [("paged", "inspect"), ("paged", "fast"), ("masked", "inspect"), ("maske
 TOLERANCE = 1e-4
 
 
+DEVICE = os.environ.get("KVVIZ_TEST_DEVICE", "cpu")  # scripts/device-check.sh sets cuda
+
+
 @functools.cache
 def model(name):
-    return load_model(name, device="cpu")
+    return load_model(name, device=DEVICE)
 
 
 @functools.cache

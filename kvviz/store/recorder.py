@@ -87,10 +87,12 @@ class RunRecorder:
     def flush(self) -> None:
         """Insert everything buffered, in one transaction."""
         self._collect_oracle()
-        if not self.rows:
+        if not any(self.rows.values()):
             return
         self.con.execute("BEGIN TRANSACTION")
         for table, cols in self.rows.items():
+            if not cols:
+                continue
             buf = pa.table({k: pa.array(v, type=_TYPES.get(k)) for k, v in cols.items()})  # noqa: F841 (read by name)
             self.con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM buf")
         self.con.execute("COMMIT")
