@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 from .engine import Engine, RunResult, StepRecord
 from .engine.observer import AttentionObserver
-from .faults import FAULTS, UnknownFault, defences_with
+from .faults import FAULTS, Scope, UnknownFault, defences_with
 from .models import LoadedModel
 from .oracle import Finding, OracleConfig, ProvenanceOracle
 from .oracle.reference import Divergence, compare_with_isolated, divergence_summary
@@ -51,13 +51,13 @@ def check_fault(fault: str | None, workload: Workload) -> None:
 def run_checked(m: LoadedModel, workload: Workload, fault: str | None = None,
                 on_step: Callable[[StepRecord], None] | None = None, config: OracleConfig | None = None,
                 reference: bool = True, probes: Sequence[AttentionObserver] = (), run_id: str | None = None,
-                oracle: ProvenanceOracle | None = None) -> CheckedRun:
+                oracle: ProvenanceOracle | None = None, scope: Scope | None = None) -> CheckedRun:
     """Run with the provenance oracle on every layer (inspect path) and compare each request with
     itself run alone."""
     check_fault(fault, workload)
     engine_cfg = replace(workload.engine, compute="inspect")  # the oracle needs the probabilities
     oracle = oracle or ProvenanceOracle(config or OracleConfig())
-    defences = defences_with(fault, engine_cfg.block_size)
+    defences = defences_with(fault, engine_cfg.block_size, scope)
     result = Engine(m, engine_cfg, defences).run(workload, on_step=on_step, observers=[oracle, *probes],
                                                  keep_logits=reference, run_id=run_id)
     leaked: dict[str, float] = {}

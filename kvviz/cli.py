@@ -91,12 +91,30 @@ def _recorded_run(args, m, wl, fault, progress, probe) -> dict:
 
     try:
         run = run_checked(m, wl, fault, on_step=on_step, probes=[probe] if probe else [], run_id=run_id,
-                          oracle=oracle)
+                          oracle=oracle, scope=_fault_scope(args))
     except BaseException as e:
         rec.fail(e)
         raise
     rec.finish(run)
     return {**run.summary(), "db": str(args.db)}
+
+
+def _fault_scope(args):
+    """--fault-steps/--fault-requests/--fault-layers as a Scope, or None for the fault's own."""
+    from .faults import Scope
+    from .workload import WorkloadError
+
+    def ints(text, flag):
+        try:
+            return frozenset(int(x) for x in text.split(","))
+        except ValueError:
+            raise WorkloadError(f"{flag} takes integers separated by commas, got {text!r}") from None
+
+    if not (args.fault_steps or args.fault_requests or args.fault_layers):
+        return None
+    return Scope(steps=ints(args.fault_steps, "--fault-steps") if args.fault_steps else None,
+                 requests=frozenset(args.fault_requests.split(",")) if args.fault_requests else None,
+                 layers=ints(args.fault_layers, "--fault-layers") if args.fault_layers else None)
 
 
 def cmd_sql(args: argparse.Namespace) -> int:
@@ -236,6 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--workload", metavar="FILE.json", help="requests, engine settings and seed")
     run.add_argument("--scenario", metavar="NAME", help="a catalogue scenario (python -m kvviz scenarios)")
     run.add_argument("--fault", metavar="NAME", help="inject a fault from the catalogue (docs/faults.md)")
+    run.add_argument("--fault-steps", metavar="1,2", help="strike only at these steps")
+    run.add_argument("--fault-requests", metavar="A,B", help="strike only these requests (page tables, masks)")
+    run.add_argument("--fault-layers", metavar="0,3", help="strike only these layers (attention arithmetic)")
     run.add_argument("--fail-on-leak", action="store_true", help="exit 1 when the oracles report findings")
     run.add_argument("--model", default="smollm2", help="smollm2 (default), tiny-llama, tiny-gpt2 or a path")
     run.add_argument("--device", default="auto", help="auto (default), cpu, cuda or cuda:N")

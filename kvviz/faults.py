@@ -20,15 +20,44 @@ from .engine.hashing import block_hash
 
 @dataclass(frozen=True)
 class Scope:
-    """Where a page-table fault strikes: some steps and/or some requests (None = all)."""
+    """Where a fault strikes (None = everywhere). Page-table and mask faults honour steps and
+    requests; attention-arithmetic faults honour steps and layers; block-lifecycle faults (CoW,
+    release, eviction, hash key) change the pool itself and strike wherever the pool is used."""
 
     steps: frozenset[int] | None = None
     requests: frozenset[str] | None = None
+    layers: frozenset[int] | None = None
     every: int | None = None  # strike on steps divisible by this (the intermittent positional leak)
 
-    def hits(self, step: int, request: str) -> bool:
+    def hits(self, step: int, request: str | None = None, layer: int | None = None) -> bool:
         return ((self.steps is None or step in self.steps) and (self.every is None or step % self.every == 0)
-                and (self.requests is None or request in self.requests))
+                and (self.requests is None or request is None or request in self.requests)
+                and (self.layers is None or layer is None or layer in self.layers))
+
+    @property
+    def everywhere(self) -> bool:
+        return self.steps is None and self.requests is None and self.layers is None and self.every is None
+
+
+def _scoped(correct: Defences, faulty: Defences, scope: Scope) -> Defences:
+    """Faulty mask and attention functions confined to the scope; the correct ones elsewhere."""
+    if scope.everywhere:
+        return faulty
+    now = {"step": -1, "rows": []}
+
+    def begin_step(step, seq_ids):
+        now.update(step=step, rows=seq_ids)
+
+    def mask_fn(owner_pos, q_row, q_pos):
+        struck = torch.tensor([scope.hits(now["step"], r) for r in now["rows"]], device=q_row.device)[q_row]
+        return torch.where(struck[:, None], faulty.shared_axis_mask(owner_pos, q_row, q_pos),
+                           correct.shared_axis_mask(owner_pos, q_row, q_pos))
+
+    def attend(q, k, v, mask, scale, layer=None):
+        fn = faulty.attend if scope.hits(now["step"], layer=layer) else correct.attend
+        return fn(q, k, v, mask, scale, layer)
+
+    return replace(faulty, begin_step=begin_step, shared_axis_mask=mask_fn, attend=attend)
 
 
 @dataclass(frozen=True)
@@ -129,7 +158,7 @@ def _additive_mask_sum(d: Defences, scope: Scope, B: int) -> Defences:
 def _softmax_then_mask(d: Defences, scope: Scope, B: int) -> Defences:
     def probs(logits, m):
         return torch.softmax(logits, -1) * m
-    return replace(d, attend=lambda q, k, v, mask, scale: grouped_attend(q, k, v, mask, scale, probs))
+    return replace(d, attend=lambda q, k, v, mask, scale, layer=None: grouped_attend(q, k, v, mask, scale, probs))
 
 
 def _low_precision_fill(d: Defences, scope: Scope, B: int) -> Defences:
@@ -137,7 +166,7 @@ def _low_precision_fill(d: Defences, scope: Scope, B: int) -> Defences:
     finite fill -1e4 no longer hides masked keys; fully masked rows become uniform, not zero."""
     def probs(logits, m):
         return torch.softmax((logits * 1e4).half() + (~m).half() * -1e4, -1).float()
-    return replace(d, attend=lambda q, k, v, mask, scale: grouped_attend(q, k, v, mask, scale, probs))
+    return replace(d, attend=lambda q, k, v, mask, scale, layer=None: grouped_attend(q, k, v, mask, scale, probs))
 
 
 # -- block lifecycle ---------------------------------------------------------------------------
@@ -235,5 +264,5 @@ def defences_with(name: str | None, block_size: int, scope: Scope | None = None)
         return Defences()
     if name not in FAULTS:
         raise UnknownFault(f"unknown fault {name!r}; the catalogue: {', '.join(FAULTS)}")
-    fault = FAULTS[name]
-    return fault.apply(Defences(), scope or fault.default_scope, block_size)
+    fault, scope = FAULTS[name], scope or FAULTS[name].default_scope
+    return _scoped(Defences(), fault.apply(Defences(), scope, block_size), scope)

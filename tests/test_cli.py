@@ -102,6 +102,14 @@ def test_run_workload_with_a_fault_and_the_seed_table(tmp_path):
     assert p.returncode == 0 and json.loads(p.stdout.splitlines()[-1])["findings"]
 
 
+def test_fault_scope_flags():
+    p = kvviz("run", "--scenario", "global", "--fault-requests", "B", "--model", "tiny-llama", "--json", "--quiet")
+    assert p.returncode == 0, p.stderr
+    assert {f["request"] for f in json.loads(p.stdout.splitlines()[-1])["findings"]} == {"B"}
+    bad = kvviz("run", "--scenario", "global", "--fault-steps", "two", "--model", "tiny-llama")
+    assert bad.returncode == 2 and "--fault-steps takes integers" in bad.stderr
+
+
 @pytest.mark.parametrize("args,message", [
     (["--scenario", "nope"], "unknown scenario 'nope'"),
     (["--scenario", "passphrase", "--fault", "nope"], "unknown fault 'nope'"),

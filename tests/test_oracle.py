@@ -172,3 +172,17 @@ def test_positional_entropy_is_zero_for_a_single_key_and_grows_with_context():
     assert float(first.sum_entropy.abs().max()) < 1e-6  # position 0 sees only itself
     assert float(last.sum_entropy.min()) > 0
     assert float(last.sum_entropy.max()) <= torch.log(torch.tensor(6.0)) + 1e-5  # at most uniform over 6 keys
+
+
+def test_fault_scope_confines_a_fault_to_steps_requests_and_layers():
+    from kvviz.faults import Scope
+
+    m = model("tiny-llama")
+    three = Workload.from_dict(SCENARIOS["padding_as_isolation"].workload)  # masked, requests A, B, C
+    only_c = run_checked(m, three, "padding_as_isolation", scope=Scope(requests=frozenset({"C"})))
+    assert {f.request for f in only_c.findings} == {"C"}
+    late = run_checked(m, three, "padding_as_isolation", scope=Scope(steps=frozenset({4, 5})))
+    assert late.findings and {f.step for f in late.findings} <= {4, 5}
+    paged = Workload.from_dict(SCENARIOS["softmax_then_mask"].workload)
+    layer1 = run_checked(m, paged, "softmax_then_mask", scope=Scope(layers=frozenset({1})))
+    assert layer1.findings and {f.layer for f in layer1.findings} == {1}

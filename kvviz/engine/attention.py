@@ -99,7 +99,7 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
         if step.attend is None:
             og = sdpa_attend(qg, kg, vg, g.mask, scaling, g.layout)
         else:
-            og, probs = step.attend(qg, kg, vg, g.mask, scaling)
+            og, probs = step.attend(qg, kg, vg, g.mask, scaling, module.layer_idx)
             if step.on_probs is not None:
                 step.on_probs(module.layer_idx, g, probs)
         out[g.span] = og.reshape(-1, *q.shape[1:])

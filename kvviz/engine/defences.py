@@ -65,7 +65,7 @@ def masked_softmax(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask.any(-1, keepdim=True), probs, 0.0)
 
 
-def masked_softmax_attend(q, k, v, mask, scale):
+def masked_softmax_attend(q, k, v, mask, scale, layer: int | None = None):
     return grouped_attend(q, k, v, mask, scale, masked_softmax)
 
 
@@ -90,6 +90,7 @@ class Defences:
     release, block_hash, evict: methods of KVCacheManager and BlockPool): `patch_pool` may replace
     them on the run's fresh manager."""
 
+    begin_step: Callable[[int, list[str]], None] = lambda step, seq_ids: None  # told before each step's plan
     read_table: Callable = read_table
     slot_mapping: Callable = slot_mapping
     page_lookup: Callable = page_lookup

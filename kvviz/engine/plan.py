@@ -43,6 +43,7 @@ def _tables(tables: list[list[int]], width: int, device) -> torch.Tensor:
 def build_step(step: int, work: list[ScheduledWork], live_tables: dict[str, list[int]], block_size: int,
                num_slots: int, isolation: str, defences: Defences, device: torch.device) -> StepInputs:
     B = block_size
+    defences.begin_step(step, [w.seq_id for w in work])
     offsets, ids, pos, rows = [], [], [], []
     for r, w in enumerate(work):
         offsets.append(len(ids))
