@@ -82,8 +82,9 @@ def _recorded_run(args, m, wl, fault, progress, probe) -> dict:
     from .store import RunRecorder
 
     check_fault(fault, wl)  # bad input is refused before a run row exists
-    run_id, oracle = new_run_id(), ProvenanceOracle()
-    rec = RunRecorder(args.db, run_id, model=m, workload=wl, scenario=args.scenario, fault=fault, oracle=oracle)
+    run_id, oracle, scope = new_run_id(), ProvenanceOracle(), _fault_scope(args)
+    rec = RunRecorder(args.db, run_id, model=m, workload=wl, scenario=args.scenario, fault=fault, oracle=oracle,
+                      fault_scope=None if scope is None else scope.to_dict())
 
     def on_step(r):
         rec.on_step(r)
@@ -91,7 +92,7 @@ def _recorded_run(args, m, wl, fault, progress, probe) -> dict:
 
     try:
         run = run_checked(m, wl, fault, on_step=on_step, probes=[probe] if probe else [], run_id=run_id,
-                          oracle=oracle, scope=_fault_scope(args))
+                          oracle=oracle, scope=scope)
     except BaseException as e:
         rec.fail(e)
         raise
@@ -115,6 +116,48 @@ def _fault_scope(args):
     return Scope(steps=ints(args.fault_steps, "--fault-steps") if args.fault_steps else None,
                  requests=frozenset(args.fault_requests.split(",")) if args.fault_requests else None,
                  layers=ints(args.fault_layers, "--fault-layers") if args.fault_layers else None)
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    """Show a recorded run at one step, or re-execute it and verify it (exit 1 on a mismatch)."""
+    import duckdb
+
+    from .store import StoreError
+    from .store.replay import load_run, state_at, verify
+
+    try:
+        con = duckdb.connect(args.db, read_only=True)
+    except duckdb.Error as e:
+        print(f"kvviz: error: cannot open {args.db}: {e}", file=sys.stderr)
+        return 2
+    try:
+        rec = load_run(con, args.run_id)
+        if args.verify:
+            problems = verify(con, args.run_id, device=args.device)
+            for p in problems:
+                print(f"MISMATCH {p}")
+            print(f"run {args.run_id}: " + ("replays identically" if not problems else f"{len(problems)} mismatches"))
+            return 1 if problems else 0
+        st = state_at(con, args.run_id, args.step)
+    except StoreError as e:
+        print(f"kvviz: error: {e}", file=sys.stderr)
+        return 2
+    print(f"run {rec.run_id} ({rec.status}), model {rec.model}, fault {rec.fault or 'none'}: step {st.step}")
+    for req, start, n, tok in st.work:
+        sampled = f", sampled {tok}" if tok is not None else ""
+        print(f"  {req:>10} computed positions {start}..{start + n - 1}{sampled}")
+    for req, table in st.page_tables.items():
+        print(f"  page table {req:>10}: {table}")
+    used = sum(1 for b in st.blocks if b[2] == "used")
+    cached = sum(1 for b in st.blocks if b[2] == "cached")
+    print(f"  blocks: {used} used, {cached} cached, {len(st.blocks) - used - cached} free; "
+          f"refcounts {[b[1] for b in st.blocks if b[1]]}")
+    for req, mass in st.leak.items():
+        print(f"  {req:>10} max foreign mass {mass:.4f}")
+    for kind, req, layer, head, pos, src, mass in st.findings:
+        print(f"  finding {kind} {req} layer {layer} head {head} pos {pos}" + (f" from {src}" if src else "") +
+              f" mass {mass:.4f}")
+    return 0
 
 
 def cmd_sql(args: argparse.Namespace) -> int:
@@ -274,6 +317,14 @@ def build_parser() -> argparse.ArgumentParser:
     sql.add_argument("--format", choices=["table", "csv", "json"], default="table")
     sql.add_argument("--limit", type=int, default=10_000, help="most rows returned (default 10000)")
     sql.set_defaults(func=cmd_sql)
+
+    rep = sub.add_parser("replay", help="a recorded run at one step, or re-executed and verified")
+    rep.add_argument("run_id")
+    rep.add_argument("--step", type=int, default=0, help="the step to show (default 0)")
+    rep.add_argument("--verify", action="store_true", help="re-execute and compare tokens and leak metrics")
+    rep.add_argument("--db", default=str(DEFAULT_DB), help=f"run store (default {DEFAULT_DB})")
+    rep.add_argument("--device", default="auto", help="auto (default), cpu, cuda or cuda:N")
+    rep.set_defaults(func=cmd_replay)
 
     scen = sub.add_parser("scenarios", help="list the replayable scenarios")
     scen.set_defaults(func=cmd_scenarios)

@@ -34,6 +34,13 @@ class Scope:
                 and (self.requests is None or request is None or request in self.requests)
                 and (self.layers is None or layer is None or layer in self.layers))
 
+    def to_dict(self) -> dict:
+        return {k: sorted(v) if isinstance(v, frozenset) else v for k, v in self.__dict__.items()}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Scope:
+        return cls(**{k: frozenset(v) if isinstance(v, list) else v for k, v in d.items()})
+
     @property
     def everywhere(self) -> bool:
         return self.steps is None and self.requests is None and self.layers is None and self.every is None

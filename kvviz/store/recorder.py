@@ -29,15 +29,17 @@ _TYPES = {"hash": pa.uint64()}  # vLLM-style 64-bit hashes exceed int64
 
 class RunRecorder:
     def __init__(self, db_path, run_id: str, *, model, workload, scenario: str | None = None,
-                 fault: str | None = None, oracle: ProvenanceOracle | None = None, flush_every: int = 8):
+                 fault: str | None = None, fault_scope: dict | None = None, oracle: ProvenanceOracle | None = None,
+                 flush_every: int = 8):
         self.con = open_writer(db_path)
         self.run_id, self.oracle, self.flush_every = run_id, oracle, flush_every
         self.rows: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
         self._oracle_steps = self._pending = 0
+        scope = None if fault_scope is None else json.dumps(fault_scope)
         self.con.execute(
-            "INSERT INTO runs (run_id, created_at, status, model, model_fingerprint, scenario, fault, seed, engine, "
-            "workload, kvviz_version) VALUES (?, ?, 'running', ?, ?, ?, ?, ?, ?, ?, ?)",
-            [run_id, datetime.now(UTC).replace(tzinfo=None), model.name, model.fingerprint, scenario, fault,
+            "INSERT INTO runs (run_id, created_at, status, model, model_fingerprint, scenario, fault, fault_scope, "
+            "seed, engine, workload, kvviz_version) VALUES (?, ?, 'running', ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            [run_id, datetime.now(UTC).replace(tzinfo=None), model.name, model.fingerprint, scenario, fault, scope,
              workload.seed, json.dumps(workload.engine.to_dict()), json.dumps(workload.to_dict(), ensure_ascii=False),
              __version__])
 

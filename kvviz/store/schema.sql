@@ -12,6 +12,7 @@ CREATE TABLE IF NOT EXISTS runs (
     model_fingerprint VARCHAR, -- sha256 of the weights' source
     scenario VARCHAR,
     fault VARCHAR,
+    fault_scope JSON,          -- where the fault was confined ({"steps", "requests", "layers", "every"}), or null
     seed BIGINT,
     engine JSON,               -- EngineConfig
     workload JSON,             -- the workload as given, enough to re-run it
