@@ -80,19 +80,21 @@ def _recorded_run(args, m, wl, fault, progress, probe) -> dict:
     from .engine.engine import new_run_id
     from .oracle import ProvenanceOracle
     from .store import RunRecorder
+    from .store.attention import AttentionRecorder, AttentionSelection
 
     check_fault(fault, wl)  # bad input is refused before a run row exists
     run_id, oracle, scope = new_run_id(), ProvenanceOracle(), _fault_scope(args)
+    attention = AttentionRecorder(oracle, m.config.num_hidden_layers, AttentionSelection(args.attention))
     rec = RunRecorder(args.db, run_id, model=m, workload=wl, scenario=args.scenario, fault=fault, oracle=oracle,
-                      fault_scope=None if scope is None else scope.to_dict())
+                      fault_scope=None if scope is None else scope.to_dict(), attention=attention)
 
     def on_step(r):
         rec.on_step(r)
         progress(r)
 
     try:
-        run = run_checked(m, wl, fault, on_step=on_step, probes=[probe] if probe else [], run_id=run_id,
-                          oracle=oracle, scope=scope)
+        run = run_checked(m, wl, fault, on_step=on_step, probes=[attention] + ([probe] if probe else []),
+                          run_id=run_id, oracle=oracle, scope=scope)
     except BaseException as e:
         rec.fail(e)
         raise
@@ -309,6 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--json", action="store_true", help="print one JSON summary as the last line of stdout")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     run.add_argument("--db", default=str(DEFAULT_DB), help=f"run store to record into (default {DEFAULT_DB})")
+    run.add_argument("--attention", choices=["default", "all", "none"], default="default",
+                     help="attention rows to record: head mean of every layer plus all heads of the first, middle "
+                          "and last layer (default), every head of every layer, or none")
     run.set_defaults(func=cmd_run)
 
     sql = sub.add_parser("sql", help="a read-only SQL query over the run store")

@@ -21,6 +21,7 @@ from kvviz.models import load_model
 from kvviz.oracle import ProvenanceOracle
 from kvviz.scenarios import SCENARIOS
 from kvviz.store import SCHEMA_VERSION, RunRecorder, SqlError, StoreError, open_sandbox, open_writer, run_query
+from kvviz.store.attention import AttentionRecorder, AttentionSelection
 from kvviz.workload import Workload
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,8 +36,10 @@ def record(db: Path, scenario: str, fault: str | None = None):
     m = tiny()
     wl = Workload.from_dict(SCENARIOS[scenario].build(m.tokenizer))
     run_id, oracle = new_run_id(), ProvenanceOracle()
-    rec = RunRecorder(db, run_id, model=m, workload=wl, scenario=scenario, fault=fault, oracle=oracle, flush_every=3)
-    run = run_checked(m, wl, fault, on_step=rec.on_step, run_id=run_id, oracle=oracle)
+    attention = AttentionRecorder(oracle, m.config.num_hidden_layers, AttentionSelection(full_layers=frozenset({1})))
+    rec = RunRecorder(db, run_id, model=m, workload=wl, scenario=scenario, fault=fault, oracle=oracle,
+                      attention=attention, flush_every=3)
+    run = run_checked(m, wl, fault, on_step=rec.on_step, run_id=run_id, oracle=oracle, probes=[attention])
     rec.finish(run)
     return run
 
@@ -115,8 +118,32 @@ def test_wrong_schema_version_is_refused(tmp_path):
         open_writer(db)
 
 
-ALL_TABLES = ["runs", "requests", "steps", "step_work", "page_tables", "blocks", "block_events", "leak_metrics",
-              "findings", "divergence", "leak_rate_per_step", "top_leaking_heads", "block_occupancy", "meta"]
+def test_attention_rows_hold_weights_and_key_classes(db):
+    con = duckdb.connect(str(db), read_only=True)
+    faulty, clean = [r[0] for r in con.execute("SELECT run_id FROM runs ORDER BY created_at").fetchall()]
+    heads = dict(con.execute("SELECT layer, list_sort(list(DISTINCT head)) FROM attention WHERE run_id = ? "
+                             "GROUP BY layer", [clean]).fetchall())
+    assert heads == {0: [-1], 1: [-1, 0, 1, 2, 3]}  # head mean everywhere, all heads of layer 1
+    # every query's row sums to one over its own keys in the clean run; no foreign or stale key has weight
+    sums = con.execute("SELECT min(list_sum(weights)), max(list_sum(weights)), "
+                       "max(list_count(list_filter(key_classes, lambda c: c > 0))) FROM attention WHERE run_id = ?",
+                       [clean]).fetchone()
+    assert sums[0] == pytest.approx(1, abs=1e-4) and sums[1] == pytest.approx(1, abs=1e-4) and sums[2] == 0
+    leaked = con.execute(
+        "SELECT max(list_sum(list_transform(list_zip(weights, key_classes), lambda p: CASE WHEN p[2] = 1 THEN p[1] "
+        "ELSE 0 END))) FROM attention WHERE run_id = ? AND head >= 0", [faulty]).fetchone()[0]
+    worst = con.execute("SELECT max(max_foreign) FROM leak_metrics WHERE run_id = ? AND layer = 1",
+                        [faulty]).fetchone()[0]
+    assert leaked == pytest.approx(worst, abs=1e-5) and leaked > 0
+    # one row per (step, layer, head, request, query position)
+    dup = con.execute("SELECT count(*) - count(DISTINCT (step, layer, head, request_id, position)) FROM attention "
+                      "WHERE run_id = ?", [clean]).fetchone()[0]
+    assert dup == 0
+
+
+ALL_TABLES = ["runs", "attention", "requests", "steps", "step_work", "page_tables", "blocks", "block_events",
+              "leak_metrics", "findings", "divergence", "leak_rate_per_step", "top_leaking_heads", "block_occupancy",
+              "meta"]
 
 
 def test_selects_over_every_table_and_view_work(db):

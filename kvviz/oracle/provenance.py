@@ -110,6 +110,11 @@ class ProvenanceOracle:
         self.layers: dict[int, _Layer] = {}
         self.classes: dict[int, _KeyClasses] = {}
 
+    def key_classes(self, group: AttentionGroup) -> torch.Tensor:
+        """[R, Q, L] uint8 per (query row, key): 0 own, 1 foreign, 2 stale (for recorders)."""
+        k = self._classify(group)
+        return torch.where(k.own, 0, torch.where(k.foreign, 1, 2)).to(torch.uint8)
+
     def _classify(self, group: AttentionGroup) -> _KeyClasses:
         """Key classes per (query row, key) of a group: the same in every layer, so computed once."""
         if id(group) in self.classes:

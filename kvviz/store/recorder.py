@@ -17,6 +17,7 @@ import pyarrow as pa
 from .. import __version__
 from ..engine import StepRecord
 from ..engine.hashing import hash_to_u64
+from .attention import AttentionRecorder
 from .db import open_writer
 
 if TYPE_CHECKING:
@@ -30,9 +31,9 @@ _TYPES = {"hash": pa.uint64()}  # vLLM-style 64-bit hashes exceed int64
 class RunRecorder:
     def __init__(self, db_path, run_id: str, *, model, workload, scenario: str | None = None,
                  fault: str | None = None, fault_scope: dict | None = None, oracle: ProvenanceOracle | None = None,
-                 flush_every: int = 8):
+                 attention: AttentionRecorder | None = None, flush_every: int = 8):
         self.con = open_writer(db_path)
-        self.run_id, self.oracle, self.flush_every = run_id, oracle, flush_every
+        self.run_id, self.oracle, self.attention, self.flush_every = run_id, oracle, attention, flush_every
         self.rows: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
         self._oracle_steps = self._pending = 0
         scope = None if fault_scope is None else json.dumps(fault_scope)
@@ -89,13 +90,15 @@ class RunRecorder:
     def flush(self) -> None:
         """Insert everything buffered, in one transaction."""
         self._collect_oracle()
-        if not any(self.rows.values()):
+        tables = {t: pa.table({k: pa.array(v, type=_TYPES.get(k)) for k, v in cols.items()})
+                  for t, cols in self.rows.items() if cols}
+        attention = self.attention.take(self.run_id) if self.attention is not None else None
+        if attention is not None:
+            tables["attention"] = attention
+        if not tables:
             return
         self.con.execute("BEGIN TRANSACTION")
-        for table, cols in self.rows.items():
-            if not cols:
-                continue
-            buf = pa.table({k: pa.array(v, type=_TYPES.get(k)) for k, v in cols.items()})  # noqa: F841 (read by name)
+        for table, buf in tables.items():  # noqa: B007 (DuckDB reads `buf` by name)
             self.con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM buf")
         self.con.execute("COMMIT")
         self.rows.clear()

@@ -63,6 +63,14 @@ CREATE TABLE IF NOT EXISTS leak_metrics (
     max_foreign DOUBLE, sum_foreign DOUBLE, leak_rows INTEGER, rows INTEGER, sum_entropy DOUBLE
 );
 
+-- Attention rows: the key slots one query read, their weights and each key's class
+-- (0 own, 1 foreign, 2 stale). head = -1 is the mean over heads. Keys with no weight that the
+-- query could not see are not stored.
+CREATE TABLE IF NOT EXISTS attention (
+    run_id VARCHAR, step INTEGER, layer INTEGER, head INTEGER, request_id VARCHAR, position INTEGER,
+    key_slots INTEGER[], weights FLOAT[], key_classes UTINYINT[]
+);
+
 CREATE TABLE IF NOT EXISTS findings (
     run_id VARCHAR, kind VARCHAR, request_id VARCHAR, step INTEGER, layer INTEGER, head INTEGER,
     position INTEGER, source_request VARCHAR, mass DOUBLE

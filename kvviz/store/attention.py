@@ -1,0 +1,102 @@
+"""Records attention rows: one per (step, layer, head, request, query position), holding the key
+slots a query read, their weights and each key's class (0 own, 1 foreign, 2 stale).
+
+The weights are the big part of a run (SmolLM2: 270 rows per generated token), so by default only
+the head mean of every layer and all heads of three layers (first, middle, last) are kept; keys a
+query could not see and gave no weight are dropped. Rows are buffered as flat arrays with offsets
+and become Arrow list columns without a Python loop per row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from ..engine.attention import AttentionGroup
+from ..engine.observer import StepContext
+from ..oracle import ProvenanceOracle
+
+HEAD_MEAN = -1  # the head column of a row that averages all heads
+
+
+@dataclass(frozen=True)
+class AttentionSelection:
+    """Which rows to keep. mode: "default" (head mean of every layer, all heads of full_layers),
+    "all" (every head of every layer) or "none"."""
+
+    mode: str = "default"
+    full_layers: frozenset[int] | None = None  # None: first, middle and last layer
+
+    def layers_with_all_heads(self, num_layers: int) -> frozenset[int]:
+        if self.mode == "all":
+            return frozenset(range(num_layers))
+        return self.full_layers if self.full_layers is not None else frozenset({0, num_layers // 2, num_layers - 1})
+
+
+class AttentionRecorder:
+    """An AttentionObserver; attach after the oracle, whose key classes it reuses."""
+
+    def __init__(self, oracle: ProvenanceOracle, num_layers: int, selection: AttentionSelection):
+        self.oracle, self.selection = oracle, selection
+        self.full = selection.layers_with_all_heads(num_layers)
+        self.chunks: list[dict] = []
+
+    def begin_step(self, ctx: StepContext) -> None:
+        self.ctx = ctx
+
+    def on_attention(self, layer: int, group: AttentionGroup, probs: torch.Tensor) -> None:
+        if self.selection.mode == "none":
+            return
+        R, H, Q, L = probs.shape
+        heads = [HEAD_MEAN] + (list(range(H)) if layer in self.full else [])
+        rows = torch.cat([probs.mean(1, keepdim=True), probs] if len(heads) > 1 else [probs.mean(1, keepdim=True)], 1)
+        keep = (rows > 0) | group.mask[:, None]  # [R, heads, Q, L]
+        n_heads = len(heads)
+        slots = group.key_slots[:, None, None, :].expand(R, n_heads, Q, L)
+        classes = self.oracle.key_classes(group)[:, None].expand(R, n_heads, Q, L)
+        qr = self.ctx.q_row[group.span].view(R, Q)
+        qp = self.ctx.q_pos[group.span].view(R, Q)
+        self.chunks.append({
+            "step": self.ctx.step, "layer": layer,
+            "head": np.repeat(np.tile(np.array(heads), R), Q),
+            "row": qr[:, None, :].expand(R, n_heads, Q).reshape(-1).cpu().numpy(),
+            "position": qp[:, None, :].expand(R, n_heads, Q).reshape(-1).cpu().numpy(),
+            "lengths": keep.sum(-1).reshape(-1).cpu().numpy(),
+            "slots": slots[keep].cpu().numpy().astype(np.int32),
+            "weights": rows[keep].float().cpu().numpy(),
+            "classes": classes[keep].cpu().numpy(),
+            "names": [w.seq_id for w in self.ctx.work],
+        })
+
+    def end_step(self) -> None:
+        pass
+
+    def take(self, run_id: str) -> pa.Table | None:
+        """Everything captured since the last call, as one Arrow table for the `attention` table."""
+        if not self.chunks:
+            return None
+        cols: dict[str, list] = {k: [] for k in ("step", "layer", "head", "request_id", "position")}
+        lengths, slots, weights, classes = [], [], [], []
+        for c in self.chunks:
+            n = len(c["head"])
+            cols["step"].append(np.full(n, c["step"], np.int32))
+            cols["layer"].append(np.full(n, c["layer"], np.int32))
+            cols["head"].append(c["head"].astype(np.int32))
+            cols["request_id"].append(np.array(c["names"], dtype=object)[c["row"]])
+            cols["position"].append(c["position"].astype(np.int32))
+            lengths.append(c["lengths"])
+            slots.append(c["slots"])
+            weights.append(c["weights"])
+            classes.append(c["classes"])
+        self.chunks = []
+        offsets = np.concatenate([[0], np.cumsum(np.concatenate(lengths))]).astype(np.int32)
+        n_rows = len(offsets) - 1
+        table = {"run_id": pa.array([run_id] * n_rows)}
+        table.update({k: pa.array(np.concatenate(v)) for k, v in cols.items()})
+        table["key_slots"] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate(slots)))
+        table["weights"] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate(weights)))
+        table["key_classes"] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate(classes)))
+        return pa.table(table)
