@@ -186,3 +186,23 @@ def test_fault_scope_confines_a_fault_to_steps_requests_and_layers():
     paged = Workload.from_dict(SCENARIOS["softmax_then_mask"].workload)
     layer1 = run_checked(m, paged, "softmax_then_mask", scope=Scope(layers=frozenset({1})))
     assert layer1.findings and {f.layer for f in layer1.findings} == {1}
+
+
+def test_non_finite_weights_are_counted_per_row():
+    from kvviz.engine import Defences
+    from kvviz.engine.defences import grouped_attend, masked_softmax
+
+    def nan_two(logits, mask):  # two NaN weights in every row of the last query
+        p = masked_softmax(logits, mask).clone()
+        p[..., -1, :2] = float("nan")
+        return p
+
+    d = Defences(attend=lambda q, k, v, mask, scale, layer=None: grouped_attend(q, k, v, mask, scale, nan_two))
+    m = model("tiny-llama")
+    wl = Workload.from_dict({"requests": [{"id": "A", "prompt_ids": [1, 2, 3, 4], "max_new_tokens": 1}]})
+    from kvviz.oracle import ProvenanceOracle
+
+    oracle = ProvenanceOracle()
+    Engine(m, wl.engine, d).run(wl, observers=[oracle])
+    found = [f for f in oracle.findings if f.kind == "non_finite"]
+    assert found and found[0].mass == 2 and found[0].position == 3

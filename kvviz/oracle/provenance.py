@@ -64,7 +64,7 @@ class _Layer:
     stale: torch.Tensor
     own: torch.Tensor
     cross: torch.Tensor
-    nonfinite: torch.Tensor  # 1 where the row holds a NaN or an infinity
+    nonfinite: torch.Tensor  # how many NaN or infinite weights the row holds
     duplicate: torch.Tensor
     source: torch.Tensor  # writer id (provenance interner) of the largest foreign source, 0 = none
     cross_source: torch.Tensor  # writer id of the largest other-tenant source
@@ -138,8 +138,12 @@ class ProvenanceOracle:
         k = self._classify(group)
         total = probs.sum(-1)  # NaN or inf anywhere in the row shows here
         finite = torch.isfinite(total)
-        p = probs if bool(finite.all()) else torch.where(torch.isfinite(probs), probs, 0.0)
-        zero = torch.zeros(R, H, Q, device=p.device)
+        zero = torch.zeros(R, H, Q, device=probs.device)
+        if bool(finite.all()):
+            p, nonfinite = probs, zero.long()
+        else:
+            bad = ~torch.isfinite(probs)
+            p, nonfinite = torch.where(bad, 0.0, probs), bad.sum(-1)
         leak = (p * k.not_own[:, None]).sum(-1)
         foreign_m, stale_m, source = zero, zero, zero.long()
         if bool((leak > 0).any()):
@@ -159,7 +163,7 @@ class ProvenanceOracle:
             return x.permute(0, 2, 1).reshape(R * Q, H)
 
         rows = _Layer(per_token(foreign_m), per_token(stale_m), per_token(torch.where(finite, total, 0) - leak),
-                      per_token(cross_m), per_token((~finite).long()), per_token(own_visible > k.q_pos[:, None] + 1),
+                      per_token(cross_m), per_token(nonfinite), per_token(own_visible > k.q_pos[:, None] + 1),
                       per_token(source), per_token(cross_source), per_token(torch.special.entr(p).sum(-1)))
         self._store(layer, group, rows)
 
