@@ -192,12 +192,15 @@ def test_non_finite_weights_are_counted_per_row():
     from kvviz.engine import Defences
     from kvviz.engine.defences import grouped_attend, masked_softmax
 
-    def nan_two(logits, mask):  # two NaN weights in every row of the last query
+    def nan_two(logits, mask):  # two NaN weights in the last query's row of every head
         p = masked_softmax(logits, mask).clone()
         p[..., -1, :2] = float("nan")
         return p
 
-    d = Defences(attend=lambda q, k, v, mask, scale, layer=None: grouped_attend(q, k, v, mask, scale, nan_two))
+    def attend(q, k, v, mask, scale, layer=None):  # only in the last layer, so nothing propagates further
+        return grouped_attend(q, k, v, mask, scale, nan_two if layer == 1 else masked_softmax)
+
+    d = Defences(attend=attend)
     m = model("tiny-llama")
     wl = Workload.from_dict({"requests": [{"id": "A", "prompt_ids": [1, 2, 3, 4], "max_new_tokens": 1}]})
     from kvviz.oracle import ProvenanceOracle
