@@ -162,6 +162,39 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    """A recorded run as a kvviz trace (zip of Parquet) or Chrome trace JSON for Perfetto."""
+    import duckdb
+
+    from .store import StoreError
+    from .store.chrome import export_chrome
+    from .store.trace import export_run
+
+    out = args.out or f"{args.run_id}.{'zip' if args.format == 'kvviz' else 'json'}"
+    try:
+        con = duckdb.connect(args.db, read_only=True)
+        (export_run if args.format == "kvviz" else export_chrome)(con, args.run_id, out)
+    except (duckdb.Error, StoreError) as e:
+        print(f"kvviz: error: {e}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    """Validate and import a kvviz trace into --db; a bad file is refused whole, with the reason."""
+    from .store import StoreError
+    from .store.trace import TraceError, import_trace
+
+    try:
+        run_id = import_trace(args.file, args.db)
+    except (TraceError, StoreError) as e:
+        print(f"kvviz: import: {e}", file=sys.stderr)
+        return 2
+    print(run_id)
+    return 0
+
+
 def cmd_sql(args: argparse.Namespace) -> int:
     """A read-only query over the run store; exit 2 with the reason when it is refused."""
     from .store import SqlError, open_sandbox, run_query
@@ -177,7 +210,7 @@ def cmd_sql(args: argparse.Namespace) -> int:
     elif args.format == "csv":
         import csv
 
-        w = csv.writer(sys.stdout)
+        w = csv.writer(sys.stdout, lineterminator="\n")
         w.writerow(res.columns)
         w.writerows(res.rows)
     else:
@@ -330,6 +363,18 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--db", default=str(DEFAULT_DB), help=f"run store (default {DEFAULT_DB})")
     rep.add_argument("--device", default="auto", help="auto (default), cpu, cuda or cuda:N")
     rep.set_defaults(func=cmd_replay)
+
+    exp = sub.add_parser("export", help="a recorded run as a kvviz trace or Chrome trace JSON (Perfetto)")
+    exp.add_argument("run_id")
+    exp.add_argument("--format", choices=["kvviz", "chrome"], default="kvviz")
+    exp.add_argument("--out", help="output file (default RUN_ID.zip or RUN_ID.json)")
+    exp.add_argument("--db", default=str(DEFAULT_DB), help=f"run store (default {DEFAULT_DB})")
+    exp.set_defaults(func=cmd_export)
+
+    imp = sub.add_parser("import", help="import a kvviz trace into the run store")
+    imp.add_argument("file")
+    imp.add_argument("--db", default=str(DEFAULT_DB), help=f"run store (default {DEFAULT_DB})")
+    imp.set_defaults(func=cmd_import)
 
     scen = sub.add_parser("scenarios", help="list the replayable scenarios")
     scen.set_defaults(func=cmd_scenarios)
