@@ -182,16 +182,47 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    """Validate and import a kvviz trace into --db; a bad file is refused whole, with the reason."""
+    """Validate and import a kvviz trace or a vLLM KV-event capture into --db; a bad file is refused
+    whole, with the reason."""
+    import zipfile
+
+    from .capture.events import CaptureError
+    from .capture.import_vllm import import_capture
     from .store import StoreError
     from .store.trace import TraceError, import_trace
 
     try:
-        run_id = import_trace(args.file, args.db)
-    except (TraceError, StoreError) as e:
+        is_zip = zipfile.is_zipfile(args.file)
+        run_id = (import_trace if is_zip else import_capture)(args.file, args.db)
+    except FileNotFoundError:
+        print(f"kvviz: import: {args.file}: no such file", file=sys.stderr)
+        return 2
+    except (TraceError, CaptureError, StoreError) as e:
         print(f"kvviz: import: {e}", file=sys.stderr)
         return 2
     print(run_id)
+    return 0
+
+
+def cmd_capture_vllm(args: argparse.Namespace) -> int:
+    """Subscribe to vLLM's KV-event publisher and write a capture; stop on Ctrl-C or --duration."""
+    from .capture.zmq_capture import capture
+
+    def progress(w):
+        gaps = f", {len(w.gaps)} gaps in sequence numbers" if w.gaps else ""
+        print(f"\rkvviz: {w.count} messages, last seq {w.last}{gaps}", end="", file=sys.stderr, flush=True)
+
+    try:
+        w = capture(args.endpoint, args.out, duration=args.duration, replay=args.replay, topic=args.topic,
+                    progress=progress)
+    except KeyboardInterrupt:
+        print("", file=sys.stderr)
+        print(f"kvviz: stopped; capture written to {args.out}", file=sys.stderr)
+        return 0
+    print("", file=sys.stderr)
+    for lo, hi in w.gaps:
+        print(f"kvviz: lost messages {lo}..{hi} (a gap in sequence numbers)", file=sys.stderr)
+    print(f"{args.out}: {w.count} messages")
     return 0
 
 
@@ -371,7 +402,15 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--db", default=str(DEFAULT_DB), help=f"run store (default {DEFAULT_DB})")
     exp.set_defaults(func=cmd_export)
 
-    imp = sub.add_parser("import", help="import a kvviz trace into the run store")
+    cap = sub.add_parser("capture-vllm", help="record vLLM/SGLang KV-cache events from a ZMQ publisher")
+    cap.add_argument("--endpoint", required=True, help="the publisher, e.g. tcp://HOST:5557")
+    cap.add_argument("--replay", help="the replay endpoint, e.g. tcp://HOST:5558, to fetch buffered history first")
+    cap.add_argument("--topic", default="", help="topic to subscribe to (default: all)")
+    cap.add_argument("--duration", type=float, help="stop after this many seconds (default: Ctrl-C)")
+    cap.add_argument("--out", required=True, help="capture file to write")
+    cap.set_defaults(func=cmd_capture_vllm)
+
+    imp = sub.add_parser("import", help="import a kvviz trace or a vLLM KV-event capture into the run store")
     imp.add_argument("file")
     imp.add_argument("--db", default=str(DEFAULT_DB), help=f"run store (default {DEFAULT_DB})")
     imp.set_defaults(func=cmd_import)

@@ -71,6 +71,15 @@ CREATE TABLE IF NOT EXISTS attention (
     key_slots INTEGER[], weights FLOAT[], key_classes UTINYINT[]
 );
 
+-- KV-cache events imported from a vLLM/SGLang capture: one row per block hash. The prefix tree is
+-- block_hash -> parent_hash; there are no physical block ids in these events.
+CREATE TABLE IF NOT EXISTS kv_events (
+    run_id VARCHAR, step INTEGER, seq BIGINT, ts DOUBLE, rank INTEGER,
+    kind VARCHAR,              -- BlockStored | BlockRemoved | AllBlocksCleared
+    block_hash UBIGINT, parent_hash UBIGINT, block_index INTEGER, token_ids INTEGER[], block_size INTEGER,
+    lora_name VARCHAR, medium VARCHAR, salt VARCHAR
+);
+
 CREATE TABLE IF NOT EXISTS findings (
     run_id VARCHAR, kind VARCHAR, request_id VARCHAR, step INTEGER, layer INTEGER, head INTEGER,
     position INTEGER, source_request VARCHAR, mass DOUBLE
@@ -88,6 +97,13 @@ FROM leak_metrics GROUP BY run_id, step, request_id;
 CREATE OR REPLACE VIEW top_leaking_heads AS
 SELECT run_id, layer, head, max(max_foreign) AS max_foreign_mass, sum(leak_rows) AS leak_rows
 FROM leak_metrics GROUP BY run_id, layer, head;
+
+CREATE OR REPLACE VIEW kv_cache_blocks AS
+SELECT run_id, step,
+       sum(count(*) FILTER (kind = 'BlockStored') - count(*) FILTER (kind = 'BlockRemoved'))
+           OVER (PARTITION BY run_id ORDER BY step) AS cached_blocks,
+       count(*) FILTER (kind = 'BlockStored') AS stored, count(*) FILTER (kind = 'BlockRemoved') AS removed
+FROM kv_events GROUP BY run_id, step;
 
 CREATE OR REPLACE VIEW block_occupancy AS
 SELECT run_id, step, count(*) FILTER (state = 'used') AS used, count(*) FILTER (state = 'cached') AS cached,
