@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import platform
 import random
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers import GenerationConfig
@@ -21,6 +23,8 @@ from transformers import GenerationConfig
 from .engine import Engine, EngineConfig
 from .models import LoadedModel
 from .oracle import ProvenanceOracle
+from .store import RunRecorder
+from .store.attention import AttentionRecorder, AttentionSelection
 from .workload import RequestSpec, Workload
 
 
@@ -65,17 +69,29 @@ def cases(vocab: int, sizes: list[int], new_tokens: int, seed: int = 0) -> list[
 
 
 def run_kvviz(m: LoadedModel, case: BenchCase, compute: str, prefix_caching: bool = True,
-              oracle: bool = False) -> Measurement:
+              oracle: bool = False, record: bool = False) -> Measurement:
     longest = max(len(p) for p in case.prompts) + case.new_tokens
     cfg = EngineConfig(block_size=16, num_blocks=len(case.prompts) * (-(-longest // 16)) + 8,
                        max_batch_tokens=2048, isolation="paged", compute=compute, prefix_caching=prefix_caching)
     reqs = [RequestSpec(f"r{i}", prompt_ids=p, max_new_tokens=case.new_tokens, ignore_eos=True)
             for i, p in enumerate(case.prompts)]
-    observers = [ProvenanceOracle()] if oracle else []
+    observers = [ProvenanceOracle()] if oracle or record else []
+    wl, on_step, recorder, tmp = Workload(reqs, cfg), None, None, None
+    if record:  # default recording: every step, oracle metrics, default attention rows
+        tmp = tempfile.TemporaryDirectory()
+        observers.append(AttentionRecorder(observers[0], m.config.num_hidden_layers, AttentionSelection()))
+        recorder = RunRecorder(Path(tmp.name) / "bench.duckdb", "bench", model=m, workload=wl,
+                               oracle=observers[0], attention=observers[1])
+        on_step = recorder.on_step
     t = time.perf_counter()
-    res = Engine(m, cfg).run(Workload(reqs, cfg), observers=observers)
+    res = Engine(m, cfg).run(wl, observers=observers, on_step=on_step)
+    if recorder is not None:
+        recorder.flush()
+        recorder.con.close()
+        tmp.cleanup()
     seconds = time.perf_counter() - t
-    peer = f"kvviz {compute}" + (" + oracle" if oracle else "") + ("" if prefix_caching else " (no prefix cache)")
+    peer = (f"kvviz {compute}" + (" + oracle + recorder" if record else " + oracle" if oracle else "")
+            + ("" if prefix_caching else " (no prefix cache)"))
     return Measurement(case.name, peer, seconds, res.stats.generated_tokens, res.stats.prefill_tokens_computed)
 
 
@@ -109,6 +125,7 @@ PEERS: dict[str, Callable[[LoadedModel, BenchCase], Measurement]] = {
     "kvviz fast": lambda m, c: run_kvviz(m, c, "fast"),
     "kvviz inspect": lambda m, c: run_kvviz(m, c, "inspect"),
     "kvviz inspect + oracle": lambda m, c: run_kvviz(m, c, "inspect", oracle=True),
+    "kvviz inspect + oracle + recorder": lambda m, c: run_kvviz(m, c, "inspect", record=True),
     "hf generate": run_generate,
     "hf generate_batch": run_generate_batch,
 }
@@ -130,6 +147,32 @@ def run_bench(m: LoadedModel, sizes: list[int], new_tokens: int,
     return out
 
 
+def ingest_rate(rows: int = 20_000, keys: int = 256) -> float:
+    """Attention weights per second into DuckDB: Arrow list columns, one bulk INSERT."""
+    import duckdb
+    import numpy as np
+    import pyarrow as pa
+
+    from .store.db import open_writer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        con: duckdb.DuckDBPyConnection = open_writer(Path(tmp) / "ingest.duckdb")
+        offsets = pa.array(np.arange(rows + 1, dtype=np.int32) * keys)
+        n = rows * keys
+        buf = pa.table({  # noqa: F841 (read by name)
+            "run_id": pa.array(["ingest"] * rows), "step": pa.array(np.zeros(rows, np.int32)),
+            "layer": pa.array(np.zeros(rows, np.int32)), "head": pa.array(np.full(rows, -1, np.int32)),
+            "request_id": pa.array(["r"] * rows), "position": pa.array(np.arange(rows, dtype=np.int32)),
+            "key_slots": pa.ListArray.from_arrays(offsets, pa.array(np.arange(n, dtype=np.int32))),
+            "weights": pa.ListArray.from_arrays(offsets, pa.array(np.random.rand(n).astype(np.float32))),
+            "key_classes": pa.ListArray.from_arrays(offsets, pa.array(np.zeros(n, np.uint8)))})
+        t = time.perf_counter()
+        con.execute("INSERT INTO attention BY NAME SELECT * FROM buf")
+        seconds = time.perf_counter() - t
+        con.close()
+    return n / seconds
+
+
 def report(m: LoadedModel, results: list[Measurement], sizes: list[int], new_tokens: int) -> str:
     """A markdown table: tokens/s per case and peer, ratio to `generate`, prefill tokens computed."""
     lines = [
@@ -149,6 +192,8 @@ def report(m: LoadedModel, results: list[Measurement], sizes: list[int], new_tok
         checked = next(r for r in results if r.case == case and r.peer == "kvviz inspect + oracle")
         lines.append(f"\n{case}: the oracle on every layer makes inspect "
                      f"{100 * (plain.tokens_per_second / checked.tokens_per_second - 1):.0f}% slower.")
+    lines.append(f"\nDuckDB ingest of attention rows: {ingest_rate() / 1e6:.1f} million weights per second "
+                 "(Arrow list columns, one INSERT).")
     for case in sorted({r.case for r in results if r.case.startswith("shared")}):
         on = next(r for r in results if r.case == case and r.peer == "kvviz fast").prefill_computed
         off = next(r for r in results if r.case == case and r.peer.endswith("(no prefix cache)")).prefill_computed
