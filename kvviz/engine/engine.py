@@ -60,6 +60,8 @@ class StepRecord:
     preempted: list[str]
     sampled: dict[str, int]
     finished: list[str]
+    writes: dict[str, list[int]] = field(default_factory=dict)  # request -> slots its K/V went to, by position
+    tokens: dict[str, list[int]] = field(default_factory=dict)  # request -> token ids computed, by position
     events: list[BlockEvent] = field(default_factory=list)
     snapshot: PoolSnapshot | None = None  # the pool after the step's frees
     seconds: float = 0.0
@@ -244,8 +246,9 @@ class Engine:
             else:
                 kv.append_tokens(sid, [tok])
         stats.preemptions += len(plan.preempted)
+        writes = {w.seq_id: write_slots[inp.offsets[r]:inp.offsets[r] + len(w.token_ids)] for r, w in enumerate(work)}
         return StepRecord(step, {w.seq_id: (w.start, len(w.token_ids)) for w in work}, plan.admitted,
-                          plan.preempted, sampled, finished)
+                          plan.preempted, sampled, finished, writes, {w.seq_id: w.token_ids for w in work})
 
     # -- requests ------------------------------------------------------------------------------
     def _resolve(self, workload: Workload) -> list[tuple[RequestSpec, list[int]]]:

@@ -2,16 +2,20 @@
 
 The run row is written as `running` before the first step and finished as `complete` or `failed`;
 buffers are flushed every few steps in their own transaction, so a run killed midway leaves a
-database that opens, with the run shown as running and its steps so far readable.
+database that opens, with the run shown as running and its steps so far readable. The file is held
+only while a flush writes: between flushes another process can open it to read.
 """
 
 from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
+import duckdb
 import pyarrow as pa
 
 from .. import __version__
@@ -32,17 +36,26 @@ class RunRecorder:
     def __init__(self, db_path, run_id: str, *, model, workload, scenario: str | None = None,
                  fault: str | None = None, fault_scope: dict | None = None, oracle: ProvenanceOracle | None = None,
                  attention: AttentionRecorder | None = None, flush_every: int = 8):
-        self.con = open_writer(db_path)
+        self.db_path = db_path
         self.run_id, self.oracle, self.attention, self.flush_every = run_id, oracle, attention, flush_every
         self.rows: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
         self._oracle_steps = self._pending = 0
         scope = None if fault_scope is None else json.dumps(fault_scope)
-        self.con.execute(
-            "INSERT INTO runs (run_id, created_at, status, model, model_fingerprint, scenario, fault, fault_scope, "
-            "seed, engine, workload, kvviz_version) VALUES (?, ?, 'running', ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            [run_id, datetime.now(UTC).replace(tzinfo=None), model.name, model.fingerprint, scenario, fault, scope,
-             workload.seed, json.dumps(workload.engine.to_dict()), json.dumps(workload.to_dict(), ensure_ascii=False),
-             __version__])
+        row = [run_id, datetime.now(UTC).replace(tzinfo=None), model.name, model.fingerprint, scenario, fault, scope,
+               workload.seed, json.dumps(workload.engine.to_dict()), json.dumps(workload.to_dict(), ensure_ascii=False),
+               __version__]
+        with self._writer() as con:
+            con.execute("INSERT INTO runs (run_id, created_at, status, model, model_fingerprint, scenario, fault, "
+                        "fault_scope, seed, engine, workload, kvviz_version) "
+                        "VALUES (?, ?, 'running', ?, ?, ?, ?, ?, ?, ?, ?, ?)", row)
+
+    @contextmanager
+    def _writer(self) -> Iterator[duckdb.DuckDBPyConnection]:
+        con = open_writer(self.db_path)
+        try:
+            yield con
+        finally:
+            con.close()
 
     def _add(self, table: str, **cols) -> None:
         for k, v in cols.items():
@@ -56,6 +69,13 @@ class RunRecorder:
                       admitted=req in rec.admitted, preempted=req in rec.preempted,
                       sampled_token=rec.sampled.get(req), finished=req in rec.finished)
         snap = rec.snapshot
+        B = snap.block_size
+        for req, slots in rec.writes.items():
+            start = rec.work[req][0]
+            for k, slot in enumerate(slots):
+                self._add("slot_writes", run_id=rid, step=s, request_id=req, position=start + k,
+                          token=rec.tokens[req][k], slot=slot, block=slot // B,
+                          lifetime=snap.lifetimes[slot // B])
         self._add("steps", run_id=rid, step=s, seconds=rec.seconds, free_blocks=len(snap.free_queue))
         for req, table in snap.page_tables.items():
             for i, b in enumerate(table):
@@ -97,10 +117,11 @@ class RunRecorder:
             tables["attention"] = attention
         if not tables:
             return
-        self.con.execute("BEGIN TRANSACTION")
-        for table, buf in tables.items():  # noqa: B007 (DuckDB reads `buf` by name)
-            self.con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM buf")
-        self.con.execute("COMMIT")
+        with self._writer() as con:
+            con.execute("BEGIN TRANSACTION")
+            for table, buf in tables.items():  # noqa: B007 (DuckDB reads `buf` by name)
+                con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM buf")
+            con.execute("COMMIT")
         self.rows.clear()
         self._pending = 0
 
@@ -121,18 +142,17 @@ class RunRecorder:
                       classification=d.classification)
         self.flush()
         st = res.stats
-        self.con.execute(
-            "UPDATE runs SET status = 'complete', steps = ?, seconds = ?, generated_tokens = ?, max_foreign_mass = ?, "
-            "leak_rate = ?, findings = ? WHERE run_id = ?",
-            [st.steps, seconds if seconds is not None else st.seconds, st.generated_tokens,
-             summary["leak"]["max_foreign_mass"], summary["leak"]["leak_rate"], len(run.findings), self.run_id])
-        self.con.close()
+        values = [st.steps, seconds if seconds is not None else st.seconds, st.generated_tokens,
+                  summary["leak"]["max_foreign_mass"], summary["leak"]["leak_rate"], len(run.findings), self.run_id]
+        with self._writer() as con:
+            con.execute("UPDATE runs SET status = 'complete', steps = ?, seconds = ?, generated_tokens = ?, "
+                        "max_foreign_mass = ?, leak_rate = ?, findings = ? WHERE run_id = ?", values)
 
     def fail(self, error: BaseException) -> None:
         """Keep what was recorded and mark the run failed with the reason."""
         try:
             self.flush()
         finally:
-            self.con.execute("UPDATE runs SET status = 'failed', error = ? WHERE run_id = ?",
-                             [f"{type(error).__name__}: {error}", self.run_id])
-            self.con.close()
+            with self._writer() as con:
+                con.execute("UPDATE runs SET status = 'failed', error = ? WHERE run_id = ?",
+                            [f"{type(error).__name__}: {error}", self.run_id])

@@ -38,6 +38,14 @@ CREATE TABLE IF NOT EXISTS step_work (
     admitted BOOLEAN, preempted BOOLEAN, sampled_token INTEGER, finished BOOLEAN
 );
 
+-- Slot provenance as a log: where each step wrote each request's K/V (the slot, the block's
+-- lifetime then). Replaying it up to step s, with the `cow` block_events (whole blocks copied
+-- before the step's writes), gives every slot's writer, position and token.
+CREATE TABLE IF NOT EXISTS slot_writes (
+    run_id VARCHAR, step INTEGER, request_id VARCHAR, position INTEGER, token INTEGER, slot INTEGER,
+    block INTEGER, lifetime INTEGER
+);
+
 CREATE TABLE IF NOT EXISTS steps (run_id VARCHAR, step INTEGER, seconds DOUBLE, free_blocks INTEGER);
 
 -- Page tables after each step.

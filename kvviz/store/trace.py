@@ -28,6 +28,7 @@ TABLES: dict[str, list[str]] = {
     "requests": ["request_id", "tenant", "parent", "prompt_ids", "output_ids", "text", "arrival_step",
                  "first_token_step", "finish_step", "finish_reason", "cached_tokens"],
     "steps": ["step", "seconds", "free_blocks"],
+    "slot_writes": ["step", "request_id", "position", "token", "slot", "block", "lifetime"],
     "step_work": ["step", "request_id", "start", "tokens", "admitted", "preempted", "sampled_token", "finished"],
     "page_tables": ["step", "request_id", "logical_block", "physical_block"],
     "blocks": ["step", "block", "refcount", "hash", "lifetime", "state"],
@@ -98,7 +99,7 @@ def read_trace(path: str | Path) -> tuple[str, dict[str, pa.Table]]:
     if tables["runs"].num_rows != 1:
         raise TraceError(f"{path}: table 'runs' must hold exactly one run, holds {tables['runs'].num_rows}")
     known = set(tables["requests"].column("request_id").to_pylist())
-    for name in ("step_work", "page_tables", "leak_metrics", "attention", "findings", "divergence"):
+    for name in ("step_work", "slot_writes", "page_tables", "leak_metrics", "attention", "findings", "divergence"):
         if name in tables:
             unknown = set(tables[name].column("request_id").to_pylist()) - known
             if unknown:
