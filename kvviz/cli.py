@@ -80,11 +80,11 @@ def _recorded_run(args, m, wl, fault, progress, probe) -> dict:
     from .engine.engine import new_run_id
     from .oracle import ProvenanceOracle
     from .store import RunRecorder
-    from .store.attention import AttentionRecorder, AttentionSelection
+    from .store.attention import AttentionRecorder
 
     check_fault(fault, wl)  # bad input is refused before a run row exists
     run_id, oracle, scope = new_run_id(), ProvenanceOracle(), _fault_scope(args)
-    attention = AttentionRecorder(oracle, m.config.num_hidden_layers, AttentionSelection(args.attention))
+    attention = AttentionRecorder(oracle, m.config.num_hidden_layers, _attention_selection(args))
     rec = RunRecorder(args.db, run_id, model=m, workload=wl, scenario=args.scenario, fault=fault, oracle=oracle,
                       fault_scope=None if scope is None else scope.to_dict(), attention=attention)
 
@@ -224,6 +224,21 @@ def cmd_capture_vllm(args: argparse.Namespace) -> int:
         print(f"kvviz: lost messages {lo}..{hi} (a gap in sequence numbers)", file=sys.stderr)
     print(f"{args.out}: {w.count} messages")
     return 0
+
+
+def _attention_selection(args):
+    from .store.attention import AttentionSelection
+    from .workload import WorkloadError
+
+    def ints(text, flag):
+        try:
+            return frozenset(int(x) for x in text.split(",")) if text else None
+        except ValueError:
+            raise WorkloadError(f"{flag} takes integers separated by commas, got {text!r}") from None
+
+    return AttentionSelection(args.attention, ints(args.attention_layers, "--attention-layers"),
+                              ints(args.attention_steps, "--attention-steps"),
+                              frozenset(args.attention_requests.split(",")) if args.attention_requests else None)
 
 
 def cmd_sql(args: argparse.Namespace) -> int:
@@ -378,6 +393,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--attention", choices=["default", "all", "none"], default="default",
                      help="attention rows to record: head mean of every layer plus all heads of the first, middle "
                           "and last layer (default), every head of every layer, or none")
+    run.add_argument("--attention-layers", metavar="0,15", help="layers recorded with all heads (default mode)")
+    run.add_argument("--attention-steps", metavar="0,1", help="record attention at these steps only")
+    run.add_argument("--attention-requests", metavar="A,B", help="record attention of these requests only")
     run.set_defaults(func=cmd_run)
 
     sql = sub.add_parser("sql", help="a read-only SQL query over the run store")

@@ -298,3 +298,17 @@ def test_the_database_can_be_read_between_flushes(tmp_path):
     run = run_checked(m, wl, on_step=on_step)
     rec.finish(run)
     assert seen == [("running", 6)]
+
+
+def test_attention_selection_by_request_step_and_layer(tmp_path):
+    db = tmp_path / "k.duckdb"
+    p = subprocess.run([sys.executable, "-m", "kvviz", "run", "--scenario", "boundary", "--model", "tiny-llama",
+                        "--db", str(db), "--quiet", "--attention-requests", "B", "--attention-steps", "1,2",
+                        "--attention-layers", "0"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    con = duckdb.connect(str(db), read_only=True)
+    got = con.execute("SELECT list(DISTINCT request_id), list(DISTINCT step ORDER BY step), "
+                      "list(DISTINCT head ORDER BY head) FILTER (layer = 1) FROM attention").fetchone()
+    assert got == (["B"], [1, 2], [-1])
+    assert con.execute("SELECT list(DISTINCT head ORDER BY head) FROM attention WHERE layer = 0").fetchone()[0] == \
+        [-1, 0, 1, 2, 3]

@@ -25,10 +25,12 @@ HEAD_MEAN = -1  # the head column of a row that averages all heads
 @dataclass(frozen=True)
 class AttentionSelection:
     """Which rows to keep. mode: "default" (head mean of every layer, all heads of full_layers),
-    "all" (every head of every layer) or "none"."""
+    "all" (every head of every layer) or "none"; optionally only some steps and requests."""
 
     mode: str = "default"
     full_layers: frozenset[int] | None = None  # None: first, middle and last layer
+    steps: frozenset[int] | None = None
+    requests: frozenset[str] | None = None
 
     def layers_with_all_heads(self, num_layers: int) -> frozenset[int]:
         if self.mode == "all":
@@ -48,27 +50,34 @@ class AttentionRecorder:
         self.ctx = ctx
 
     def on_attention(self, layer: int, group: AttentionGroup, probs: torch.Tensor) -> None:
-        if self.selection.mode == "none":
+        sel = self.selection
+        if sel.mode == "none" or (sel.steps is not None and self.ctx.step not in sel.steps):
             return
         R, H, Q, L = probs.shape
         heads = [HEAD_MEAN] + (list(range(H)) if layer in self.full else [])
         rows = torch.cat([probs.mean(1, keepdim=True), probs] if len(heads) > 1 else [probs.mean(1, keepdim=True)], 1)
-        keep = (rows > 0) | group.mask[:, None]  # [R, heads, Q, L]
         n_heads = len(heads)
-        slots = group.key_slots[:, None, None, :].expand(R, n_heads, Q, L)
-        classes = self.oracle.key_classes(group)[:, None].expand(R, n_heads, Q, L)
         qr = self.ctx.q_row[group.span].view(R, Q)
         qp = self.ctx.q_pos[group.span].view(R, Q)
+        names = [w.seq_id for w in self.ctx.work]
+        wanted = torch.tensor([sel.requests is None or n in sel.requests for n in names], device=qr.device)[qr]
+        wanted = wanted[:, None, :].expand(R, n_heads, Q)  # [R, heads, Q] rows to keep
+        if not bool(wanted.any()):
+            return
+        keep = ((rows > 0) | group.mask[:, None]) & wanted[..., None]  # [R, heads, Q, L]
+        row_keep = wanted.reshape(-1).cpu().numpy()
+        slots = group.key_slots[:, None, None, :].expand(R, n_heads, Q, L)
+        classes = self.oracle.key_classes(group)[:, None].expand(R, n_heads, Q, L)
         self.chunks.append({
             "step": self.ctx.step, "layer": layer,
-            "head": np.repeat(np.tile(np.array(heads), R), Q),
-            "row": qr[:, None, :].expand(R, n_heads, Q).reshape(-1).cpu().numpy(),
-            "position": qp[:, None, :].expand(R, n_heads, Q).reshape(-1).cpu().numpy(),
-            "lengths": keep.sum(-1).reshape(-1).cpu().numpy(),
+            "head": np.repeat(np.tile(np.array(heads), R), Q)[row_keep],
+            "row": qr[:, None, :].expand(R, n_heads, Q).reshape(-1).cpu().numpy()[row_keep],
+            "position": qp[:, None, :].expand(R, n_heads, Q).reshape(-1).cpu().numpy()[row_keep],
+            "lengths": keep.sum(-1).reshape(-1).cpu().numpy()[row_keep],
             "slots": slots[keep].cpu().numpy().astype(np.int32),
             "weights": rows[keep].float().cpu().numpy(),
             "classes": classes[keep].cpu().numpy(),
-            "names": [w.seq_id for w in self.ctx.work],
+            "names": names,
         })
 
     def end_step(self) -> None:
