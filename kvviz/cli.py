@@ -102,22 +102,28 @@ def _recorded_run(args, m, wl, fault, progress, probe) -> dict:
     return {**run.summary(), "db": str(args.db)}
 
 
+def _int_set(text: str | None, flag: str) -> frozenset[int] | None:
+    """A comma-separated list of integers from the command line (None when the flag is absent)."""
+    from .workload import WorkloadError
+
+    try:
+        return frozenset(int(x) for x in text.split(",")) if text else None
+    except ValueError:
+        raise WorkloadError(f"{flag} takes integers separated by commas, got {text!r}") from None
+
+
+def _name_set(text: str | None) -> frozenset[str] | None:
+    return frozenset(text.split(",")) if text else None
+
+
 def _fault_scope(args):
     """--fault-steps/--fault-requests/--fault-layers as a Scope, or None for the fault's own."""
     from .faults import Scope
-    from .workload import WorkloadError
-
-    def ints(text, flag):
-        try:
-            return frozenset(int(x) for x in text.split(","))
-        except ValueError:
-            raise WorkloadError(f"{flag} takes integers separated by commas, got {text!r}") from None
 
     if not (args.fault_steps or args.fault_requests or args.fault_layers):
         return None
-    return Scope(steps=ints(args.fault_steps, "--fault-steps") if args.fault_steps else None,
-                 requests=frozenset(args.fault_requests.split(",")) if args.fault_requests else None,
-                 layers=ints(args.fault_layers, "--fault-layers") if args.fault_layers else None)
+    return Scope(steps=_int_set(args.fault_steps, "--fault-steps"), requests=_name_set(args.fault_requests),
+                 layers=_int_set(args.fault_layers, "--fault-layers"))
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
@@ -228,17 +234,9 @@ def cmd_capture_vllm(args: argparse.Namespace) -> int:
 
 def _attention_selection(args):
     from .store.attention import AttentionSelection
-    from .workload import WorkloadError
 
-    def ints(text, flag):
-        try:
-            return frozenset(int(x) for x in text.split(",")) if text else None
-        except ValueError:
-            raise WorkloadError(f"{flag} takes integers separated by commas, got {text!r}") from None
-
-    return AttentionSelection(args.attention, ints(args.attention_layers, "--attention-layers"),
-                              ints(args.attention_steps, "--attention-steps"),
-                              frozenset(args.attention_requests.split(",")) if args.attention_requests else None)
+    return AttentionSelection(args.attention, _int_set(args.attention_layers, "--attention-layers"),
+                              _int_set(args.attention_steps, "--attention-steps"), _name_set(args.attention_requests))
 
 
 def cmd_sql(args: argparse.Namespace) -> int:

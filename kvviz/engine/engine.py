@@ -170,10 +170,10 @@ class Engine:
                 for sid in record.finished:
                     sched.finish(sid)
                     kv.free(sid)
-                record.events, record.snapshot = kv.pop_events(), kv.snapshot()
-                record.seconds = time.perf_counter() - started
+                record.events = kv.pop_events()
                 stats.steps += 1
-                if on_step is not None:
+                if on_step is not None:  # the snapshot is only for a consumer: keep it off the bare hot path
+                    record.snapshot, record.seconds = kv.snapshot(), time.perf_counter() - started
                     on_step(record)
                 step += 1
         stats.seconds = time.perf_counter() - t0
