@@ -91,19 +91,42 @@ def free_port() -> int:
 
 
 class Publisher(threading.Thread):
-    """A stand-in vLLM publisher: PUB frames (topic, seq, payload) and a ROUTER replay endpoint."""
+    """A stand-in publisher with the real framing: PUB frames (topic, seq, payload), and a ROUTER replay
+    endpoint that, like vLLM's and SGLang's, takes only a REQ-style request [identity, b"", start seq]
+    and answers [b"", topic, seq, payload] per batch ending [b"", b"", -1, b""] (vLLM 0.33), or
+    [b"", seq, payload] ending [b"", -1, b""] (SGLang, whose replay carries no topic)."""
 
-    def __init__(self, pub_port, replay_port, count=40, skip=17):
+    END = (-1).to_bytes(8, "big", signed=True)
+
+    def __init__(self, pub_port, replay_port, count=40, skip=17, engine="vllm"):
         super().__init__(daemon=True)
         self.ctx = zmq.Context()
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.bind(f"tcp://127.0.0.1:{pub_port}")
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.bind(f"tcp://127.0.0.1:{replay_port}")
-        self.count, self.skip, self.sent = count, skip, []
+        self.count, self.skip, self.engine, self.sent = count, skip, engine, []
+
+    def topic(self, seq):
+        return b"kv-events"
 
     def payload(self, seq):
         return batch(stored_map([1000 + seq], None, [seq, seq]), ts=float(seq))
+
+    def serve_replay(self):
+        frames = self.router.recv_multipart()
+        if len(frames) != 3:  # the real publishers log "Invalid replay request" and answer nothing
+            return
+        ident, _, start = frames
+        for s in self.sent:
+            if s >= int.from_bytes(start, "big"):
+                seq = s.to_bytes(8, "big")
+                if self.engine == "vllm":
+                    self.router.send_multipart([ident, b"", self.topic(s), seq, self.payload(s)])
+                else:
+                    self.router.send_multipart([ident, b"", seq, self.payload(s)])
+        self.router.send_multipart([ident, b"", b"", self.END, b""] if self.engine == "vllm" else
+                                   [ident, b"", self.END, b""])
 
     def run(self):
         self.sent = [0, 1, 2]  # already published before the subscriber came: only replay has them
@@ -112,13 +135,9 @@ class Publisher(threading.Thread):
         deadline, seq = time.monotonic() + 8, 3
         while time.monotonic() < deadline and seq < self.count:
             if dict(poller.poll(20)).get(self.router):
-                ident, start = self.router.recv_multipart()
-                for s in self.sent:
-                    if s >= int.from_bytes(start, "big"):
-                        self.router.send_multipart([ident, b"kv-events", s.to_bytes(8, "big"), self.payload(s)])
-                self.router.send_multipart([ident, b"", (-1).to_bytes(8, "big", signed=True), b""])
+                self.serve_replay()
             if seq != self.skip:
-                self.pub.send_multipart([b"kv-events", seq.to_bytes(8, "big"), self.payload(seq)])
+                self.pub.send_multipart([self.topic(seq), seq.to_bytes(8, "big"), self.payload(seq)])
             self.sent.append(seq)
             seq += 1
             time.sleep(0.05)
@@ -136,11 +155,152 @@ def test_capture_over_a_real_zmq_socket_with_replay_and_a_gap(tmp_path):
     pub.join(10)
     seqs = [s for s, _ in read_capture(out)]
     assert seqs[:3] == [0, 1, 2], "the replay endpoint's history comes first"
+    assert len(seqs) == len(set(seqs)), "a batch both replayed and received live is written once"
     assert 17 not in seqs and (17, 17) in w.gaps
     assert len(seqs) >= 10
     run_id = import_capture(out, tmp_path / "k.duckdb")
     con = duckdb.connect(str(tmp_path / "k.duckdb"), read_only=True)
     assert con.execute("SELECT count(*) FROM kv_events WHERE run_id = ?", [run_id]).fetchone()[0] == len(seqs)
+
+
+# SGLang frames, built by hand from the layout its publisher (sglang/srt/disaggregation/kv_events.py) documents:
+# the batch is positional, [ts, events] before the rank was added and [ts, events, attn_dp_rank] since; events
+# were positional arrays (BlockStored: tag, block_hashes, parent_block_hash, token_ids, block_size, lora_id,
+# then medium once tiers were added, then a {"cache_salt": ...} map when the request was salted; BlockRemoved:
+# tag, block_hashes, then medium), and are now maps tagged by "type" with optional fields (medium, cache_salt,
+# session_id) left out when None. Hashes are signed 64-bit ints; the radix cache's pages hold 1 token.
+U64 = (1 << 64) - 1
+H1, H2, H3 = -(1 << 63) + 7, -1, 4242  # SGLang hashes: signed, the full int64 range
+
+
+def sglang_batch(events, rank=0, ts=2.5):
+    return msgpack.packb([ts, events] if rank is None else [ts, events, rank])
+
+
+def test_sglang_positional_frames_of_every_release_decode():
+    oldest = sglang_batch([["BlockStored", [H1, H2], None, [11, 12], 1, None],  # before medium: 6 items
+                           ["BlockRemoved", [H2]], ["AllBlocksCleared"]], rank=None)
+    stored, removed, cleared = decode_batch(oldest, seq=3)
+    assert (stored.rank, stored.ts, stored.kind, removed.kind, cleared.kind) == (None, 2.5, "BlockStored",
+                                                                                  "BlockRemoved", "AllBlocksCleared")
+    assert stored.block_hashes == (H1 & U64, H2 & U64) and stored.parent_hash is None
+    assert stored.token_ids == (11, 12) and stored.block_size == 1 and stored.medium is None
+    assert removed.block_hashes == (U64,) and stored.salts == (None, None) and stored.lora_name is None
+
+    tiered = sglang_batch([["BlockStored", [H3], H2, [13], 1, None, "GPU"],
+                           ["BlockStored", [H3 + 1, H3 + 2], H3, [14, 15, 16, 17], 2, None, "CPU_PINNED"],
+                           ["BlockRemoved", [H3], "CPU_PINNED"]], rank=1)
+    gpu, host, removed = decode_batch(tiered, seq=4)
+    assert (gpu.parent_hash, gpu.medium, gpu.rank, host.medium, removed.medium) == (U64, "GPU", 1, "CPU_PINNED",
+                                                                                     "CPU_PINNED")
+    assert host.block_size == 2 and host.token_ids == (14, 15, 16, 17) and host.parent_hash == H3
+
+    salted = sglang_batch([["BlockStored", [H1, H2], None, [11, 12], 1, None, "GPU", {"cache_salt": "tenant-a"}]])
+    (ev,) = decode_batch(salted, seq=5)
+    assert ev.salts == ("tenant-a", "tenant-a"), "the salt map names every block of the event"
+    assert ev.lora_name is None and ev.medium == "GPU", "the 8th item is SGLang's metadata, not vLLM's lora_name"
+
+    bigram = sglang_batch([["BlockStored", [H3], None, [[21, 22], [22, 23]], 2, None, "GPU"]])  # EAGLE bigram keys
+    assert decode_batch(bigram, seq=6)[0].token_ids == (21, 22)
+
+
+def test_sglang_tagged_map_frames_decode():
+    payload = sglang_batch([
+        {"type": "BlockStored", "block_hashes": [H1, H2], "parent_block_hash": None, "token_ids": [31, 32],
+         "block_size": 1, "lora_id": None, "medium": "GPU", "cache_salt": "tenant-b", "session_id": "s-1"},
+        {"type": "BlockStored", "block_hashes": [H3], "parent_block_hash": H2, "token_ids": [33], "block_size": 1,
+         "lora_id": None},  # medium, cache_salt and session_id left out when None
+        {"type": "BlockRemoved", "block_hashes": [H3, H2], "medium": "GPU"},
+        {"type": "BlockRemoved", "block_hashes": [H1]},
+        {"type": "AllBlocksCleared"},
+    ], rank=3)
+    salted, plain, removed, removed_no_medium, cleared = decode_batch(payload, seq=9)
+    assert salted.salts == ("tenant-b", "tenant-b") and salted.medium == "GPU" and salted.rank == 3
+    assert plain.salts == (None,) and plain.medium is None and plain.parent_hash == H2 & U64
+    assert removed.block_hashes == (H3, U64) and removed_no_medium.medium is None
+    assert cleared.kind == "AllBlocksCleared" and cleared.block_hashes == ()
+
+
+def sglang_radix_capture(tmp_path):
+    """Two requests sharing a 2-token prefix in the radix cache (1-token pages), a salted one, evictions, a
+    flush (AllBlocksCleared), in both encodings SGLang has published."""
+    a, b, c, d, s1, s2 = -101, -102, -103, 104, -(1 << 63) + 1, 9
+    return write_capture(tmp_path / "sglang.jsonl", [
+        sglang_batch([["BlockStored", [a, b, c], None, [1, 2, 3], 1, None, "GPU"]]),  # request 1: tokens 1 2 3
+        sglang_batch([{"type": "BlockStored", "block_hashes": [d], "parent_block_hash": b, "token_ids": [9],
+                       "block_size": 1, "lora_id": None, "medium": "GPU"}]),  # request 2: 1 2 9, shares a, b
+        sglang_batch([["BlockStored", [s1, s2], None, [1, 2], 1, None, "GPU", {"cache_salt": "tenant-a"}]]),
+        sglang_batch([["BlockRemoved", [c], "GPU"], {"type": "BlockRemoved", "block_hashes": [d],
+                                                      "medium": "GPU"}]),  # leaves evicted
+        sglang_batch([["AllBlocksCleared"]]),
+        sglang_batch([], ts=3.0),  # a step with nothing to report
+    ]), (a, b, c, d, s1, s2)
+
+
+def test_sglang_capture_imports_as_a_run_with_the_radix_prefix_tree(tmp_path):
+    cap, (a, b, c, d, s1, s2) = sglang_radix_capture(tmp_path)
+    db = tmp_path / "k.duckdb"
+    run_id = import_capture(cap, db)
+    con = duckdb.connect(str(db), read_only=True)
+    tree = con.execute("SELECT block_hash, parent_hash, token_ids, block_size, salt, medium, rank FROM kv_events "
+                       "WHERE run_id = ? AND kind = 'BlockStored' ORDER BY step, block_index", [run_id]).fetchall()
+    assert tree == [(a & U64, None, [1], 1, None, "GPU", 0), (b & U64, a & U64, [2], 1, None, "GPU", 0),
+                    (c & U64, b & U64, [3], 1, None, "GPU", 0), (d, b & U64, [9], 1, None, "GPU", 0),
+                    (s1 & U64, None, [1], 1, "tenant-a", "GPU", 0), (s2, s1 & U64, [2], 1, "tenant-a", "GPU", 0)]
+    children = con.execute("SELECT parent_hash, list(block_hash ORDER BY block_hash) FROM kv_events WHERE run_id = ? "
+                           "AND kind = 'BlockStored' AND parent_hash = ? GROUP BY parent_hash",
+                           [run_id, b & U64]).fetchall()
+    assert children == [(b & U64, sorted([c & U64, d]))], "the shared prefix branches after token 2"
+    per_step = con.execute("SELECT step, stored, removed FROM kv_cache_blocks WHERE run_id = ? ORDER BY step",
+                           [run_id]).fetchall()
+    assert per_step == [(0, 3, 0), (1, 1, 0), (2, 2, 0), (3, 0, 2), (4, 0, 0)]
+    assert con.execute("SELECT step, block_hash FROM kv_events WHERE run_id = ? AND kind = 'AllBlocksCleared'",
+                       [run_id]).fetchall() == [(4, None)]
+    assert con.execute("SELECT status, steps, findings FROM runs WHERE run_id = ?", [run_id]).fetchone() == (
+        "complete", 6, 0), "SGLang salts its hashes, so no chain is shared across salts"
+
+
+class SGLangPublisher(Publisher):
+    """SGLang's frames: an epoch appended to the topic (a snapshot-capable publisher), a snapshot barrier that is
+    an empty batch on its own topic, one 1-token radix page stored per batch with signed hashes."""
+
+    BARRIER = 25
+
+    def __init__(self, pub_port, replay_port):
+        super().__init__(pub_port, replay_port, engine="sglang")
+
+    def topic(self, seq):
+        live = b"kv@pod-0@model\x00sgl-kv-epoch=e1"
+        return live + b"\x00sgl-kv-snapshot=b1" if seq == self.BARRIER else live
+
+    def payload(self, seq):
+        if seq == self.BARRIER:
+            return sglang_batch([], ts=float(seq))
+        parent = None if seq == 0 else -(seq - 1) - 1000
+        return sglang_batch([["BlockStored", [-seq - 1000], parent, [seq], 1, None, "GPU"]], ts=float(seq))
+
+
+def test_sglang_capture_over_a_real_zmq_socket_with_replay_and_a_gap(tmp_path):
+    pub_port, replay_port = free_port(), free_port()
+    pub = SGLangPublisher(pub_port, replay_port)
+    pub.start()
+    out = tmp_path / "cap.jsonl"
+    w = capture(f"tcp://127.0.0.1:{pub_port}", str(out), duration=4, replay=f"tcp://127.0.0.1:{replay_port}",
+                topic="kv@pod-0@model")
+    pub.join(10)
+    seqs = [s for s, _ in read_capture(out)]
+    assert seqs[:3] == [0, 1, 2], "SGLang's replay (seq, payload) frames come first"
+    assert len(seqs) == len(set(seqs)) and 17 not in seqs and (17, 17) in w.gaps
+    assert SGLangPublisher.BARRIER in seqs and len(seqs) >= 30
+    topics = [json.loads(line)["topic"] for line in out.read_text().splitlines()[1:]]
+    assert topics[:3] == ["", "", ""] and topics[3].startswith("kv@pod-0@model\x00sgl-kv-epoch=")
+    run_id = import_capture(out, tmp_path / "k.duckdb")
+    con = duckdb.connect(str(tmp_path / "k.duckdb"), read_only=True)
+    rows = con.execute("SELECT seq, block_hash, parent_hash, token_ids FROM kv_events WHERE run_id = ? ORDER BY seq",
+                       [run_id]).fetchall()
+    stored = [s for s in seqs if s != SGLangPublisher.BARRIER]
+    assert [r[0] for r in rows] == stored, "one row per stored page; the barrier batch has no events"
+    assert rows[1] == (1, (-1001) & U64, (-1000) & U64, [1])
 
 
 def bad_line(tmp_path, line):
