@@ -76,29 +76,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _recorded_run(args, m, wl, fault, progress, probe) -> dict:
     """A checked run recorded step by step into --db; a run that dies is marked failed there."""
-    from .checked_run import check_fault, run_checked
-    from .engine.engine import new_run_id
-    from .oracle import ProvenanceOracle
-    from .store import RunRecorder
-    from .store.attention import AttentionRecorder
+    from .recorded import record_run
 
-    check_fault(fault, wl)  # bad input is refused before a run row exists
-    run_id, oracle, scope = new_run_id(), ProvenanceOracle(), _fault_scope(args)
-    attention = AttentionRecorder(oracle, m.config.num_hidden_layers, _attention_selection(args))
-    rec = RunRecorder(args.db, run_id, model=m, workload=wl, scenario=args.scenario, fault=fault, oracle=oracle,
-                      fault_scope=None if scope is None else scope.to_dict(), attention=attention)
-
-    def on_step(r):
-        rec.on_step(r)
-        progress(r)
-
-    try:
-        run = run_checked(m, wl, fault, on_step=on_step, probes=[attention] + ([probe] if probe else []),
-                          run_id=run_id, oracle=oracle, scope=scope)
-    except BaseException as e:
-        rec.fail(e)
-        raise
-    rec.finish(run)
+    run = record_run(args.db, m, wl, fault, scenario=args.scenario, scope=_fault_scope(args),
+                     selection=_attention_selection(args), on_step=lambda r, _oracle: progress(r),
+                     probes=[probe] if probe else [])
     return {**run.summary(), "db": str(args.db)}
 
 

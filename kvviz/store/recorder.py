@@ -10,19 +10,16 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
-import duckdb
 import pyarrow as pa
 
 from .. import __version__
 from ..engine import StepRecord
 from ..engine.hashing import hash_to_u64
 from .attention import AttentionRecorder
-from .db import open_writer
+from .db import writing
 
 if TYPE_CHECKING:
     from ..checked_run import CheckedRun
@@ -36,7 +33,7 @@ class RunRecorder:
     def __init__(self, db_path, run_id: str, *, model, workload, scenario: str | None = None,
                  fault: str | None = None, fault_scope: dict | None = None, oracle: ProvenanceOracle | None = None,
                  attention: AttentionRecorder | None = None, flush_every: int = 8):
-        self.db_path = db_path
+        self.db_path, self.tokenizer = db_path, model.tokenizer
         self.run_id, self.oracle, self.attention, self.flush_every = run_id, oracle, attention, flush_every
         self.rows: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
         self._oracle_steps = self._pending = 0
@@ -44,18 +41,10 @@ class RunRecorder:
         row = [run_id, datetime.now(UTC).replace(tzinfo=None), model.name, model.fingerprint, scenario, fault, scope,
                workload.seed, json.dumps(workload.engine.to_dict()), json.dumps(workload.to_dict(), ensure_ascii=False),
                __version__]
-        with self._writer() as con:
+        with writing(self.db_path) as con:
             con.execute("INSERT INTO runs (run_id, created_at, status, model, model_fingerprint, scenario, fault, "
                         "fault_scope, seed, engine, workload, kvviz_version) "
                         "VALUES (?, ?, 'running', ?, ?, ?, ?, ?, ?, ?, ?, ?)", row)
-
-    @contextmanager
-    def _writer(self) -> Iterator[duckdb.DuckDBPyConnection]:
-        con = open_writer(self.db_path)
-        try:
-            yield con
-        finally:
-            con.close()
 
     def _add(self, table: str, **cols) -> None:
         for k, v in cols.items():
@@ -117,7 +106,7 @@ class RunRecorder:
             tables["attention"] = attention
         if not tables:
             return
-        with self._writer() as con:
+        with writing(self.db_path) as con:
             con.execute("BEGIN TRANSACTION")
             for table, buf in tables.items():  # noqa: B007 (DuckDB reads `buf` by name)
                 con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM buf")
@@ -133,6 +122,8 @@ class RunRecorder:
                       prompt_ids=r.prompt_ids, output_ids=r.output_ids, text=r.text, arrival_step=r.arrival_step,
                       first_token_step=r.first_token_step, finish_step=r.finish_step, finish_reason=r.finish_reason,
                       cached_tokens=r.cached_tokens)
+        for tok in sorted({t for r in res.requests for t in (*r.prompt_ids, *r.output_ids)}):
+            self._add("token_text", run_id=self.run_id, token_id=tok, text=token_label(self.tokenizer, tok))
         for f in run.findings:
             self._add("findings", run_id=self.run_id, kind=f.kind, request_id=f.request, step=f.step, layer=f.layer,
                       head=f.head, position=f.position, source_request=f.source_request, mass=f.mass)
@@ -144,7 +135,7 @@ class RunRecorder:
         st = res.stats
         values = [st.steps, seconds if seconds is not None else st.seconds, st.generated_tokens,
                   summary["leak"]["max_foreign_mass"], summary["leak"]["leak_rate"], len(run.findings), self.run_id]
-        with self._writer() as con:
+        with writing(self.db_path) as con:
             con.execute("UPDATE runs SET status = 'complete', steps = ?, seconds = ?, generated_tokens = ?, "
                         "max_foreign_mass = ?, leak_rate = ?, findings = ? WHERE run_id = ?", values)
 
@@ -153,6 +144,12 @@ class RunRecorder:
         try:
             self.flush()
         finally:
-            with self._writer() as con:
+            with writing(self.db_path) as con:
                 con.execute("UPDATE runs SET status = 'failed', error = ? WHERE run_id = ?",
                             [f"{type(error).__name__}: {error}", self.run_id])
+
+
+def token_label(tokenizer, token_id: int) -> str:
+    """A token's own text; the raw vocabulary piece where it is part of a multi-byte character."""
+    text = tokenizer.decode([token_id])
+    return text if "\ufffd" not in text else str(tokenizer.convert_ids_to_tokens(token_id))

@@ -1,4 +1,4 @@
--- kvviz run store, schema version 1. One DuckDB file holds every run; the table of runs is `runs`.
+-- kvviz run store, schema version 2 (2 added token_text; a version 1 file is upgraded in place). One DuckDB file holds every run; the table of runs is `runs`.
 -- Keys: run_id everywhere; step numbers start at 0; positions and blocks are 0-based.
 
 CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR);
@@ -31,6 +31,9 @@ CREATE TABLE IF NOT EXISTS requests (
     arrival_step INTEGER, first_token_step INTEGER, finish_step INTEGER, finish_reason VARCHAR,
     cached_tokens INTEGER
 );
+
+-- The text of each token id the run's requests hold, so that views can label tokens without the tokenizer.
+CREATE TABLE IF NOT EXISTS token_text (run_id VARCHAR, token_id INTEGER, text VARCHAR);
 
 -- What each step computed: request_id computed positions [start, start + tokens).
 CREATE TABLE IF NOT EXISTS step_work (

@@ -5,10 +5,14 @@ row cap and a timeout."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import duckdb
+
+from .db import GATE, StoreError, retry_locked
 
 ALLOWED = {duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN}
 LOCKDOWN = {
@@ -44,6 +48,21 @@ def open_sandbox(path: str | Path) -> duckdb.DuckDBPyConnection:
     if not con.execute("SELECT current_setting('lock_configuration')").fetchone()[0]:
         con.execute("SET lock_configuration = true")  # (a reopened instance in this process stays locked)
     return con
+
+
+@contextmanager
+def reading(path: str | Path) -> Iterator[duckdb.DuckDBPyConnection]:
+    """A short-lived sandboxed connection for the UI's reads and user SQL alike; writers in this
+    process wait until it closes, and another process's flush is waited out."""
+    with GATE.read():
+        try:
+            con = retry_locked(lambda: open_sandbox(path), Path(path))
+        except StoreError as e:
+            raise SqlError(str(e)) from None
+        try:
+            yield con
+        finally:
+            con.close()
 
 
 def run_query(con: duckdb.DuckDBPyConnection, sql: str, max_rows: int = 10_000, timeout_s: float = 30.0) -> QueryResult:

@@ -17,7 +17,7 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .db import StoreError, open_writer
+from .db import StoreError, writing
 
 FORMAT, VERSION = "kvviz-trace", 1
 # table -> required columns; run_id is implied (the manifest's) and added on import.
@@ -27,6 +27,7 @@ TABLES: dict[str, list[str]] = {
              "leak_rate", "findings"],
     "requests": ["request_id", "tenant", "parent", "prompt_ids", "output_ids", "text", "arrival_step",
                  "first_token_step", "finish_step", "finish_reason", "cached_tokens"],
+    "token_text": ["token_id", "text"],
     "steps": ["step", "seconds", "free_blocks"],
     "slot_writes": ["step", "request_id", "position", "token", "slot", "block", "lifetime"],
     "step_work": ["step", "request_id", "start", "tokens", "admitted", "preempted", "sampled_token", "finished"],
@@ -152,8 +153,7 @@ def _table(z: zipfile.ZipFile, infos: dict, path: Path, name: str, entry: object
 def import_trace(path: str | Path, db: str | Path) -> str:
     """Validate and insert a trace in one transaction; returns the run id. A bad file changes nothing."""
     run_id, tables = read_trace(path)
-    con = open_writer(db)
-    try:
+    with writing(db) as con:
         if con.execute("SELECT count(*) FROM runs WHERE run_id = ?", [run_id]).fetchone()[0]:
             raise TraceError(f"{path}: run {run_id} is already in {db}")
         con.execute("BEGIN TRANSACTION")
@@ -165,6 +165,4 @@ def import_trace(path: str | Path, db: str | Path) -> str:
         except duckdb.Error as e:
             con.execute("ROLLBACK")
             raise TraceError(f"{path}: a table does not fit the schema: {str(e).splitlines()[0]}") from None
-    finally:
-        con.close()
     return run_id

@@ -1,0 +1,113 @@
+"""Attention as pictures need it: a request's query x key matrix with each key's owner and class,
+and the layer x head grid of foreign mass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import duckdb
+import numpy as np
+import pandas as pd
+
+from .tokens import label, request_tokens, slot_contents, token_texts
+
+UNSEEN, OWN, FOREIGN, STALE = -1, 0, 1, 2
+HEAD_MEAN = -1
+
+
+@dataclass
+class AttentionView:
+    """weights [Q, K] (NaN where the query could not see the key: future or masked) and classes [Q, K]."""
+
+    weights: np.ndarray
+    classes: np.ndarray
+    query_labels: list[str]
+    key_labels: list[str]
+    key_owners: list[str]  # the request that wrote each key column ("" when unknown)
+    key_slots: list[int]
+    head: int  # the head shown (-1: mean), which differs from the one asked for when that was not recorded
+    binned: bool  # rows or columns were merged (max) to fit the screen
+
+    @property
+    def foreign_mass(self) -> np.ndarray:
+        """Per query row: the weight on foreign and stale keys."""
+        return np.nansum(np.where(self.classes >= FOREIGN, self.weights, 0.0), axis=1)
+
+
+def recorded_heads(con: duckdb.DuckDBPyConnection, run_id: str, layer: int) -> list[int]:
+    return [r[0] for r in con.execute("SELECT DISTINCT head FROM attention WHERE run_id = ? AND layer = ? "
+                                      "ORDER BY head", [run_id, layer]).fetchall()]
+
+
+def attention_view(con: duckdb.DuckDBPyConnection, run_id: str, request: str, step: int, layer: int, head: int,
+                   block_size: int, *, upto: bool = False, max_rows: int = 160, max_cols: int = 320,
+                   ) -> AttentionView | None:
+    """The request's query rows at `step` (or at every step up to it) over the key slots they read.
+    None when no row of this request was recorded there."""
+    if head != HEAD_MEAN and head not in recorded_heads(con, run_id, layer):
+        head = HEAD_MEAN
+    rows = con.execute(
+        f"SELECT step, position, key_slots, weights, key_classes FROM attention WHERE run_id = ? AND request_id = ? "
+        f"AND layer = ? AND head = ? AND step {'<=' if upto else '='} ? ORDER BY step, position",
+        [run_id, request, layer, head, step]).fetchall()
+    if not rows:
+        return None
+    slots = sorted({s for r in rows for s in r[2]})
+    col = {s: i for i, s in enumerate(slots)}
+    weights = np.full((len(rows), len(slots)), np.nan, np.float32)
+    classes = np.full((len(rows), len(slots)), UNSEEN, np.int8)
+    for i, (_, _, ks, ws, cs) in enumerate(rows):
+        idx = [col[s] for s in ks]
+        weights[i, idx] = ws
+        classes[i, idx] = cs
+    texts, seq = token_texts(con, run_id), request_tokens(con, run_id).get(request, [])
+    q_labels = [f"{pos} {label(texts, seq[pos] if pos < len(seq) else None)}" for _, pos, *_ in rows]
+    contents = slot_contents(con, run_id, step, block_size).set_index("slot")
+    owners, k_labels = [], []
+    for s in slots:
+        if s in contents.index:
+            c = contents.loc[s]
+            owners.append(str(c.request_id))
+            k_labels.append(f"{c.request_id}:{c.position} {label(texts, c.token)}")
+        else:
+            owners.append("")
+            k_labels.append(f"slot {s}")
+    view = AttentionView(weights, classes, q_labels, k_labels, owners, slots, head, False)
+    return downsample(view, max_rows, max_cols)
+
+
+def downsample(v: AttentionView, max_rows: int, max_cols: int) -> AttentionView:
+    """Merge neighbouring rows/columns by max so that a leak in any of them stays visible."""
+    Q, K = v.weights.shape
+    if Q <= max_rows and K <= max_cols:
+        return v
+    rb, cb = -(-Q // max_rows), -(-K // max_cols)
+    w, c = _bin_max(v.weights, rb, cb), _bin_max(v.classes.astype(np.float32), rb, cb).astype(np.int8)
+    return AttentionView(w, c, [lab + ("…" if rb > 1 else "") for lab in v.query_labels[::rb]],
+                         [lab + ("…" if cb > 1 else "") for lab in v.key_labels[::cb]], v.key_owners[::cb],
+                         v.key_slots[::cb], v.head, True)
+
+
+def _bin_max(a: np.ndarray, rb: int, cb: int) -> np.ndarray:
+    Q, K = a.shape
+    padded = np.full((-(-Q // rb) * rb, -(-K // cb) * cb), np.nan, np.float32)
+    padded[:Q, :K] = a
+    blocks = padded.reshape(padded.shape[0] // rb, rb, padded.shape[1] // cb, cb)
+    with np.errstate(all="ignore"):
+        out = np.nanmax(blocks, axis=(1, 3)) if np.isnan(blocks).any() else blocks.max(axis=(1, 3))
+    return out
+
+
+def leak_grid(con: duckdb.DuckDBPyConnection, run_id: str, step: int | None = None,
+              request: str | None = None) -> pd.DataFrame:
+    """Max foreign (+ stale) mass per (layer, head), at one step or over the run, for one request or all."""
+    where, params = ["run_id = ?"], [run_id]
+    if step is not None:
+        where.append("step = ?")
+        params.append(step)
+    if request is not None:
+        where.append("request_id = ?")
+        params.append(request)
+    return con.execute(f"SELECT layer, head, max(max_foreign) AS max_foreign, sum(leak_rows) AS leak_rows "
+                       f"FROM leak_metrics WHERE {' AND '.join(where)} GROUP BY layer, head ORDER BY layer, head",
+                       params).df()

@@ -1,0 +1,101 @@
+"""The pool at a step and over time: block map, occupancy, page tables and one block's story."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import duckdb
+import numpy as np
+import pandas as pd
+
+from .tokens import label, slot_contents, token_texts
+
+STATES = ("free", "cached", "used", "shared")  # occupancy codes 0..3; shared = used with refcount > 1
+
+
+def block_map(con: duckdb.DuckDBPyConnection, run_id: str, step: int) -> pd.DataFrame:
+    """One row per block: state, refcount, hash, lifetime and the requests whose page tables hold it."""
+    return con.execute(
+        "SELECT b.block, b.state, b.refcount, b.hash, b.lifetime, "
+        "coalesce(string_agg(DISTINCT p.request_id, ',' ORDER BY p.request_id), '') AS owners "
+        "FROM blocks b LEFT JOIN page_tables p ON p.run_id = b.run_id AND p.step = b.step "
+        "AND p.physical_block = b.block WHERE b.run_id = ? AND b.step = ? "
+        "GROUP BY ALL ORDER BY b.block", [run_id, step]).df()
+
+
+def leaky_blocks(con: duckdb.DuckDBPyConnection, run_id: str, step: int, block_size: int) -> set[int]:
+    """Blocks holding keys that some query read at this step with a foreign or stale class."""
+    rows = con.execute(
+        "SELECT DISTINCT k.slot // ? FROM (SELECT unnest(key_slots) AS slot, unnest(key_classes) AS cls, "
+        "unnest(weights) AS w FROM attention WHERE run_id = ? AND step = ? AND head = -1) k "
+        "WHERE k.cls > 0 AND k.w > 0", [block_size, run_id, step]).fetchall()
+    return {int(r[0]) for r in rows}
+
+
+def occupancy(con: duckdb.DuckDBPyConnection, run_id: str, max_steps: int = 400) -> tuple[np.ndarray, list[int]]:
+    """[blocks, steps] state codes (see STATES) and the steps shown; long runs are sampled evenly."""
+    steps = [r[0] for r in con.execute("SELECT DISTINCT step FROM blocks WHERE run_id = ? ORDER BY step",
+                                       [run_id]).fetchall()]
+    if len(steps) > max_steps:
+        steps = [steps[i] for i in np.linspace(0, len(steps) - 1, max_steps).round().astype(int)]
+    df = con.execute(
+        "SELECT step, block, CASE WHEN state = 'used' AND refcount > 1 THEN 3 WHEN state = 'used' THEN 2 "
+        "WHEN state = 'cached' THEN 1 ELSE 0 END AS code FROM blocks WHERE run_id = ? AND list_contains(?, step)",
+        [run_id, steps]).df()
+    if df.empty:
+        return np.zeros((0, 0), np.int8), []
+    grid = np.zeros((int(df.block.max()) + 1, len(steps)), np.int8)
+    col = {s: i for i, s in enumerate(steps)}
+    grid[df.block.to_numpy(), df.step.map(col).to_numpy()] = df.code.to_numpy()
+    return grid, steps
+
+
+def page_tables(con: duckdb.DuckDBPyConnection, run_id: str, step: int) -> pd.DataFrame:
+    """Page-table entries after the step, with each block's refcount and whether the request got it
+    as a copy-on-write copy."""
+    return con.execute(
+        "SELECT p.request_id, p.logical_block, p.physical_block, b.refcount, b.refcount > 1 AS shared, "
+        "EXISTS (SELECT 1 FROM block_events e WHERE e.run_id = p.run_id AND e.kind = 'cow' AND e.step <= p.step "
+        "AND e.block = p.physical_block AND e.request_id = p.request_id) AS cow "
+        "FROM page_tables p JOIN blocks b ON b.run_id = p.run_id AND b.step = p.step AND b.block = p.physical_block "
+        "WHERE p.run_id = ? AND p.step = ? ORDER BY p.request_id, p.logical_block", [run_id, step]).df()
+
+
+@dataclass
+class BlockStory:
+    """One block at a step: who references it, its hash chain, what its slots hold, what happened to it."""
+
+    block: int
+    state: str
+    refcount: int
+    hash: str | None
+    references: pd.DataFrame  # request_id, logical_block
+    chains: dict[str, list[str]]  # request -> hashes of its blocks 0..logical (the prefix this block ends)
+    slots: pd.DataFrame  # slot, request_id, position, token, text
+    events: pd.DataFrame  # step, kind, request_id, refcount, source
+
+
+def block_story(con: duckdb.DuckDBPyConnection, run_id: str, step: int, block: int, block_size: int) -> BlockStory:
+    row = con.execute("SELECT state, refcount, hash FROM blocks WHERE run_id = ? AND step = ? AND block = ?",
+                      [run_id, step, block]).fetchone()
+    if row is None:
+        raise KeyError(f"block {block} is not in the pool at step {step}")
+    refs = con.execute("SELECT request_id, logical_block FROM page_tables WHERE run_id = ? AND step = ? AND "
+                       "physical_block = ? ORDER BY request_id", [run_id, step, block]).df()
+    chains = {}
+    for req, logical in refs.itertuples(index=False):
+        chains[req] = [_hex(h) for (h,) in con.execute(
+            "SELECT b.hash FROM page_tables p JOIN blocks b ON b.run_id = p.run_id AND b.step = p.step "
+            "AND b.block = p.physical_block WHERE p.run_id = ? AND p.step = ? AND p.request_id = ? "
+            "AND p.logical_block <= ? ORDER BY p.logical_block", [run_id, step, req, logical]).fetchall()]
+    contents = slot_contents(con, run_id, step, block_size)
+    slots = contents[(contents.slot >= block * block_size) & (contents.slot < (block + 1) * block_size)].copy()
+    texts = token_texts(con, run_id)
+    slots["text"] = [label(texts, t) for t in slots.token]
+    events = con.execute("SELECT step, kind, request_id, refcount, source FROM block_events WHERE run_id = ? "
+                         "AND block = ? AND step <= ? ORDER BY step, seq", [run_id, block, step]).df()
+    return BlockStory(block, row[0], row[1], _hex(row[2]), refs, chains, slots.drop(columns="lifetime"), events)
+
+
+def _hex(h: int | None) -> str | None:
+    return None if h is None else f"{int(h):016x}"

@@ -1,0 +1,46 @@
+"""Leak figures over time, the findings list and the jump from a finding to where it happened."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import duckdb
+import pandas as pd
+
+
+@dataclass(frozen=True)
+class Focus:
+    """Where the inspector looks: a finding jumps here."""
+
+    step: int
+    request: str
+    layer: int | None = None
+    head: int | None = None
+    position: int | None = None
+
+
+def leak_over_time(con: duckdb.DuckDBPyConnection, run_id: str) -> pd.DataFrame:
+    """step, request_id, leak_rate, max_foreign_mass (from the leak_rate_per_step view)."""
+    return con.execute("SELECT step, request_id, leak_rate, max_foreign_mass FROM leak_rate_per_step "
+                       "WHERE run_id = ? ORDER BY step, request_id", [run_id]).df()
+
+
+def findings(con: duckdb.DuckDBPyConnection, run_id: str, limit: int = 2000) -> pd.DataFrame:
+    """The heaviest first (cross-tenant findings of captures carry no mass and sort last)."""
+    return con.execute("SELECT kind, request_id, step, layer, head, position, source_request, round(mass, 6) AS mass "
+                       "FROM findings WHERE run_id = ? ORDER BY mass DESC NULLS LAST, step, request_id LIMIT ?",
+                       [run_id, limit]).df()
+
+
+def divergence(con: duckdb.DuckDBPyConnection, run_id: str) -> pd.DataFrame:
+    return con.execute("SELECT request_id, classification, first_divergent_step, max_logit_diff, max_kl "
+                       "FROM divergence WHERE run_id = ? ORDER BY request_id", [run_id]).df()
+
+
+def focus_of(finding: dict) -> Focus:
+    """The inspector position a finding row points at (layer/head/position may be absent)."""
+    def opt(k: str) -> int | None:
+        v = finding.get(k)
+        return None if v is None or pd.isna(v) else int(v)
+
+    return Focus(int(finding["step"]), str(finding["request_id"]), opt("layer"), opt("head"), opt("position"))

@@ -1,0 +1,89 @@
+"""The list of runs, one run's header, and deleting a run."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import duckdb
+import pandas as pd
+
+from ..store.db import StoreError, writing
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What the inspector needs to know about a run before it draws anything."""
+
+    run_id: str
+    status: str
+    error: str | None
+    model: str
+    scenario: str | None
+    fault: str | None
+    engine: dict
+    steps: list[int]
+    requests: list[str]
+    has_blocks: bool  # engine runs and kvviz traces; captures have none
+    has_attention: bool
+    has_kv_events: bool  # an imported vLLM/SGLang capture
+
+    @property
+    def block_size(self) -> int:
+        return int(self.engine.get("block_size", 16))
+
+    @property
+    def isolation(self) -> str | None:
+        return self.engine.get("isolation")
+
+
+def list_runs(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
+    """Newest first, with the leak summary the runs table shows."""
+    return con.execute(
+        "SELECT run_id, created_at, status, model, scenario, fault, steps, generated_tokens AS tokens, "
+        "round(leak_rate, 6) AS leak_rate, round(max_foreign_mass, 4) AS max_foreign_mass, findings, "
+        "round(seconds, 2) AS seconds, error FROM runs ORDER BY created_at DESC, run_id").df()
+
+
+def run_info(con: duckdb.DuckDBPyConnection, run_id: str) -> RunInfo:
+    row = con.execute("SELECT status, error, model, scenario, fault, engine FROM runs WHERE run_id = ?",
+                      [run_id]).fetchone()
+    if row is None:
+        raise StoreError(f"no run {run_id!r} in this database")
+
+    def exists(table: str) -> bool:
+        return con.execute(f"SELECT count(*) > 0 FROM (SELECT 1 FROM {table} WHERE run_id = ? LIMIT 1)",
+                           [run_id]).fetchone()[0]
+
+    steps = [r[0] for r in con.execute("SELECT DISTINCT step FROM steps WHERE run_id = ? ORDER BY step",
+                                       [run_id]).fetchall()]
+    requests = [r[0] for r in con.execute("SELECT request_id FROM requests WHERE run_id = ? ORDER BY request_id",
+                                          [run_id]).fetchall()]
+    return RunInfo(run_id, row[0], row[1], row[2], row[3], row[4], json.loads(row[5]) if row[5] else {}, steps,
+                   requests, exists("blocks"), exists("attention"), exists("kv_events"))
+
+
+def requests_frame(con: duckdb.DuckDBPyConnection, run_id: str) -> pd.DataFrame:
+    return con.execute(
+        "SELECT request_id, tenant, parent, arrival_step, first_token_step, finish_step, finish_reason, "
+        "len(prompt_ids) AS prompt_tokens, len(output_ids) AS output_tokens, cached_tokens, text "
+        "FROM requests WHERE run_id = ? ORDER BY request_id", [run_id]).df()
+
+
+def run_tables(con: duckdb.DuckDBPyConnection) -> list[str]:
+    """Every base table keyed by run_id (what a delete must clear)."""
+    return [r[0] for r in con.execute(
+        "SELECT table_name FROM information_schema.columns c JOIN information_schema.tables t USING (table_name) "
+        "WHERE c.column_name = 'run_id' AND t.table_type = 'BASE TABLE' ORDER BY table_name").fetchall()]
+
+
+def delete_run(db: str | Path, run_id: str) -> None:
+    """Remove a run and every row that belongs to it, in one transaction."""
+    with writing(db) as con:
+        if not con.execute("SELECT count(*) FROM runs WHERE run_id = ?", [run_id]).fetchone()[0]:
+            raise StoreError(f"no run {run_id!r} in {db}")
+        con.execute("BEGIN TRANSACTION")
+        for table in run_tables(con):
+            con.execute(f"DELETE FROM {table} WHERE run_id = ?", [run_id])
+        con.execute("COMMIT")

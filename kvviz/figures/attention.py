@@ -1,0 +1,79 @@
+"""Attention pictures: the per-request heatmap with leaks highlighted, and the layer x head grid."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+
+from .palette import GRID_BG, LEAK, STALE, request_colours
+
+FOREIGN, STALE_CLASS = 1, 2
+
+
+def attention_heatmap(weights: np.ndarray, classes: np.ndarray, query_labels: list[str], key_labels: list[str],
+                      key_owners: list[str], title: str = "") -> go.Figure:
+    """Queries (rows) x keys (columns, physical slot order). Own weights in blue, weights on foreign
+    keys in red and stale keys in orange; unseen cells (future, masked) stay grey. Key labels take
+    their writer's colour, and where the owner changes along the key axis a band boundary is drawn,
+    as in the seed's shared-buffer table."""
+    own = np.where(classes == 0, weights, np.nan)
+    foreign = np.where(classes == FOREIGN, weights, np.nan)
+    stale = np.where(classes == STALE_CLASS, weights, np.nan)
+    x, y = list(range(len(key_labels))), list(range(len(query_labels)))
+    hover = "query %{customdata[0]}<br>key %{customdata[1]}<br>weight %{z:.4f}<extra>%{fullData.name}</extra>"
+    custom = np.dstack(np.meshgrid(query_labels, key_labels, indexing="ij"))
+    fig = go.Figure()
+    zmax = float(np.nanmax(weights)) if np.isfinite(weights).any() else 1.0
+    for name, z, scale in (("own", own, "Blues"), ("foreign", foreign, [[0, "#fde0dd"], [1, LEAK]]),
+                           ("stale", stale, [[0, "#fee6ce"], [1, STALE]])):
+        if name != "own" and np.isnan(z).all():
+            continue
+        top = zmax if name == "own" else max(float(np.nanmax(z)), 1e-6)  # a small leak still shows in full red
+        fig.add_trace(go.Heatmap(z=z, x=x, y=y, zmin=0, zmax=top, colorscale=scale, name=name, customdata=custom,
+                                 hovertemplate=hover, showscale=name == "own",
+                                 colorbar={"title": "weight", "len": 0.6}))
+    colours = request_colours(o for o in key_owners if o)
+    ticks = [f"<span style='color:{colours.get(o, '#333')}'>{lab}</span>" for lab, o in zip(key_labels, key_owners,
+                                                                                            strict=True)]
+    for i in range(1, len(key_owners)):
+        if key_owners[i] != key_owners[i - 1]:
+            fig.add_vline(x=i - 0.5, line={"color": "#333", "width": 2})
+    step = max(1, len(key_labels) // 60)
+    fig.update_xaxes(tickvals=x[::step], ticktext=ticks[::step], tickangle=-60, showgrid=False,
+                     title="key (slot order; colour: writer)")
+    ystep = max(1, len(query_labels) // 40)
+    fig.update_yaxes(tickvals=y[::ystep], ticktext=query_labels[::ystep], autorange="reversed", title="query",
+                     showgrid=False)
+    fig.update_layout(title=title, plot_bgcolor=GRID_BG, height=min(900, 260 + 14 * len(query_labels)),
+                      margin={"l": 10, "r": 10, "t": 40, "b": 10})
+    return fig
+
+
+def leak_grid(cells: pd.DataFrame, num_layers: int, num_heads: int,
+              selected: tuple[int, int] | None = None, title: str = "") -> go.Figure:
+    """cells: layer, head, max_foreign. Layers down, heads across, one clickable square per head,
+    coloured by the max foreign (+ stale) mass; the selected cell outlined."""
+    full = pd.MultiIndex.from_product([range(num_layers), range(num_heads)], names=["layer", "head"])
+    df = cells.set_index(["layer", "head"]).reindex(full).reset_index()
+    vmax = max(0.01, float(df.max_foreign.max(skipna=True) or 0.0))
+    size = max(8, min(26, 600 // max(num_layers, 1)))
+    line_w = [3 if selected == (r.layer, r.head) else 0.5 for r in df.itertuples()]
+    fig = go.Figure(go.Scatter(
+        x=df["head"], y=df.layer, mode="markers",
+        marker={"symbol": "square", "size": size, "color": df.max_foreign.fillna(0), "cmin": 0, "cmax": vmax,
+                "colorscale": [[0, "#f7f7f7"], [0.02, "#fee0d2"], [1, LEAK]], "showscale": True,
+                "colorbar": {"title": "max foreign"}, "line": {"color": "black", "width": line_w}},
+        hovertemplate="layer %{y}, head %{x}<br>max foreign mass %{marker.color:.4f}<extra></extra>"))
+    fig.update_layout(title=title, height=max(220, num_layers * (size + 2) + 90), plot_bgcolor="white",
+                      margin={"l": 10, "r": 10, "t": 40, "b": 10}, clickmode="event+select", dragmode=False)
+    fig.update_xaxes(title="head", dtick=1, range=[-0.7, num_heads - 0.3])
+    fig.update_yaxes(title="layer", autorange="reversed", dtick=max(1, num_layers // 15))
+    return fig
+
+
+def cell_at(point: dict) -> tuple[int, int] | None:
+    """The (layer, head) under a clicked point of leak_grid."""
+    if "x" not in point or "y" not in point:
+        return None
+    return int(round(point["y"])), int(round(point["x"]))

@@ -1,0 +1,93 @@
+"""The block pool: a clickable grid at one step, occupancy over time, and page tables."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+
+from .palette import LEAK, STATE_COLOURS, grid_columns, request_colours
+
+
+def block_map(blocks: pd.DataFrame, leaky: set[int] = frozenset(), colour_by: str = "owner",
+              title: str | None = None) -> go.Figure:
+    """blocks: block, state, refcount, owners ("A,B"). One square per physical block, block 0 top
+    left; colour by owning request (shared blocks in the shared colour) or by state; refcount in
+    the square; blocks holding leaked keys outlined in red. Clicks return (x, y): see block_at."""
+    cols = grid_columns(len(blocks))
+    size = max(10, min(34, 900 // cols))
+    owners = blocks.owners.fillna("")
+    category = np.where(blocks.refcount > 1, "shared", blocks.state)
+    if colour_by == "owner":
+        colours = request_colours(o for o in owners if o and "," not in o)
+        category = [c if c in ("free", "cached", "shared") or not o else o
+                    for c, o in zip(category, owners, strict=True)]
+        palette = {**STATE_COLOURS, **colours}
+    else:
+        palette = STATE_COLOURS
+    df = blocks.assign(x=blocks.block % cols, y=blocks.block // cols, category=category,
+                       leaky=blocks.block.isin(leaky), owners=owners)
+    fig = go.Figure()
+    for cat, part in df.groupby("category", sort=False):
+        fig.add_trace(go.Scatter(
+            x=part.x, y=part.y, mode="markers+text", name=str(cat),
+            text=[str(r) if r > 0 and size >= 16 else "" for r in part.refcount], textfont={"size": size * 0.45},
+            marker={"symbol": "square", "size": size, "color": palette.get(cat, STATE_COLOURS["used"]),
+                    "line": {"color": np.where(part.leaky, LEAK, "white"), "width": np.where(part.leaky, 3, 1)}},
+            customdata=np.stack([part.block, part.refcount, part.state, part.owners], axis=1),
+            hovertemplate="block %{customdata[0]}<br>%{customdata[2]}, refcount %{customdata[1]}"
+                          "<br>held by: %{customdata[3]}<extra></extra>"))
+    rows = -(-len(blocks) // cols)
+    fig.update_layout(title=title, height=max(160, rows * (size + 4) + 90), margin={"l": 10, "r": 10, "t": 40, "b": 10},
+                      plot_bgcolor="white", legend={"orientation": "h", "y": -0.02, "yanchor": "top"},
+                      clickmode="event+select", dragmode=False)
+    fig.update_xaxes(visible=False, range=[-0.7, cols - 0.3])
+    fig.update_yaxes(visible=False, autorange="reversed", scaleanchor="x")
+    return fig
+
+
+def block_at(point: dict, num_blocks: int) -> int | None:
+    """The block under a clicked point of block_map (None outside the pool)."""
+    if "x" not in point or "y" not in point:
+        return None
+    block = int(round(point["y"])) * grid_columns(num_blocks) + int(round(point["x"]))
+    return block if 0 <= block < num_blocks else None
+
+
+def occupancy(grid: np.ndarray, steps: list[int], current: int | None = None) -> go.Figure:
+    """Blocks x steps coloured free / cached / used / shared, like a memory timeline."""
+    names = ["free", "cached", "used", "shared"]
+    scale = [[edge, STATE_COLOURS[n]] for i, n in enumerate(names) for edge in (i / 4, (i + 1) / 4)]
+    fig = go.Figure(go.Heatmap(z=grid, x=steps, zmin=-0.5, zmax=3.5, colorscale=scale,
+                               colorbar={"tickvals": [0, 1, 2, 3], "ticktext": names, "title": "state"},
+                               hovertemplate="step %{x}, block %{y}<extra></extra>"))
+    if current is not None:
+        fig.add_vline(x=current, line={"color": "black", "width": 1, "dash": "dot"})
+    fig.update_layout(height=320, margin={"l": 10, "r": 10, "t": 30, "b": 10}, xaxis_title="step",
+                      yaxis_title="block")
+    fig.update_yaxes(autorange="reversed")
+    return fig
+
+
+PAGE_KINDS = {"own": ("white", 1), "shared": ("black", 3), "copy-on-write copy": ("#e377c2", 4)}
+
+
+def page_tables(entries: pd.DataFrame) -> go.Figure:
+    """entries: request_id, logical_block, physical_block, refcount, shared, cow. Rows are requests,
+    columns logical blocks, the number the physical block; shared blocks and CoW copies outlined."""
+    colours = request_colours(entries.request_id)
+    kinds = entries.assign(kind=np.where(entries.cow, "copy-on-write copy", np.where(entries.shared, "shared", "own")))
+    fig = go.Figure()
+    for kind, part in kinds.groupby("kind", sort=False):
+        line, width = PAGE_KINDS[kind]
+        fig.add_trace(go.Scatter(
+            x=part.logical_block, y=part.request_id, mode="markers+text", name=str(kind), text=part.physical_block,
+            marker={"symbol": "square", "size": 30, "color": [colours[r] for r in part.request_id],
+                    "line": {"color": line, "width": width}},
+            customdata=part.refcount,
+            hovertemplate=f"%{{y}} logical %{{x}} -> block %{{text}}, refcount %{{customdata}} ({kind})"
+                          "<extra></extra>"))
+    fig.update_layout(height=90 + 40 * entries.request_id.nunique(), margin={"l": 10, "r": 10, "t": 30, "b": 10},
+                      plot_bgcolor="white", xaxis_title="logical block", legend={"orientation": "h"})
+    fig.update_yaxes(autorange="reversed", type="category")
+    return fig

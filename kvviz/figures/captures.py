@@ -1,0 +1,68 @@
+"""The prefix tree of a KV-event capture: hash chains as a tree, salts as colours."""
+
+from __future__ import annotations
+
+import pandas as pd
+import plotly.graph_objects as go
+
+from .palette import request_colours
+
+
+def tree_layout(nodes: pd.DataFrame) -> pd.DataFrame:
+    """Depth (blocks from the root) and a row per leaf, parents centred over their children."""
+    children: dict = {}
+    known = set(nodes.block_hash)
+    roots = []
+    for h, p in zip(nodes.block_hash, nodes.parent_hash, strict=True):
+        if p is None or pd.isna(p) or p not in known:
+            roots.append(h)
+        else:
+            children.setdefault(p, []).append(h)
+    depth, row = {}, {}
+    next_row = 0
+    stack = [(r, 0, False) for r in reversed(roots)]
+    while stack:
+        h, d, done = stack.pop()
+        if done:
+            kids = children.get(h, [])
+            row[h] = sum(row[k] for k in kids) / len(kids) if kids else row[h]
+            continue
+        depth[h] = d
+        kids = children.get(h, [])
+        if not kids:
+            row[h] = next_row
+            next_row += 1
+        stack.append((h, d, True))
+        stack.extend((k, d + 1, False) for k in reversed(kids))
+    return nodes.assign(depth=nodes.block_hash.map(depth), row=nodes.block_hash.map(row))
+
+
+def prefix_tree(nodes: pd.DataFrame, token_text=lambda ids: str(list(ids)[:8])) -> go.Figure:
+    """nodes: block_hash, parent_hash, salt, lora_name, stored_step, removed_step, token_ids."""
+    laid = tree_layout(nodes)
+    pos = dict(zip(laid.block_hash, zip(laid.depth, laid.row, strict=True), strict=True))
+    ex, ey = [], []
+    for h, p in zip(laid.block_hash, laid.parent_hash, strict=True):
+        if p in pos:
+            ex += [pos[p][0], pos[h][0], None]
+            ey += [pos[p][1], pos[h][1], None]
+    fig = go.Figure(go.Scatter(x=ex, y=ey, mode="lines", line={"color": "#bbb", "width": 1}, hoverinfo="skip",
+                               showlegend=False))
+    salts = laid.salt.fillna("(no salt)")
+    colours = request_colours(salts)
+    for salt, part in laid.assign(salt=salts).groupby("salt"):
+        removed = part.removed_step.notna()
+        fig.add_trace(go.Scatter(
+            x=part.depth, y=part.row, mode="markers", name=f"salt {salt}",
+            marker={"size": 9, "color": colours[salt], "symbol": ["circle-open" if r else "circle" for r in removed],
+                    "line": {"width": 2, "color": colours[salt]}},
+            text=[f"{h:016x}<br>stored at {s}" + (f", removed at {int(r)}" if pd.notna(r) else "") +
+                  (f"<br>LoRA {lo}" if lo else "") + f"<br>{token_text(t) if t is not None else ''}"
+                  for h, s, r, lo, t in zip(part.block_hash, part.stored_step, part.removed_step, part.lora_name,
+                                            part.token_ids, strict=True)],
+            hovertemplate="%{text}<extra></extra>"))
+    fig.update_layout(height=min(900, 200 + 6 * max(1, int(laid.row.max() or 0))), plot_bgcolor="white",
+                      margin={"l": 10, "r": 10, "t": 30, "b": 10}, legend={"orientation": "h"},
+                      xaxis_title="block in chain (depth)")
+    fig.update_yaxes(visible=False)
+    return fig

@@ -1,0 +1,25 @@
+"""Colours shared by every figure, so a request has the same colour in the block map, the page
+tables and the heatmap."""
+
+from __future__ import annotations
+
+import plotly.express as px
+
+REQUEST_COLOURS = px.colors.qualitative.Set2 + px.colors.qualitative.Pastel1 + px.colors.qualitative.Set3
+STATE_COLOURS = {"free": "#eceff1", "cached": "#b0bec5", "used": "#4c78a8", "shared": "#6a3d9a"}
+LEAK = "#d62728"
+STALE = "#ff7f0e"
+GRID_BG = "#f5f5f5"  # what unseen cells (future, masked) show through
+
+
+def request_colours(names) -> dict[str, str]:
+    """A stable colour per request name: sorted names take the palette in order."""
+    return {n: REQUEST_COLOURS[i % len(REQUEST_COLOURS)] for i, n in enumerate(sorted(set(names)))}
+
+
+def grid_columns(n: int) -> int:
+    """Columns of a square-marker grid of n cells: roughly twice as wide as tall."""
+    cols = 8
+    while cols * cols < 2 * n:
+        cols *= 2
+    return cols

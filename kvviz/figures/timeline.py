@@ -1,0 +1,42 @@
+"""Leaks and the cache over time."""
+
+from __future__ import annotations
+
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from .palette import request_colours
+
+
+def leak_timeline(df: pd.DataFrame, current: int | None = None) -> go.Figure:
+    """df: step, request_id, leak_rate, max_foreign_mass. Max foreign mass above, leak rate below,
+    one line per request."""
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08,
+                        subplot_titles=("max foreign mass", "leak rate (share of query rows x heads)"))
+    colours = request_colours(df.request_id)
+    for req, part in df.groupby("request_id"):
+        for row, col in ((1, "max_foreign_mass"), (2, "leak_rate")):
+            fig.add_trace(go.Scatter(x=part.step, y=part[col], mode="lines+markers", name=str(req),
+                                     legendgroup=str(req), showlegend=row == 1, line={"color": colours[req]}),
+                          row=row, col=1)
+    if current is not None:
+        fig.add_vline(x=current, line={"color": "black", "width": 1, "dash": "dot"})
+    fig.update_layout(height=380, margin={"l": 10, "r": 10, "t": 40, "b": 10})
+    fig.update_xaxes(title="step", row=2, col=1)
+    return fig
+
+
+def cache_timeline(df: pd.DataFrame) -> go.Figure:
+    """df: step, cached_blocks, stored, removed (a KV-event capture)."""
+    fig = make_subplots(specs=[[{"secondary_y": True}]])
+    fig.add_trace(go.Scatter(x=df.step, y=df.cached_blocks, name="cached blocks", line={"color": "#4c78a8"}))
+    fig.add_trace(go.Bar(x=df.step, y=df.stored, name="stored", marker_color="#54a24b", opacity=0.6),
+                  secondary_y=True)
+    fig.add_trace(go.Bar(x=df.step, y=-df.removed, name="removed (evicted)", marker_color="#e45756", opacity=0.6),
+                  secondary_y=True)
+    fig.update_layout(height=320, barmode="relative", margin={"l": 10, "r": 10, "t": 30, "b": 10},
+                      xaxis_title="message", legend={"orientation": "h"})
+    fig.update_yaxes(title="cached blocks", secondary_y=False)
+    fig.update_yaxes(title="blocks per message", secondary_y=True)
+    return fig

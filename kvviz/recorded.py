@@ -1,0 +1,47 @@
+"""A checked run recorded step by step into the run store: what `kvviz run` and the UI's Run and
+Scenarios pages do. A run that dies is marked failed in the database, with its steps so far."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from .checked_run import CheckedRun, check_fault, run_checked
+from .engine import StepRecord
+from .engine.engine import new_run_id
+from .engine.observer import AttentionObserver
+from .faults import Scope
+from .models import LoadedModel
+from .oracle import ProvenanceOracle
+from .store import RunRecorder
+from .store.attention import AttentionRecorder, AttentionSelection
+from .workload import Workload
+
+DEFAULT_SELECTION = AttentionSelection()
+StepCallback = Callable[[StepRecord, ProvenanceOracle], None]
+
+
+def record_run(db: str | Path, m: LoadedModel, wl: Workload, fault: str | None = None, *,
+               scenario: str | None = None, scope: Scope | None = None,
+               selection: AttentionSelection = DEFAULT_SELECTION, on_step: StepCallback | None = None,
+               probes: Sequence[AttentionObserver] = ()) -> CheckedRun:
+    """Run with both oracles, recording every step; on_step sees each step and the oracle so far."""
+    check_fault(fault, wl)  # bad input is refused before a run row exists
+    run_id, oracle = new_run_id(), ProvenanceOracle()
+    attention = AttentionRecorder(oracle, m.config.num_hidden_layers, selection)
+    rec = RunRecorder(db, run_id, model=m, workload=wl, scenario=scenario, fault=fault, oracle=oracle,
+                      fault_scope=None if scope is None else scope.to_dict(), attention=attention)
+
+    def step(r: StepRecord) -> None:
+        rec.on_step(r)
+        if on_step is not None:
+            on_step(r, oracle)
+
+    try:
+        run = run_checked(m, wl, fault, on_step=step, probes=[attention, *probes], run_id=run_id, oracle=oracle,
+                          scope=scope)
+    except BaseException as e:
+        rec.fail(e)
+        raise
+    rec.finish(run)
+    return run
