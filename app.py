@@ -1,10 +1,9 @@
-"""Streamlit entry point: `streamlit run app.py`."""
+"""Streamlit entry point: `streamlit run app.py` (the run store: $KVVIZ_DB, default runs/kvviz.duckdb)."""
 
 import streamlit as st
 
-from kvviz.ui import home
+from kvviz.ui.common import PAGES
 
 st.set_page_config(page_title="kvviz", page_icon=":material/grid_view:", layout="wide")
-page = st.navigation([st.Page(home.render, title="kvviz", icon=":material/home:", url_path="home", default=True)],
-                     position="top")
-page.run()
+st.navigation([st.Page(p.path, title=p.title, icon=p.icon, url_path=p.url, default=p.url == "home")
+               for p in PAGES.values()], position="top").run()

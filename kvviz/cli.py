@@ -86,26 +86,31 @@ def _recorded_run(args, m, wl, fault, progress, probe) -> dict:
 
 def _int_set(text: str | None, flag: str) -> frozenset[int] | None:
     """A comma-separated list of integers from the command line (None when the flag is absent)."""
+    from .faults import int_set
     from .workload import WorkloadError
 
     try:
-        return frozenset(int(x) for x in text.split(",")) if text else None
-    except ValueError:
-        raise WorkloadError(f"{flag} takes integers separated by commas, got {text!r}") from None
+        return int_set(text, flag)
+    except ValueError as e:
+        raise WorkloadError(str(e)) from None
 
 
 def _name_set(text: str | None) -> frozenset[str] | None:
-    return frozenset(text.split(",")) if text else None
+    from .faults import name_set
+
+    return name_set(text)
 
 
 def _fault_scope(args):
     """--fault-steps/--fault-requests/--fault-layers as a Scope, or None for the fault's own."""
     from .faults import Scope
+    from .workload import WorkloadError
 
-    if not (args.fault_steps or args.fault_requests or args.fault_layers):
-        return None
-    return Scope(steps=_int_set(args.fault_steps, "--fault-steps"), requests=_name_set(args.fault_requests),
-                 layers=_int_set(args.fault_layers, "--fault-layers"))
+    try:
+        return Scope.parse(args.fault_steps, args.fault_requests, args.fault_layers,
+                           names=("--fault-steps", "--fault-layers"))
+    except ValueError as e:
+        raise WorkloadError(str(e)) from None
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
@@ -170,22 +175,13 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    """Validate and import a kvviz trace or a vLLM KV-event capture into --db; a bad file is refused
-    whole, with the reason."""
-    import zipfile
-
-    from .capture.events import CaptureError
-    from .capture.import_vllm import import_capture
-    from .store import StoreError
-    from .store.trace import TraceError, import_trace
+    """Validate and import a kvviz trace or a vLLM/SGLang KV-event capture into --db; a bad file is
+    refused whole, with the reason."""
+    from .analysis.uploads import REFUSALS, import_file
 
     try:
-        is_zip = zipfile.is_zipfile(args.file)
-        run_id = (import_trace if is_zip else import_capture)(args.file, args.db)
-    except FileNotFoundError:
-        print(f"kvviz: import: {args.file}: no such file", file=sys.stderr)
-        return 2
-    except (TraceError, CaptureError, StoreError) as e:
+        run_id = import_file(args.file, args.db)
+    except REFUSALS as e:
         print(f"kvviz: import: {e}", file=sys.stderr)
         return 2
     print(run_id)

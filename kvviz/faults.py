@@ -41,6 +41,15 @@ class Scope:
     def from_dict(cls, d: dict) -> Scope:
         return cls(**{k: frozenset(v) if isinstance(v, list) else v for k, v in d.items()})
 
+    @classmethod
+    def parse(cls, steps: str | None = None, requests: str | None = None, layers: str | None = None,
+              names: tuple[str, str] = ("fault steps", "fault layers")) -> Scope | None:
+        """From comma-separated lists as typed on the command line or in the UI (`names` say where, for
+        errors); None when all are empty."""
+        if not (steps or requests or layers):
+            return None
+        return cls(steps=int_set(steps, names[0]), requests=name_set(requests), layers=int_set(layers, names[1]))
+
     @property
     def everywhere(self) -> bool:
         return self.steps is None and self.requests is None and self.layers is None and self.every is None
@@ -65,6 +74,21 @@ def _scoped(correct: Defences, faulty: Defences, scope: Scope) -> Defences:
         return fn(q, k, v, mask, scale, layer)
 
     return replace(faulty, begin_step=begin_step, shared_axis_mask=mask_fn, attend=attend)
+
+
+def int_set(text: str | None, what: str) -> frozenset[int] | None:
+    """A comma-separated list of integers (None when empty); a ValueError names `what` otherwise."""
+    if not text or not text.strip():
+        return None
+    try:
+        return frozenset(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"{what} takes integers separated by commas, got {text!r}") from None
+
+
+def name_set(text: str | None) -> frozenset[str] | None:
+    names = frozenset(x.strip() for x in text.split(",") if x.strip()) if text else frozenset()
+    return names or None
 
 
 @dataclass(frozen=True)

@@ -111,3 +111,10 @@ def leak_grid(con: duckdb.DuckDBPyConnection, run_id: str, step: int | None = No
     return con.execute(f"SELECT layer, head, max(max_foreign) AS max_foreign, sum(leak_rows) AS leak_rows "
                        f"FROM leak_metrics WHERE {' AND '.join(where)} GROUP BY layer, head ORDER BY layer, head",
                        params).df()
+
+
+def grid_shape(con: duckdb.DuckDBPyConnection, run_id: str) -> tuple[int, int]:
+    """(layers, heads) the oracle measured in this run; (0, 0) when it has no leak metrics."""
+    layers, heads = con.execute("SELECT max(layer) + 1, max(head) + 1 FROM leak_metrics WHERE run_id = ?",
+                                [run_id]).fetchone()
+    return int(layers or 0), int(heads or 0)

@@ -1,24 +1,43 @@
-"""Landing page until the debugger pages land: what kvviz is and what works today."""
+"""Home: what kvviz is, what is in the store, and where to start."""
 
 import streamlit as st
 
 from kvviz import __version__
 
+from ..analysis import runs
+from .common import PAGES, db_path, empty_store_hint, has_db, reader
+
 
 def render() -> None:
     st.title("kvviz")
-    st.caption(f"version {__version__} · a visual debugger for KV-cache sharing and attention isolation")
+    st.caption(f"version {__version__} · a visual debugger for KV-cache sharing and attention isolation · "
+               f"run store `{db_path()}`")
     st.markdown(
         """
 Inference servers keep one physically shared KV cache for many requests. Isolation (masks, page
 tables, block lifecycles) must keep each request from seeing another's tokens; when it breaks,
 nothing crashes. kvviz runs a real paged engine, classifies every attention weight by provenance
-and records it all, so the leak becomes visible.
+(own, foreign, stale), compares each request with itself run alone, and records every step.
         """
     )
-    st.info(
-        "The debugger pages (run, inspect, scenarios, runs, upload, SQL) are being built. "
-        "Available now: the shared block pool and model loading, from Python and the CLI "
-        "(`python -m kvviz fetch-model`).",
-        icon=":material/construction:",
-    )
+    cols = st.columns(3)
+    links = [("scenarios", "Replay a leak", "The seed's boundary, global and positional leaks, and every fault "
+                                             "in the catalogue, each beside its clean control."),
+             ("run", "Run the engine", "Any model, workload, engine settings, fault and recording options, with "
+                                       "the pool filling up live."),
+             ("upload", "Open a production capture", "A kvviz trace or a vLLM/SGLang KV-event capture.")]
+    for col, (page, title, text) in zip(cols, links, strict=True):
+        with col.container(border=True):
+            st.markdown(f"**{title}**  \n{text}")
+            st.page_link(PAGES[page].path, label=f"Go to {PAGES[page].title}", icon=":material/arrow_forward:")
+    if not has_db():
+        empty_store_hint()
+        return
+    with reader() as con:
+        listing = runs.list_runs(con)
+    if listing.empty:
+        empty_store_hint()
+        return
+    st.subheader("Recent runs")
+    st.dataframe(listing.head(10)[["run_id", "created_at", "status", "model", "scenario", "fault", "findings",
+                                   "max_foreign_mass"]], hide_index=True, width="stretch")

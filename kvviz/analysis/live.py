@@ -1,0 +1,86 @@
+"""Runs the engine for the UI: a recorded, checked run that reports each step as plain data (the
+pool as a block-map frame, tokens so far, the oracle's counters), so pages never touch the engine."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from ..checked_run import FaultMismatch
+from ..engine import ConfigError, EngineError, StepRecord
+from ..faults import Scope, UnknownFault
+from ..models import LoadedModel, ModelError, load_model
+from ..oracle import ProvenanceOracle
+from ..recorded import DEFAULT_SELECTION, record_run
+from ..scenarios import scenario
+from ..store import StoreError
+from ..store.attention import AttentionSelection
+from ..workload import Workload, WorkloadError
+
+
+@dataclass
+class LiveStep:
+    step: int
+    tokens: int  # generated so far
+    total: int  # tokens the workload asks for (an upper bound: EOS may stop a request early)
+    blocks: pd.DataFrame  # block, state, refcount, owners: what figures.blocks.block_map draws
+    findings: int
+    max_foreign: float
+
+
+@dataclass
+class Outcome:
+    run_id: str
+    texts: dict[str, str]
+    findings: int
+    max_foreign: float
+
+
+def model(name: str, device: str = "auto") -> LoadedModel:
+    """The model for a name or path; the UI caches it per process."""
+    return load_model(name, device=device)
+
+
+def scenario_workload(name: str, m: LoadedModel) -> dict:
+    """A scenario's workload for this model (a tight pool is sized by its tokenizer)."""
+    return scenario(name).build(m.tokenizer)
+
+
+def run(db: str | Path, m: LoadedModel, workload: dict, fault: str | None = None, *, scenario_name: str | None = None,
+        scope: Scope | None = None, selection: AttentionSelection = DEFAULT_SELECTION,
+        on_step: Callable[[LiveStep], None] | None = None) -> Outcome:
+    """Validate and run a workload (a dict as in a workload file); raises WorkloadError and friends on
+    bad input before anything is recorded."""
+    wl = Workload.from_dict(workload)
+    total = sum(r.max_new_tokens for r in wl.requests)
+    done = 0
+
+    def step(rec: StepRecord, oracle: ProvenanceOracle) -> None:
+        nonlocal done
+        done += len(rec.sampled)
+        if on_step is not None:
+            on_step(LiveStep(rec.step, done, total, pool_frame(rec), len(oracle.findings),
+                             max((float(s.max_foreign.max()) for s in oracle.steps), default=0.0)))
+
+    checked = record_run(db, m, wl, fault, scenario=scenario_name, scope=scope, selection=selection, on_step=step)
+    summary = checked.summary()
+    return Outcome(checked.result.run_id, {r.id: r.text for r in checked.result.requests}, len(checked.findings),
+                   summary["leak"]["max_foreign_mass"])
+
+
+def pool_frame(rec: StepRecord) -> pd.DataFrame:
+    snap = rec.snapshot
+    owners: dict[int, list[str]] = {}
+    for req, table in sorted(snap.page_tables.items()):
+        for b in table:
+            owners.setdefault(b, []).append(req)
+    n = len(snap.refcounts)
+    return pd.DataFrame({"block": range(n), "state": [snap.state(b) for b in range(n)], "refcount": snap.refcounts,
+                         "owners": [",".join(dict.fromkeys(owners.get(b, []))) for b in range(n)]})
+
+
+# What a bad run request raises; the UI shows the message (it names the field) and records nothing.
+RUN_ERRORS = (WorkloadError, ConfigError, EngineError, UnknownFault, FaultMismatch, StoreError, ModelError, ValueError)

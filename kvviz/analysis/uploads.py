@@ -1,0 +1,34 @@
+"""Bringing a file into the store: a kvviz trace (zip) or a vLLM/SGLang KV-event capture (JSONL),
+told apart by content, validated whole before anything is inserted."""
+
+from __future__ import annotations
+
+import re
+import zipfile
+from datetime import UTC, datetime
+from pathlib import Path
+
+from ..capture.events import CaptureError
+from ..capture.import_vllm import import_capture
+from ..store import StoreError
+from ..store.trace import TraceError, import_trace
+
+REFUSALS = (TraceError, CaptureError, StoreError)
+
+
+def import_file(path: str | Path, db: str | Path) -> str:
+    """Import and return the new run id; raises one of REFUSALS naming the problem (nothing imported)."""
+    path = Path(path)
+    if not path.is_file():
+        raise CaptureError(f"{path}: no such file")
+    return (import_trace if zipfile.is_zipfile(path) else import_capture)(path, db)
+
+
+def save_upload(name: str, data: bytes, folder: str | Path) -> Path:
+    """Keep the uploaded bytes under the uploads folder (a refused file stays there to fix and retry)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(name).name)[-100:] or "upload"
+    path = folder / f"{datetime.now(UTC):%Y%m%d-%H%M%S-%f}-{safe}"
+    path.write_bytes(data)
+    return path

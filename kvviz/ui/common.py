@@ -1,0 +1,89 @@
+"""What every page shares: where the database is, a safe read, the model cache, the current run."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import duckdb
+import streamlit as st
+
+from ..analysis import live
+from ..models import ModelError
+from ..store import DEFAULT_DB, SqlError, StoreError
+from ..store.sql import reading
+
+MODELS = ("smollm2", "tiny-llama", "tiny-gpt2")
+
+
+@dataclass(frozen=True)
+class PageSpec:
+    url: str
+    title: str
+    icon: str
+
+    @property
+    def path(self) -> str:
+        """The page script, relative to app.py."""
+        return f"kvviz/ui/pages/{self.url}.py"
+
+
+PAGES = {p.url: p for p in (
+    PageSpec("home", "Home", ":material/home:"),
+    PageSpec("run", "Run", ":material/play_arrow:"),
+    PageSpec("inspector", "Inspector", ":material/grid_view:"),
+    PageSpec("scenarios", "Scenarios", ":material/science:"),
+    PageSpec("runs", "Runs", ":material/list:"),
+    PageSpec("upload", "Upload", ":material/upload:"),
+    PageSpec("sql", "SQL", ":material/database:"),
+)}
+
+
+def db_path() -> Path:
+    """KVVIZ_DB, or runs/kvviz.duckdb."""
+    return Path(os.environ.get("KVVIZ_DB") or DEFAULT_DB)
+
+
+def has_db() -> bool:
+    return db_path().exists()
+
+
+@contextmanager
+def reader() -> Iterator[duckdb.DuckDBPyConnection]:
+    """A read-only connection for this render; a store that cannot be read stops the page with why."""
+    with ExitStack() as stack:
+        try:
+            con = stack.enter_context(reading(db_path()))
+        except (SqlError, StoreError) as e:
+            st.error(f"Cannot read the run store {db_path()}: {e}", icon=":material/error:")
+            st.stop()
+        yield con
+
+
+@st.cache_resource(show_spinner="Loading the model (the first load of smollm2 converts its weights, ~20 s)...")
+def model(name: str):
+    """One copy of each model per process, shared by every session."""
+    return live.model(name)
+
+
+def load_model_or_error(name: str):
+    try:
+        return model(name)
+    except ModelError as e:
+        st.error(f"Cannot load model {name!r}: {e}", icon=":material/error:")
+        return None
+
+
+def open_run(run_id: str) -> None:
+    """Make run_id the inspected run and go to the inspector."""
+    st.session_state["run_id"] = run_id
+    st.switch_page(PAGES["inspector"].path)
+
+
+def empty_store_hint() -> None:
+    st.info("No runs yet. Run a scenario (Scenarios page), run a workload (Run page), upload a trace or a "
+            "vLLM/SGLang capture (Upload page), or from a shell: `python -m kvviz run --scenario boundary "
+            f"--model tiny-llama --db {db_path()}`.", icon=":material/lightbulb:")

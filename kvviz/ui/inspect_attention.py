@@ -1,0 +1,75 @@
+"""Inspector, Attention view: the layer x head grid of foreign mass and one request's heatmap."""
+
+from __future__ import annotations
+
+import numpy as np
+import streamlit as st
+
+from ..analysis import attention
+from ..analysis.runs import RunInfo
+from ..figures import attention as fig
+
+
+def render(con, info: RunInfo, step: int) -> None:
+    layers, heads = attention.grid_shape(con, info.run_id)
+    if not info.requests:
+        st.info("This run has no requests.")
+        return
+    if st.session_state.get("insp_request") not in info.requests:
+        st.session_state["insp_request"] = info.requests[0]
+    c1, c2 = st.columns([2, 3])
+    request = c1.selectbox("Request", info.requests, key="insp_request")
+    whole = c2.radio("Foreign mass over", ("this step", "the whole run"), horizontal=True, key="insp_grid_scope")
+    left, right = st.columns([2, 5])
+    with left:
+        if layers:
+            cells = attention.leak_grid(con, info.run_id, None if whole == "the whole run" else step, request)
+            selected = st.session_state.get("insp_cell")
+
+            def clicked() -> None:
+                points = st.session_state["insp_grid"]["selection"]["points"]
+                cell = fig.cell_at(points[0]) if points else None
+                if cell is not None:
+                    st.session_state.update(insp_cell=cell, insp_layer=cell[0], insp_head=cell[1])
+
+            st.plotly_chart(fig.leak_grid(cells, layers, heads, selected, f"{request}: max foreign mass"),
+                            key="insp_grid", on_select=clicked, selection_mode="points", width="stretch")
+            st.caption("Click a cell to zoom into that layer and head.")
+        else:
+            st.info("The oracle recorded no leak metrics for this run.")
+    with right:
+        _heatmap(con, info, step, request, layers, heads)
+
+
+def _heatmap(con, info: RunInfo, step: int, request: str, layers: int, heads: int) -> None:
+    if not info.has_attention:
+        st.info("This run recorded no attention rows (it ran with attention recording off), so there is no "
+                "heatmap; the grid still shows the oracle's metrics.", icon=":material/visibility_off:")
+        return
+    if st.session_state.get("insp_layer") is None or st.session_state["insp_layer"] >= max(layers, 1):
+        st.session_state["insp_layer"] = layers // 2
+    if st.session_state.get("insp_head") not in [attention.HEAD_MEAN, *range(heads)]:
+        st.session_state["insp_head"] = attention.HEAD_MEAN
+    c1, c2, c3 = st.columns(3)
+    layer = c1.number_input("Layer", 0, max(0, layers - 1), key="insp_layer")
+    head = c2.selectbox("Head", [attention.HEAD_MEAN, *range(heads)], key="insp_head",
+                        format_func=lambda h: "mean of heads" if h == attention.HEAD_MEAN else f"head {h}")
+    upto = c3.radio("Queries", ("this step", "every step so far"), key="insp_upto", horizontal=True)
+    view = attention.attention_view(con, info.run_id, request, step, int(layer), int(head), info.block_size,
+                                    upto=upto == "every step so far")
+    if view is None:
+        st.info(f"{request} computed nothing at step {step} (or its rows were not recorded). Choose 'every step so "
+                "far' or another step.", icon=":material/info:")
+        return
+    if head != attention.HEAD_MEAN and view.head == attention.HEAD_MEAN:
+        st.caption(f"Head {head} of layer {layer} was not recorded (default recording keeps every head of the "
+                   "first, middle and last layers): showing the mean of heads.")
+    shown = "mean of heads" if view.head == attention.HEAD_MEAN else f"head {view.head}"
+    leak = float(np.max(view.foreign_mass)) if view.foreign_mass.size else 0.0
+    title = f"{request}, step {step}, layer {layer}, {shown}: foreign + stale mass up to {leak:.4f}"
+    st.plotly_chart(fig.attention_heatmap(view.weights, view.classes, view.query_labels, view.key_labels,
+                                          view.key_owners, title), width="stretch", key="insp_heatmap")
+    note = " Rows or columns were merged (max) to fit." if view.binned else ""
+    st.caption("Blue: the request's own keys. Red: another request's keys. Orange: stale keys (a freed "
+               "block's old contents). Grey: keys the query could not see (future or masked). Key labels are "
+               f"writer:position token, coloured by writer; lines mark where the writer changes.{note}")

@@ -1,0 +1,73 @@
+"""Inspector, Blocks view: the pool as a clickable grid, one block's story, page tables, occupancy."""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from ..analysis import blocks
+from ..analysis.runs import RunInfo
+from ..figures import blocks as fig
+
+MAX_PAGE_TABLE_REQUESTS = 16
+
+
+def render(con, info: RunInfo, step: int) -> None:
+    pool = blocks.block_map(con, info.run_id, step)
+    leaky = blocks.leaky_blocks(con, info.run_id, step, info.block_size) if info.has_attention else set()
+    used = int((pool.state == "used").sum())
+    left, right = st.columns([3, 2])
+    with left:
+        colour_by = st.radio("Colour by", ("owner", "state"), horizontal=True, key="insp_colour_by")
+        title = (f"Pool after step {step}: {used} of {len(pool)} blocks used, {int((pool.refcount > 1).sum())} "
+                 f"shared, {int((pool.state == 'cached').sum())} cached" + (f", {len(leaky)} read by a leak"
+                                                                             if leaky else ""))
+        n = len(pool)
+
+        def clicked() -> None:
+            points = st.session_state["insp_blockmap"]["selection"]["points"]
+            picked = fig.block_at(points[0], n) if points else None
+            if picked is not None:
+                st.session_state["insp_block"] = picked
+
+        st.plotly_chart(fig.block_map(pool, leaky, colour_by, title), key="insp_blockmap", on_select=clicked,
+                        selection_mode="points", width="stretch")
+        st.caption("Click a block to see who holds it. Red outline: a query read a foreign or stale key "
+                   "from this block at this step.")
+    with right:
+        _block_story(con, info, step, n)
+    tables = blocks.page_tables(con, info.run_id, step)
+    if not tables.empty:
+        names = sorted(tables.request_id.unique())
+        chosen = st.multiselect("Page tables of", names, default=names[:MAX_PAGE_TABLE_REQUESTS],
+                                key="insp_pt_requests")
+        if chosen:
+            st.plotly_chart(fig.page_tables(tables[tables.request_id.isin(chosen)]), width="stretch",
+                            key="insp_pagetables")
+    else:
+        st.caption("No request holds blocks after this step.")
+    with st.expander("Occupancy over time", expanded=True):
+        grid, steps = blocks.occupancy(con, info.run_id)
+        st.plotly_chart(fig.occupancy(grid, steps, step), width="stretch", key="insp_occupancy")
+
+
+def _block_story(con, info: RunInfo, step: int, n: int) -> None:
+    if (st.session_state.get("insp_block") or 0) >= n:
+        st.session_state["insp_block"] = None
+    block = st.number_input("Block", min_value=0, max_value=n - 1, key="insp_block", placeholder="click a block")
+    if block is None:
+        st.info("Click a block in the map (or type its number) to see its references, hash chain, the tokens "
+                "its slots hold and its events.", icon=":material/touch_app:")
+        return
+    story = blocks.block_story(con, info.run_id, step, int(block), info.block_size)
+    st.markdown(f"**Block {block}** · {story.state} · refcount {story.refcount}"
+                + (f" · hash `{story.hash}`" if story.hash else ""))
+    if not story.references.empty:
+        st.markdown("Referenced by: " + ", ".join(f"**{r}** (logical block {lb})"
+                                                  for r, lb in story.references.itertuples(index=False)))
+    for req, chain in story.chains.items():
+        st.caption(f"{req}'s hash chain to here: " + " → ".join(h[:8] if h else "(unhashed)" for h in chain))
+    if not story.slots.empty:
+        st.markdown("What its slots hold (writer, position, token):")
+        st.dataframe(story.slots, hide_index=True, width="stretch", height=min(250, 38 + 35 * len(story.slots)))
+    st.markdown("Its events up to this step:")
+    st.dataframe(story.events, hide_index=True, width="stretch", height=min(250, 38 + 35 * max(1, len(story.events))))

@@ -1,0 +1,47 @@
+"""Inspector, Leaks and Requests views: leak over time, the findings (click one to jump to it),
+divergence from the isolated run, and what each request generated."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import streamlit as st
+
+from ..analysis import leaks, runs
+from ..analysis.runs import RunInfo
+from ..figures import timeline
+
+
+def render(con, info: RunInfo, step: int, focus: Callable[[leaks.Focus, str | None], None]) -> None:
+    over_time = leaks.leak_over_time(con, info.run_id)
+    if not over_time.empty:
+        st.plotly_chart(timeline.leak_timeline(over_time, step), width="stretch", key="insp_timeline")
+    found = leaks.findings(con, info.run_id)
+    st.subheader(f"Findings ({len(found)})")
+    if found.empty:
+        st.success("No findings: every attention weight of every request stayed on its own tokens.",
+                   icon=":material/verified_user:")
+    else:
+        def jump_to(row: int) -> None:
+            focus(leaks.focus_of(found.iloc[row].to_dict()), "Attention")
+
+        def clicked() -> None:
+            rows = st.session_state["insp_findings"]["selection"]["rows"]
+            if rows:
+                jump_to(rows[0])
+
+        st.caption("Click a finding to jump to its step, request, layer and head.")
+        st.dataframe(found, hide_index=True, width="stretch", on_select=clicked, selection_mode="single-row",
+                     key="insp_findings", height=min(400, 38 + 35 * len(found)))
+        st.button("Go to the heaviest finding", key="insp_top_finding", on_click=jump_to, args=(0,),
+                  icon=":material/my_location:")
+    div = leaks.divergence(con, info.run_id)
+    if not div.empty:
+        st.subheader("Divergence from each request run alone")
+        st.caption("leak: the output changed and the oracle saw foreign attention; batch_variance: tiny logit "
+                   "differences from batching, no leak; identical: the same logits.")
+        st.dataframe(div, hide_index=True, width="stretch")
+
+
+def render_requests(con, info: RunInfo) -> None:
+    st.dataframe(runs.requests_frame(con, info.run_id), hide_index=True, width="stretch")

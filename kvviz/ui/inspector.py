@@ -1,0 +1,136 @@
+"""The inspector: one run at one step, as a block map, attention, leaks and requests (or, for an
+imported KV-event capture, its prefix tree and cache over time)."""
+
+from __future__ import annotations
+
+import pandas as pd
+import streamlit as st
+
+from ..analysis import leaks, runs
+from ..analysis.runs import RunInfo
+from . import inspect_attention, inspect_blocks, inspect_capture, inspect_leaks
+from .common import empty_store_hint, has_db, reader
+
+ENGINE_VIEWS = ("Blocks", "Attention", "Leaks", "Requests")
+CAPTURE_VIEWS = ("Prefix tree", "Cache over time", "Findings")
+
+
+def render() -> None:
+    st.title("Inspector")
+    if not has_db():
+        empty_store_hint()
+        return
+    with reader() as con:
+        listing = runs.list_runs(con)
+    if listing.empty:
+        empty_store_hint()
+        return
+    run_id = _choose_run(listing)
+    with reader() as con:
+        info = runs.run_info(con, run_id)
+        if st.session_state.get("insp_for") != run_id:
+            _reset(con, info)
+    _header(listing[listing.run_id == run_id].iloc[0], info)
+    if not info.steps:
+        st.warning("This run has no recorded steps yet.")
+        return
+    playing = st.session_state.get("insp_playing", False)
+    st.fragment(run_every=0.8 if playing else None)(_step_views)(info)
+
+
+def _choose_run(listing) -> str:
+    ids = list(listing.run_id)
+    current = st.session_state.get("run_id") or st.query_params.get("run")
+    if current not in ids:
+        current = ids[0]
+    st.session_state["insp_run"] = current
+    labels = {r.run_id: f"{r.run_id} · {r.scenario or 'workload'} · fault {r.fault or 'none'} · {r.status}"
+              for r in listing.itertuples()}
+
+    def chosen() -> None:
+        st.session_state["run_id"] = st.session_state["insp_run"]
+
+    st.selectbox("Run", ids, format_func=labels.get, key="insp_run", on_change=chosen)
+    st.session_state["run_id"] = current
+    st.query_params["run"] = current
+    return current
+
+
+def _reset(con, info: RunInfo) -> None:
+    """A run just opened: start at its heaviest finding, or at its last step."""
+    top = leaks.findings(con, info.run_id, limit=1)
+    views = CAPTURE_VIEWS if info.has_kv_events else ENGINE_VIEWS
+    st.session_state.update(insp_for=info.run_id, insp_block=None, insp_cell=None, insp_playing=False,
+                            insp_layer=None, insp_head=None, insp_view=views[0])
+    if not top.empty and info.has_blocks:
+        focus(leaks.focus_of(top.iloc[0].to_dict()), view=ENGINE_VIEWS[0])
+    else:
+        st.session_state.update(insp_step=info.steps[-1], insp_request=info.requests[0] if info.requests else None)
+
+
+def focus(f: leaks.Focus, view: str | None = None) -> None:
+    """Point the inspector at a finding's step, request, layer and head."""
+    st.session_state.update(insp_step=f.step, insp_request=f.request, insp_position=f.position)
+    if f.layer is not None and f.head is not None:
+        st.session_state.update(insp_cell=(f.layer, f.head), insp_layer=f.layer, insp_head=f.head)
+    if view:
+        st.session_state["insp_view"] = view
+
+
+def _header(row, info: RunInfo) -> None:
+    cols = st.columns(6)
+    cols[0].metric("status", row.status)
+    cols[1].metric("model", row.model)
+    cols[2].metric("fault", row.fault or "none")
+    cols[3].metric("steps", len(info.steps))
+    cols[4].metric("findings", "-" if pd.isna(row.findings) else int(row.findings))
+    cols[5].metric("max foreign mass", "-" if pd.isna(row.max_foreign_mass) else f"{row.max_foreign_mass:.4f}")
+    if row.status == "running":
+        st.warning("This run is still being recorded, or its process died: showing the steps stored so far.",
+                   icon=":material/pending:")
+        st.button("Refresh", key="insp_refresh")
+    elif row.status == "failed":
+        st.error(f"This run failed: {row.error}. The steps recorded before the failure are shown.",
+                 icon=":material/error:")
+
+
+def _step_views(info: RunInfo) -> None:
+    steps = info.steps
+    if st.session_state.get("insp_step") not in steps:
+        st.session_state["insp_step"] = steps[-1]
+    if st.session_state.get("insp_playing"):
+        i = steps.index(st.session_state["insp_step"])
+        if i + 1 < len(steps):
+            st.session_state["insp_step"] = steps[i + 1]
+        else:
+            st.session_state["insp_playing"] = False
+    left, right = st.columns([6, 1])
+    with left:
+        if len(steps) > 1:
+            st.select_slider("Step", steps, key="insp_step")
+        else:
+            st.caption(f"step {steps[0]} (the only step)")
+    with right:
+        playing = st.session_state.get("insp_playing", False)
+        if st.button("Pause" if playing else "Play", icon=":material/pause:" if playing else ":material/play_arrow:",
+                     key="insp_play", disabled=len(steps) < 2):
+            st.session_state["insp_playing"] = not playing
+            if not playing and st.session_state["insp_step"] == steps[-1]:
+                st.session_state["insp_step"] = steps[0]
+            st.rerun(scope="app")
+    views = CAPTURE_VIEWS if info.has_kv_events else ENGINE_VIEWS
+    if st.session_state.get("insp_view") not in views:
+        st.session_state["insp_view"] = views[0]
+    view = st.segmented_control("View", views, key="insp_view", label_visibility="collapsed") or views[0]
+    step = st.session_state["insp_step"]
+    with reader() as con:
+        if info.has_kv_events:
+            inspect_capture.render(con, info, view, step)
+        elif view == "Blocks":
+            inspect_blocks.render(con, info, step)
+        elif view == "Attention":
+            inspect_attention.render(con, info, step)
+        elif view == "Leaks":
+            inspect_leaks.render(con, info, step, focus)
+        else:
+            inspect_leaks.render_requests(con, info)

@@ -1,0 +1,5 @@
+"""The inspector page script (st.navigation runs it; AppTest switches to it by path)."""
+
+from kvviz.ui import inspector
+
+inspector.render()

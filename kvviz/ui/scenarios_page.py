@@ -1,0 +1,104 @@
+"""Scenarios: the catalogue, each explained; one click runs a scenario and its clean control and
+shows them side by side (the seed's three leak patterns come first)."""
+
+from __future__ import annotations
+
+import numpy as np
+import streamlit as st
+
+from ..analysis import attention, leaks, live, runs
+from ..faults import FAULTS
+from ..figures import attention as fig
+from ..scenarios import SCENARIOS
+from .common import MODELS, db_path, load_model_or_error, open_run, reader
+
+
+def render() -> None:
+    st.title("Scenarios")
+    st.caption("Each scenario is a workload with an injected isolation fault and the finding it must raise; "
+               "its control is the same workload with correct defences, which must stay clean.")
+    c1, c2 = st.columns([3, 1])
+    name = c1.selectbox("Scenario", list(SCENARIOS), key="sc_name", format_func=lambda n: f"{n}: {SCENARIOS[n].title}")
+    model = c2.selectbox("Model", MODELS, key="sc_model")
+    sc = SCENARIOS[name]
+    st.markdown(f"### {sc.title}\n{sc.explanation}")
+    if sc.fault:
+        f = FAULTS[sc.fault]
+        st.markdown(f"**Fault** `{f.name}` replaces `{f.defence}`: {f.breaks} *Mirrors:* {f.mirrors}  \n"
+                    f"**Expected finding:** {' or '.join(sc.expected)}")
+    else:
+        st.markdown("**A clean control:** it must produce no finding.")
+    label = "Run it with its control" if sc.fault else "Run it"
+    if st.button(label, type="primary", icon=":material/science:", key="sc_go"):
+        _run_pair(name, model)
+    pair = st.session_state.get("sc_pair")
+    if pair and pair["name"] == name:
+        _compare(pair)
+    with st.expander("The whole catalogue"):
+        st.dataframe([{"scenario": s.name, "fault": s.fault or "(control)", "title": s.title,
+                       "expects": ", ".join(s.expected) or "nothing"} for s in SCENARIOS.values()],
+                     hide_index=True, width="stretch")
+
+
+def _run_pair(name: str, model_name: str) -> None:
+    m = load_model_or_error(model_name)
+    if m is None:
+        return
+    sc = SCENARIOS[name]
+    workload = live.scenario_workload(name, m)
+    plan = [("scenario", sc.fault)] + ([("control", None)] if sc.fault else [])
+    bar = st.progress(0.0, text="starting...")
+    ids = {}
+    for i, (role, fault) in enumerate(plan):
+        def on_step(s: live.LiveStep, role=role, i=i) -> None:
+            bar.progress((i + min(1.0, s.tokens / max(1, s.total))) / len(plan),
+                         text=f"{role}: step {s.step}, {s.tokens} tokens, {s.findings} findings")
+        try:
+            ids[role] = live.run(db_path(), m, workload, fault, scenario_name=name if role == "scenario"
+                                 else f"control of {name}", on_step=on_step).run_id
+        except live.RUN_ERRORS as e:
+            st.error(f"The {role} run failed: {e}", icon=":material/error:")
+            return
+    bar.progress(1.0, text="done")
+    st.session_state["sc_pair"] = {"name": name, **ids}
+
+
+def _compare(pair: dict) -> None:
+    roles = [r for r in ("scenario", "control") if r in pair]
+    with reader() as con:
+        infos = {r: runs.run_info(con, pair[r]) for r in roles}
+        found = {r: leaks.findings(con, pair[r]) for r in roles}
+        texts = {r: runs.requests_frame(con, pair[r])[["request_id", "text"]] for r in roles}
+        top = found["scenario"].iloc[0].to_dict() if not found["scenario"].empty else None
+        focus = leaks.focus_of(top) if top else leaks.Focus(infos["scenario"].steps[-1], infos["scenario"].requests[0])
+        layers, heads = attention.grid_shape(con, pair["scenario"])
+        grids = {r: attention.leak_grid(con, pair[r], None, focus.request) for r in roles}
+        layer = focus.layer if focus.layer is not None else layers // 2
+        views = {r: attention.attention_view(con, pair[r], focus.request, focus.step, layer, attention.HEAD_MEAN,
+                                             infos[r].block_size) for r in roles}
+    where = f"{focus.request} at step {focus.step}, layer {layer} (mean of heads)"
+    st.subheader("Side by side" if len(roles) == 2 else "Result")
+    cols = st.columns(len(roles))
+    for col, r in zip(cols, roles, strict=True):
+        with col:
+            n = len(found[r])
+            st.markdown(f"#### {r}: `{pair[r]}`")
+            st.metric("findings", n)
+            if r == "scenario" and "control" in roles:
+                (st.success if n else st.error)("the detector fired" if n else "the detector missed this fault")
+            if r == "control" or "control" not in roles:
+                (st.success if not n else st.error)("clean" if not n else "the control is not clean")
+            v = views[r]
+            if v is not None:
+                st.plotly_chart(fig.attention_heatmap(v.weights, v.classes, v.query_labels, v.key_labels,
+                                                      v.key_owners, where), width="stretch", key=f"sc_hm_{r}")
+            st.dataframe(texts[r], hide_index=True, width="stretch")
+            if st.button("Open in the inspector", key=f"sc_open_{r}"):
+                open_run(pair[r])
+    if len(roles) == 2 and layers:
+        diff = grids["scenario"].merge(grids["control"], on=["layer", "head"], suffixes=("", "_control"))
+        diff["max_foreign"] = diff["max_foreign"] - diff["max_foreign_control"]
+        st.plotly_chart(fig.leak_grid(diff[["layer", "head", "max_foreign"]], layers, heads,
+                                      title=f"{focus.request}: foreign mass, scenario minus control (whole run)"),
+                        width="stretch", key="sc_diff")
+        st.caption(f"Largest difference: {float(np.nanmax(diff.max_foreign)) if len(diff) else 0:.4f}.")

@@ -1,0 +1,91 @@
+"""SQL: read-only queries over every run (a locked-down DuckDB instance), example questions, a
+quick chart of the result and the schema."""
+
+from __future__ import annotations
+
+import pandas as pd
+import plotly.express as px
+import streamlit as st
+
+from ..store import SqlError
+from ..store.sql import run_query
+from .common import empty_store_hint, has_db, reader
+
+EXAMPLES = {
+    "Runs, newest first": "SELECT run_id, status, model, scenario, fault, steps, leak_rate, findings\n"
+                          "FROM runs ORDER BY created_at DESC",
+    "Top leaking heads": "SELECT run_id, layer, head, max_foreign_mass, leak_rows\nFROM top_leaking_heads\n"
+                         "WHERE leak_rows > 0 ORDER BY max_foreign_mass DESC LIMIT 20",
+    "Leak rate over time": "SELECT step, request_id, leak_rate, max_foreign_mass\nFROM leak_rate_per_step\n"
+                           "WHERE run_id = (SELECT run_id FROM runs ORDER BY created_at DESC LIMIT 1)\nORDER BY step",
+    "Block churn per step": "SELECT run_id, step, count(*) FILTER (kind = 'allocate') AS allocated,\n"
+                            "       count(*) FILTER (kind = 'free') AS freed, count(*) FILTER (kind = 'evict') AS "
+                            "evicted\nFROM block_events GROUP BY run_id, step ORDER BY run_id, step",
+    "Prefix-cache hit rate over time": "SELECT run_id, step, count(*) FILTER (kind = 'hit') AS hits,\n"
+                                       "       count(*) FILTER (kind IN ('hit', 'allocate')) AS blocks_taken,\n"
+                                       "       hits / nullif(blocks_taken, 0) AS hit_rate\nFROM block_events "
+                                       "GROUP BY run_id, step ORDER BY run_id, step",
+    "Block occupancy": "SELECT run_id, step, used, cached, free FROM block_occupancy ORDER BY run_id, step",
+    "Findings by kind": "SELECT kind, count(*) AS n, max(mass) AS max_mass FROM findings GROUP BY kind",
+}
+MAX_ROWS = 10_000
+
+
+def render() -> None:
+    st.title("SQL")
+    if not has_db():
+        empty_store_hint()
+        return
+    st.caption("Read-only: one SELECT at a time, no files, no extensions, at most "
+               f"{MAX_ROWS:,} rows and 30 s. Ctrl+Enter runs the query.")
+
+    def use_example() -> None:
+        st.session_state["sql_text"] = EXAMPLES[st.session_state["sql_example"]]
+
+    st.selectbox("Example", list(EXAMPLES), key="sql_example", on_change=use_example, index=None,
+                 placeholder="choose an example query")
+    st.session_state.setdefault("sql_text", EXAMPLES["Runs, newest first"])
+    with st.form("sql_form", border=False):
+        query = st.text_area("Query", key="sql_text", height=160)
+        submitted = st.form_submit_button("Run", type="primary", icon=":material/play_arrow:")
+    if submitted or "sql_result" in st.session_state:
+        if submitted:
+            st.session_state.pop("sql_result", None)
+            try:
+                with reader() as con:
+                    res = run_query(con, query, max_rows=MAX_ROWS)
+                st.session_state["sql_result"] = pd.DataFrame(res.rows, columns=res.columns), res.truncated
+            except SqlError as e:
+                st.error(f"Refused: {e}", icon=":material/block:")
+        if "sql_result" in st.session_state:
+            _result(*st.session_state["sql_result"])
+    _schema()
+
+
+def _result(df: pd.DataFrame, truncated: bool) -> None:
+    st.caption(f"{len(df):,} rows" + (f" (the first {MAX_ROWS:,}; more exist)" if truncated else ""))
+    st.dataframe(df, hide_index=True, width="stretch")
+    numeric = [c for c in df.columns if pd.api.types.is_numeric_dtype(df[c])]
+    if len(df) > 1 and numeric:
+        with st.expander("Quick chart", expanded=True):
+            c = st.columns(4)
+            x = c[0].selectbox("x", list(df.columns), key="sql_x")
+            y = c[1].selectbox("y", [n for n in numeric if n != x] or numeric, key="sql_y")
+            others = [n for n in df.columns if n not in (x, y) and not pd.api.types.is_numeric_dtype(df[n])]
+            colour = c[2].selectbox("colour", [None, *others], key="sql_colour")
+            kind = c[3].radio("chart", ("line", "bar", "scatter"), horizontal=True, key="sql_kind")
+            chart = {"line": px.line, "bar": px.bar, "scatter": px.scatter}[kind]
+            st.plotly_chart(chart(df.head(5000), x=x, y=y, color=colour), width="stretch", key="sql_chart")
+
+
+def _schema() -> None:
+    with st.expander("Schema: tables and views"):
+        with reader() as con:
+            cols = con.execute("SELECT c.table_name, t.table_type, c.column_name, c.data_type FROM "
+                               "information_schema.columns c JOIN information_schema.tables t USING (table_name) "
+                               "WHERE t.table_schema = 'main' ORDER BY t.table_type, c.table_name, "
+                               "c.ordinal_position").df()
+        for (table, kind), part in cols.groupby(["table_name", "table_type"], sort=False):
+            st.markdown(f"**{table}** ({'view' if kind == 'VIEW' else 'table'}): " +
+                        ", ".join(f"`{c}` {t.lower()}" for c, t in zip(part.column_name, part.data_type, strict=True)))
+

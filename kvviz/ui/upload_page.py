@@ -1,0 +1,42 @@
+"""Upload: a kvviz trace (.zip of Parquet tables) or a vLLM/SGLang KV-event capture (.jsonl from
+`kvviz capture-vllm`) becomes a run; a refused file is explained and imports nothing."""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from ..analysis.uploads import REFUSALS, import_file, save_upload
+from .common import db_path, open_run
+
+
+def render() -> None:
+    st.title("Upload")
+    st.markdown(
+        "Bring in what your server recorded:\n"
+        "- a **kvviz trace** (`.zip`): page tables, refcounts and optionally attention rows, written by "
+        "`python -m kvviz export` or by your server without kvviz (see docs/trace-format.md);\n"
+        "- a **vLLM or SGLang KV-event capture** (`.jsonl`) written by `python -m kvviz capture-vllm --endpoint "
+        "tcp://HOST:5557 --out capture.jsonl`: it becomes the prefix tree, cache occupancy over time, evictions and "
+        "cross-tenant findings.")
+    up = st.file_uploader("Trace or capture", type=["zip", "jsonl"], key="upload_file")
+    if up is None:
+        st.caption(f"Uploads are kept in `{_folder()}`; runs go to `{db_path()}`.")
+        return
+    if st.button(f"Import {up.name}", type="primary", key="upload_go", icon=":material/upload:"):
+        with st.spinner(f"Validating and importing {up.name}..."):
+            saved = save_upload(up.name, up.getvalue(), _folder())
+            try:
+                run_id = import_file(saved, db_path())
+            except REFUSALS as e:
+                st.error(f"Not imported: {str(e).replace(str(saved), up.name)}. Nothing was added to the "
+                         "database.", icon=":material/error:")
+                return
+        st.session_state["upload_run"] = run_id
+        st.success(f"Imported {up.name} as run {run_id}.", icon=":material/check_circle:")
+    run_id = st.session_state.get("upload_run")
+    if run_id and st.button("Open it in the inspector", key="upload_open", icon=":material/grid_view:"):
+        open_run(run_id)
+
+
+def _folder():
+    return db_path().parent / "uploads"
