@@ -1,11 +1,230 @@
+"""The Streamlit app, headless (AppTest): every page on an empty store and on one with runs, a run
+started from the Run page, the inspector on a faulty run and its control, uploads, SQL and the runs
+list. Chart clicks cannot be driven here; the browser test (test_browser.py) clicks them."""
+
+import base64
+import json
+import zipfile
 from pathlib import Path
 
+import duckdb
+import numpy as np
+import pytest
 from streamlit.testing.v1 import AppTest
 
+from kvviz.analysis import live
+from kvviz.models import load_model
+from kvviz.store.sql import reading
+from kvviz.store.trace import export_run
+
 APP = str(Path(__file__).resolve().parent.parent / "app.py")
+PAGES = ("home", "run", "inspector", "scenarios", "runs", "upload", "sql")
+TIMEOUT = 120
 
 
-def test_app_renders_without_exception():
-    at = AppTest.from_file(APP, default_timeout=30).run()
+def page(name: str, **state) -> AppTest:
+    at = AppTest.from_file(APP, default_timeout=TIMEOUT)
+    for k, v in state.items():
+        at.session_state[k] = v
+    at.run()
+    if name != "home":
+        at.switch_page(f"kvviz/ui/pages/{name}.py").run()
+    assert not at.exception, at.exception[0].value
+    return at
+
+
+def run_ids(db) -> list[str]:
+    with reading(db) as con:
+        return [r[0] for r in con.execute("SELECT run_id FROM runs ORDER BY created_at").fetchall()]
+
+
+def charts(at: AppTest) -> dict[str, dict]:
+    """Plotly charts on the page by key: their figure specs."""
+    out = {}
+    for el in at.get("plotly_chart"):
+        spec = json.loads(el.proto.spec)
+        out[el.proto.id.split("-")[-1] if not el.key else el.key] = spec
+    return out
+
+
+def values(v) -> list:
+    """A figure array as plotly serialises it: a list, or typed base64 ({"dtype", "bdata"})."""
+    if isinstance(v, dict) and "bdata" in v:
+        return np.frombuffer(base64.b64decode(v["bdata"]), dtype=v["dtype"]).tolist()
+    return list(v)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory, tiny):
+    """A store with the boundary scenario and its control."""
+    db = tmp_path_factory.mktemp("app") / "kvviz.duckdb"
+    wl = live.scenario_workload("boundary", tiny)
+    faulty = live.run(db, tiny, wl, "boundary", scenario_name="boundary")
+    control = live.run(db, tiny, wl, None, scenario_name="control of boundary")
+    assert faulty.findings > 0 and control.findings == 0
+    return db, faulty.run_id, control.run_id
+
+
+@pytest.fixture
+def empty_db(tmp_path, monkeypatch):
+    db = tmp_path / "kvviz.duckdb"
+    monkeypatch.setenv("KVVIZ_DB", str(db))
+    return db
+
+
+@pytest.fixture
+def with_runs(store, monkeypatch):
+    monkeypatch.setenv("KVVIZ_DB", str(store[0]))
+    return store
+
+
+@pytest.mark.parametrize("name", PAGES)
+def test_every_page_renders_on_an_empty_store(empty_db, name):
+    at = page(name)
+    if name in ("home", "inspector", "runs", "sql"):
+        assert any("No runs yet" in i.value for i in at.info)
+    assert not empty_db.exists() or name == "run"
+
+
+@pytest.mark.parametrize("name", PAGES)
+def test_every_page_renders_with_runs(with_runs, name):
+    at = page(name)
+    assert not at.error
+
+
+def test_run_page_stores_a_run_and_opens_it(empty_db):
+    at = page("run")
+    at.selectbox(key="run_model").set_value("tiny-llama").run()
+    at.selectbox(key="run_scenario").set_value("boundary").run()
+    at.button(key="run_go").click().run()
+    assert not at.exception and not at.error
+    [run_id] = run_ids(empty_db)
+    assert at.title[0].value == "Inspector" and at.session_state["run_id"] == run_id
+    with reading(empty_db) as con:
+        status, fault, findings = con.execute("SELECT status, fault, findings FROM runs").fetchone()
+    assert (status, fault) == ("complete", "boundary") and findings > 0
+
+
+def test_run_page_custom_workload_refused_with_the_field_named(empty_db):
+    at = page("run")
+    at.selectbox(key="run_model").set_value("tiny-llama").run()
+    at.radio(key="run_source").set_value("custom").run()
+    at.session_state["run_requests"] = {"edited_rows": {1: {"parent": "nobody"}}, "added_rows": [],
+                                        "deleted_rows": []}
+    at.run()
+    at.button(key="run_go").click().run()
     assert not at.exception
-    assert at.title[0].value == "kvviz"
+    assert any("parent" in e.value for e in at.error), [e.value for e in at.error]
+    assert not empty_db.exists() or run_ids(empty_db) == []
+
+
+def test_inspector_shows_the_leak_of_a_faulty_run(with_runs):
+    _, faulty, _ = with_runs
+    at = page("inspector", run_id=faulty)
+    figs = charts(at)
+    block_map = figs["insp_blockmap"]
+    outlines = [c for t in block_map["data"] for c in values(t["marker"]["line"]["color"])]
+    assert "#d62728" in outlines  # a block read by the leak is outlined in red
+    at.segmented_control(key="insp_view").set_value("Leaks").run()
+    found = at.dataframe(key="insp_findings").value
+    assert len(found) > 0 and set(found.kind) == {"foreign"}
+    at.button(key="insp_top_finding").click().run()
+    assert at.session_state["insp_view"] == "Attention"
+    heatmap = charts(at)["insp_heatmap"]
+    assert "foreign" in {t.get("name") for t in heatmap["data"]}
+    assert not at.exception
+
+
+def test_inspector_shows_no_finding_for_the_control(with_runs):
+    _, _, control = with_runs
+    at = page("inspector", run_id=control)
+    outlines = [c for t in charts(at)["insp_blockmap"]["data"] for c in values(t["marker"]["line"]["color"])]
+    assert "#d62728" not in outlines
+    at.segmented_control(key="insp_view").set_value("Leaks").run()
+    assert any("No findings" in s.value for s in at.success)
+    at.segmented_control(key="insp_view").set_value("Attention").run()
+    heatmap = charts(at)["insp_heatmap"]
+    assert {t.get("name") for t in heatmap["data"]} == {"own"}
+
+
+def test_upload_imports_a_trace_and_refuses_a_broken_one(with_runs, tmp_path, monkeypatch):
+    db, faulty, _ = with_runs
+    with reading(db) as con:
+        trace = export_run(con, faulty, tmp_path / "t.zip")
+    target = tmp_path / "fresh.duckdb"
+    monkeypatch.setenv("KVVIZ_DB", str(target))
+    at = page("upload")
+    at.file_uploader(key="upload_file").set_value(("t.zip", trace.read_bytes(), "application/zip")).run()
+    at.button(key="upload_go").click().run()
+    assert not at.error and run_ids(target) == [faulty]
+    broken = tmp_path / "broken.zip"
+    with zipfile.ZipFile(broken, "w") as z:
+        z.writestr("manifest.json", "{not json")
+    at = page("upload")
+    at.file_uploader(key="upload_file").set_value(("broken.zip", broken.read_bytes(), "application/zip")).run()
+    at.button(key="upload_go").click().run()
+    assert any("Not imported" in e.value and "manifest.json" in e.value for e in at.error)
+    assert run_ids(target) == [faulty]  # nothing added
+
+
+def test_sql_page_runs_a_select_and_shows_a_refusal(with_runs):
+    at = page("sql")
+    at.text_area(key="sql_text").input("SELECT run_id, fault FROM runs ORDER BY fault NULLS FIRST")
+    at.button[0].click().run()  # the form's submit button
+    rows = at.dataframe[0].value
+    assert list(rows.fault.fillna("none")) == ["none", "boundary"]
+    at.text_area(key="sql_text").input("DROP TABLE runs")
+    at.button[0].click().run()
+    assert any("Refused" in e.value and "DROP" in e.value for e in at.error)
+    assert len(run_ids(with_runs[0])) == 2
+
+
+def test_runs_page_compares_and_deletes(store, tmp_path, monkeypatch):
+    db = tmp_path / "copy.duckdb"
+    with reading(store[0]) as con:
+        con.execute("SELECT 1")  # the source is readable; copy it so deleting leaves the shared store alone
+    db.write_bytes(Path(store[0]).read_bytes())
+    monkeypatch.setenv("KVVIZ_DB", str(db))
+    _, faulty, control = store
+    at = page("runs")
+    at.text_input(key="runs_ids").input(f"{faulty},{control}").run()
+    assert any(d.value is not None for d in at.dataframe) and not at.exception
+    at.text_input(key="runs_ids").input(faulty).run()
+    at.checkbox(key="runs_sure").check().run()
+    at.button(key="runs_delete").click().run()
+    assert not at.exception
+    assert run_ids(db) == [control]
+    con = duckdb.connect(str(db), read_only=True)
+    assert con.execute("SELECT count(*) FROM attention WHERE run_id = ?", [faulty]).fetchone()[0] == 0
+    con.close()
+
+
+def test_an_uploaded_capture_opens_with_the_views_it_supports(empty_db, tmp_path):
+    from .test_capture import batch, stored_map, write_capture
+
+    cap = write_capture(tmp_path / "c.jsonl", [
+        batch(stored_map([11, 12], None, [1, 2, 3, 4], salt="tenant-a")),
+        batch(stored_map([21], 12, [5, 6])),
+        batch(stored_map([11], None, [1, 2], salt="tenant-b")),  # one hash under two salts
+        batch({"type": "BlockRemoved", "block_hashes": [21, 12], "medium": "GPU"}),
+    ])
+    at = page("upload")
+    at.file_uploader(key="upload_file").set_value(("c.jsonl", cap.read_bytes(), "application/jsonl")).run()
+    at.button(key="upload_go").click().run()
+    [run_id] = run_ids(empty_db)
+    at.button(key="upload_open").click().run()
+    assert at.title[0].value == "Inspector" and not at.exception
+    at.switch_page("kvviz/ui/pages/inspector.py").run()  # later reruns in AppTest follow its own page, not the app's
+    assert at.session_state["run_id"] == run_id
+    assert any("no physical block ids and no attention" in i.value for i in at.info)
+    tree = charts(at)["insp_tree"]
+    assert sum(len(values(t["x"])) for t in tree["data"][1:]) == 3  # three distinct hashes stored
+    at.segmented_control(key="insp_view").set_value("Cache over time").run()
+    assert "insp_cache" in charts(at)
+    at.segmented_control(key="insp_view").set_value("Findings").run()
+    assert list(at.dataframe[0].value.kind) == ["cross_tenant"]

@@ -251,9 +251,9 @@ def test_sglang_capture_imports_as_a_run_with_the_radix_prefix_tree(tmp_path):
                            "AND kind = 'BlockStored' AND parent_hash = ? GROUP BY parent_hash",
                            [run_id, b & U64]).fetchall()
     assert children == [(b & U64, sorted([c & U64, d]))], "the shared prefix branches after token 2"
-    per_step = con.execute("SELECT step, stored, removed FROM kv_cache_blocks WHERE run_id = ? ORDER BY step",
-                           [run_id]).fetchall()
-    assert per_step == [(0, 3, 0), (1, 1, 0), (2, 2, 0), (3, 0, 2), (4, 0, 0)]
+    per_step = con.execute("SELECT step, stored, removed, cached_blocks FROM kv_cache_blocks WHERE run_id = ? "
+                           "ORDER BY step", [run_id]).fetchall()
+    assert per_step == [(0, 3, 0, 3), (1, 1, 0, 4), (2, 2, 0, 6), (3, 0, 2, 4), (4, 0, 0, 0)], "the flush empties it"
     assert con.execute("SELECT step, block_hash FROM kv_events WHERE run_id = ? AND kind = 'AllBlocksCleared'",
                        [run_id]).fetchall() == [(4, None)]
     assert con.execute("SELECT status, steps, findings FROM runs WHERE run_id = ?", [run_id]).fetchone() == (

@@ -109,12 +109,17 @@ CREATE OR REPLACE VIEW top_leaking_heads AS
 SELECT run_id, layer, head, max(max_foreign) AS max_foreign_mass, sum(leak_rows) AS leak_rows
 FROM leak_metrics GROUP BY run_id, layer, head;
 
+-- Blocks cached after each captured message: stored minus removed, back to zero at AllBlocksCleared
+-- (a message that clears counts all it stores and removes as after the clear).
 CREATE OR REPLACE VIEW kv_cache_blocks AS
-SELECT run_id, step,
-       sum(count(*) FILTER (kind = 'BlockStored') - count(*) FILTER (kind = 'BlockRemoved'))
-           OVER (PARTITION BY run_id ORDER BY step) AS cached_blocks,
-       count(*) FILTER (kind = 'BlockStored') AS stored, count(*) FILTER (kind = 'BlockRemoved') AS removed
-FROM kv_events GROUP BY run_id, step;
+WITH per_step AS (
+    SELECT run_id, step, count(*) FILTER (kind = 'BlockStored') AS stored,
+           count(*) FILTER (kind = 'BlockRemoved') AS removed, count(*) FILTER (kind = 'AllBlocksCleared') AS cleared
+    FROM kv_events GROUP BY run_id, step),
+epochs AS (SELECT *, sum(cleared) OVER (PARTITION BY run_id ORDER BY step) AS epoch FROM per_step)
+SELECT run_id, step, sum(stored - removed) OVER (PARTITION BY run_id, epoch ORDER BY step) AS cached_blocks,
+       stored, removed
+FROM epochs;
 
 CREATE OR REPLACE VIEW block_occupancy AS
 SELECT run_id, step, count(*) FILTER (state = 'used') AS used, count(*) FILTER (state = 'cached') AS cached,

@@ -54,12 +54,13 @@ def _heatmap(con, info: RunInfo, step: int, request: str, layers: int, heads: in
     layer = c1.number_input("Layer", 0, max(0, layers - 1), key="insp_layer")
     head = c2.selectbox("Head", [attention.HEAD_MEAN, *range(heads)], key="insp_head",
                         format_func=lambda h: "mean of heads" if h == attention.HEAD_MEAN else f"head {h}")
-    upto = c3.radio("Queries", ("this step", "every step so far"), key="insp_upto", horizontal=True)
+    upto = c3.radio("Queries", ("every step so far", "this step"), key="insp_upto", horizontal=True)
     view = attention.attention_view(con, info.run_id, request, step, int(layer), int(head), info.block_size,
                                     upto=upto == "every step so far")
     if view is None:
-        st.info(f"{request} computed nothing at step {step} (or its rows were not recorded). Choose 'every step so "
-                "far' or another step.", icon=":material/info:")
+        when = "up to" if upto == "every step so far" else "at"
+        st.info(f"No attention row of {request} was recorded {when} step {step}: it computed nothing then, or "
+                "recording skipped it.", icon=":material/info:")
         return
     if head != attention.HEAD_MEAN and view.head == attention.HEAD_MEAN:
         st.caption(f"Head {head} of layer {layer} was not recorded (default recording keeps every head of the "
