@@ -25,11 +25,16 @@ def leak_over_time(con: duckdb.DuckDBPyConnection, run_id: str) -> pd.DataFrame:
                        "WHERE run_id = ? ORDER BY step, request_id", [run_id]).df()
 
 
+# Leaks of another request's or a dead block's tokens first; for duplicate positions, non-finite
+# weights and normalisation errors `mass` is a count or an error, not attention mass.
+KIND_ORDER = ("foreign", "stale", "cross_tenant", "non_finite", "normalisation", "duplicate")
+
+
 def findings(con: duckdb.DuckDBPyConnection, run_id: str, limit: int = 2000) -> pd.DataFrame:
-    """The heaviest first (cross-tenant findings of captures carry no mass and sort last)."""
+    """Leaks first (foreign, then stale, ...), the heaviest first within a kind."""
     return con.execute("SELECT kind, request_id, step, layer, head, position, source_request, round(mass, 6) AS mass "
-                       "FROM findings WHERE run_id = ? ORDER BY mass DESC NULLS LAST, step, request_id LIMIT ?",
-                       [run_id, limit]).df()
+                       "FROM findings WHERE run_id = ? ORDER BY coalesce(list_position(?, kind), 99), "
+                       "mass DESC NULLS LAST, step, request_id LIMIT ?", [run_id, list(KIND_ORDER), limit]).df()
 
 
 def divergence(con: duckdb.DuckDBPyConnection, run_id: str) -> pd.DataFrame:

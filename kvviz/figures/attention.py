@@ -65,10 +65,10 @@ def leak_grid(cells: pd.DataFrame, num_layers: int, num_heads: int,
                 "colorscale": [[0, "#f7f7f7"], [0.02, "#fee0d2"], [1, LEAK]], "showscale": True,
                 "colorbar": {"title": "max foreign"}, "line": {"color": "black", "width": line_w}},
         hovertemplate="layer %{y}, head %{x}<br>max foreign mass %{marker.color:.4f}<extra></extra>"))
-    fig.update_layout(title=title, height=max(220, num_layers * (size + 2) + 90), plot_bgcolor="white",
+    fig.update_layout(title=title, height=max(220, num_layers * (size + 4) + 100), plot_bgcolor="white",
                       margin={"l": 10, "r": 10, "t": 40, "b": 10}, clickmode="event+select", dragmode=False)
     fig.update_xaxes(title="head", dtick=1, range=[-0.7, num_heads - 0.3])
-    fig.update_yaxes(title="layer", autorange="reversed", dtick=max(1, num_layers // 15))
+    fig.update_yaxes(title="layer", range=[num_layers - 0.3, -0.7], dtick=max(1, num_layers // 15))
     return fig
 
 

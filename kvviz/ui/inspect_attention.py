@@ -71,6 +71,7 @@ def _heatmap(con, info: RunInfo, step: int, request: str, layers: int, heads: in
     st.plotly_chart(fig.attention_heatmap(view.weights, view.classes, view.query_labels, view.key_labels,
                                           view.key_owners, title), width="stretch", key="insp_heatmap")
     note = " Rows or columns were merged (max) to fit." if view.binned else ""
-    st.caption("Blue: the request's own keys. Red: another request's keys. Orange: stale keys (a freed "
+    st.caption("Blue: the request's own keys (or exact copies: the same tokens at the same positions, as a shared "
+               "prefix gives). Red: another request's keys. Orange: stale keys (a freed "
                "block's old contents). Grey: keys the query could not see (future or masked). Key labels are "
                f"writer:position token, coloured by writer; lines mark where the writer changes.{note}")
