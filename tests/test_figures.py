@@ -1,0 +1,304 @@
+"""The pure figure functions: what each picture draws, and that clicks on it map back to what was
+drawn (block_at and cell_at invert the layouts). Synthetic frames cover the edges; one recorded
+boundary run and its control give real frames."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+import pytest
+
+from kvviz.analysis import attention, blocks, leaks, live, runs
+from kvviz.figures import attention as fig_attention
+from kvviz.figures import blocks as fig_blocks
+from kvviz.figures import captures as fig_captures
+from kvviz.figures import timeline
+from kvviz.figures.palette import LEAK, STATE_COLOURS, grid_columns, request_colours
+from kvviz.models import load_model
+from kvviz.store.sql import reading
+
+
+@functools.cache
+def tiny():
+    return load_model("tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    db = tmp_path_factory.mktemp("figures") / "kvviz.duckdb"
+    m = tiny()
+    wl = live.scenario_workload("boundary", m)
+    return db, live.run(db, m, wl, "boundary").run_id, live.run(db, m, wl, None).run_id
+
+
+def markers(fig: go.Figure) -> list[tuple]:
+    """(x, y, trace) of every marker of every scatter trace with markers."""
+    return [(x, y, t) for t in fig.data if t.type == "scatter" and "markers" in (t.mode or "")
+            for x, y in zip(t.x, t.y, strict=True)]
+
+
+def pool(n: int, seed: int = 0) -> pd.DataFrame:
+    rng = np.random.default_rng(seed)
+    state = rng.choice(["free", "cached", "used"], n)
+    refcount = np.where(state == "used", rng.integers(1, 4, n), 0)
+    owners = [",".join(sorted(rng.choice(list("ABCD"), r, replace=False))) if r else "" for r in refcount]
+    return pd.DataFrame({"block": range(n), "state": state, "refcount": refcount, "owners": owners})
+
+
+# -- block map --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [1, 7, 8, 33, 128, 500, 2048])
+@pytest.mark.parametrize("colour_by", ["owner", "state"])
+def test_block_map_draws_each_block_once_and_block_at_inverts_it(n, colour_by):
+    df = pool(n)
+    fig = fig_blocks.block_map(df, colour_by=colour_by)
+    drawn = markers(fig)
+    assert len(drawn) == n
+    ids = [int(b) for t in fig.data for b in np.asarray(t.customdata)[:, 0]]
+    assert sorted(ids) == list(range(n))
+    for (x, y, _), block in zip(drawn, ids, strict=True):
+        assert fig_blocks.block_at({"x": x, "y": y}, n) == block
+        assert fig_blocks.block_at({"x": x + 0.3, "y": y - 0.3}, n) == block  # a click near the centre
+    cols = grid_columns(n)
+    assert fig_blocks.block_at({"x": n % cols, "y": n // cols}, n) is None  # past the last block
+    assert fig_blocks.block_at({"x": 0, "y": -1}, n) is None
+    assert fig_blocks.block_at({"curveNumber": 0}, n) is None  # a click without coordinates
+
+
+def test_block_map_colours_by_owner_and_state():
+    df = pd.DataFrame({"block": range(5), "state": ["used", "used", "used", "cached", "free"],
+                       "refcount": [1, 1, 2, 0, 0], "owners": ["A", "B", "A,B", "", ""]})
+    fig = fig_blocks.block_map(df)
+    by_name = {t.name: t for t in fig.data}
+    assert set(by_name) == {"A", "B", "shared", "cached", "free"}
+    colours = request_colours(["A", "B"])
+    assert by_name["A"].marker.color == colours["A"] and by_name["B"].marker.color == colours["B"]
+    assert by_name["shared"].marker.color == STATE_COLOURS["shared"] and list(by_name["shared"].text) == ["2"]
+    by_state = {t.name: t for t in fig_blocks.block_map(df, colour_by="state").data}
+    assert set(by_state) == {"used", "shared", "cached", "free"}
+    assert by_state["used"].marker.color == STATE_COLOURS["used"]
+
+
+def test_leaky_blocks_get_the_red_outline(recorded):
+    db, rid, ctl = recorded
+    with reading(db) as con:
+        B = runs.run_info(con, rid).block_size
+        step = int(leaks.findings(con, rid).iloc[0].step)
+        leaky = blocks.leaky_blocks(con, rid, step, B)
+        fig = fig_blocks.block_map(blocks.block_map(con, rid, step), leaky)
+        clean = fig_blocks.block_map(blocks.block_map(con, ctl, step), blocks.leaky_blocks(con, ctl, step, B))
+    assert leaky
+    outlined = set()
+    for t in fig.data:
+        for b, colour, width in zip(np.asarray(t.customdata)[:, 0], t.marker.line.color, t.marker.line.width,
+                                    strict=True):
+            assert (colour == LEAK) == (int(b) in leaky) and (width == 3) == (int(b) in leaky)
+            if colour == LEAK:
+                outlined.add(int(b))
+    assert outlined == leaky
+    assert all(c != LEAK for t in clean.data for c in t.marker.line.color)
+
+
+# -- occupancy and page tables ------------------------------------------------------------------------------
+
+def test_occupancy_is_a_heatmap_of_the_grid(recorded):
+    db, rid, _ = recorded
+    with reading(db) as con:
+        grid, steps = blocks.occupancy(con, rid)
+    fig = fig_blocks.occupancy(grid, steps, current=steps[1])
+    (heat,) = fig.data
+    assert heat.type == "heatmap" and np.asarray(heat.z).shape == grid.shape == (128, len(steps))
+    assert (np.asarray(heat.z) == grid).all() and list(heat.x) == steps
+    assert (heat.zmin, heat.zmax) == (-0.5, 3.5) and len(fig.layout.shapes) == 1
+    assert len(fig_blocks.occupancy(grid, steps).layout.shapes) == 0
+
+
+def test_page_tables_outline_shared_blocks_and_copies():
+    entries = pd.DataFrame({"request_id": ["P", "P", "F", "G"], "logical_block": [0, 1, 0, 0],
+                            "physical_block": [0, 2, 0, 1], "refcount": [2, 1, 2, 1],
+                            "shared": [True, False, True, False], "cow": [False, True, False, False]})
+    fig = fig_blocks.page_tables(entries)
+    by_name = {t.name: t for t in fig.data}
+    assert set(by_name) == {"shared", "copy-on-write copy", "own"}
+    assert list(by_name["copy-on-write copy"].text) == [2] and by_name["copy-on-write copy"].marker.line.width == 4
+    assert sorted(by_name["shared"].y) == ["F", "P"] and by_name["shared"].marker.line.width == 3
+    assert len(markers(fig)) == len(entries)
+
+
+def test_page_tables_of_a_real_run(recorded):
+    db, rid, _ = recorded
+    with reading(db) as con:
+        entries = blocks.page_tables(con, rid, 1)
+    fig = fig_blocks.page_tables(entries)
+    drawn = sorted((y, x, int(p)) for t in fig.data for x, y, p in zip(t.x, t.y, t.text, strict=True))
+    assert drawn == sorted(zip(entries.request_id, entries.logical_block, entries.physical_block, strict=True))
+    assert "shared" in {t.name for t in fig.data}  # B hits A's prefix blocks
+
+
+# -- attention -----------------------------------------------------------------------------------------------
+
+def heatmap_traces(fig) -> dict[str, go.Heatmap]:
+    return {t.name: t for t in fig.data if t.type == "heatmap"}
+
+
+def test_attention_heatmap_puts_foreign_weights_in_their_own_trace(recorded):
+    db, rid, ctl = recorded
+    with reading(db) as con:
+        B = runs.run_info(con, rid).block_size
+        top = leaks.findings(con, rid).iloc[0]
+        args = (top.request_id, int(top.step), int(top.layer), -1, B)
+        v = attention.attention_view(con, rid, *args, upto=True)
+        c = attention.attention_view(con, ctl, *args, upto=True)
+    fig = fig_attention.attention_heatmap(v.weights, v.classes, v.query_labels, v.key_labels, v.key_owners)
+    traces = heatmap_traces(fig)
+    assert set(traces) == {"own", "foreign"}
+    foreign = np.asarray(traces["foreign"].z, dtype=float)
+    own = np.asarray(traces["own"].z, dtype=float)
+    assert (~np.isnan(foreign) == (v.classes == attention.FOREIGN)).all()
+    assert (~np.isnan(own) == (v.classes == attention.OWN)).all()
+    np.testing.assert_allclose(np.nansum(foreign) + np.nansum(own), np.nansum(v.weights), rtol=1e-5)
+    assert traces["foreign"].zmax == pytest.approx(np.nanmax(foreign))  # a small leak still shows in full red
+    # a band boundary wherever the writer changes along the key axis
+    changes = sum(a != b for a, b in zip(v.key_owners, v.key_owners[1:], strict=False))
+    assert len(fig.layout.shapes) == changes > 0
+    clean = heatmap_traces(fig_attention.attention_heatmap(c.weights, c.classes, c.query_labels, c.key_labels,
+                                                           c.key_owners))
+    assert set(clean) == {"own"}
+
+
+def test_attention_heatmap_stale_and_unseen():
+    w = np.array([[0.5, 0.5, np.nan], [0.2, 0.3, 0.5]], np.float32)
+    c = np.array([[0, 2, -1], [0, 0, 1]], np.int8)
+    fig = fig_attention.attention_heatmap(w, c, ["0 a", "1 b"], ["A:0 a", "B:0 x", "B:1 y"], ["A", "B", "B"])
+    traces = heatmap_traces(fig)
+    assert set(traces) == {"own", "foreign", "stale"}
+    assert np.asarray(traces["stale"].z, dtype=float)[0, 1] == 0.5
+    assert np.isnan(np.asarray(traces["stale"].z, dtype=float)).sum() == 5
+    assert len(fig.layout.shapes) == 1
+    empty = np.full((1, 2), np.nan, np.float32)
+    assert set(heatmap_traces(fig_attention.attention_heatmap(empty, np.full((1, 2), -1, np.int8), ["0"],
+                                                              ["k0", "k1"], ["", ""]))) == {"own"}
+
+
+@pytest.mark.parametrize("layers, heads", [(2, 4), (30, 9), (1, 1), (12, 16)])
+def test_leak_grid_has_a_square_per_head_and_cell_at_inverts_it(layers, heads):
+    cells = pd.DataFrame([(L, h, (L * heads + h) / (layers * heads)) for L in range(layers) for h in range(heads)
+                          if (L + h) % 3], columns=["layer", "head", "max_foreign"])
+    fig = fig_attention.leak_grid(cells, layers, heads, selected=(layers - 1, heads - 1))
+    drawn = markers(fig)
+    assert len(drawn) == layers * heads
+    assert sorted(fig_attention.cell_at({"x": x, "y": y}) for x, y, _ in drawn) == \
+        [(L, h) for L in range(layers) for h in range(heads)]
+    (trace,) = fig.data
+    colour = dict(zip(((int(y), int(x)) for x, y, _ in drawn), trace.marker.color, strict=True))
+    for r in cells.itertuples():
+        assert colour[(r.layer, r.head)] == pytest.approx(r.max_foreign)
+    missing = {(L, h) for L in range(layers) for h in range(heads)} - set(zip(cells.layer, cells["head"], strict=True))
+    assert all(colour[k] == 0 for k in missing)
+    widths = dict(zip(((int(y), int(x)) for x, y, _ in drawn), trace.marker.line.width, strict=True))
+    assert widths[(layers - 1, heads - 1)] == 3 and sum(w == 3 for w in widths.values()) == 1
+    assert fig_attention.cell_at({}) is None
+
+
+def test_leak_grid_of_a_real_run(recorded):
+    db, rid, ctl = recorded
+    with reading(db) as con:
+        layers, heads = attention.grid_shape(con, rid)
+        grid, clean = attention.leak_grid(con, rid), attention.leak_grid(con, ctl)
+    fig = fig_attention.leak_grid(grid, layers, heads)
+    (trace,) = fig.data
+    assert len(trace.x) == layers * heads and max(trace.marker.color) == pytest.approx(grid.max_foreign.max())
+    assert max(fig_attention.leak_grid(clean, layers, heads).data[0].marker.color) == 0
+    empty = fig_attention.leak_grid(pd.DataFrame(columns=["layer", "head", "max_foreign"]), 2, 3)
+    assert len(empty.data[0].x) == 6
+
+
+# -- timelines -----------------------------------------------------------------------------------------------
+
+def test_leak_timeline_has_a_line_per_request_and_panel(recorded):
+    db, rid, _ = recorded
+    with reading(db) as con:
+        df = leaks.leak_over_time(con, rid)
+    fig = timeline.leak_timeline(df, current=2)
+    assert sorted((t.name, t.yaxis) for t in fig.data) == [("A", "y"), ("A", "y2"), ("B", "y"), ("B", "y2")]
+    for t in fig.data:
+        part = df[df.request_id == t.name]
+        col = "max_foreign_mass" if t.yaxis == "y" else "leak_rate"
+        assert list(t.x) == list(part.step) and np.allclose(list(t.y), part[col])
+    assert sum(t.showlegend for t in fig.data) == 2
+
+
+def test_cache_timeline():
+    df = pd.DataFrame({"step": [0, 1, 2], "cached_blocks": [2, 3, 1], "stored": [2, 1, 0], "removed": [0, 0, 2]})
+    fig = timeline.cache_timeline(df)
+    by_name = {t.name: t for t in fig.data}
+    assert list(by_name["cached blocks"].y) == [2, 3, 1]
+    assert list(by_name["removed (evicted)"].y) == [0, 0, -2] and list(by_name["stored"].y) == [2, 1, 0]
+
+
+# -- prefix tree ---------------------------------------------------------------------------------------------
+
+def nodes(rows) -> pd.DataFrame:
+    """Nodes as captures.prefix_tree returns them (64-bit hashes kept exact, as DuckDB hands them over)."""
+    cols = list(zip(*rows, strict=True)) if rows else [[]] * 5
+    return pd.DataFrame({"block_hash": np.array(cols[0], dtype=np.uint64),
+                         "parent_hash": pd.array(cols[1], dtype="UInt64"), "stored_step": pd.array(cols[3], "int32"),
+                         "salt": pd.array(cols[2], dtype=object), "lora_name": [None] * len(rows),
+                         "token_ids": [[i, i + 1] for i in range(len(rows))],
+                         "removed_step": pd.array(cols[4], dtype="Int32")})
+
+
+BIG = (1 << 63) + 5
+TREE = nodes([(BIG, None, "t-a", 0, None), (BIG + 1, BIG, None, 0, None), (BIG + 2, BIG + 1, None, 1, 4),
+              (BIG + 3, BIG + 1, None, 2, None), (BIG + 4, BIG, None, 3, None), (7, None, "t-b", 3, None),
+              (8, 99, None, 5, None)])  # 8's parent was never stored here: a root of its own
+
+
+def test_tree_layout_depths_and_rows():
+    laid = fig_captures.tree_layout(TREE)
+    parent = {int(h): None if pd.isna(p) else int(p) for h, p in zip(laid.block_hash, laid.parent_hash, strict=True)}
+    depth = {int(h): d for h, d in zip(laid.block_hash, laid.depth, strict=True)}
+    row = {int(h): r for h, r in zip(laid.block_hash, laid.row, strict=True)}
+    assert laid.depth.notna().all() and laid.row.notna().all() and len(row) == len(TREE)
+    for h, p in parent.items():
+        assert depth[h] == (depth[p] + 1 if p in depth else 0)
+    children = {p: [h for h in parent if parent[h] == p] for p in parent}
+    assert depth == {BIG: 0, BIG + 1: 1, BIG + 2: 2, BIG + 3: 2, BIG + 4: 1, 7: 0, 8: 0}
+    for h, kids in children.items():
+        if kids:  # parents centred over their children
+            assert row[h] == pytest.approx(np.mean([row[k] for k in kids]))
+    leaves = [h for h, kids in children.items() if not kids]
+    assert sorted(row[h] for h in leaves) == list(range(len(leaves)))  # one row per leaf
+
+
+def test_prefix_tree_figure():
+    fig = fig_captures.prefix_tree(TREE)
+    edges = fig.data[0]
+    assert edges.mode == "lines" and len(edges.x) == 3 * 4  # four nodes with a stored parent
+    by_name = {t.name: t for t in fig.data[1:]}
+    assert set(by_name) == {"salt t-a", "salt t-b", "salt (no salt)"}
+    assert sum(len(t.x) for t in by_name.values()) == len(TREE)
+    symbols = [s for t in by_name.values() for s in t.marker.symbol]
+    assert symbols.count("circle-open") == 1  # the removed block
+    text = " ".join(s for t in by_name.values() for s in t.text)
+    assert f"{BIG:016x}" in text and "removed at 4" in text
+
+
+def test_prefix_tree_of_a_single_root_and_of_nothing():
+    one = nodes([(BIG, None, None, 0, None)])
+    assert fig_captures.tree_layout(one)[["depth", "row"]].values.tolist() == [[0, 0]]
+    fig = fig_captures.prefix_tree(one)
+    assert sum(len(t.x) for t in fig.data[1:]) == 1 and len(fig.data[0].x) == 0
+    empty = fig_captures.tree_layout(nodes([]))
+    assert empty.empty and {"depth", "row"} <= set(empty.columns)
+
+
+def test_palette_is_stable_and_grid_is_wide_enough():
+    assert request_colours(["B", "A"]) == request_colours(["A", "B", "A"])
+    assert request_colours(["A"])["A"] == request_colours(["A", "B"])["A"]
+    for n in (0, 1, 8, 9, 33, 128, 129, 5000):
+        cols = grid_columns(n)
+        assert cols >= 8 and cols * cols >= 2 * n and (cols == 8 or (cols // 2) ** 2 < 2 * n)
