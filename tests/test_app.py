@@ -228,3 +228,16 @@ def test_an_uploaded_capture_opens_with_the_views_it_supports(empty_db, tmp_path
     assert "insp_cache" in charts(at)
     at.segmented_control(key="insp_view").set_value("Findings").run()
     assert list(at.dataframe[0].value.kind) == ["cross_tenant"]
+
+
+def test_inspector_plays_through_the_steps_and_stops_at_the_end(with_runs):
+    _, faulty, _ = with_runs
+    at = page("inspector", run_id=faulty)
+    steps = at.select_slider(key="insp_step").options
+    at.session_state["insp_step"] = int(steps[-2])
+    at.button(key="insp_play").click().run()
+    assert at.session_state["insp_playing"] is True and at.button(key="insp_play").label == "Pause"
+    at.run()  # a tick of the timer: the last step, then it stops
+    at.run()
+    assert at.session_state["insp_step"] == int(steps[-1]) and at.session_state["insp_playing"] is False
+    assert not at.exception

@@ -2,6 +2,8 @@
 run the boundary scenario against its control on a tiny model, open it in the inspector, click a
 block and a finding, visit every page; a screenshot of each is kept as an artifact."""
 
+from urllib.parse import urlparse
+
 import pytest
 
 from .browser import SKIP_REASON, chromium, new_page, shot, streamlit_app, wait_for_app
@@ -48,6 +50,8 @@ def test_home_page_renders_in_chromium(tmp_path):
 def test_boundary_scenario_inspected_in_chromium(tmp_path):
     with streamlit_app(tmp_path / "kvviz.duckdb") as url, chromium() as browser:
         page = new_page(browser)
+        hosts = set()
+        page.on("request", lambda r: hosts.add(urlparse(r.url).hostname))
         page.set_viewport_size({"width": 1400, "height": 1600})
         page.goto(f"{url}/scenarios")
         wait_for_app(page)
@@ -83,8 +87,18 @@ def test_boundary_scenario_inspected_in_chromium(tmp_path):
         no_exception(page)
         shot(page, "inspector-finding-attention")
 
-        for name in ("runs", "upload", "sql", "run", "home"):
+        page.goto(f"{url}/sql")
+        wait_for_app(page)
+        page.locator(".st-key-sql_text textarea").click()
+        page.keyboard.press("Control+Enter")  # runs the default query
+        page.get_by_text("2 rows").wait_for()
+        settle(page)
+        no_exception(page)
+        shot(page, "sql")
+
+        for name in ("runs", "upload", "run", "home"):
             page.goto(f"{url}/{name}")
             wait_for_app(page)
             no_exception(page)
             shot(page, name)
+        assert hosts - {None} <= {"127.0.0.1"}, f"the app fetched from {hosts}: it must work offline"

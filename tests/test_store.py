@@ -312,3 +312,31 @@ def test_attention_selection_by_request_step_and_layer(tmp_path):
     assert got == (["B"], [1, 2], [-1])
     assert con.execute("SELECT list(DISTINCT head ORDER BY head) FROM attention WHERE layer = 0").fetchone()[0] == \
         [-1, 0, 1, 2, 3]
+
+
+def test_another_process_reads_all_through_a_recording_run(tmp_path):
+    """What the UI does while `kvviz run` records in another process: every read succeeds (a reader
+    waits out a flush, and the recorder waits out a reader), and it sees the run grow."""
+    from kvviz.store.sql import reading
+
+    db, wl = tmp_path / "k.duckdb", tmp_path / "w.json"
+    wl.write_text(json.dumps({"requests": [{"id": f"r{i}", "prompt": "one two three " * (i + 1),
+                                            "max_new_tokens": 48, "ignore_eos": True} for i in range(4)],
+                              "engine": {"block_size": 4, "num_blocks": 128}}))
+    proc = subprocess.Popen([sys.executable, "-m", "kvviz", "run", "--workload", str(wl), "--model", "tiny-llama",
+                             "--db", str(db), "--quiet"], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    seen = []
+    while proc.poll() is None:
+        if db.exists():
+            with reading(db) as con:
+                seen.append(con.execute("SELECT status, (SELECT count(*) FROM steps) FROM runs").fetchall())
+        time.sleep(0.02)
+    assert proc.returncode == 0, proc.stderr.read()
+    with reading(db) as con:
+        final = con.execute("SELECT status, steps FROM runs").fetchall()
+    assert final[0][0] == "complete"
+    mid = [s[0] for s in seen if s]
+    assert any(status == "running" and 0 < n for status, n in mid), mid[:5]
+    counts = [n for _, n in mid]
+    assert counts == sorted(counts), "a reader never sees steps disappear"

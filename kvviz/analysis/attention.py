@@ -41,10 +41,12 @@ def recorded_heads(con: duckdb.DuckDBPyConnection, run_id: str, layer: int) -> l
 
 
 def attention_view(con: duckdb.DuckDBPyConnection, run_id: str, request: str, step: int, layer: int, head: int,
-                   block_size: int, *, upto: bool = False, max_rows: int = 160, max_cols: int = 320,
-                   ) -> AttentionView | None:
+                   block_size: int, *, upto: bool = False, shared_axis: bool = False, max_rows: int = 160,
+                   max_cols: int = 320) -> AttentionView | None:
     """The request's query rows at `step` (or at every step up to it) over the key slots they read.
-    None when no row of this request was recorded there."""
+    With shared_axis (the masked mechanism) every live slot of the step is a column, so the other
+    requests' slots show as masked bands, as in the seed's shared-buffer table. None when no row of
+    this request was recorded there."""
     if head != HEAD_MEAN and head not in recorded_heads(con, run_id, layer):
         head = HEAD_MEAN
     rows = con.execute(
@@ -53,7 +55,13 @@ def attention_view(con: duckdb.DuckDBPyConnection, run_id: str, request: str, st
         [run_id, request, layer, head, step]).fetchall()
     if not rows:
         return None
-    slots = sorted({s for r in rows for s in r[2]})
+    slots = {s for r in rows for s in r[2]}
+    contents = slot_contents(con, run_id, step, block_size).set_index("slot")
+    if shared_axis:
+        live = {b for (b,) in con.execute("SELECT DISTINCT physical_block FROM page_tables WHERE run_id = ? AND "
+                                          "step = ?", [run_id, step]).fetchall()}
+        slots |= {s for s in contents.index if s // block_size in live}
+    slots = sorted(slots)
     col = {s: i for i, s in enumerate(slots)}
     weights = np.full((len(rows), len(slots)), np.nan, np.float32)
     classes = np.full((len(rows), len(slots)), UNSEEN, np.int8)
@@ -63,7 +71,6 @@ def attention_view(con: duckdb.DuckDBPyConnection, run_id: str, request: str, st
         classes[i, idx] = cs
     texts, seq = token_texts(con, run_id), request_tokens(con, run_id).get(request, [])
     q_labels = [f"{pos} {label(texts, seq[pos] if pos < len(seq) else None)}" for _, pos, *_ in rows]
-    contents = slot_contents(con, run_id, step, block_size).set_index("slot")
     owners, k_labels = [], []
     for s in slots:
         if s in contents.index:

@@ -32,8 +32,10 @@ def leaky_blocks(con: duckdb.DuckDBPyConnection, run_id: str, step: int, block_s
     return {int(r[0]) for r in rows}
 
 
-def occupancy(con: duckdb.DuckDBPyConnection, run_id: str, max_steps: int = 400) -> tuple[np.ndarray, list[int]]:
-    """[blocks, steps] state codes (see STATES) and the steps shown; long runs are sampled evenly."""
+def occupancy(con: duckdb.DuckDBPyConnection, run_id: str, max_steps: int = 400,
+              max_blocks: int = 512) -> tuple[np.ndarray, list[int]]:
+    """[blocks, steps] state codes (see STATES) and the steps shown; long runs are sampled evenly, and
+    big pools merge neighbouring blocks (the busiest state wins)."""
     steps = [r[0] for r in con.execute("SELECT DISTINCT step FROM blocks WHERE run_id = ? ORDER BY step",
                                        [run_id]).fetchall()]
     if len(steps) > max_steps:
@@ -47,6 +49,11 @@ def occupancy(con: duckdb.DuckDBPyConnection, run_id: str, max_steps: int = 400)
     grid = np.zeros((int(df.block.max()) + 1, len(steps)), np.int8)
     col = {s: i for i, s in enumerate(steps)}
     grid[df.block.to_numpy(), df.step.map(col).to_numpy()] = df.code.to_numpy()
+    if len(grid) > max_blocks:
+        per = -(-len(grid) // max_blocks)
+        padded = np.zeros((-(-len(grid) // per) * per, grid.shape[1]), np.int8)
+        padded[:len(grid)] = grid
+        grid = padded.reshape(-1, per, grid.shape[1]).max(axis=1)
     return grid, steps
 
 

@@ -56,7 +56,7 @@ def _heatmap(con, info: RunInfo, step: int, request: str, layers: int, heads: in
                         format_func=lambda h: "mean of heads" if h == attention.HEAD_MEAN else f"head {h}")
     upto = c3.radio("Queries", ("every step so far", "this step"), key="insp_upto", horizontal=True)
     view = attention.attention_view(con, info.run_id, request, step, int(layer), int(head), info.block_size,
-                                    upto=upto == "every step so far")
+                                    upto=upto == "every step so far", shared_axis=info.isolation == "masked")
     if view is None:
         when = "up to" if upto == "every step so far" else "at"
         st.info(f"No attention row of {request} was recorded {when} step {step}: it computed nothing then, or "

@@ -102,8 +102,9 @@ def _step_views(info: RunInfo) -> None:
         i = steps.index(st.session_state["insp_step"])
         if i + 1 < len(steps):
             st.session_state["insp_step"] = steps[i + 1]
-        else:
+        else:  # the end: stop the timer that reruns this fragment
             st.session_state["insp_playing"] = False
+            st.rerun(scope="app")
     left, right = st.columns([6, 1])
     with left:
         if len(steps) > 1:

@@ -75,7 +75,8 @@ def _compare(pair: dict) -> None:
         grids = {r: attention.leak_grid(con, pair[r], None, focus.request) for r in roles}
         layer = focus.layer if focus.layer is not None else layers // 2
         views = {r: attention.attention_view(con, pair[r], focus.request, focus.step, layer, attention.HEAD_MEAN,
-                                             infos[r].block_size, upto=True) for r in roles}
+                                             infos[r].block_size, upto=True,
+                                             shared_axis=infos[r].isolation == "masked") for r in roles}
     where = f"{focus.request} up to step {focus.step}, layer {layer} (mean of heads)"
     st.subheader("Side by side" if len(roles) == 2 else "Result")
     cols = st.columns(len(roles))
