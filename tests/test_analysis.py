@@ -13,13 +13,11 @@ import warnings
 import zipfile
 from dataclasses import dataclass, field
 
-import msgpack
 import numpy as np
 import pandas as pd
 import pytest
 
 from kvviz.analysis import attention, blocks, captures, leaks, live, runs, tokens, uploads
-from kvviz.capture.capture_file import CaptureWriter
 from kvviz.figures.captures import prefix_tree as tree_figure
 from kvviz.models import load_model
 from kvviz.scenarios import scenario
@@ -28,6 +26,8 @@ from kvviz.store.attention import AttentionSelection
 from kvviz.store.sql import reading
 from kvviz.store.trace import export_run
 from kvviz.workload import WorkloadError
+
+from .test_capture import batch, stored_map, write_capture
 
 # head mean everywhere, every head of layer 1 only: layer 0's heads are not recorded
 SELECTION = AttentionSelection(full_layers=frozenset({1}))
@@ -43,26 +43,6 @@ def record(db, name: str, fault: str | None = "scenario", **kw) -> str:
     fault = scenario(name).fault if fault == "scenario" else fault
     return live.run(db, m, live.scenario_workload(name, m), fault, scenario_name=name, selection=SELECTION,
                     **kw).run_id
-
-
-def stored_map(hashes, parent, tokens, size=2, salt=None):
-    ev = {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
-          "block_size": size, "lora_id": None, "medium": "GPU", "lora_name": None}
-    if salt:
-        ev["extra_keys"] = [[salt]] + [None] * (len(hashes) - 1)
-    return ev
-
-
-def batch(*events, ts=1.0):
-    return msgpack.packb([ts, list(events), None])
-
-
-def write_capture(path, payloads):
-    w = CaptureWriter(path, "tcp://test")
-    for i, p in enumerate(payloads):
-        w.add(i, b"kv-events", p)
-    w.close()
-    return path
 
 
 def capture_file(tmp_path):

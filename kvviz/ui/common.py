@@ -11,7 +11,7 @@ from pathlib import Path
 import duckdb
 import streamlit as st
 
-from ..analysis import live
+from ..analysis import live, runs
 from ..models import ModelError
 from ..store import DEFAULT_DB, SqlError, StoreError
 from ..store.sql import reading
@@ -81,6 +81,17 @@ def open_run(run_id: str) -> None:
     """Make run_id the inspected run and go to the inspector."""
     st.session_state["run_id"] = run_id
     st.switch_page(PAGES["inspector"].path)
+
+
+def runs_or_hint():
+    """The runs table, newest first, or None after saying how to make a first run."""
+    if has_db():
+        with reader() as con:
+            listing = runs.list_runs(con)
+        if not listing.empty:
+            return listing
+    empty_store_hint()
+    return None
 
 
 def empty_store_hint() -> None:

@@ -4,8 +4,7 @@ import streamlit as st
 
 from kvviz import __version__
 
-from ..analysis import runs
-from .common import PAGES, db_path, empty_store_hint, has_db, reader
+from .common import PAGES, db_path, runs_or_hint
 
 
 def render() -> None:
@@ -30,13 +29,8 @@ nothing crashes. kvviz runs a real paged engine, classifies every attention weig
         with col.container(border=True):
             st.markdown(f"**{title}**  \n{text}")
             st.page_link(PAGES[page].path, label=f"Go to {PAGES[page].title}", icon=":material/arrow_forward:")
-    if not has_db():
-        empty_store_hint()
-        return
-    with reader() as con:
-        listing = runs.list_runs(con)
-    if listing.empty:
-        empty_store_hint()
+    listing = runs_or_hint()
+    if listing is None:
         return
     st.subheader("Recent runs")
     st.dataframe(listing.head(10)[["run_id", "created_at", "status", "model", "scenario", "fault", "findings",

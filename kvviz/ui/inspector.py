@@ -9,7 +9,7 @@ import streamlit as st
 from ..analysis import leaks, runs
 from ..analysis.runs import RunInfo
 from . import inspect_attention, inspect_blocks, inspect_capture, inspect_leaks
-from .common import empty_store_hint, has_db, reader
+from .common import reader, runs_or_hint
 
 ENGINE_VIEWS = ("Blocks", "Attention", "Leaks", "Requests")
 CAPTURE_VIEWS = ("Prefix tree", "Cache over time", "Findings")
@@ -17,13 +17,8 @@ CAPTURE_VIEWS = ("Prefix tree", "Cache over time", "Findings")
 
 def render() -> None:
     st.title("Inspector")
-    if not has_db():
-        empty_store_hint()
-        return
-    with reader() as con:
-        listing = runs.list_runs(con)
-    if listing.empty:
-        empty_store_hint()
+    listing = runs_or_hint()
+    if listing is None:
         return
     run_id = _choose_run(listing)
     with reader() as con:

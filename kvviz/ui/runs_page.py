@@ -14,18 +14,13 @@ from ..figures import timeline
 from ..store import StoreError
 from ..store.chrome import chrome_trace
 from ..store.trace import export_run
-from .common import db_path, empty_store_hint, has_db, open_run, reader
+from .common import db_path, open_run, reader, runs_or_hint
 
 
 def render() -> None:
     st.title("Runs")
-    if not has_db():
-        empty_store_hint()
-        return
-    with reader() as con:
-        listing = runs.list_runs(con)
-    if listing.empty:
-        empty_store_hint()
+    listing = runs_or_hint()
+    if listing is None:
         return
     st.caption(f"{len(listing)} runs in `{db_path()}`. Select one to open, export or delete it; two to compare.")
     event = st.dataframe(listing, hide_index=True, width="stretch", on_select="rerun", selection_mode="multi-row",
