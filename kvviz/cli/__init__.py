@@ -1,0 +1,117 @@
+"""`python -m kvviz`: the command line for scripts and CI."""
+
+from __future__ import annotations
+
+import argparse
+
+from .. import __version__
+from .capture import cmd_capture_vllm
+from .catalogue import cmd_audit, cmd_scenarios
+from .models import cmd_bench, cmd_fetch_model
+from .run import cmd_run
+from .store import cmd_export, cmd_import, cmd_replay, cmd_sql
+
+DEFAULT_DB = "runs/kvviz.duckdb"
+MODEL_HELP = "smollm2 (default), tiny-llama, tiny-gpt2 or a path"
+DEVICE_HELP = "auto (default), cpu, cuda or cuda:N"
+
+
+def _add_model_device(p: argparse.ArgumentParser) -> None:
+    """--model and --device, the same for every command that loads a model."""
+    p.add_argument("--model", default="smollm2", help=MODEL_HELP)
+    p.add_argument("--device", default="auto", help=DEVICE_HELP)
+
+
+def _add_db(p: argparse.ArgumentParser, what: str = "run store") -> None:
+    """--db, the run store every command that reads or writes runs shares with the UI."""
+    p.add_argument("--db", default=DEFAULT_DB, help=f"{what} (default {DEFAULT_DB})")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every subcommand and its flags in one place, in the order `--help` lists them; each dispatches
+    to a cmd_* function, whose heavy imports wait until it runs so `--help` stays fast."""
+    p = argparse.ArgumentParser(prog="python -m kvviz", description=__doc__)
+    p.add_argument("--version", action="version", version=f"kvviz {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+    fetch = sub.add_parser("fetch-model", help="download and convert a model into the kvviz cache")
+    fetch.add_argument("model", nargs="?", default="smollm2", help=MODEL_HELP)
+    fetch.set_defaults(func=cmd_fetch_model)
+
+    run = sub.add_parser("run", help="run a workload through the engine")
+    run.add_argument("--workload", metavar="FILE.json", help="requests, engine settings and seed")
+    run.add_argument("--scenario", metavar="NAME", help="a catalogue scenario (python -m kvviz scenarios)")
+    run.add_argument("--fault", metavar="NAME", help="inject a fault from the catalogue (docs/faults.md)")
+    run.add_argument("--fault-steps", metavar="1,2", help="strike only at these steps")
+    run.add_argument("--fault-requests", metavar="A,B", help="strike only these requests (page tables, masks)")
+    run.add_argument("--fault-layers", metavar="0,3", help="strike only these layers (attention arithmetic)")
+    run.add_argument("--fail-on-leak", action="store_true", help="exit 1 when the oracles report findings")
+    _add_model_device(run)
+    run.add_argument("--isolation", choices=["paged", "masked"], help="override the workload's isolation mechanism")
+    run.add_argument("--compute", choices=["inspect", "fast"], help="override the workload's compute path")
+    run.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+    run.add_argument("--json", action="store_true", help="print one JSON summary as the last line of stdout")
+    run.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_db(run, "run store to record into")
+    run.add_argument("--attention", choices=["default", "all", "none"], default="default",
+                     help="attention rows to record: head mean of every layer plus all heads of the first, middle "
+                          "and last layer (default), every head of every layer, or none")
+    run.add_argument("--attention-layers", metavar="0,15", help="layers recorded with all heads (default mode)")
+    run.add_argument("--attention-steps", metavar="0,1", help="record attention at these steps only")
+    run.add_argument("--attention-requests", metavar="A,B", help="record attention of these requests only")
+    run.set_defaults(func=cmd_run)
+
+    sql = sub.add_parser("sql", help="a read-only SQL query over the run store")
+    sql.add_argument("query", help='e.g. "SELECT run_id, status, fault, max_foreign_mass FROM runs"')
+    _add_db(sql)
+    sql.add_argument("--format", choices=["table", "csv", "json"], default="table")
+    sql.add_argument("--limit", type=int, default=10_000, help="most rows returned (default 10000)")
+    sql.set_defaults(func=cmd_sql)
+
+    rep = sub.add_parser("replay", help="a recorded run at one step, or re-executed and verified")
+    rep.add_argument("run_id")
+    rep.add_argument("--step", type=int, default=0, help="the step to show (default 0)")
+    rep.add_argument("--verify", action="store_true", help="re-execute and compare tokens and leak metrics")
+    _add_db(rep)
+    rep.add_argument("--device", default="auto", help=DEVICE_HELP)
+    rep.set_defaults(func=cmd_replay)
+
+    exp = sub.add_parser("export", help="a recorded run as a kvviz trace or Chrome trace JSON (Perfetto)")
+    exp.add_argument("run_id")
+    exp.add_argument("--format", choices=["kvviz", "chrome"], default="kvviz")
+    exp.add_argument("--out", help="output file (default RUN_ID.zip or RUN_ID.json)")
+    _add_db(exp)
+    exp.set_defaults(func=cmd_export)
+
+    cap = sub.add_parser("capture-vllm", help="record vLLM/SGLang KV-cache events from a ZMQ publisher")
+    cap.add_argument("--endpoint", required=True, help="the publisher, e.g. tcp://HOST:5557")
+    cap.add_argument("--replay", help="the replay endpoint, e.g. tcp://HOST:5558, to fetch buffered history first")
+    cap.add_argument("--topic", default="", help="topic to subscribe to (default: all)")
+    cap.add_argument("--duration", type=float, help="stop after this many seconds (default: Ctrl-C)")
+    cap.add_argument("--out", required=True, help="capture file to write")
+    cap.set_defaults(func=cmd_capture_vllm)
+
+    imp = sub.add_parser("import", help="import a kvviz trace or a vLLM KV-event capture into the run store")
+    imp.add_argument("file")
+    _add_db(imp)
+    imp.set_defaults(func=cmd_import)
+
+    scen = sub.add_parser("scenarios", help="list the replayable scenarios")
+    scen.set_defaults(func=cmd_scenarios)
+
+    aud = sub.add_parser("audit", help="the detection matrix: every fault x its workload, plus clean controls")
+    _add_model_device(aud)
+    aud.set_defaults(func=cmd_audit)
+
+    bench = sub.add_parser("bench", help="throughput against transformers generate and generate_batch")
+    _add_model_device(bench)
+    bench.add_argument("--sizes", default="8,32", help="numbers of requests, comma-separated (default 8,32)")
+    bench.add_argument("--new-tokens", type=int, default=64, help="tokens generated per request (default 64)")
+    bench.add_argument("--out", metavar="FILE.md", help="also write the markdown table to this file")
+    bench.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse argv (sys.argv when None) and run the chosen command; its return value is the exit status."""
+    args = build_parser().parse_args(argv)
+    return args.func(args)

@@ -1,0 +1,48 @@
+"""The commands about the model itself rather than a workload: `fetch-model` to fill the cache ahead
+of time, and `bench` to measure throughput against transformers."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .common import fail
+
+
+def cmd_fetch_model(args: argparse.Namespace) -> int:
+    """Fetch and convert a model now (e.g. at image build time) so later loads are fast."""
+    from ..models import ModelError, load_model
+
+    try:
+        m = load_model(args.model, device="cpu")
+    except ModelError as e:
+        return fail(e)
+    cfg = m.config
+    print(f"{m.name}: {cfg.model_type}, {cfg.num_hidden_layers} layers, "
+          f"{sum(p.numel() for p in m.model.parameters()):,} parameters, weights sha256 {m.fingerprint[:16]}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Throughput against transformers' generate and generate_batch, as a markdown table."""
+    from ..bench import report, run_bench
+    from ..models import ModelError, load_model
+
+    try:
+        sizes = [int(s) for s in args.sizes.split(",")]
+        if not sizes or min(sizes) < 1 or args.new_tokens < 1:
+            raise ValueError
+    except ValueError:
+        return fail(f"--sizes takes positive integers separated by commas, got {args.sizes!r}; "
+                    "--new-tokens must be >= 1")
+    try:
+        m = load_model(args.model, device=args.device)
+    except ModelError as e:
+        return fail(e)
+    results = run_bench(m, sizes, args.new_tokens, progress=lambda s: print(s, file=sys.stderr, flush=True))
+    text = report(m, results, sizes, args.new_tokens)
+    print(text)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(text)
+    return 0

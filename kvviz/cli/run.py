@@ -1,0 +1,158 @@
+"""`kvviz run`, and the helpers that turn its flags into the workload's engine settings, the fault's
+scope and the attention the recorder keeps; heavy modules load only when a run starts."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from .common import fail
+
+if TYPE_CHECKING:
+    from ..engine import StepRecord
+    from ..faults import Scope
+    from ..models import LoadedModel
+    from ..oracle.probe import LastPromptTokenProbe
+    from ..scenarios import Scenario
+    from ..store.attention import AttentionSelection
+    from ..workload import Workload
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """Run a workload or scenario with both oracles; a table, or JSON as the last line with --json.
+    Exit 1 with --fail-on-leak when the run has findings, 2 on bad input."""
+    from tqdm import tqdm
+
+    from ..checked_run import FaultMismatch
+    from ..engine import ConfigError, Engine, EngineError
+    from ..faults import UnknownFault
+    from ..models import ModelError, load_model
+    from ..scenarios import UnknownScenario, scenario
+    from ..store import StoreError
+    from ..workload import Workload, WorkloadError
+
+    probe = None
+    try:
+        if (args.workload is None) == (args.scenario is None):
+            raise WorkloadError("give exactly one of --workload FILE or --scenario NAME")
+        sc = scenario(args.scenario) if args.scenario else None
+        fault = args.fault if args.fault is not None else (sc.fault if sc else None)
+        m = load_model(args.model, device=args.device)
+        wl = Workload.from_dict(sc.build(m.tokenizer)) if sc else Workload.from_file(args.workload)
+        wl = _with_overrides(wl, args)
+        total = sum(r.max_new_tokens for r in wl.requests)
+        with tqdm(total=total, unit="tok", desc="generating", file=sys.stderr, disable=args.quiet) as bar:
+            def progress(rec: StepRecord) -> None:
+                bar.update(len(rec.sampled))
+            if wl.engine.compute == "fast" and fault is None:
+                summary = Engine(m, wl.engine).run(wl, on_step=progress).summary()
+                summary.update(fault=None, leak=None, divergence=None, findings=None)
+            else:
+                probe = _seed_probe(m, sc, wl)
+                summary = _recorded_run(args, m, wl, fault, progress, probe)
+    except (WorkloadError, ConfigError, ModelError, EngineError, UnknownFault, UnknownScenario, FaultMismatch,
+            StoreError) as e:
+        return fail(e)
+    summary = {**summary, "scenario": args.scenario, "model": {"name": m.name, "fingerprint": m.fingerprint}}
+    if args.json:
+        print(json.dumps(summary, ensure_ascii=False))
+    else:
+        _print_run(summary)
+        if probe is not None and probe.weights:
+            print(f"{probe.request}'s last prompt token over the shared buffer (mean of layers and heads):")
+            print(probe.table(m.tokenizer))
+    return 1 if args.fail_on_leak and summary["findings"] else 0
+
+
+def _recorded_run(args: argparse.Namespace, m: LoadedModel, wl: Workload, fault: str | None,
+                  progress: Callable[[StepRecord], None], probe: LastPromptTokenProbe | None) -> dict:
+    """A checked run recorded step by step into --db; a run that dies is marked failed there."""
+    from ..recorded import record_run
+
+    run = record_run(args.db, m, wl, fault, scenario=args.scenario, scope=_fault_scope(args),
+                     selection=_attention_selection(args), on_step=lambda r, _oracle: progress(r),
+                     probes=[probe] if probe else [])
+    return {**run.summary(), "db": str(args.db)}
+
+
+def _with_overrides(wl: Workload, args: argparse.Namespace) -> Workload:
+    """The workload with --isolation, --compute and --no-prefix-caching applied, validated as a file would be."""
+    from ..engine import EngineConfig
+
+    changes = {k: getattr(args, k) for k in ("isolation", "compute") if getattr(args, k) is not None}
+    if args.no_prefix_caching:
+        changes["prefix_caching"] = False
+    return dataclasses.replace(wl, engine=EngineConfig.from_dict({**wl.engine.to_dict(), **changes}))
+
+
+def _int_set(text: str | None, flag: str) -> frozenset[int] | None:
+    """A comma-separated list of integers from the command line (None when the flag is absent); a bad
+    one is a WorkloadError so cmd_run reports it like any other bad input."""
+    from ..faults import int_set
+    from ..workload import WorkloadError
+
+    try:
+        return int_set(text, flag)
+    except ValueError as e:
+        raise WorkloadError(str(e)) from None
+
+
+def _fault_scope(args: argparse.Namespace) -> Scope | None:
+    """--fault-steps/--fault-requests/--fault-layers as a Scope, or None for the fault's own."""
+    from ..faults import Scope
+    from ..workload import WorkloadError
+
+    try:
+        return Scope.parse(args.fault_steps, args.fault_requests, args.fault_layers,
+                           names=("--fault-steps", "--fault-layers"))
+    except ValueError as e:
+        raise WorkloadError(str(e)) from None
+
+
+def _attention_selection(args: argparse.Namespace) -> AttentionSelection:
+    """--attention and its filters: which attention rows the recorder keeps (the store's biggest table)."""
+    from ..faults import name_set
+    from ..store.attention import AttentionSelection
+
+    return AttentionSelection(args.attention, _int_set(args.attention_layers, "--attention-layers"),
+                              _int_set(args.attention_steps, "--attention-steps"), name_set(args.attention_requests))
+
+
+def _seed_probe(m: LoadedModel, sc: Scenario | None, wl: Workload) -> LastPromptTokenProbe | None:
+    """For the seed's scenarios, watch request A's last prompt token (the seed's table)."""
+    from ..oracle.probe import LastPromptTokenProbe
+
+    if sc is None or sc.name not in ("passphrase", "boundary", "global"):
+        return None
+    return LastPromptTokenProbe("A", len(m.tokenizer(wl.requests[0].prompt).input_ids) - 1)
+
+
+def _print_run(s: dict) -> None:
+    """A run summary as a few lines for a person; scripts use --json instead."""
+    e, st = s["engine"], s["stats"]
+    print(f"run {s['run_id']}  model {s['model']['name']}  isolation {e['isolation']}  compute {e['compute']}  "
+          f"blocks {e['num_blocks']}x{e['block_size']}  fault {s['fault'] or 'none'}")
+    for r in s["requests"]:
+        print(f"  {r['id']:>10}  {len(r['output_ids']):3d} tok  cached {r['cached_tokens']:4d}  "
+              f"{r['finish_reason']:6}  {r['text']!r}")
+    print(f"{st['steps']} steps, {st['generated_tokens']} tokens in {st['seconds']:.2f} s "
+          f"({st['tokens_per_second']:.1f} tok/s), prefill computed {st['prefill_tokens_computed']} "
+          f"of {st['prompt_tokens']} prompt tokens, {st['preemptions']} preemptions")
+    if s["leak"] is None:
+        print("oracles off (compute fast)")
+        return
+    lk, dv = s["leak"], s["divergence"]
+    print(f"leak: max foreign mass {lk['max_foreign_mass']:.4f}, leak rate {lk['leak_rate']:.4f}, "
+          f"weights own/foreign/stale {lk['counts']['own']}/{lk['counts']['foreign']}/{lk['counts']['stale']}; "
+          f"{dv['diverged_requests']} requests diverge from running alone (max |logit diff| "
+          f"{dv['max_logit_diff']:.2e})")
+    for f in s["findings"][:20]:
+        src = f" from {f['source_request']}" if f["source_request"] else ""
+        print(f"  finding {f['kind']:13} {f['request']:>8} step {f['step']:3d} layer {f['layer']:2d} "
+              f"head {f['head']:2d} pos {f['position']:4d}{src}  mass {f['mass']:.4f}")
+    if len(s["findings"]) > 20:
+        print(f"  ... {len(s['findings']) - 20} more findings (use --json for all)")

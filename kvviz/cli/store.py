@@ -1,0 +1,108 @@
+"""The commands that read or fill the run store without running a model: `sql`, `replay`, `export`
+and `import` (replay --verify does re-execute, through the store's own replay module)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .common import fail
+
+
+def cmd_sql(args: argparse.Namespace) -> int:
+    """A read-only query over the run store; exit 2 with the reason when it is refused."""
+    from ..store import SqlError, open_sandbox, run_query
+
+    try:
+        con = open_sandbox(args.db)
+        res = run_query(con, args.query, max_rows=args.limit)
+    except SqlError as e:
+        return fail(e, "sql")
+    if args.format == "json":
+        print(json.dumps([dict(zip(res.columns, r, strict=True)) for r in res.rows], default=str, ensure_ascii=False))
+    elif args.format == "csv":
+        import csv
+
+        w = csv.writer(sys.stdout, lineterminator="\n")
+        w.writerow(res.columns)
+        w.writerows(res.rows)
+    else:
+        widths = [max([len(c)] + [len(str(r[i])) for r in res.rows]) for i, c in enumerate(res.columns)]
+        print("  ".join(c.ljust(w) for c, w in zip(res.columns, widths, strict=True)))
+        for r in res.rows:
+            print("  ".join(str(v).ljust(w) for v, w in zip(r, widths, strict=True)))
+    if res.truncated:
+        print(f"kvviz: sql: showing the first {args.limit} rows", file=sys.stderr)
+    return 0
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    """Show a recorded run at one step, or re-execute it and verify it (exit 1 on a mismatch)."""
+    import duckdb
+
+    from ..store import StoreError
+    from ..store.replay import load_run, state_at, verify
+
+    try:
+        con = duckdb.connect(args.db, read_only=True)
+    except duckdb.Error as e:
+        return fail(f"cannot open {args.db}: {e}")
+    try:
+        rec = load_run(con, args.run_id)
+        if args.verify:
+            problems = verify(con, args.run_id, device=args.device)
+            for p in problems:
+                print(f"MISMATCH {p}")
+            print(f"run {args.run_id}: " + ("replays identically" if not problems else f"{len(problems)} mismatches"))
+            return 1 if problems else 0
+        st = state_at(con, args.run_id, args.step)
+    except StoreError as e:
+        return fail(e)
+    print(f"run {rec.run_id} ({rec.status}), model {rec.model}, fault {rec.fault or 'none'}: step {st.step}")
+    for req, start, n, tok in st.work:
+        sampled = f", sampled {tok}" if tok is not None else ""
+        print(f"  {req:>10} computed positions {start}..{start + n - 1}{sampled}")
+    for req, table in st.page_tables.items():
+        print(f"  page table {req:>10}: {table}")
+    used = sum(1 for b in st.blocks if b[2] == "used")
+    cached = sum(1 for b in st.blocks if b[2] == "cached")
+    print(f"  blocks: {used} used, {cached} cached, {len(st.blocks) - used - cached} free; "
+          f"refcounts {[b[1] for b in st.blocks if b[1]]}")
+    for req, mass in st.leak.items():
+        print(f"  {req:>10} max foreign mass {mass:.4f}")
+    for kind, req, layer, head, pos, src, mass in st.findings:
+        print(f"  finding {kind} {req} layer {layer} head {head} pos {pos}" + (f" from {src}" if src else "") +
+              f" mass {mass:.4f}")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """A recorded run as a kvviz trace (zip of Parquet) or Chrome trace JSON for Perfetto."""
+    import duckdb
+
+    from ..store import StoreError
+    from ..store.chrome import export_chrome
+    from ..store.trace import export_run
+
+    out = args.out or f"{args.run_id}.{'zip' if args.format == 'kvviz' else 'json'}"
+    try:
+        con = duckdb.connect(args.db, read_only=True)
+        (export_run if args.format == "kvviz" else export_chrome)(con, args.run_id, out)
+    except (duckdb.Error, StoreError) as e:
+        return fail(e)
+    print(out)
+    return 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    """Validate and import a kvviz trace or a vLLM/SGLang KV-event capture into --db; a bad file is
+    refused whole, with the reason."""
+    from ..analysis.uploads import REFUSALS, import_file
+
+    try:
+        run_id = import_file(args.file, args.db)
+    except REFUSALS as e:
+        return fail(e, "import")
+    print(run_id)
+    return 0
