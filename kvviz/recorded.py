@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from .checked_run import CheckedRun, check_fault, run_checked
-from .engine import StepRecord
+from .engine import Engine, StepRecord
 from .engine.engine import new_run_id
 from .engine.observer import AttentionObserver
 from .faults import Scope
@@ -15,7 +15,7 @@ from .models import LoadedModel
 from .oracle import ProvenanceOracle
 from .store import RunRecorder
 from .store.attention import AttentionRecorder, AttentionSelection
-from .workload import Workload
+from .workload import Workload, WorkloadError
 
 DEFAULT_SELECTION = AttentionSelection()
 StepCallback = Callable[[StepRecord, ProvenanceOracle], None]
@@ -27,6 +27,8 @@ def record_run(db: str | Path, m: LoadedModel, wl: Workload, fault: str | None =
                probes: Sequence[AttentionObserver] = ()) -> CheckedRun:
     """Run with both oracles, recording every step; on_step sees each step and the oracle so far."""
     check_fault(fault, wl)  # bad input is refused before a run row exists
+    Engine(m, wl.engine).check(wl)
+    check_scope(scope, wl, m.config.num_hidden_layers)
     run_id, oracle = new_run_id(), ProvenanceOracle()
     attention = AttentionRecorder(oracle, m.config.num_hidden_layers, selection)
     rec = RunRecorder(db, run_id, model=m, workload=wl, scenario=scenario, fault=fault, oracle=oracle,
@@ -45,3 +47,18 @@ def record_run(db: str | Path, m: LoadedModel, wl: Workload, fault: str | None =
         raise
     rec.finish(run)
     return run
+
+
+def check_scope(scope: Scope | None, wl: Workload, num_layers: int) -> None:
+    """A scope naming a request or layer the run does not have would confine the fault to nothing and
+    pass for a detector miss: refuse it."""
+    if scope is None:
+        return
+    ids = {r.id for r in wl.requests}
+    unknown = sorted((scope.requests or set()) - ids)
+    if unknown:
+        raise WorkloadError(f"fault requests: {unknown[0]!r} is not a request of this workload "
+                            f"({', '.join(sorted(ids))})")
+    bad = sorted(x for x in scope.layers or () if not 0 <= x < num_layers)
+    if bad:
+        raise WorkloadError(f"fault layers: the model has layers 0..{num_layers - 1}, not {bad[0]}")

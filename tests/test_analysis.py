@@ -276,19 +276,25 @@ def test_occupancy_codes_agree_with_the_block_map(rec):
     with reading(rec.db) as con:
         rid = rec.ids["boundary"]
         i = info(con, rid)
-        grid, steps = blocks.occupancy(con, rid)
-        assert steps == i.steps and grid.shape == (i.engine["num_blocks"], len(steps))
+        grid, steps, per = blocks.occupancy(con, rid)
+        touched = max(int(b) for s in steps for b, state in blocks.block_map(con, rid, s)[["block", "state"]]
+                      .itertuples(index=False) if state != "free")
+        assert steps == i.steps and grid.shape == (touched + 1, len(steps)) and per == 1  # unused tail cut
         for col, s in enumerate(steps):
             bm = blocks.block_map(con, rid, s)
             want = np.select([(bm.state == "used") & (bm.refcount > 1), bm.state == "used", bm.state == "cached"],
                              [3, 2, 1], 0)
-            assert (grid[:, col] == want).all()
+            assert (grid[:, col] == want[:len(grid)]).all() and not want[len(grid):].any()
         assert (grid == 3).any() and (grid == 2).any() and (grid == 1).any()
-        sampled, few = blocks.occupancy(con, rid, max_steps=3)
+        sampled, few, _ = blocks.occupancy(con, rid, max_steps=3)
         assert few == [steps[0], steps[len(steps) // 2], steps[-1]] or (len(few) == 3 and few[0] == steps[0]
                                                                         and few[-1] == steps[-1])
-        assert (sampled == grid[:, [steps.index(s) for s in few]]).all()
-        empty, none = blocks.occupancy(con, rec.capture)
+        cols = grid[:, [steps.index(s) for s in few]]
+        assert (sampled == cols[:len(sampled)]).all() and not cols[len(sampled):].any()
+        merged, _, per = blocks.occupancy(con, rid, max_blocks=4)
+        assert per == -(-len(grid) // 4) and len(merged) <= 4
+        assert (merged[0] == grid[:per].max(axis=0)).all(), "a group shows its busiest block"
+        empty, none, _ = blocks.occupancy(con, rec.capture)
         assert empty.shape == (0, 0) and none == []
 
 
@@ -397,7 +403,7 @@ def synthetic_view(Q=37, K=83, leak=(23, 61), weight=0.9) -> attention.Attention
     c = np.where(np.isnan(w), attention.UNSEEN, attention.OWN).astype(np.int8)
     w[leak], c[leak] = weight, attention.FOREIGN
     return attention.AttentionView(w, c, [f"{i} q" for i in range(Q)], [f"X:{j} k" for j in range(K)],
-                                   ["X"] * K, list(range(K)), -1, False)
+                                   ["X"] * K, list(range(K)), -1, False, [(0, i) for i in range(Q)])
 
 
 @pytest.mark.parametrize("limits", [(10, 20), (5, 7), (36, 82), (1, 1)])
@@ -541,7 +547,8 @@ def test_prefix_tree_marks_removed_only_what_left_the_cache(tmp_path):
     assert removed == {5: 5, 6: 5, 7: 4, 8: None}
     assert list(cache.cached_blocks) == [1, 0, 2, 3, 2, 0, 1]  # the view agrees: only 8 is cached at the end
     fig = tree_figure(tree)
-    assert [s for t in fig.data[1:] for s in t.marker.symbol].count("circle-open") == 3  # hollow: removed
+    hollow = [len(t.x) for t in fig.data[1:] if t.marker.symbol == "circle-open"]
+    assert sum(hollow) == 3  # hollow: removed
 
 
 # -- delete ------------------------------------------------------------------------------------------------

@@ -137,6 +137,7 @@ def test_inspector_shows_the_leak_of_a_faulty_run(with_runs):
     assert at.session_state["insp_view"] == "Attention"
     heatmap = charts(at)["insp_heatmap"]
     assert "foreign" in {t.get("name") for t in heatmap["data"]}
+    assert [sh["type"] for sh in heatmap["layout"]["shapes"]].count("rect") == 1, "the finding's query is outlined"
     assert not at.exception
 
 
@@ -224,6 +225,7 @@ def test_an_uploaded_capture_opens_with_the_views_it_supports(empty_db, tmp_path
     assert any("no physical block ids and no attention" in i.value for i in at.info)
     tree = charts(at)["insp_tree"]
     assert sum(len(values(t["x"])) for t in tree["data"][1:]) == 3  # three distinct hashes stored
+    assert any("#d62728" in values(t["marker"]["line"]["color"]) for t in tree["data"][1:]), "11: two salts"
     at.segmented_control(key="insp_view").set_value("Cache over time").run()
     assert "insp_cache" in charts(at)
     at.segmented_control(key="insp_view").set_value("Findings").run()
@@ -237,7 +239,9 @@ def test_inspector_plays_through_the_steps_and_stops_at_the_end(with_runs):
     at.session_state["insp_step"] = int(steps[-2])
     at.button(key="insp_play").click().run()
     assert at.session_state["insp_playing"] is True and at.button(key="insp_play").label == "Pause"
-    at.run()  # a tick of the timer: the last step, then it stops
-    at.run()
+    at.session_state["insp_tick"] = 0.0  # as if the timer's interval had passed
+    at.run()  # a tick: the last step
+    at.session_state["insp_tick"] = 0.0
+    at.run()  # a tick at the end: it stops
     assert at.session_state["insp_step"] == int(steps[-1]) and at.session_state["insp_playing"] is False
     assert not at.exception

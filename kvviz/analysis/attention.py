@@ -28,6 +28,13 @@ class AttentionView:
     key_slots: list[int]
     head: int  # the head shown (-1: mean), which differs from the one asked for when that was not recorded
     binned: bool  # rows or columns were merged (max) to fit the screen
+    query_rows: list[tuple[int, int]]  # (step, position) of each row (its first, when rows were merged)
+
+    def row_of(self, step: int, position: int | None) -> int | None:
+        """The row holding this step's query at this position (a finding's), if shown."""
+        if position is None:
+            return None
+        return next((i for i, r in enumerate(self.query_rows) if r == (step, position)), None)
 
     @property
     def foreign_mass(self) -> np.ndarray:
@@ -71,16 +78,12 @@ def attention_view(con: duckdb.DuckDBPyConnection, run_id: str, request: str, st
         classes[i, idx] = cs
     texts, seq = token_texts(con, run_id), request_tokens(con, run_id).get(request, [])
     q_labels = [f"{pos} {label(texts, seq[pos] if pos < len(seq) else None)}" for _, pos, *_ in rows]
-    owners, k_labels = [], []
-    for s in slots:
-        if s in contents.index:
-            c = contents.loc[s]
-            owners.append(str(c.request_id))
-            k_labels.append(f"{c.request_id}:{c.position} {label(texts, c.token)}")
-        else:
-            owners.append("")
-            k_labels.append(f"slot {s}")
-    view = AttentionView(weights, classes, q_labels, k_labels, owners, slots, head, False)
+    held = dict(zip(contents.index, zip(contents.request_id, contents.position, contents.token, strict=True),
+                    strict=True))
+    owners = [str(held[s][0]) if s in held else "" for s in slots]
+    k_labels = [f"{held[s][0]}:{held[s][1]} {label(texts, held[s][2])}" if s in held else f"slot {s}" for s in slots]
+    view = AttentionView(weights, classes, q_labels, k_labels, owners, slots, head, False,
+                         [(int(st), int(pos)) for st, pos, *_ in rows])
     return downsample(view, max_rows, max_cols)
 
 
@@ -93,7 +96,7 @@ def downsample(v: AttentionView, max_rows: int, max_cols: int) -> AttentionView:
     w, c = _bin_max(v.weights, rb, cb), _bin_max(v.classes.astype(np.float32), rb, cb).astype(np.int8)
     return AttentionView(w, c, [lab + ("…" if rb > 1 else "") for lab in v.query_labels[::rb]],
                          [lab + ("…" if cb > 1 else "") for lab in v.key_labels[::cb]], v.key_owners[::cb],
-                         v.key_slots[::cb], v.head, True)
+                         v.key_slots[::cb], v.head, True, v.query_rows[::rb])
 
 
 def _bin_max(a: np.ndarray, rb: int, cb: int) -> np.ndarray:

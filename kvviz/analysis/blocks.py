@@ -33,9 +33,10 @@ def leaky_blocks(con: duckdb.DuckDBPyConnection, run_id: str, step: int, block_s
 
 
 def occupancy(con: duckdb.DuckDBPyConnection, run_id: str, max_steps: int = 400,
-              max_blocks: int = 512) -> tuple[np.ndarray, list[int]]:
-    """[blocks, steps] state codes (see STATES) and the steps shown; long runs are sampled evenly, and
-    big pools merge neighbouring blocks (the busiest state wins)."""
+              max_blocks: int = 512) -> tuple[np.ndarray, list[int], int]:
+    """[blocks, steps] state codes (see STATES), the steps shown and blocks per row: long runs are
+    sampled evenly, big pools merge neighbouring blocks (the busiest state wins), and blocks never
+    used past the last used one are left out."""
     steps = [r[0] for r in con.execute("SELECT DISTINCT step FROM blocks WHERE run_id = ? ORDER BY step",
                                        [run_id]).fetchall()]
     if len(steps) > max_steps:
@@ -45,16 +46,18 @@ def occupancy(con: duckdb.DuckDBPyConnection, run_id: str, max_steps: int = 400,
         "WHEN state = 'cached' THEN 1 ELSE 0 END AS code FROM blocks WHERE run_id = ? AND list_contains(?, step)",
         [run_id, steps]).df()
     if df.empty:
-        return np.zeros((0, 0), np.int8), []
-    grid = np.zeros((int(df.block.max()) + 1, len(steps)), np.int8)
+        return np.zeros((0, 0), np.int8), [], 1
+    touched = df.block[df.code > 0]
+    grid = np.zeros((int(touched.max() if len(touched) else 0) + 1, len(steps)), np.int8)
+    df = df[df.block < len(grid)]
     col = {s: i for i, s in enumerate(steps)}
     grid[df.block.to_numpy(), df.step.map(col).to_numpy()] = df.code.to_numpy()
-    if len(grid) > max_blocks:
-        per = -(-len(grid) // max_blocks)
+    per = -(-len(grid) // max_blocks)
+    if per > 1:
         padded = np.zeros((-(-len(grid) // per) * per, grid.shape[1]), np.int8)
         padded[:len(grid)] = grid
         grid = padded.reshape(-1, per, grid.shape[1]).max(axis=1)
-    return grid, steps
+    return grid, steps, per
 
 
 def page_tables(con: duckdb.DuckDBPyConnection, run_id: str, step: int) -> pd.DataFrame:
@@ -106,3 +109,10 @@ def block_story(con: duckdb.DuckDBPyConnection, run_id: str, step: int, block: i
 
 def _hex(h: int | None) -> str | None:
     return None if h is None else f"{int(h):016x}"
+
+
+def busiest_step(con: duckdb.DuckDBPyConnection, run_id: str) -> int | None:
+    """The step after which the most blocks were in use (the first such), None without blocks."""
+    row = con.execute("SELECT step FROM blocks WHERE run_id = ? GROUP BY step "
+                      "ORDER BY count(*) FILTER (state = 'used') DESC, step LIMIT 1", [run_id]).fetchone()
+    return None if row is None else int(row[0])

@@ -7,14 +7,17 @@ import pandas as pd
 
 
 def prefix_tree(con: duckdb.DuckDBPyConnection, run_id: str, max_nodes: int = 3000) -> pd.DataFrame:
-    """One row per stored block hash: its parent, depth in its chain, salt, LoRA, when it was first
+    """One row per stored block hash: its parent, depth in its chain, its salts (more than one: shared
+    across tenants), LoRA, when it was first
     stored and when it left the cache for good (its BlockRemoved or an AllBlocksCleared at or after
     its last store; null while it is still cached at the end), and its tokens; the first `max_nodes` stored."""
     return con.execute(
         "WITH ev AS (SELECT step, kind, block_hash, parent_hash, salt, lora_name, token_ids FROM kv_events "
         "WHERE run_id = ?), "
         "stored AS (SELECT block_hash, any_value(parent_hash) AS parent_hash, min(step) AS stored_step, "
-        "max(step) AS last_stored, any_value(salt) AS salt, any_value(lora_name) AS lora_name, "
+        "max(step) AS last_stored, string_agg(DISTINCT coalesce(salt, '(no salt)'), ', ' ORDER BY "
+        "coalesce(salt, '(no salt)')) AS salt, count(DISTINCT coalesce(salt, '')) AS salts, "
+        "any_value(lora_name) AS lora_name, "
         "any_value(token_ids) AS token_ids FROM ev WHERE kind = 'BlockStored' GROUP BY block_hash), "
         "removed AS (SELECT s.block_hash, min(e.step) AS removed_step FROM stored s JOIN ev e ON e.kind = "
         "'BlockRemoved' AND e.block_hash = s.block_hash AND e.step >= s.last_stored GROUP BY s.block_hash), "

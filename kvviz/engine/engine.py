@@ -251,6 +251,10 @@ class Engine:
                           plan.preempted, sampled, finished, writes, {w.seq_id: w.token_ids for w in work})
 
     # -- requests ------------------------------------------------------------------------------
+    def check(self, workload: Workload) -> None:
+        """Refuse a workload this model and pool cannot run (WorkloadError), before anything starts."""
+        self._resolve(workload)
+
     def _resolve(self, workload: Workload) -> list[tuple[RequestSpec, list[int]]]:
         """Token ids of each request's own prompt, checked against the vocabulary and the pool."""
         tok, cfg = self.m.tokenizer, self.config

@@ -12,17 +12,16 @@ FOREIGN, STALE_CLASS = 1, 2
 
 
 def attention_heatmap(weights: np.ndarray, classes: np.ndarray, query_labels: list[str], key_labels: list[str],
-                      key_owners: list[str], title: str = "") -> go.Figure:
+                      key_owners: list[str], title: str = "", mark_row: int | None = None) -> go.Figure:
     """Queries (rows) x keys (columns, physical slot order). Own weights in blue, weights on foreign
     keys in red and stale keys in orange; unseen cells (future, masked) stay grey. Key labels take
     their writer's colour, and where the owner changes along the key axis a band boundary is drawn,
-    as in the seed's shared-buffer table."""
+    as in the seed's shared-buffer table. mark_row (a finding's query) is outlined."""
     own = np.where(classes == 0, weights, np.nan)
     foreign = np.where(classes == FOREIGN, weights, np.nan)
     stale = np.where(classes == STALE_CLASS, weights, np.nan)
-    x, y = list(range(len(key_labels))), list(range(len(query_labels)))
-    hover = "query %{customdata[0]}<br>key %{customdata[1]}<br>weight %{z:.4f}<extra>%{fullData.name}</extra>"
-    custom = np.dstack(np.meshgrid(query_labels, key_labels, indexing="ij"))
+    x, y = _unique(key_labels), _unique(query_labels)  # category axes: the labels are the coordinates
+    hover = "query %{y}<br>key %{x}<br>weight %{z:.4f}<extra>%{fullData.name}</extra>"
     fig = go.Figure()
     zmax = float(np.nanmax(weights)) if np.isfinite(weights).any() else 1.0
     for name, z, scale in (("own", own, "Blues"), ("foreign", foreign, [[0, "#fde0dd"], [1, LEAK]]),
@@ -30,7 +29,7 @@ def attention_heatmap(weights: np.ndarray, classes: np.ndarray, query_labels: li
         if name != "own" and np.isnan(z).all():
             continue
         top = zmax if name == "own" else max(float(np.nanmax(z)), 1e-6)  # a small leak still shows in full red
-        fig.add_trace(go.Heatmap(z=z, x=x, y=y, zmin=0, zmax=top, colorscale=scale, name=name, customdata=custom,
+        fig.add_trace(go.Heatmap(z=z, x=x, y=y, zmin=0, zmax=top, colorscale=scale, name=name,
                                  hovertemplate=hover, showscale=name == "own",
                                  colorbar={"title": "weight", "len": 0.6}))
     colours = request_colours(o for o in key_owners if o)
@@ -39,12 +38,14 @@ def attention_heatmap(weights: np.ndarray, classes: np.ndarray, query_labels: li
     for i in range(1, len(key_owners)):
         if key_owners[i] != key_owners[i - 1]:
             fig.add_vline(x=i - 0.5, line={"color": "#333", "width": 2})
+    if mark_row is not None:
+        fig.add_hrect(y0=mark_row - 0.5, y1=mark_row + 0.5, line={"color": "black", "width": 2})
     step = max(1, len(key_labels) // 60)
-    fig.update_xaxes(tickvals=x[::step], ticktext=ticks[::step], tickangle=-60, showgrid=False,
+    fig.update_xaxes(type="category", tickvals=x[::step], ticktext=ticks[::step], tickangle=-60, showgrid=False,
                      title="key (slot order; colour: writer)")
     ystep = max(1, len(query_labels) // 40)
-    fig.update_yaxes(tickvals=y[::ystep], ticktext=query_labels[::ystep], autorange="reversed", title="query",
-                     showgrid=False)
+    fig.update_yaxes(type="category", tickvals=y[::ystep], ticktext=query_labels[::ystep], autorange="reversed",
+                     title="query", showgrid=False)
     fig.update_layout(title=title, plot_bgcolor=GRID_BG, height=min(900, 260 + 14 * len(query_labels)),
                       margin={"l": 10, "r": 10, "t": 40, "b": 10})
     return fig
@@ -77,3 +78,14 @@ def cell_at(point: dict) -> tuple[int, int] | None:
     if "x" not in point or "y" not in point:
         return None
     return int(round(point["y"])), int(round(point["x"]))
+
+
+def _unique(labels: list[str]) -> list[str]:
+    """Labels made distinct (a category axis merges equal ones) by appending zero-width spaces."""
+    seen: dict[str, int] = {}
+    out = []
+    for lab in labels:
+        n = seen.get(lab, 0)
+        seen[lab] = n + 1
+        out.append(lab + "\u200b" * n)
+    return out

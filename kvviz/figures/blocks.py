@@ -41,6 +41,7 @@ def block_map(blocks: pd.DataFrame, leaky: set[int] = frozenset(), colour_by: st
     fig.update_layout(title=title, height=max(160, rows * (size + 4) + 90), margin={"l": 10, "r": 10, "t": 40, "b": 10},
                       plot_bgcolor="white", legend={"orientation": "h", "y": -0.02, "yanchor": "top"},
                       clickmode="event+select", dragmode=False)
+    fig.update_traces(unselected={"marker": {"opacity": 1}})  # a click must not fade the leak outlines
     fig.update_xaxes(visible=False, range=[-0.7, cols - 0.3])
     fig.update_yaxes(visible=False, autorange="reversed", scaleanchor="x")
     return fig
@@ -54,17 +55,20 @@ def block_at(point: dict, num_blocks: int) -> int | None:
     return block if 0 <= block < num_blocks else None
 
 
-def occupancy(grid: np.ndarray, steps: list[int], current: int | None = None) -> go.Figure:
-    """Blocks x steps coloured free / cached / used / shared, like a memory timeline."""
+def occupancy(grid: np.ndarray, steps: list[int], current: int | None = None, per_row: int = 1) -> go.Figure:
+    """Blocks x steps coloured free / cached / used / shared, like a memory timeline; a row is
+    per_row neighbouring blocks in a big pool."""
     names = ["free", "cached", "used", "shared"]
     scale = [[edge, STATE_COLOURS[n]] for i, n in enumerate(names) for edge in (i / 4, (i + 1) / 4)]
-    fig = go.Figure(go.Heatmap(z=grid, x=steps, zmin=-0.5, zmax=3.5, colorscale=scale,
+    rows = np.arange(len(grid)) * per_row
+    what = "block" if per_row == 1 else f"blocks (groups of {per_row})"
+    fig = go.Figure(go.Heatmap(z=grid, x=steps, y=rows, zmin=-0.5, zmax=3.5, colorscale=scale,
                                colorbar={"tickvals": [0, 1, 2, 3], "ticktext": names, "title": "state"},
-                               hovertemplate="step %{x}, block %{y}<extra></extra>"))
+                               hovertemplate=f"step %{{x}}, {what.split(' ')[0]} %{{y}}<extra></extra>"))
     if current is not None:
         fig.add_vline(x=current, line={"color": "black", "width": 1, "dash": "dot"})
-    fig.update_layout(height=320, margin={"l": 10, "r": 10, "t": 30, "b": 10}, xaxis_title="step",
-                      yaxis_title="block")
+    fig.update_layout(height=min(420, 160 + 4 * len(grid)), margin={"l": 10, "r": 10, "t": 30, "b": 10},
+                      xaxis_title="step", yaxis_title=what)
     fig.update_yaxes(autorange="reversed")
     return fig
 
@@ -82,6 +86,7 @@ def page_tables(entries: pd.DataFrame) -> go.Figure:
         line, width = PAGE_KINDS[kind]
         fig.add_trace(go.Scatter(
             x=part.logical_block, y=part.request_id, mode="markers+text", name=str(kind), text=part.physical_block,
+            textfont={"color": "black"},
             marker={"symbol": "square", "size": 30, "color": [colours[r] for r in part.request_id],
                     "line": {"color": line, "width": width}},
             customdata=part.refcount,
@@ -89,5 +94,6 @@ def page_tables(entries: pd.DataFrame) -> go.Figure:
                           "<extra></extra>"))
     fig.update_layout(height=90 + 40 * entries.request_id.nunique(), margin={"l": 10, "r": 10, "t": 30, "b": 10},
                       plot_bgcolor="white", xaxis_title="logical block", legend={"orientation": "h"})
+    fig.update_xaxes(dtick=1)
     fig.update_yaxes(autorange="reversed", type="category")
     return fig

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import plotly.graph_objects as go
 
-from .palette import request_colours
+from .palette import LEAK, request_colours
 
 
 def tree_layout(nodes: pd.DataFrame) -> pd.DataFrame:
@@ -38,7 +38,8 @@ def tree_layout(nodes: pd.DataFrame) -> pd.DataFrame:
 
 
 def prefix_tree(nodes: pd.DataFrame, token_text=lambda ids: str(list(ids)[:8])) -> go.Figure:
-    """nodes: block_hash, parent_hash, salt, lora_name, stored_step, removed_step, token_ids."""
+    """nodes: block_hash, parent_hash, salt, lora_name, stored_step, removed_step, token_ids (and
+    salts: how many; a hash stored under several is outlined in red). Colour: salt; hollow: evicted."""
     laid = tree_layout(nodes)
     pos = dict(zip(laid.block_hash, zip(laid.depth, laid.row, strict=True), strict=True))
     ex, ey = [], []
@@ -48,18 +49,20 @@ def prefix_tree(nodes: pd.DataFrame, token_text=lambda ids: str(list(ids)[:8])) 
             ey += [pos[p][1], pos[h][1], None]
     fig = go.Figure(go.Scatter(x=ex, y=ey, mode="lines", line={"color": "#bbb", "width": 1}, hoverinfo="skip",
                                showlegend=False))
-    salts = laid.salt.fillna("(no salt)")
-    colours = request_colours(salts)
-    for salt, part in laid.assign(salt=salts).groupby("salt"):
-        removed = part.removed_step.notna()
+    colours = request_colours(laid.salt.fillna("(no salt)"))
+    laid = laid.assign(salt=laid.salt.fillna("(no salt)"), evicted=laid.removed_step.notna(),
+                       shared=laid.get("salts", pd.Series(1, index=laid.index)).fillna(1) > 1)
+    for (salt, evicted), part in laid.groupby(["salt", "evicted"]):
         fig.add_trace(go.Scatter(
-            x=part.depth, y=part.row, mode="markers", name=f"salt {salt}",
-            marker={"size": 9, "color": colours[salt], "symbol": ["circle-open" if r else "circle" for r in removed],
-                    "line": {"width": 2, "color": colours[salt]}},
+            x=part.depth, y=part.row, mode="markers", name=f"salt {salt}" + (" (evicted)" if evicted else ""),
+            marker={"size": 9, "color": colours[salt], "symbol": "circle-open" if evicted else "circle",
+                    "line": {"width": [3 if s else 2 for s in part.shared],
+                             "color": [LEAK if s else colours[salt] for s in part.shared]}},
             text=[f"{h:016x}<br>stored at {s}" + (f", removed at {int(r)}" if pd.notna(r) else "") +
-                  (f"<br>LoRA {lo}" if lo else "") + f"<br>{token_text(t) if t is not None else ''}"
-                  for h, s, r, lo, t in zip(part.block_hash, part.stored_step, part.removed_step, part.lora_name,
-                                            part.token_ids, strict=True)],
+                  (f"<br>LoRA {lo}" if lo else "") + (" <b>shared across salts</b>" if sh else "") +
+                  f"<br>{token_text(t) if t is not None else ''}"
+                  for h, s, r, lo, t, sh in zip(part.block_hash, part.stored_step, part.removed_step, part.lora_name,
+                                                part.token_ids, part.shared, strict=True)],
             hovertemplate="%{text}<extra></extra>"))
     fig.update_layout(height=min(900, 200 + 6 * max(1, int(laid.row.max() or 0))), plot_bgcolor="white",
                       margin={"l": 10, "r": 10, "t": 30, "b": 10}, legend={"orientation": "h"},

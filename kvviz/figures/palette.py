@@ -3,9 +3,11 @@ tables and the heatmap."""
 
 from __future__ import annotations
 
-import plotly.express as px
-
-REQUEST_COLOURS = px.colors.qualitative.Set2 + px.colors.qualitative.Pastel1 + px.colors.qualitative.Set3
+# Distinct, readable on white and as text; no grey or near-white (cached, free), purple (shared) or the
+# leak red and stale orange.
+REQUEST_COLOURS = ["#66c2a5", "#fc8d62", "#8da0cb", "#e78ac3", "#a6d854", "#e5c494", "#1b9e77", "#d95f02",
+                   "#7570b3", "#e7298a", "#66a61e", "#e6ab02", "#a6761d", "#17becf", "#bcbd22", "#8c564b",
+                   "#2ca02c", "#1f77b4"]
 STATE_COLOURS = {"free": "#eceff1", "cached": "#b0bec5", "used": "#4c78a8", "shared": "#6a3d9a"}
 LEAK = "#d62728"
 STALE = "#ff7f0e"

@@ -28,15 +28,15 @@ def leak_timeline(df: pd.DataFrame, current: int | None = None) -> go.Figure:
 
 
 def cache_timeline(df: pd.DataFrame) -> go.Figure:
-    """df: step, cached_blocks, stored, removed (a KV-event capture)."""
-    fig = make_subplots(specs=[[{"secondary_y": True}]])
-    fig.add_trace(go.Scatter(x=df.step, y=df.cached_blocks, name="cached blocks", line={"color": "#4c78a8"}))
-    fig.add_trace(go.Bar(x=df.step, y=df.stored, name="stored", marker_color="#54a24b", opacity=0.6),
-                  secondary_y=True)
-    fig.add_trace(go.Bar(x=df.step, y=-df.removed, name="removed (evicted)", marker_color="#e45756", opacity=0.6),
-                  secondary_y=True)
-    fig.update_layout(height=320, barmode="relative", margin={"l": 10, "r": 10, "t": 30, "b": 10},
-                      xaxis_title="message", legend={"orientation": "h"})
-    fig.update_yaxes(title="cached blocks", secondary_y=False)
-    fig.update_yaxes(title="blocks per message", secondary_y=True)
+    """df: step, cached_blocks, stored, removed (a KV-event capture): blocks cached after each
+    message above, blocks stored and evicted per message below."""
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08, row_heights=[0.6, 0.4],
+                        subplot_titles=("cached blocks", "stored (up) and removed (down) per message"))
+    fig.add_trace(go.Scatter(x=df.step, y=df.cached_blocks, name="cached blocks", line={"color": "#4c78a8"}),
+                  row=1, col=1)
+    fig.add_trace(go.Bar(x=df.step, y=df.stored, name="stored", marker_color="#54a24b"), row=2, col=1)
+    fig.add_trace(go.Bar(x=df.step, y=-df.removed, name="removed (evicted)", marker_color="#e45756"), row=2, col=1)
+    fig.update_layout(height=380, barmode="relative", margin={"l": 10, "r": 10, "t": 40, "b": 10},
+                      legend={"orientation": "h"})
+    fig.update_xaxes(title="message", row=2, col=1)
     return fig

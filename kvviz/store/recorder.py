@@ -146,7 +146,8 @@ class RunRecorder:
         finally:
             with writing(self.db_path) as con:
                 con.execute("UPDATE runs SET status = 'failed', error = ? WHERE run_id = ?",
-                            [f"{type(error).__name__}: {error}", self.run_id])
+                            [f"{type(error).__name__}: {error}" if str(error) else type(error).__name__,
+                             self.run_id])
 
 
 def token_label(tokenizer, token_id: int) -> str:

@@ -24,13 +24,14 @@ def render(con, info: RunInfo, step: int) -> None:
     with left:
         if layers:
             cells = attention.leak_grid(con, info.run_id, None if whole == "the whole run" else step, request)
-            selected = st.session_state.get("insp_cell")
+            head = st.session_state.get("insp_head")
+            selected = (st.session_state.get("insp_layer"), head) if head not in (None, attention.HEAD_MEAN) else None
 
             def clicked() -> None:
                 points = st.session_state["insp_grid"]["selection"]["points"]
                 cell = fig.cell_at(points[0]) if points else None
                 if cell is not None:
-                    st.session_state.update(insp_cell=cell, insp_layer=cell[0], insp_head=cell[1])
+                    st.session_state.update(insp_layer=cell[0], insp_head=cell[1])
 
             st.plotly_chart(fig.leak_grid(cells, layers, heads, selected, f"{request}: max foreign mass"),
                             key="insp_grid", on_select=clicked, selection_mode="points", width="stretch")
@@ -68,8 +69,9 @@ def _heatmap(con, info: RunInfo, step: int, request: str, layers: int, heads: in
     shown = "mean of heads" if view.head == attention.HEAD_MEAN else f"head {view.head}"
     leak = float(np.max(view.foreign_mass)) if view.foreign_mass.size else 0.0
     title = f"{request}, step {step}, layer {layer}, {shown}: foreign + stale mass up to {leak:.4f}"
+    mark = view.row_of(step, st.session_state.get("insp_position"))
     st.plotly_chart(fig.attention_heatmap(view.weights, view.classes, view.query_labels, view.key_labels,
-                                          view.key_owners, title), width="stretch", key="insp_heatmap")
+                                          view.key_owners, title, mark), width="stretch", key="insp_heatmap")
     note = " Rows or columns were merged (max) to fit." if view.binned else ""
     st.caption("Blue: the request's own keys (or exact copies: the same tokens at the same positions, as a shared "
                "prefix gives). Red: another request's keys. Orange: stale keys (a freed "

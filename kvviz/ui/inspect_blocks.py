@@ -39,15 +39,15 @@ def render(con, info: RunInfo, step: int) -> None:
     if not tables.empty:
         names = sorted(tables.request_id.unique())
         chosen = st.multiselect("Page tables of", names, default=names[:MAX_PAGE_TABLE_REQUESTS],
-                                key="insp_pt_requests")
+                                key=f"insp_pt_requests_{info.run_id}_{step}")
         if chosen:
             st.plotly_chart(fig.page_tables(tables[tables.request_id.isin(chosen)]), width="stretch",
                             key="insp_pagetables")
     else:
         st.caption("No request holds blocks after this step.")
     with st.expander("Occupancy over time", expanded=True):
-        grid, steps = blocks.occupancy(con, info.run_id)
-        st.plotly_chart(fig.occupancy(grid, steps, step), width="stretch", key="insp_occupancy")
+        grid, steps, per_row = blocks.occupancy(con, info.run_id)
+        st.plotly_chart(fig.occupancy(grid, steps, step, per_row), width="stretch", key="insp_occupancy")
 
 
 def _block_story(con, info: RunInfo, step: int, n: int) -> None:

@@ -3,16 +3,20 @@ imported KV-event capture, its prefix tree and cache over time)."""
 
 from __future__ import annotations
 
+import json
+import time
+
 import pandas as pd
 import streamlit as st
 
-from ..analysis import leaks, runs
+from ..analysis import blocks, leaks, runs
 from ..analysis.runs import RunInfo
 from . import inspect_attention, inspect_blocks, inspect_capture, inspect_leaks
 from .common import reader, runs_or_hint
 
 ENGINE_VIEWS = ("Blocks", "Attention", "Leaks", "Requests")
 CAPTURE_VIEWS = ("Prefix tree", "Cache over time", "Findings")
+TICK_S = 0.8  # play: seconds per step
 
 
 def render() -> None:
@@ -23,14 +27,15 @@ def render() -> None:
     run_id = _choose_run(listing)
     with reader() as con:
         info = runs.run_info(con, run_id)
-        if st.session_state.get("insp_for") != run_id:
+        if info.steps and st.session_state.get("insp_for") != run_id:
             _reset(con, info)
     _header(listing[listing.run_id == run_id].iloc[0], info)
     if not info.steps:
-        st.warning("This run has no recorded steps yet.")
+        st.warning("This run has no recorded steps (yet): it failed before its first step, or it is still "
+                   "recording its first steps.", icon=":material/hourglass_empty:")
         return
     playing = st.session_state.get("insp_playing", False)
-    st.fragment(run_every=0.8 if playing else None)(_step_views)(info)
+    st.fragment(run_every=TICK_S if playing else None)(_step_views)(info, playing)
 
 
 def _choose_run(listing) -> str:
@@ -52,22 +57,24 @@ def _choose_run(listing) -> str:
 
 
 def _reset(con, info: RunInfo) -> None:
-    """A run just opened: start at its heaviest finding, or at its last step."""
+    """A run just opened: start at its first leak, or where the pool was fullest."""
     top = leaks.findings(con, info.run_id, limit=1)
     views = CAPTURE_VIEWS if info.has_kv_events else ENGINE_VIEWS
-    st.session_state.update(insp_for=info.run_id, insp_block=None, insp_cell=None, insp_playing=False,
-                            insp_layer=None, insp_head=None, insp_view=views[0])
+    st.session_state.update(insp_for=info.run_id, insp_block=None, insp_playing=False, insp_layer=None,
+                            insp_head=None, insp_position=None, insp_view=views[0])
     if not top.empty and info.has_blocks:
         focus(leaks.focus_of(top.iloc[0].to_dict()), view=ENGINE_VIEWS[0])
     else:
-        st.session_state.update(insp_step=info.steps[-1], insp_request=info.requests[0] if info.requests else None)
+        busiest = blocks.busiest_step(con, info.run_id) if info.has_blocks else None
+        st.session_state.update(insp_step=info.steps[-1] if busiest is None else busiest,
+                                insp_request=info.requests[0] if info.requests else None)
 
 
 def focus(f: leaks.Focus, view: str | None = None) -> None:
     """Point the inspector at a finding's step, request, layer and head."""
     st.session_state.update(insp_step=f.step, insp_request=f.request, insp_position=f.position)
     if f.layer is not None and f.head is not None:
-        st.session_state.update(insp_cell=(f.layer, f.head), insp_layer=f.layer, insp_head=f.head)
+        st.session_state.update(insp_layer=f.layer, insp_head=f.head)
     if view:
         st.session_state["insp_view"] = view
 
@@ -80,6 +87,8 @@ def _header(row, info: RunInfo) -> None:
     cols[3].metric("steps", len(info.steps))
     cols[4].metric("findings", "-" if pd.isna(row.findings) else int(row.findings))
     cols[5].metric("max foreign mass", "-" if pd.isna(row.max_foreign_mass) else f"{row.max_foreign_mass:.4f}")
+    if row.fault_scope:
+        st.caption(f"The fault was confined to {_scope_text(json.loads(row.fault_scope))}.")
     if row.status == "running":
         st.warning("This run is still being recorded, or its process died: showing the steps stored so far.",
                    icon=":material/pending:")
@@ -89,15 +98,31 @@ def _header(row, info: RunInfo) -> None:
                  icon=":material/error:")
 
 
-def _step_views(info: RunInfo) -> None:
+def _scope_text(scope: dict) -> str:
+    parts = [f"{k} {', '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in scope.items() if v is not None]
+    return "; ".join(parts) or "everywhere"
+
+
+def _toggle_play(steps: list[int]) -> None:
+    playing = not st.session_state.get("insp_playing", False)
+    st.session_state["insp_playing"] = playing
+    st.session_state["insp_tick"] = time.monotonic()
+    if playing and st.session_state.get("insp_step") == steps[-1]:
+        st.session_state["insp_step"] = steps[0]
+
+
+def _step_views(info: RunInfo, playing: bool) -> None:
     steps = info.steps
+    if st.session_state.get("insp_playing", False) != playing:
+        st.rerun(scope="app")  # start or stop the timer that reruns this fragment
     if st.session_state.get("insp_step") not in steps:
         st.session_state["insp_step"] = steps[-1]
-    if st.session_state.get("insp_playing"):
+    if playing and time.monotonic() - st.session_state.get("insp_tick", 0.0) >= TICK_S * 0.9:  # a timer tick
+        st.session_state["insp_tick"] = time.monotonic()
         i = steps.index(st.session_state["insp_step"])
         if i + 1 < len(steps):
             st.session_state["insp_step"] = steps[i + 1]
-        else:  # the end: stop the timer that reruns this fragment
+        else:
             st.session_state["insp_playing"] = False
             st.rerun(scope="app")
     left, right = st.columns([6, 1])
@@ -107,13 +132,8 @@ def _step_views(info: RunInfo) -> None:
         else:
             st.caption(f"step {steps[0]} (the only step)")
     with right:
-        playing = st.session_state.get("insp_playing", False)
-        if st.button("Pause" if playing else "Play", icon=":material/pause:" if playing else ":material/play_arrow:",
-                     key="insp_play", disabled=len(steps) < 2):
-            st.session_state["insp_playing"] = not playing
-            if not playing and st.session_state["insp_step"] == steps[-1]:
-                st.session_state["insp_step"] = steps[0]
-            st.rerun(scope="app")
+        st.button("Pause" if playing else "Play", icon=":material/pause:" if playing else ":material/play_arrow:",
+                  key="insp_play", disabled=len(steps) < 2, on_click=_toggle_play, args=(steps,))
     views = CAPTURE_VIEWS if info.has_kv_events else ENGINE_VIEWS
     if st.session_state.get("insp_view") not in views:
         st.session_state["insp_view"] = views[0]
