@@ -181,7 +181,7 @@ def test_sql_page_runs_a_select_and_shows_a_refusal(with_runs):
     assert list(rows.fault.fillna("none")) == ["none", "boundary"]
     at.text_area(key="sql_text").input("DROP TABLE runs")
     at.button[0].click().run()
-    assert any("Refused" in e.value and "DROP" in e.value for e in at.error)
+    assert any("only SELECT queries are allowed" in e.value and "DROP" in e.value for e in at.error)
     assert len(run_ids(with_runs[0])) == 2
 
 
@@ -196,7 +196,7 @@ def test_runs_page_compares_and_deletes(store, tmp_path, monkeypatch):
     at.text_input(key="runs_ids").input(f"{faulty},{control}").run()
     assert any(d.value is not None for d in at.dataframe) and not at.exception
     at.text_input(key="runs_ids").input(faulty).run()
-    at.checkbox(key="runs_sure").check().run()
+    at.checkbox(key=f"runs_sure_{faulty}").check().run()
     at.button(key="runs_delete").click().run()
     assert not at.exception
     assert run_ids(db) == [control]
@@ -245,3 +245,31 @@ def test_inspector_plays_through_the_steps_and_stops_at_the_end(with_runs):
     at.run()  # a tick at the end: it stops
     assert at.session_state["insp_step"] == int(steps[-1]) and at.session_state["insp_playing"] is False
     assert not at.exception
+
+
+def test_settings_survive_a_visit_to_another_page(empty_db):
+    at = page("run")
+    at.selectbox(key="run_model").set_value("tiny-llama").run()
+    at.radio(key="run_source").set_value("custom").run()
+    at.session_state["run_requests"] = {"edited_rows": {0: {"prompt": "a prompt I typed"}}, "added_rows": [],
+                                        "deleted_rows": []}
+    at.run()
+    at.number_input(key="run_nb_custom").set_value(99).run()
+    at.switch_page("kvviz/ui/pages/sql.py").run()
+    at.switch_page("kvviz/ui/pages/run.py").run()
+    assert not at.exception
+    assert at.selectbox(key="run_model").value == "tiny-llama" and at.radio(key="run_source").value == "custom"
+    assert at.number_input(key="run_nb_custom").value == 99
+    assert at.data_editor(key="run_requests").value.prompt[0] == "a prompt I typed"
+
+
+def test_a_huge_pool_draws_only_the_blocks_in_use(tiny, tmp_path, monkeypatch):
+    db = tmp_path / "big.duckdb"
+    wl = {"requests": [{"id": "A", "prompt": "a small request", "max_new_tokens": 2}],
+          "engine": {"block_size": 4, "num_blocks": 4096}}
+    run_id = live.run(db, tiny, wl).run_id
+    monkeypatch.setenv("KVVIZ_DB", str(db))
+    at = page("inspector", run_id=run_id)
+    assert any("Blocks 256..4095 are not drawn: all free." in c.value for c in at.caption)
+    drawn = sum(len(values(t["x"])) for t in charts(at)["insp_blockmap"]["data"])
+    assert drawn == 256

@@ -21,7 +21,9 @@ def import_file(path: str | Path, db: str | Path) -> str:
     path = Path(path)
     if not path.is_file():
         raise CaptureError(f"{path}: no such file")
-    return (import_trace if zipfile.is_zipfile(path) else import_capture)(path, db)
+    if path.suffix.lower() == ".zip" or zipfile.is_zipfile(path):
+        return import_trace(path, db)  # a .zip that is no zip gets the trace reader's "not a zip" error
+    return import_capture(path, db)
 
 
 def save_upload(name: str, data: bytes, folder: str | Path) -> Path:

@@ -42,6 +42,22 @@ PAGES = {p.url: p for p in (
 )}
 
 
+# Value widgets whose state outlives a visit to another page. Streamlit drops a widget's state after a
+# run that does not draw it; setting it again each run keeps it. (Buttons, uploaders, editors and chart
+# selections cannot be set this way and are not listed.)
+KEPT_WIDGETS = {"run_model", "run_model_path", "run_source", "run_scenario", "sql_text", "sc_name", "sc_model",
+                "insp_view", "insp_upto", "insp_grid_scope", "insp_colour_by", "insp_layer", "insp_head",
+                "insp_request", "insp_step", "insp_block"}
+KEPT_PREFIXES = ("run_bs_", "run_nb_", "run_mbt_", "run_iso_", "run_pc_", "run_fault_", "run_fs_", "run_fr_",
+                 "run_fl_", "run_att_", "run_seed_")  # the Run page's settings, one set per scenario
+
+
+def keep_widget_state() -> None:
+    for key in list(st.session_state):
+        if isinstance(key, str) and (key in KEPT_WIDGETS or key.startswith(KEPT_PREFIXES)):
+            st.session_state[key] = st.session_state[key]
+
+
 def db_path() -> Path:
     """KVVIZ_DB, or runs/kvviz.duckdb."""
     return Path(os.environ.get("KVVIZ_DB") or DEFAULT_DB)

@@ -9,6 +9,7 @@ from ..analysis.runs import RunInfo
 from ..figures import blocks as fig
 
 MAX_PAGE_TABLE_REQUESTS = 16
+MAX_DRAWN_BLOCKS = 2048  # a grid of more markers is unreadable and slow to draw
 
 
 def render(con, info: RunInfo, step: int) -> None:
@@ -22,10 +23,18 @@ def render(con, info: RunInfo, step: int) -> None:
                  f"shared, {int((pool.state == 'cached').sum())} cached" + (f", {len(leaky)} read by a leak"
                                                                              if leaky else ""))
         n = len(pool)
+        touched = pool.block[pool.state != "free"]
+        shown = n if n <= MAX_DRAWN_BLOCKS else min(MAX_DRAWN_BLOCKS, max(256, int(touched.max()) + 1
+                                                                          if len(touched) else 0))
+        if shown < n:
+            st.caption(f"Blocks {shown}..{n - 1} are not drawn: " + (
+                "all free." if not len(touched) or touched.max() < shown else "showing the first "
+                f"{shown} of {n}; pick any block by number on the right."))
+            pool = pool[pool.block < shown]
 
         def clicked() -> None:
             points = st.session_state["insp_blockmap"]["selection"]["points"]
-            picked = fig.block_at(points[0], n) if points else None
+            picked = fig.block_at(points[0], shown) if points else None
             if picked is not None:
                 st.session_state["insp_block"] = picked
 

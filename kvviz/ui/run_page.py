@@ -46,9 +46,13 @@ def render() -> None:
     if sc is None:
         st.markdown("**Requests** (add rows at the bottom; `parent` forks from another request, `cache_salt` "
                     "is the tenant)")
-        requests = st.data_editor(CUSTOM, num_rows="dynamic", key="run_requests", width="stretch",
+        if "run_requests" not in st.session_state:  # a fresh editor: start from the table last edited
+            st.session_state["run_requests_base"] = st.session_state.get("run_requests_edited", CUSTOM)
+        requests = st.data_editor(st.session_state["run_requests_base"], num_rows="dynamic", key="run_requests",
+                                  width="stretch",
                                   column_config={"max_new_tokens": st.column_config.NumberColumn(min_value=1),
                                                  "arrival_step": st.column_config.NumberColumn(min_value=0)})
+        st.session_state["run_requests_edited"] = requests
         engine0 = {"block_size": 4, "num_blocks": 64, "max_batch_tokens": 256, "isolation": "paged",
                    "prefix_caching": True}
     else:
@@ -59,37 +63,47 @@ def render() -> None:
         _run(name, sc, requests, engine, fault, scope_text, selection, seed)
 
 
+def _key(name: str, tag: str, default) -> str:
+    """A settings widget's key, its default put in session state first (so the value survives a visit
+    to another page and no widget is given both a default and a state)."""
+    key = f"run_{name}_{tag}"
+    st.session_state.setdefault(key, default)
+    return key
+
+
 def _settings(sc, engine0: dict):
     tag = sc.name if sc else "custom"  # widgets per scenario, so each starts from its own settings
     with st.expander("Engine, fault and recording", expanded=sc is None):
         c = st.columns(5)
+        tight = bool(sc and sc.tight_pool)
         engine = {
-            "block_size": c[0].number_input("block size", 1, 256, int(engine0.get("block_size", 16)), key=f"bs_{tag}"),
-            "num_blocks": c[1].number_input("blocks", 1, 65536, int(engine0.get("num_blocks", 256)), key=f"nb_{tag}",
-                                            disabled=bool(sc and sc.tight_pool),
-                                            help="sized to the model's tokenizer" if sc and sc.tight_pool else None),
+            "block_size": c[0].number_input("block size", 1, 256,
+                                            key=_key("bs", tag, int(engine0.get("block_size", 16)))),
+            "num_blocks": c[1].number_input("blocks", 1, 65536,
+                                            key=_key("nb", tag, int(engine0.get("num_blocks", 256))),
+                                            disabled=tight, help="sized to the model's tokenizer" if tight else None),
             "max_batch_tokens": c[2].number_input("token budget per step", 1, 65536,
-                                                  int(engine0.get("max_batch_tokens", 256)), key=f"mbt_{tag}"),
+                                                  key=_key("mbt", tag, int(engine0.get("max_batch_tokens", 256)))),
             "isolation": c[3].selectbox("isolation", ("paged", "masked"),
-                                        index=("paged", "masked").index(engine0.get("isolation", "paged")),
-                                        key=f"iso_{tag}"),
-            "prefix_caching": c[4].checkbox("prefix caching", bool(engine0.get("prefix_caching", True)),
-                                            key=f"pc_{tag}"),
+                                        key=_key("iso", tag, engine0.get("isolation", "paged"))),
+            "prefix_caching": c[4].checkbox("prefix caching", key=_key("pc", tag,
+                                                                        bool(engine0.get("prefix_caching", True)))),
         }
         c = st.columns(4)
         faults = [None, *FAULTS]
-        fault = c[0].selectbox("fault", faults, index=faults.index(sc.fault if sc else None), key=f"fault_{tag}",
+        fault = c[0].selectbox("fault", faults, key=_key("fault", tag, sc.fault if sc else None),
                                format_func=lambda f: "none" if f is None else f"{f} ({FAULTS[f].isolation or 'any'})")
-        scope_text = (c[1].text_input("fault steps", key=f"fs_{tag}", placeholder="e.g. 3,4"),
-                      c[2].text_input("fault requests", key=f"fr_{tag}", placeholder="e.g. A"),
-                      c[3].text_input("fault layers", key=f"fl_{tag}", placeholder="e.g. 0,1"))
+        scope_text = (c[1].text_input("fault steps", key=_key("fs", tag, ""), placeholder="e.g. 3,4"),
+                      c[2].text_input("fault requests", key=_key("fr", tag, ""), placeholder="e.g. A"),
+                      c[3].text_input("fault layers", key=_key("fl", tag, ""), placeholder="e.g. 0,1"))
         if fault:
             st.caption(f"**{fault}** replaces `{FAULTS[fault].defence}`: {FAULTS[fault].breaks}")
         c = st.columns(3)
-        mode = c[0].radio("attention recorded", ("default", "all", "none"), horizontal=True, key=f"att_{tag}",
+        mode = c[0].radio("attention recorded", ("default", "all", "none"), horizontal=True,
+                          key=_key("att", tag, "default"),
                           help="default: every layer's head mean plus all heads of the first, middle and last "
                                "layers. The oracle's metrics are always recorded for every head.")
-        seed = c[1].number_input("seed", 0, 2**31 - 1, 0, key=f"seed_{tag}")
+        seed = c[1].number_input("seed", 0, 2**31 - 1, key=_key("seed", tag, 0))
     return engine, fault, scope_text, AttentionSelection(mode), int(seed)
 
 
@@ -138,6 +152,4 @@ def _run(name, sc, requests, engine, fault, scope_text, selection, seed) -> None
         st.error(f"The run was refused or failed: {e}", icon=":material/error:")
         return
     bar.progress(1.0, text="done")
-    st.session_state["last_run"] = out.run_id
-    st.success(f"Run {out.run_id} stored: {out.findings} findings, max foreign mass {out.max_foreign:.4f}.")
     open_run(out.run_id)

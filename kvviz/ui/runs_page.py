@@ -23,8 +23,10 @@ def render() -> None:
     if listing is None:
         return
     st.caption(f"{len(listing)} runs in `{db_path()}`. Select one to open, export or delete it; two to compare.")
+    gen = st.session_state.get("runs_gen", 0)  # a new table (no selection) after every delete
     event = st.dataframe(listing, hide_index=True, width="stretch", on_select="rerun", selection_mode="multi-row",
-                         key="runs_table", column_config={"created_at": st.column_config.DatetimeColumn("created")})
+                         key=f"runs_table_{gen}",
+                         column_config={"created_at": st.column_config.DatetimeColumn("created")})
     picked = [listing.run_id.iloc[i] for i in event.selection.rows] if event else []
     if not picked:
         picked_text = st.text_input("...or paste run ids (comma-separated, as the CLI prints them)", key="runs_ids")
@@ -38,6 +40,7 @@ def render() -> None:
 
 
 def _one(run_id: str) -> None:
+    st.markdown(f"Selected: run `{run_id}`")
     c = st.columns(4)
     if c[0].button("Open in the inspector", key="runs_open", type="primary", icon=":material/grid_view:"):
         open_run(run_id)
@@ -57,7 +60,7 @@ def _one(run_id: str) -> None:
         c[3].download_button("Chrome trace (Perfetto)", exports["chrome"], f"{run_id}.json", "application/json",
                              key="runs_dl_chrome")
     with st.expander("Delete this run"):
-        sure = st.checkbox(f"Yes, delete run {run_id} and everything recorded for it", key="runs_sure")
+        sure = st.checkbox(f"Yes, delete run {run_id} and everything recorded for it", key=f"runs_sure_{run_id}")
         if st.button("Delete", key="runs_delete", disabled=not sure, icon=":material/delete:"):
             try:
                 runs.delete_run(db_path(), run_id)
@@ -66,6 +69,7 @@ def _one(run_id: str) -> None:
                 return
             if st.session_state.get("run_id") == run_id:
                 st.session_state.pop("run_id")
+            st.session_state["runs_gen"] = st.session_state.get("runs_gen", 0) + 1
             st.toast(f"Deleted run {run_id}")
             st.rerun()
 

@@ -24,7 +24,7 @@ def render() -> None:
     st.markdown(f"### {sc.title}\n{sc.explanation}")
     if sc.fault:
         f = FAULTS[sc.fault]
-        st.markdown(f"**Fault** `{f.name}` replaces `{f.defence}`: {f.breaks} *Mirrors:* {f.mirrors}  \n"
+        st.markdown(f"**Fault** `{f.name}` replaces `{f.defence}`: {f.breaks}.  \n*Mirrors:* {f.mirrors}.  \n"
                     f"**Expected finding:** {' or '.join(sc.expected)}")
     else:
         st.markdown("**A clean control:** it must produce no finding.")

@@ -56,20 +56,22 @@ def render() -> None:
                     res = run_query(con, query, max_rows=MAX_ROWS)
                 st.session_state["sql_result"] = pd.DataFrame(res.rows, columns=res.columns), res.truncated
             except SqlError as e:
-                st.error(f"Refused: {e}", icon=":material/block:")
+                st.error(f"Not run: {e}", icon=":material/block:")
         if "sql_result" in st.session_state:
             _result(*st.session_state["sql_result"])
     _schema()
 
 
 def _result(df: pd.DataFrame, truncated: bool) -> None:
-    st.caption(f"{len(df):,} rows" + (f" (the first {MAX_ROWS:,}; more exist)" if truncated else ""))
+    st.caption(f"{len(df):,} row{'' if len(df) == 1 else 's'}" +
+               (f" (the first {MAX_ROWS:,}; more exist)" if truncated else ""))
     st.dataframe(df, hide_index=True, width="stretch")
     numeric = [c for c in df.columns if pd.api.types.is_numeric_dtype(df[c])]
     if len(df) > 1 and numeric:
         with st.expander("Quick chart", expanded=True):
             c = st.columns(4)
-            x = c[0].selectbox("x", list(df.columns), key="sql_x")
+            columns = list(df.columns)
+            x = c[0].selectbox("x", columns, key="sql_x", index=columns.index("step") if "step" in columns else 0)
             y = c[1].selectbox("y", [n for n in numeric if n != x] or numeric, key="sql_y")
             others = [n for n in df.columns if n not in (x, y) and not pd.api.types.is_numeric_dtype(df[n])]
             colour = c[2].selectbox("colour", [None, *others], key="sql_colour")
