@@ -130,16 +130,27 @@ PEERS: dict[str, Callable[[LoadedModel, BenchCase], Measurement]] = {
 }
 
 
-def run_bench(m: LoadedModel, sizes: list[int], new_tokens: int,
-              progress: Callable[[str], None] = print) -> list[Measurement]:
+def run_bench(m: LoadedModel, sizes: list[int], new_tokens: int, progress: Callable[[str], None] = print,
+              repeat: int = 1, only: set[str] | None = None) -> list[Measurement]:
+    """Every peer on every case (`only`: cases whose name starts with one of these). With repeat > 1
+    the peers take turns, in a rotated order each round, and each reports its median run: on a noisy
+    machine that compares like with like."""
     warm = BenchCase("warm-up", [[101, 102, 103, 104]] * 2, 2)
     for fn in PEERS.values():
         fn(m, warm)
     out = []
     for case in cases(m.config.vocab_size, sizes, new_tokens):
-        for peer, fn in PEERS.items():
-            out.append(fn(m, case))
-            progress(f"{case.name:>18}  {peer:<20} {out[-1].tokens_per_second:8.1f} tok/s")
+        if only and not any(case.name.startswith(o) for o in only):
+            continue
+        runs: dict[str, list[Measurement]] = {peer: [] for peer in PEERS}
+        names = list(PEERS)
+        for i in range(repeat):
+            for peer in names[i % len(names):] + names[:i % len(names)]:
+                runs[peer].append(PEERS[peer](m, case))
+        for peer, measured in runs.items():
+            out.append(sorted(measured, key=lambda r: r.tokens_per_second)[len(measured) // 2])
+            spread = "" if repeat == 1 else " (runs: " + ", ".join(f"{r.tokens_per_second:.1f}" for r in measured) + ")"
+            progress(f"{case.name:>18}  {peer:<20} {out[-1].tokens_per_second:8.1f} tok/s{spread}")
         if case.name.startswith("shared"):
             out.append(run_kvviz(m, case, "fast", prefix_caching=False))
             progress(f"{case.name:>18}  {out[-1].peer:<20} prefill computed {out[-1].prefill_computed}")
@@ -172,11 +183,13 @@ def ingest_rate(rows: int = 20_000, keys: int = 256) -> float:
     return n / seconds
 
 
-def report(m: LoadedModel, results: list[Measurement], sizes: list[int], new_tokens: int) -> str:
+def report(m: LoadedModel, results: list[Measurement], sizes: list[int], new_tokens: int, repeat: int = 1) -> str:
     """A markdown table: tokens/s per case and peer, ratio to `generate`, prefill tokens computed."""
+    runs = "" if repeat == 1 else f" Each figure is the median of {repeat} interleaved runs."
     lines = [
         f"Model `{m.name}` ({m.config.model_type}, {m.dtype}), device {m.device}, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads, {platform.machine()}; {sizes} requests, {new_tokens} new tokens each.",
+        f"{torch.get_num_threads()} threads, {platform.machine()}; {sizes} requests, {new_tokens} new tokens each."
+        + runs,
         "",
         "| case | peer | tok/s | x generate | prefill tokens computed |",
         "| --- | --- | ---: | ---: | ---: |",

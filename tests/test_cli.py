@@ -127,3 +127,18 @@ def test_audit_on_a_tiny_model_passes():
     assert "rows as expected." in p.stdout and "unsalted_prefix" in p.stdout
     row = next(line for line in p.stdout.splitlines() if line.startswith("unsalted_prefix") and "clean" not in line)
     assert "cross-tenant" in row
+
+
+def test_bench_repeats_interleaved_and_reports_medians(tmp_path):
+    from kvviz.bench import PEERS
+
+    out = tmp_path / "b.md"
+    p = kvviz("bench", "--model", "tiny-llama", "--sizes", "2", "--new-tokens", "2", "--repeat", "3",
+              "--cases", "uniform", "--out", str(out))
+    assert p.returncode == 0, p.stderr
+    text = out.read_text()
+    assert "median of 3 interleaved runs" in text and "| uniform-2 |" in text and "mixed-2" not in text
+    runs = [line for line in p.stderr.splitlines() if "(runs:" in line]
+    assert len(runs) == len(PEERS) and all(line.count(",") == 2 for line in runs)
+    bad = kvviz("bench", "--model", "tiny-llama", "--sizes", "2", "--cases", "nothing")
+    assert bad.returncode == 2 and "matches no case" in bad.stderr

@@ -106,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_device(bench)
     bench.add_argument("--sizes", default="8,32", help="numbers of requests, comma-separated (default 8,32)")
     bench.add_argument("--new-tokens", type=int, default=64, help="tokens generated per request (default 64)")
+    bench.add_argument("--repeat", type=int, default=1,
+                       help="run every peer this many times, interleaved, and report medians (default 1)")
+    bench.add_argument("--cases", help="only these cases, comma-separated: uniform, mixed, shared-system")
     bench.add_argument("--out", metavar="FILE.md", help="also write the markdown table to this file")
     bench.set_defaults(func=cmd_bench)
     return p

@@ -39,8 +39,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         m = load_model(args.model, device=args.device)
     except ModelError as e:
         return fail(e)
-    results = run_bench(m, sizes, args.new_tokens, progress=lambda s: print(s, file=sys.stderr, flush=True))
-    text = report(m, results, sizes, args.new_tokens)
+    if args.repeat < 1:
+        return fail(f"--repeat must be >= 1, got {args.repeat}")
+    only = {c.strip() for c in args.cases.split(",") if c.strip()} if args.cases else None
+    results = run_bench(m, sizes, args.new_tokens, progress=lambda s: print(s, file=sys.stderr, flush=True),
+                        repeat=args.repeat, only=only)
+    if not results:
+        return fail(f"--cases {args.cases!r} matches no case; the cases are uniform, mixed and shared-system")
+    text = report(m, results, sizes, args.new_tokens, args.repeat)
     print(text)
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
