@@ -38,7 +38,7 @@ def record(db: Path, scenario: str, fault: str | None = None):
     run_id, oracle = new_run_id(), ProvenanceOracle()
     attention = AttentionRecorder(oracle, m.config.num_hidden_layers, AttentionSelection(full_layers=frozenset({1})))
     rec = RunRecorder(db, run_id, model=m, workload=wl, scenario=scenario, fault=fault, oracle=oracle,
-                      attention=attention, flush_every=3)
+                      attention=attention, flush_every=3, flush_seconds=0)
     run = run_checked(m, wl, fault, on_step=rec.on_step, run_id=run_id, oracle=oracle, probes=[attention])
     rec.finish(run)
     return run
@@ -90,7 +90,7 @@ def test_a_failed_run_is_marked_with_its_error_and_keeps_its_steps(tmp_path):
     m = tiny()
     wl = Workload.from_dict(SCENARIOS["control_forks"].workload)
     run_id, db = new_run_id(), tmp_path / "k.duckdb"
-    rec = RunRecorder(db, run_id, model=m, workload=wl, flush_every=1)
+    rec = RunRecorder(db, run_id, model=m, workload=wl, flush_every=1, flush_seconds=0)
 
     def on_step(r):
         rec.on_step(r)
@@ -286,7 +286,7 @@ def test_the_database_can_be_read_between_flushes(tmp_path):
     m = tiny()
     wl = Workload.from_dict(SCENARIOS["control_forks"].workload)
     db, seen = tmp_path / "k.duckdb", []
-    rec = RunRecorder(db, new_run_id(), model=m, workload=wl, flush_every=2)
+    rec = RunRecorder(db, new_run_id(), model=m, workload=wl, flush_every=2, flush_seconds=0)
 
     def on_step(r):
         rec.on_step(r)
@@ -321,8 +321,8 @@ def test_another_process_reads_all_through_a_recording_run(tmp_path):
 
     db, wl = tmp_path / "k.duckdb", tmp_path / "w.json"
     wl.write_text(json.dumps({"requests": [{"id": f"r{i}", "prompt": "one two three " * (i + 1),
-                                            "max_new_tokens": 48, "ignore_eos": True} for i in range(4)],
-                              "engine": {"block_size": 4, "num_blocks": 128}}))
+                                            "max_new_tokens": 200, "ignore_eos": True} for i in range(6)],
+                              "engine": {"block_size": 4, "num_blocks": 512}}))  # long enough for a few flushes
     proc = subprocess.Popen([sys.executable, "-m", "kvviz", "run", "--workload", str(wl), "--model", "tiny-llama",
                              "--db", str(db), "--quiet"], cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)

@@ -48,10 +48,14 @@ class AttentionRecorder:
 
     def begin_step(self, ctx: StepContext) -> None:
         self.ctx = ctx
+        self.names = [w.seq_id for w in ctx.work]
+        sel = self.selection
+        self.skip = sel.mode == "none" or (sel.steps is not None and ctx.step not in sel.steps)
+        self.wanted = torch.tensor([sel.requests is None or n in sel.requests for n in self.names],
+                                   device=ctx.q_row.device)  # per request of the step, for every layer
 
     def on_attention(self, layer: int, group: AttentionGroup, probs: torch.Tensor) -> None:
-        sel = self.selection
-        if sel.mode == "none" or (sel.steps is not None and self.ctx.step not in sel.steps):
+        if self.skip:
             return
         R, H, Q, L = probs.shape
         heads = [HEAD_MEAN] + (list(range(H)) if layer in self.full else [])
@@ -59,9 +63,7 @@ class AttentionRecorder:
         n_heads = len(heads)
         qr = self.ctx.q_row[group.span].view(R, Q)
         qp = self.ctx.q_pos[group.span].view(R, Q)
-        names = [w.seq_id for w in self.ctx.work]
-        wanted = torch.tensor([sel.requests is None or n in sel.requests for n in names], device=qr.device)[qr]
-        wanted = wanted[:, None, :].expand(R, n_heads, Q)  # [R, heads, Q] rows to keep
+        wanted = self.wanted[qr][:, None, :].expand(R, n_heads, Q)  # [R, heads, Q] rows to keep
         if not bool(wanted.any()):
             return
         keep = ((rows > 0) | group.mask[:, None]) & wanted[..., None]  # [R, heads, Q, L]
@@ -77,7 +79,7 @@ class AttentionRecorder:
             "slots": slots[keep].cpu().numpy().astype(np.int32),
             "weights": rows[keep].float().cpu().numpy(),
             "classes": classes[keep].cpu().numpy(),
-            "names": names,
+            "names": self.names,
         })
 
     def end_step(self) -> None:

@@ -38,6 +38,15 @@ def open_writer(path: str | Path = DEFAULT_DB) -> duckdb.DuckDBPyConnection:
     return con
 
 
+def _version(con: duckdb.DuckDBPyConnection) -> str | None:
+    has_meta = con.execute(
+        "SELECT count(*) FROM information_schema.tables WHERE table_name = 'meta'").fetchone()[0]
+    if not has_meta:
+        return None
+    row = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+    return row[0] if row else None
+
+
 class _Gate:
     """Readers or one writer at a time within this process: DuckDB refuses to hold a file open
     read-only and read-write in one process at once, and the UI reads while a run records."""
@@ -88,24 +97,16 @@ def retry_locked(open_fn, path: Path):
             if time.monotonic() > deadline:
                 raise StoreError(f"{path} is held by another process for longer than {LOCK_WAIT_S:g} s "
                                  f"({str(e).splitlines()[0]})") from None
-            time.sleep(0.05)
+            time.sleep(0.01)
 
 
 @contextmanager
 def writing(path: str | Path = DEFAULT_DB) -> Iterator[duckdb.DuckDBPyConnection]:
-    """A short-lived read-write connection, exclusive within this process, closed on exit."""
+    """A short-lived read-write connection, exclusive within this process, closed on exit (closing
+    checkpoints the file, about 0.1 s: writers that repeat, like the recorder, space their writes)."""
     with GATE.write():
         con = retry_locked(lambda: open_writer(path), Path(path))
         try:
             yield con
         finally:
             con.close()
-
-
-def _version(con: duckdb.DuckDBPyConnection) -> str | None:
-    has_meta = con.execute(
-        "SELECT count(*) FROM information_schema.tables WHERE table_name = 'meta'").fetchone()[0]
-    if not has_meta:
-        return None
-    row = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-    return row[0] if row else None

@@ -65,7 +65,8 @@ def _heatmap(con, info: RunInfo, step: int, request: str, layers: int, heads: in
         return
     if head != attention.HEAD_MEAN and view.head == attention.HEAD_MEAN:
         st.caption(f"Head {head} of layer {layer} was not recorded (default recording keeps every head of the "
-                   "first, middle and last layers): showing the mean of heads.")
+                   "first, middle and last layers): showing the mean of heads. To see every head, run again with "
+                   "attention recorded 'all' (Run page) or `--attention all`.")
     shown = "mean of heads" if view.head == attention.HEAD_MEAN else f"head {view.head}"
     leak = float(np.max(view.foreign_mass)) if view.foreign_mass.size else 0.0
     title = f"{request}, step {step}, layer {layer}, {shown}: foreign + stale mass up to {leak:.4f}"

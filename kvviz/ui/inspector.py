@@ -17,6 +17,7 @@ from .common import reader, runs_or_hint
 ENGINE_VIEWS = ("Blocks", "Attention", "Leaks", "Requests")
 CAPTURE_VIEWS = ("Prefix tree", "Cache over time", "Findings")
 TICK_S = 0.8  # play: seconds per step
+FOLLOW_S = 2.0  # a run being recorded: seconds between looks for new steps
 
 
 def render() -> None:
@@ -92,10 +93,20 @@ def _header(row, info: RunInfo) -> None:
     if row.status == "running":
         st.warning("This run is still being recorded, or its process died: showing the steps stored so far.",
                    icon=":material/pending:")
-        st.button("Refresh", key="insp_refresh")
+        if st.toggle("Follow it: refresh as steps arrive", key="insp_follow"):
+            st.fragment(run_every=FOLLOW_S)(_follow)(info.run_id, len(info.steps))
     elif row.status == "failed":
         st.error(f"This run failed: {row.error}. The steps recorded before the failure are shown.",
                  icon=":material/error:")
+
+
+def _follow(run_id: str, seen: int) -> None:
+    """Rerun the page when the recorder has stored more steps or the run has ended."""
+    with reader() as con:
+        status, steps = con.execute("SELECT status, (SELECT count(*) FROM steps WHERE run_id = ?) FROM runs "
+                                    "WHERE run_id = ?", [run_id, run_id]).fetchone()
+    if status != "running" or steps != seen:
+        st.rerun(scope="app")
 
 
 def _scope_text(scope: dict) -> str:
