@@ -87,6 +87,7 @@ def run_kvviz(m: LoadedModel, case: BenchCase, compute: str, prefix_caching: boo
     res = Engine(m, cfg).run(wl, observers=observers, on_step=on_step)
     if recorder is not None:
         recorder.flush()
+        recorder.wait()
         tmp.cleanup()
     seconds = time.perf_counter() - t
     peer = (f"kvviz {compute}" + (" + oracle + recorder" if record else " + oracle" if oracle else "")

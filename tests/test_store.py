@@ -238,10 +238,14 @@ def test_a_run_killed_midway_leaves_a_readable_database(tmp_path):
                               "engine": {"num_blocks": 1024}}))
     proc = subprocess.Popen([sys.executable, "-m", "kvviz", "run", "--workload", str(wl), "--model", "tiny-llama",
                              "--db", str(db), "--quiet"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.time() + 120
-    while time.time() < deadline and not (db.with_suffix(".duckdb.wal").exists() or db.exists()):
-        time.sleep(0.2)
-    time.sleep(4)  # several flushes in
+    from kvviz.store.sql import reading
+
+    deadline, stored = time.time() + 120, 0
+    while time.time() < deadline and stored < 2 and proc.poll() is None:  # wait until flushes have landed
+        time.sleep(0.5)
+        if db.exists():
+            with reading(db) as con:
+                stored = con.execute("SELECT count(*) FROM steps").fetchone()[0]
     assert proc.poll() is None, "the run finished before it could be killed"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
@@ -286,7 +290,7 @@ def test_the_database_can_be_read_between_flushes(tmp_path):
     m = tiny()
     wl = Workload.from_dict(SCENARIOS["control_forks"].workload)
     db, seen = tmp_path / "k.duckdb", []
-    rec = RunRecorder(db, new_run_id(), model=m, workload=wl, flush_every=2, flush_seconds=0)
+    rec = RunRecorder(db, new_run_id(), model=m, workload=wl, flush_every=2, flush_seconds=0, background=False)
 
     def on_step(r):
         rec.on_step(r)

@@ -1,9 +1,10 @@
 """Records a run step by step: buffered in columns, inserted in bulk as Arrow tables.
 
 The run row is written as `running` before the first step and finished as `complete` or `failed`;
-buffers are flushed every few steps (and seconds) in their own transaction, so a run killed midway leaves a
-database that opens, with the run shown as running and its steps so far readable. The file is held
-only while a flush writes: between flushes another process can open it to read.
+buffers are flushed every few steps (and seconds) in their own transaction, written by a background
+thread while the engine goes on, so a run killed midway leaves a database that opens, with the run
+shown as running and its steps so far readable. The file is held only while a flush writes: between
+flushes another process can open it to read.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import time
 from collections import defaultdict
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
@@ -34,8 +36,13 @@ _TYPES = {"hash": pa.uint64()}  # vLLM-style 64-bit hashes exceed int64
 class RunRecorder:
     def __init__(self, db_path, run_id: str, *, model, workload, scenario: str | None = None,
                  fault: str | None = None, fault_scope: dict | None = None, oracle: ProvenanceOracle | None = None,
-                 attention: AttentionRecorder | None = None, flush_every: int = 8, flush_seconds: float = 2.0):
+                 attention: AttentionRecorder | None = None, flush_every: int = 8, flush_seconds: float = 2.0,
+                 background: bool = True):
         self.db_path, self.tokenizer = db_path, model.tokenizer
+        # Writes go to one background thread, in order, so the engine computes while DuckDB inserts and
+        # checkpoints; finish() and fail() wait for them.
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvviz-recorder") if background else None
+        self._writes: list[Future] = []
         self.run_id, self.oracle, self.attention, self.flush_every = run_id, oracle, attention, flush_every
         self.flush_seconds, self._flushed_at = flush_seconds, time.monotonic()
         self.rows: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
@@ -116,15 +123,35 @@ class RunRecorder:
         attention = self.attention.take(self.run_id) if self.attention is not None else None
         if attention is not None:
             tables["attention"] = attention
+        self.rows.clear()
+        self._pending, self._flushed_at = 0, time.monotonic()
         if not tables:
             return
+        if self._writer is None:
+            self._insert(tables)
+        else:
+            for done in [f for f in self._writes if f.done()]:
+                done.result()  # a write that failed raises here, on the engine's thread
+            self._writes = [f for f in self._writes if not f.done()]
+            self._writes.append(self._writer.submit(self._insert, tables))
+
+    def _insert(self, tables: dict[str, pa.Table]) -> None:
         with writing(self.db_path) as con:
             con.execute("BEGIN TRANSACTION")
             for table, buf in tables.items():  # noqa: B007 (DuckDB reads `buf` by name)
                 con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM buf")
             con.execute("COMMIT")
-        self.rows.clear()
-        self._pending, self._flushed_at = 0, time.monotonic()
+
+    def wait(self) -> None:
+        """Wait for every write in flight (raising the first that failed) and stop the writer thread."""
+        try:
+            for f in self._writes:
+                f.result()
+        finally:
+            self._writes = []
+            if self._writer is not None:
+                self._writer.shutdown(wait=True)
+                self._writer = None
 
     def finish(self, run: CheckedRun, seconds: float | None = None) -> None:
         res, summary = run.result, run.summary()
@@ -144,6 +171,7 @@ class RunRecorder:
                       first_divergent_step=d.first_divergent_step, max_logit_diff=d.max_logit_diff, max_kl=d.max_kl,
                       classification=d.classification)
         self.flush()
+        self.wait()
         st = res.stats
         values = [st.steps, seconds if seconds is not None else st.seconds, st.generated_tokens,
                   summary["leak"]["max_foreign_mass"], summary["leak"]["leak_rate"], len(run.findings), self.run_id]
@@ -155,6 +183,7 @@ class RunRecorder:
         """Keep what was recorded and mark the run failed with the reason."""
         try:
             self.flush()
+            self.wait()
         finally:
             with writing(self.db_path) as con:
                 con.execute("UPDATE runs SET status = 'failed', error = ? WHERE run_id = ?",
