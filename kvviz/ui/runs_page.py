@@ -29,7 +29,7 @@ def render() -> None:
                          column_config={"created_at": st.column_config.DatetimeColumn("created")})
     picked = [listing.run_id.iloc[i] for i in event.selection.rows] if event else []
     if not picked:
-        picked_text = st.text_input("...or paste run ids (comma-separated, as the CLI prints them)", key="runs_ids")
+        picked_text = st.text_input("Or paste run ids (comma-separated, as the CLI prints them)", key="runs_ids")
         picked = [r.strip() for r in picked_text.split(",") if r.strip() in set(listing.run_id)]
     if len(picked) == 1:
         _one(picked[0])
