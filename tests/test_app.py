@@ -273,3 +273,28 @@ def test_a_huge_pool_draws_only_the_blocks_in_use(tiny, tmp_path, monkeypatch):
     assert any("Blocks 256..4095 are not drawn: all free." in c.value for c in at.caption)
     drawn = sum(len(values(t["x"])) for t in charts(at)["insp_blockmap"]["data"])
     assert drawn == 256
+
+
+def test_a_fault_scope_naming_no_request_is_refused_before_recording(empty_db):
+    at = page("run")
+    at.selectbox(key="run_model").set_value("tiny-llama").run()
+    at.selectbox(key="run_scenario").set_value("boundary").run()
+    at.text_input(key="run_fr_boundary").input("Q").run()
+    at.button(key="run_go").click().run()
+    assert any("fault requests: 'Q' is not a request of this workload" in e.value for e in at.error)
+    assert not empty_db.exists() or run_ids(empty_db) == []
+
+
+def test_a_run_that_died_before_its_first_step_opens_without_error(tiny, tmp_path, monkeypatch):
+    from kvviz.store import RunRecorder
+    from kvviz.workload import Workload
+
+    db = tmp_path / "dead.duckdb"
+    rec = RunRecorder(db, "dead0", model=tiny, workload=Workload.from_dict({"requests": [{"id": "A", "prompt": "x"}]}))
+    rec.fail(KeyboardInterrupt())
+    monkeypatch.setenv("KVVIZ_DB", str(db))
+    at = page("inspector", run_id="dead0")
+    assert any("failed" in e.value and "KeyboardInterrupt" in e.value for e in at.error)
+    assert any("no recorded steps" in w.value for w in at.warning)
+    at = page("runs")
+    assert not at.exception
