@@ -382,7 +382,7 @@ def test_attention_view_at_a_finding_shows_the_sources_keys(rec):
 
 def test_a_head_that_was_not_recorded_falls_back_to_the_head_mean(rec):
     with reading(rec.db) as con:
-        rid = rec.ids["boundary"]
+        rid = rec.ids["boundary_control"]  # clean: only the chosen layer keeps every head
         B = info(con, rid).block_size
         assert attention.recorded_heads(con, rid, 0) == [-1]
         assert attention.recorded_heads(con, rid, 1) == [-1, 0, 1, 2, 3]
@@ -394,6 +394,8 @@ def test_a_head_that_was_not_recorded_falls_back_to_the_head_mean(rec):
         assert recorded.head == 2
         assert not np.allclose(np.nan_to_num(recorded.weights),
                                np.nan_to_num(attention.attention_view(con, rid, "A", 1, 1, -1, B).weights))
+        leaky = rec.ids["boundary"]  # where the oracle saw a leak, every head of that layer was kept
+        assert attention.recorded_heads(con, leaky, 0) == [-1, 0, 1, 2, 3]
 
 
 def synthetic_view(Q=37, K=83, leak=(23, 61), weight=0.9) -> attention.AttentionView:

@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_db(run, "run store to record into")
     run.add_argument("--attention", choices=["default", "all", "none"], default="default",
                      help="attention rows to record: head mean of every layer plus all heads of the first, middle "
-                          "and last layer (default), every head of every layer, or none")
+                          "and last layer and of any layer at a step where a leak was seen (default), every head "
+                          "of every layer, or none")
     run.add_argument("--attention-layers", metavar="0,15", help="layers recorded with all heads (default mode)")
     run.add_argument("--attention-steps", metavar="0,1", help="record attention at these steps only")
     run.add_argument("--attention-requests", metavar="A,B", help="record attention of these requests only")

@@ -167,6 +167,14 @@ class ProvenanceOracle:
                       per_token(source), per_token(cross_source), per_token(torch.special.entr(p).sum(-1)))
         self._store(layer, group, rows)
 
+    def leaked_in(self, layer: int, group: AttentionGroup) -> bool:
+        """Whether a query of this group put foreign or stale mass above the threshold at this layer
+        (asked during the step, after this layer was judged)."""
+        acc = self.layers.get(layer)
+        if acc is None:
+            return False
+        return bool(((acc.foreign[group.span] + acc.stale[group.span]) > self.config.threshold).any())
+
     def _top_writer(self, weights: torch.Tensor, writers: torch.Tensor) -> torch.Tensor:
         """The writer holding the most weight in each row: [R, H, Q, L] -> [R, H, Q] writer ids."""
         R, H, Q, L = weights.shape

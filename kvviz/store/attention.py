@@ -2,8 +2,9 @@
 slots a query read, their weights and each key's class (0 own, 1 foreign, 2 stale).
 
 The weights are the big part of a run (SmolLM2: 270 rows per generated token), so by default only
-the head mean of every layer and all heads of three layers (first, middle, last) are kept; keys a
-query could not see and gave no weight are dropped. Rows are buffered as flat arrays with offsets
+the head mean of every layer and all heads of three layers (first, middle, last) are kept, plus all
+heads of any layer where the oracle saw a leak in that step (so every finding's head can be shown);
+keys a query could not see and gave no weight are dropped. Rows are buffered as flat arrays with offsets
 and become Arrow list columns without a Python loop per row.
 """
 
@@ -58,7 +59,8 @@ class AttentionRecorder:
         if self.skip:
             return
         R, H, Q, L = probs.shape
-        heads = [HEAD_MEAN] + (list(range(H)) if layer in self.full else [])
+        every_head = layer in self.full or (self.selection.mode == "default" and self.oracle.leaked_in(layer, group))
+        heads = [HEAD_MEAN] + (list(range(H)) if every_head else [])
         rows = torch.cat([probs.mean(1, keepdim=True), probs] if len(heads) > 1 else [probs.mean(1, keepdim=True)], 1)
         n_heads = len(heads)
         qr = self.ctx.q_row[group.span].view(R, Q)

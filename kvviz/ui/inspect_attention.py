@@ -64,8 +64,9 @@ def _heatmap(con, info: RunInfo, step: int, request: str, layers: int, heads: in
                 "recording skipped it.", icon=":material/info:")
         return
     if head != attention.HEAD_MEAN and view.head == attention.HEAD_MEAN:
-        st.caption(f"Head {head} of layer {layer} was not recorded (default recording keeps every head of the "
-                   "first, middle and last layers): showing the mean of heads. To see every head, run again with "
+        st.caption(f"Head {head} of layer {layer} was not recorded at these steps (default recording keeps every "
+                   "head of the first, middle and last layers and of layers where a leak was seen): showing the "
+                   "mean of heads. To see every head, run again with "
                    "attention recorded 'all' (Run page) or `--attention all`.")
     shown = "mean of heads" if view.head == attention.HEAD_MEAN else f"head {view.head}"
     leak = float(np.max(view.foreign_mass)) if view.foreign_mass.size else 0.0

@@ -101,8 +101,9 @@ def _settings(sc, engine0: dict):
         c = st.columns(3)
         mode = c[0].radio("attention recorded", ("default", "all", "none"), horizontal=True,
                           key=_key("att", tag, "default"),
-                          help="default: every layer's head mean plus all heads of the first, middle and last "
-                               "layers. The oracle's metrics are always recorded for every head.")
+                          help="default: every layer's head mean, all heads of the first, middle and last layers, "
+                               "and all heads of a layer at a step where the oracle saw a leak in it. "
+                               "The oracle's metrics are always recorded for every head.")
         seed = c[1].number_input("seed", 0, 2**31 - 1, key=_key("seed", tag, 0))
     return engine, fault, scope_text, AttentionSelection(mode), int(seed)
 
