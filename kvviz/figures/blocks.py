@@ -41,7 +41,7 @@ def block_map(blocks: pd.DataFrame, leaky: set[int] = frozenset(), colour_by: st
     fig.update_layout(title=title, height=max(160, rows * (size + 4) + 90), margin={"l": 10, "r": 10, "t": 40, "b": 10},
                       plot_bgcolor="white", legend={"orientation": "h", "y": -0.02, "yanchor": "top"},
                       clickmode="event+select", dragmode=False)
-    fig.update_traces(unselected={"marker": {"opacity": 1}})  # a click must not fade the leak outlines
+    fig.update_traces(unselected={"marker": {"opacity": 1}, "textfont": {"color": "#333"}})  # a click fades nothing
     fig.update_xaxes(visible=False, range=[-0.7, cols - 0.3])
     fig.update_yaxes(visible=False, autorange="reversed", scaleanchor="x")
     return fig
