@@ -56,14 +56,15 @@ def run(db: str | Path, m: LoadedModel, workload: dict, fault: str | None = None
     bad input before anything is recorded."""
     wl = Workload.from_dict(workload)
     total = sum(r.max_new_tokens for r in wl.requests)
-    done = 0
+    done, worst = 0, 0.0
 
     def step(rec: StepRecord, oracle: ProvenanceOracle) -> None:
-        nonlocal done
+        nonlocal done, worst
         done += len(rec.sampled)
+        if oracle.steps:  # a running max: the step's own figure, not a rescan of every step so far
+            worst = max(worst, float(oracle.steps[-1].max_foreign.max()))
         if on_step is not None:
-            on_step(LiveStep(rec.step, done, total, pool_frame(rec), len(oracle.findings),
-                             max((float(s.max_foreign.max()) for s in oracle.steps), default=0.0)))
+            on_step(LiveStep(rec.step, done, total, pool_frame(rec), len(oracle.findings), worst))
 
     checked = record_run(db, m, wl, fault, scenario=scenario_name, scope=scope, selection=selection, on_step=step)
     summary = checked.summary()
