@@ -365,3 +365,18 @@ def test_default_recording_keeps_every_head_where_a_leak_was_seen(tmp_path):
         assert con.execute("SELECT count(*) FROM attention WHERE run_id = ? AND step = ? AND layer = ? AND head = ?",
                            [faulty, step, layer, head]).fetchone()[0] > 0
     assert con.execute("SELECT list(DISTINCT head) FROM attention WHERE run_id = ?", [clean]).fetchone()[0] == [-1]
+
+
+def test_a_version_1_store_is_upgraded_in_place_and_keeps_its_runs(tmp_path):
+    db = tmp_path / "v1.duckdb"
+    record(db, "boundary", "boundary")
+    con = duckdb.connect(str(db))
+    con.execute("DROP TABLE token_text")  # what a version 1 file lacks
+    con.execute("UPDATE meta SET value = '1' WHERE key = 'schema_version'")
+    runs_before = con.execute("SELECT count(*) FROM runs").fetchone()[0]
+    con.close()
+    con = open_writer(db)
+    assert con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0] == SCHEMA_VERSION
+    assert con.execute("SELECT count(*) FROM token_text").fetchone()[0] == 0
+    assert con.execute("SELECT count(*) FROM runs").fetchone()[0] == runs_before == 1
+    con.close()
