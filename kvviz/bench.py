@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from .engine import Engine, EngineConfig
 from .models import LoadedModel
@@ -42,6 +42,8 @@ class Measurement:
     seconds: float
     generated: int
     prefill_computed: int | None = None  # kvviz only: prompt positions actually computed
+    ttft: float | None = None  # mean seconds to a request's first token (prefill and queueing)
+    tpot: float | None = None  # mean seconds per output token after the first (one decode step)
 
     @property
     def tokens_per_second(self) -> float:
@@ -92,7 +94,10 @@ def run_kvviz(m: LoadedModel, case: BenchCase, compute: str, prefix_caching: boo
     seconds = time.perf_counter() - t
     peer = (f"kvviz {compute}" + (" + oracle + recorder" if record else " + oracle" if oracle else "")
             + ("" if prefix_caching else " (no prefix cache)"))
-    return Measurement(case.name, peer, seconds, res.stats.generated_tokens, res.stats.prefill_tokens_computed)
+    n = len(res.requests)
+    return Measurement(case.name, peer, seconds, res.stats.generated_tokens, res.stats.prefill_tokens_computed,
+                       sum(r.first_token_seconds for r in res.requests) / n,
+                       sum(r.seconds_per_output_token for r in res.requests) / n)
 
 
 def _no_eos(m: LoadedModel, n: int) -> GenerationConfig:
@@ -100,16 +105,31 @@ def _no_eos(m: LoadedModel, n: int) -> GenerationConfig:
                             pad_token_id=m.tokenizer.pad_token_id or 0)
 
 
+class _StepClock(LogitsProcessor):
+    """Notes when each of `generate`'s forwards has produced its logits; changes nothing."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.times.append(time.perf_counter())
+        return scores
+
+
 def run_generate(m: LoadedModel, case: BenchCase) -> Measurement:
     width = max(len(p) for p in case.prompts)
     pad = m.tokenizer.pad_token_id or 0
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in case.prompts], device=m.device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in case.prompts], device=m.device)
+    clock = _StepClock()
     t = time.perf_counter()
     with torch.inference_mode():
-        out = m.model.generate(input_ids=ids, attention_mask=mask, generation_config=_no_eos(m, case.new_tokens))
-    seconds = time.perf_counter() - t
-    return Measurement(case.name, "hf generate", seconds, (out.shape[1] - width) * len(case.prompts))
+        out = m.model.generate(input_ids=ids, attention_mask=mask, generation_config=_no_eos(m, case.new_tokens),
+                               logits_processor=LogitsProcessorList([clock]))
+    end = time.perf_counter()
+    steps = len(clock.times)
+    return Measurement(case.name, "hf generate", end - t, (out.shape[1] - width) * len(case.prompts), None,
+                       clock.times[0] - t, (end - clock.times[0]) / (steps - 1) if steps > 1 else 0.0)
 
 
 def run_generate_batch(m: LoadedModel, case: BenchCase) -> Measurement:
@@ -184,6 +204,15 @@ def ingest_rate(rows: int = 20_000, keys: int = 256) -> float:
     return n / seconds
 
 
+def _where_fast_gains(case: str, fast: Measurement, gen: Measurement, new_tokens: int) -> str:
+    """Split the ratio into prefill and decode: with decode steps exactly as fast as generate's, the
+    whole gain is the time to first token, which bounds the ratio any scheduler can reach."""
+    ceiling = gen.seconds / (fast.ttft + gen.tpot * (new_tokens - 1))
+    return (f"{case}: first token after {1000 * fast.ttft:.0f} ms (fast) and {1000 * gen.ttft:.0f} ms (generate), "
+            f"then {1000 * fast.tpot:.1f} and {1000 * gen.tpot:.1f} ms per token; with decode as fast as "
+            f"generate's, fast would be {ceiling:.2f}x generate.")
+
+
 def report(m: LoadedModel, results: list[Measurement], sizes: list[int], new_tokens: int, repeat: int = 1) -> str:
     """A markdown table: tokens/s per case and peer, ratio to `generate`, prefill tokens computed."""
     runs = "" if repeat == 1 else f" Each figure is the median of {repeat} interleaved runs."
@@ -192,19 +221,24 @@ def report(m: LoadedModel, results: list[Measurement], sizes: list[int], new_tok
         f"{torch.get_num_threads()} threads, {platform.machine()}; {sizes} requests, {new_tokens} new tokens each."
         + runs,
         "",
-        "| case | peer | tok/s | x generate | prefill tokens computed |",
-        "| --- | --- | ---: | ---: | ---: |",
+        "| case | peer | tok/s | x generate | TTFT ms | TPOT ms | prefill tokens computed |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     base = {r.case: r.tokens_per_second for r in results if r.peer == "hf generate"}
     for r in results:
         computed = "" if r.prefill_computed is None else str(r.prefill_computed)
+        ttft = "" if r.ttft is None else f"{1000 * r.ttft:.1f}"
+        tpot = "" if r.tpot is None else f"{1000 * r.tpot:.1f}"
         lines.append(f"| {r.case} | {r.peer} | {r.tokens_per_second:.1f} | "
-                     f"{r.tokens_per_second / base[r.case]:.2f} | {computed} |")
+                     f"{r.tokens_per_second / base[r.case]:.2f} | {ttft} | {tpot} | {computed} |")
     for case in sorted({r.case for r in results}):
         plain = next(r for r in results if r.case == case and r.peer == "kvviz inspect")
         checked = next(r for r in results if r.case == case and r.peer == "kvviz inspect + oracle")
         lines.append(f"\n{case}: the oracle on every layer makes inspect "
                      f"{100 * (plain.tokens_per_second / checked.tokens_per_second - 1):.0f}% slower.")
+        lines.append(_where_fast_gains(case, next(r for r in results if r.case == case and r.peer == "kvviz fast"),
+                                       next(r for r in results if r.case == case and r.peer == "hf generate"),
+                                       new_tokens))
     lines.append(f"\nDuckDB ingest of attention rows: {ingest_rate() / 1e6:.1f} million weights per second "
                  "(Arrow list columns, one INSERT).")
     for case in sorted({r.case for r in results if r.case.startswith("shared")}):

@@ -138,6 +138,9 @@ def test_bench_repeats_interleaved_and_reports_medians(tmp_path):
     assert p.returncode == 0, p.stderr
     text = out.read_text()
     assert "median of 3 interleaved runs" in text and "| uniform-2 |" in text and "mixed-2" not in text
+    generate = next(line for line in text.splitlines() if line.startswith("| uniform-2 | hf generate |"))
+    ttft, tpot = (float(cell) for cell in generate.split("|")[5:7])
+    assert ttft > 0 and tpot > 0  # measured from generate's own forwards
     runs = [line for line in p.stderr.splitlines() if "(runs:" in line]
     assert len(runs) == len(PEERS) and all(line.count(",") == 2 for line in runs)
     bad = kvviz("bench", "--model", "tiny-llama", "--sizes", "2", "--cases", "nothing")

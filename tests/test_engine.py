@@ -130,6 +130,16 @@ def test_idle_steps_until_a_late_arrival():
     assert [r.step for r in records] == [0, 1, 9, 10]
 
 
+def test_request_latencies_follow_the_steps_that_produced_the_tokens():
+    result, records = run({"requests": [{"id": "A", "prompt": "ab", "max_new_tokens": 4},
+                                        {"id": "B", "prompt": "cd", "max_new_tokens": 1, "arrival_step": 2}]})
+    a, b = result.requests
+    assert 0 < a.first_token_seconds < a.finish_seconds <= result.stats.seconds
+    assert a.first_token_seconds <= b.first_token_seconds == b.finish_seconds  # B came later, one token
+    assert a.seconds_per_output_token == pytest.approx((a.finish_seconds - a.first_token_seconds) / 3)
+    assert b.seconds_per_output_token == 0.0
+
+
 BAD_WORKLOADS = [
     ([], "workload: must be a JSON object"),
     ({}, "requests: must be a non-empty list"),

@@ -48,6 +48,14 @@ class RequestResult:
     finish_step: int
     greedy: bool
     logits: list[torch.Tensor] | None = None  # one float32 [V] row per generated token, on request
+    first_token_seconds: float = 0.0  # since the run started: time to first token, queueing included
+    finish_seconds: float = 0.0
+
+    @property
+    def seconds_per_output_token(self) -> float:
+        """Mean time between this request's tokens after the first (TPOT), 0 for one token."""
+        n = len(self.output_ids) - 1
+        return (self.finish_seconds - self.first_token_seconds) / n if n > 0 else 0.0
 
 
 @dataclass
@@ -114,6 +122,8 @@ class _Live:
     first_token_step: int = -1
     finish_step: int = -1
     finish_reason: str = ""
+    first_token_at: float = 0.0  # perf_counter times
+    finish_at: float = 0.0
 
 
 @contextmanager
@@ -179,7 +189,7 @@ class Engine:
         stats.seconds = time.perf_counter() - t0
         stats.cached_tokens = sum(r.cached_tokens for r in live.values())
         stats.prompt_tokens = sum(len(r.prompt_ids) for r in live.values())
-        return RunResult(run_id or new_run_id(), cfg, [self._result(live[s.id]) for s, _ in specs], stats)
+        return RunResult(run_id or new_run_id(), cfg, [self._result(live[s.id], t0) for s, _ in specs], stats)
 
     # -- one step ------------------------------------------------------------------------------
     def _step(self, step, plan, kv, tensors, live, stats, observers) -> StepRecord:
@@ -226,7 +236,7 @@ class Engine:
         for sid in plan.admitted:
             if live[sid].cached_tokens < 0:
                 live[sid].cached_tokens = allocs[sid].start
-        sampled, finished = {}, []
+        sampled, finished, now = {}, [], time.perf_counter()
         for i, r in enumerate(sampling):
             sid = work[r].seq_id
             state = live[sid]
@@ -235,13 +245,13 @@ class Engine:
             if state.logits is not None:
                 state.logits.append(logits[i].float().cpu())
             if state.first_token_step < 0:
-                state.first_token_step = step
+                state.first_token_step, state.first_token_at = step, now
             sampled[sid] = tok
             stats.generated_tokens += 1
             eos = tok in self.eos_ids and not state.spec.ignore_eos
             if eos or len(state.output_ids) >= state.spec.max_new_tokens:
                 state.finish_reason = "eos" if eos else "length"
-                state.finish_step = step
+                state.finish_step, state.finish_at = step, now
                 finished.append(sid)
             else:
                 kv.append_tokens(sid, [tok])
@@ -298,7 +308,8 @@ class Engine:
             kv.add(spec.id, state.prompt_ids, spec.cache_salt)
             sched.add_waiting(spec.id)
 
-    def _result(self, s: _Live) -> RequestResult:
+    def _result(self, s: _Live, t0: float) -> RequestResult:
         text = self.m.tokenizer.decode(s.output_ids, skip_special_tokens=True)
         return RequestResult(s.spec.id, s.prompt_ids, s.output_ids, text, s.finish_reason, s.cached_tokens,
-                             s.spec.arrival_step, s.first_token_step, s.finish_step, s.spec.temperature == 0, s.logits)
+                             s.spec.arrival_step, s.first_token_step, s.finish_step, s.spec.temperature == 0, s.logits,
+                             s.first_token_at - t0, s.finish_at - t0)
