@@ -143,6 +143,23 @@ def test_attention_rows_hold_weights_and_key_classes(db):
     assert dup == 0
 
 
+
+def test_attention_rows_read_exactly_the_slots_their_page_tables_address(db):
+    """A clean paged run: each recorded query read positions 0..its own, each through its page table."""
+    con = duckdb.connect(str(db), read_only=True)
+    clean, engine = con.execute("SELECT run_id, engine FROM runs WHERE fault IS NULL").fetchone()
+    B = json.loads(engine)["block_size"]
+    rows = con.execute(
+        "WITH pt AS (SELECT step, request_id, list(physical_block ORDER BY logical_block) AS blocks "
+        "FROM page_tables WHERE run_id = $1 GROUP BY ALL) "
+        "SELECT a.position, a.key_slots, a.key_classes, pt.blocks FROM attention a JOIN pt USING (step, request_id) "
+        "WHERE a.run_id = $1 AND a.head >= 0", [clean]).fetchall()
+    con.close()
+    assert len(rows) > 100
+    for position, slots, classes, blocks in rows:
+        assert slots == [blocks[i // B] * B + i % B for i in range(position + 1)]
+        assert classes == [0] * (position + 1)
+
 ALL_TABLES = ["runs", "attention", "slot_writes", "kv_events", "kv_cache_blocks", "requests", "steps", "step_work",
               "page_tables", "blocks", "block_events",
               "leak_metrics", "findings", "divergence", "leak_rate_per_step", "top_leaking_heads", "block_occupancy",

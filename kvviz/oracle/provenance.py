@@ -81,6 +81,7 @@ class _KeyClasses:
     cross: torch.Tensor | None  # own by content but written by another tenant (None: no such key)
     q_pos: torch.Tensor  # [R, Q]
     writers: torch.Tensor  # [R, L] writer id of each key slot
+    codes: torch.Tensor | None = None  # uint8 0 own / 1 foreign / 2 stale, made on first request
 
 
 @dataclass
@@ -113,7 +114,9 @@ class ProvenanceOracle:
     def key_classes(self, group: AttentionGroup) -> torch.Tensor:
         """[R, Q, L] uint8 per (query row, key): 0 own, 1 foreign, 2 stale (for recorders)."""
         k = self._classify(group)
-        return torch.where(k.own, 0, torch.where(k.foreign, 1, 2)).to(torch.uint8)
+        if k.codes is None:  # the same in every layer of the step
+            k.codes = torch.where(k.own, 0, torch.where(k.foreign, 1, 2)).to(torch.uint8)
+        return k.codes
 
     def _classify(self, group: AttentionGroup) -> _KeyClasses:
         """Key classes per (query row, key) of a group: the same in every layer, so computed once."""
