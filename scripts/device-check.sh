@@ -18,6 +18,6 @@ fi
 python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name())"
 model=tiny-llama
 select=(-m "not slow")
-if python3 -m kvviz fetch-model smollm2 >/dev/null 2>&1; then model=smollm2; select=(); fi
+if timeout 60 python3 -m kvviz fetch-model smollm2 >/dev/null 2>&1; then model=smollm2; select=(); fi
 KVVIZ_TEST_DEVICE=cuda python3 -m pytest -q "${select[@]}" tests/test_engine_equivalence.py 2>&1 | tee "$out/equivalence-cuda.txt"
 python3 -m kvviz bench --device cuda --model "$model" --sizes 8,32 --new-tokens 64 --out "$out/bench-cuda.md"
