@@ -106,6 +106,20 @@ def test_a_failed_run_is_marked_with_its_error_and_keeps_its_steps(tmp_path):
     con = duckdb.connect(str(db), read_only=True)
     assert con.execute("SELECT status, error FROM runs").fetchone() == ("failed", "RuntimeError: power cut")
     assert con.execute("SELECT count(*) FROM steps").fetchone()[0] == 3
+    # it can be shared: its trace (steps, no requests: they were never finished) imports elsewhere
+    from kvviz.store.trace import export_run, import_trace
+
+    con.close()
+    con = duckdb.connect(str(db), read_only=True)
+    trace = export_run(con, run_id, tmp_path / "failed.zip")
+    con.close()
+    assert not (tmp_path / "failed.zip.partial").exists()
+    assert import_trace(trace, tmp_path / "other.duckdb") == run_id
+    con = duckdb.connect(str(tmp_path / "other.duckdb"), read_only=True)
+    assert con.execute("SELECT status FROM runs").fetchone() == ("failed",)
+    assert con.execute("SELECT count(*) FROM steps").fetchone()[0] == 3
+    assert con.execute("SELECT count(*) FROM requests").fetchone()[0] == 0
+    con.close()
 
 
 def test_wrong_schema_version_is_refused(tmp_path):
@@ -250,7 +264,9 @@ def test_replay_shows_a_step_and_verify_catches_tampering(tmp_path):
     assert missing.returncode == 2 and "no run 'nope'" in missing.stderr
 
 
-def test_a_run_killed_midway_leaves_a_readable_database(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])
+def test_a_run_killed_midway_leaves_a_readable_database(tmp_path, sig):
+    """SIGKILL: no chance to say anything, the run stays 'running'. Ctrl-C: marked failed, one line."""
     db, wl = tmp_path / "k.duckdb", tmp_path / "long.json"
     wl.write_text(json.dumps({"requests": [{"id": f"r{i}", "prompt": f"{i} a long run", "max_new_tokens": 950,
                                             "ignore_eos": True} for i in range(16)],
@@ -266,11 +282,16 @@ def test_a_run_killed_midway_leaves_a_readable_database(tmp_path):
             with reading(db) as con:
                 stored = con.execute("SELECT count(*) FROM steps").fetchone()[0]
     assert proc.poll() is None, "the run finished before it could be killed"
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    os.kill(proc.pid, sig)
+    _, err = proc.communicate(timeout=60)
     con = duckdb.connect(str(db), read_only=True)
     status, steps = con.execute("SELECT status, (SELECT count(*) FROM steps) FROM runs").fetchone()
-    assert status == "running" and steps > 0  # shown as incomplete, its steps so far readable
+    assert steps > 0  # its steps so far readable
+    if sig == signal.SIGKILL:
+        assert status == "running"  # shown as incomplete
+    else:
+        assert status == "failed" and proc.returncode == 130
+        assert b"kvviz: interrupted" in err and b"Traceback" not in err, err[-2000:]
     assert con.execute("SELECT count(*) FROM blocks").fetchone()[0] > 0
 
 

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 from .. import __version__
 from .capture import cmd_capture_vllm
 from .catalogue import cmd_audit, cmd_scenarios
+from .common import fail
 from .models import cmd_bench, cmd_fetch_model
 from .run import cmd_run
 from .store import cmd_export, cmd_import, cmd_replay, cmd_sql
@@ -118,4 +121,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Parse argv (sys.argv when None) and run the chosen command; its return value is the exit status."""
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:  # a recording run has marked itself failed on the way out
+        print("\nkvviz: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `... | head`: the reader has all it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    except OSError as e:  # an output path that cannot be written: a directory, a missing folder
+        where = f"{e.filename}: " if e.filename else ""
+        return fail(f"{where}{e.strerror or e}")

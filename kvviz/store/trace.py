@@ -55,6 +55,16 @@ def export_run(con: duckdb.DuckDBPyConnection, run_id: str, out: str | Path) -> 
     if con.sql("SELECT count(*) FROM runs WHERE run_id = $1", params=[run_id]).fetchall()[0][0] == 0:
         raise StoreError(f"no run {run_id!r} in this database")
     out, partial = Path(out), Path(f"{out}.partial")  # renamed into place only when complete
+    try:
+        _write_trace(con, run_id, partial)
+        partial.replace(out)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    return out
+
+
+def _write_trace(con: duckdb.DuckDBPyConnection, run_id: str, partial: Path) -> None:
     with zipfile.ZipFile(partial, "w", zipfile.ZIP_DEFLATED) as z:
         tables = {}
         for table, cols in TABLES.items():
@@ -66,8 +76,6 @@ def export_run(con: duckdb.DuckDBPyConnection, run_id: str, out: str | Path) -> 
             tables[table] = {"file": f"{table}.parquet", "rows": arrow.num_rows}
         z.writestr("manifest.json", json.dumps({"format": FORMAT, "version": VERSION, "run_id": run_id,
                                                 "tables": tables}, indent=1))
-    partial.replace(out)
-    return out
 
 
 def read_trace(path: str | Path) -> tuple[str, dict[str, pa.Table]]:
@@ -100,8 +108,10 @@ def read_trace(path: str | Path) -> tuple[str, dict[str, pa.Table]]:
     if tables["runs"].num_rows != 1:
         raise TraceError(f"{path}: table 'runs' must hold exactly one run, holds {tables['runs'].num_rows}")
     known = set(tables["requests"].column("request_id").to_pylist())
+    if tables["runs"].column("status")[0].as_py() != "complete":
+        known = None  # a run that died midway never wrote its requests: its steps are what it has
     for name in ("step_work", "slot_writes", "page_tables", "leak_metrics", "attention", "findings", "divergence"):
-        if name in tables:
+        if name in tables and known is not None:
             unknown = set(tables[name].column("request_id").to_pylist()) - known
             if unknown:
                 raise TraceError(f"{path}: table {name!r} refers to request {sorted(unknown)[0]!r}, "
