@@ -77,13 +77,16 @@ def _scoped(correct: Defences, faulty: Defences, scope: Scope) -> Defences:
 
 
 def int_set(text: str | None, what: str) -> frozenset[int] | None:
-    """A comma-separated list of integers (None when empty); a ValueError names `what` otherwise."""
+    """A comma-separated list of integers >= 0 (None when empty); a ValueError names `what` otherwise."""
     if not text or not text.strip():
         return None
     try:
-        return frozenset(int(x) for x in text.split(",") if x.strip())
+        values = frozenset(int(x) for x in text.split(",") if x.strip())
+        if any(v < 0 for v in values):  # steps and layers count from 0
+            raise ValueError
     except ValueError:
-        raise ValueError(f"{what} takes integers separated by commas, got {text!r}") from None
+        raise ValueError(f"{what} takes integers >= 0 separated by commas, got {text!r}") from None
+    return values
 
 
 def name_set(text: str | None) -> frozenset[str] | None:

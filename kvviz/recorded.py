@@ -28,11 +28,13 @@ def record_run(db: str | Path, m: LoadedModel, wl: Workload, fault: str | None =
     """Run with both oracles, recording every step; on_step sees each step and the oracle so far."""
     check_fault(fault, wl)  # bad input is refused before a run row exists
     Engine(m, wl.engine).check(wl)
-    check_scope(scope, wl, m.config.num_hidden_layers)
+    if scope is not None:
+        check_scope(wl, m.config.num_hidden_layers, "fault", scope.requests, scope.layers)
+    check_scope(wl, m.config.num_hidden_layers, "attention", selection.requests, selection.full_layers)
     run_id, oracle = new_run_id(), ProvenanceOracle()
     attention = AttentionRecorder(oracle, m.config.num_hidden_layers, selection)
     rec = RunRecorder(db, run_id, model=m, workload=wl, scenario=scenario, fault=fault, oracle=oracle,
-                      fault_scope=None if scope is None else scope.to_dict(), attention=attention)
+                      fault_scope=None if scope is None or fault is None else scope.to_dict(), attention=attention)
 
     def step(r: StepRecord) -> None:
         rec.on_step(r)
@@ -49,16 +51,15 @@ def record_run(db: str | Path, m: LoadedModel, wl: Workload, fault: str | None =
     return run
 
 
-def check_scope(scope: Scope | None, wl: Workload, num_layers: int) -> None:
-    """A scope naming a request or layer the run does not have would confine the fault to nothing and
-    pass for a detector miss: refuse it."""
-    if scope is None:
-        return
+def check_scope(wl: Workload, num_layers: int, what: str, requests: frozenset[str] | None,
+                layers: frozenset[int] | None) -> None:
+    """A scope (a fault's, or the attention kept) naming a request or layer the run does not have
+    would confine it to nothing, and pass for a detector miss or an empty recording: refuse it."""
     ids = {r.id for r in wl.requests}
-    unknown = sorted((scope.requests or set()) - ids)
+    unknown = sorted((requests or set()) - ids)
     if unknown:
-        raise WorkloadError(f"fault requests: {unknown[0]!r} is not a request of this workload "
+        raise WorkloadError(f"{what} requests: {unknown[0]!r} is not a request of this workload "
                             f"({', '.join(sorted(ids))})")
-    bad = sorted(x for x in scope.layers or () if not 0 <= x < num_layers)
+    bad = sorted(x for x in layers or () if not 0 <= x < num_layers)
     if bad:
-        raise WorkloadError(f"fault layers: the model has layers 0..{num_layers - 1}, not {bad[0]}")
+        raise WorkloadError(f"{what} layers: the model has layers 0..{num_layers - 1}, not {bad[0]}")

@@ -64,9 +64,56 @@ def test_bad_model_exits_2(tmp_path):
     assert p.returncode == 2 and "no such file or folder" in p.stderr and "Traceback" not in p.stderr
 
 
-def test_bad_bench_arguments_exit_2():
+def test_bad_bench_arguments_exit_2(tmp_path):
     p = kvviz("bench", "--sizes", "eight", "--model", "tiny-llama")
     assert p.returncode == 2 and "--sizes takes positive integers" in p.stderr
+    p = kvviz("bench", "--sizes", "2", "--new-tokens", "0", "--model", "tiny-llama")
+    assert p.returncode == 2 and "--new-tokens must be >= 1" in p.stderr and "--sizes" not in p.stderr
+    p = kvviz("bench", "--sizes", "2", "--model", "tiny-llama", "--out", str(tmp_path / "nowhere" / "b.md"))
+    assert p.returncode == 2 and "no folder" in p.stderr and "tok/s" not in p.stderr  # refused before running
+
+
+@pytest.mark.parametrize("flags,named", [(["--endpoint", "bogus"], "--endpoint 'bogus'"),
+                                         (["--endpoint", "tcp://127.0.0.1:5999", "--replay", "bogus"], "--replay")])
+def test_capture_refuses_a_malformed_endpoint_at_once(tmp_path, flags, named):
+    out = tmp_path / "cap.jsonl"
+    p = kvviz("capture-vllm", *flags, "--duration", "30", "--out", str(out))
+    assert p.returncode == 2 and named in p.stderr and "Traceback" not in p.stderr
+    assert not out.exists()
+
+
+def test_fast_runs_say_they_are_not_judged_and_refuse_fail_on_leak():
+    colours = str(ROOT / "examples" / "colours.json")
+    p = kvviz("run", "--workload", colours, "--model", "tiny-llama", "--compute", "fast", "--json")
+    assert p.returncode == 0, p.stderr
+    summary = json.loads(p.stdout.strip().splitlines()[-1])
+    assert summary["db"] is None and summary["findings"] is None and "not judged or recorded" in p.stderr
+    p = kvviz("run", "--workload", colours, "--model", "tiny-llama", "--compute", "fast", "--fail-on-leak")
+    assert p.returncode == 2 and "--fail-on-leak needs the leak oracle" in p.stderr
+    # with a fault the oracle runs, so the run is inspect, and says so in its summary and its record
+    p = kvviz("run", "--workload", colours, "--model", "tiny-llama", "--compute", "fast", "--fault",
+              "unsalted_prefix", "--json")
+    assert p.returncode == 0, p.stderr
+    summary = json.loads(p.stdout.strip().splitlines()[-1])
+    assert summary["engine"]["compute"] == "inspect" and "runs --compute inspect" in p.stderr
+    stored = kvviz("sql", f"SELECT engine FROM runs WHERE run_id = '{summary['run_id']}'", "--format", "json",
+                   "--db", str(DB))
+    assert json.loads(json.loads(stored.stdout)[0]["engine"])["compute"] == "inspect"
+
+
+def test_unwritable_outputs_and_closed_pipes_end_without_a_traceback(tmp_path):
+    colours = str(ROOT / "examples" / "colours.json")
+    ran = kvviz("run", "--workload", colours, "--model", "tiny-llama", "--json")
+    run_id = json.loads(ran.stdout.splitlines()[-1])["run_id"]
+    for fmt in ("kvviz", "chrome"):
+        p = kvviz("export", run_id, "--db", str(DB), "--format", fmt, "--out", str(tmp_path))  # a folder
+        assert p.returncode == 2 and str(tmp_path) in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert list(tmp_path.iterdir()) == []  # no .partial left behind
+    p = kvviz("sql", "SELECT 1", "--limit", "-5", "--db", str(DB))
+    assert p.returncode == 2 and "--limit must be >= 0" in p.stderr
+    head = subprocess.run(f"{sys.executable} -m kvviz sql 'SELECT * FROM range(200000)' --db {DB} | head -2",
+                          shell=True, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert len(head.stdout.splitlines()) == 2 and "Traceback" not in head.stderr, head.stderr
 
 
 def test_scenarios_lists_the_seed_patterns_first():
@@ -115,6 +162,10 @@ def test_fault_scope_flags():
     (["--scenario", "passphrase", "--fault", "nope"], "unknown fault 'nope'"),
     (["--scenario", "softmax_then_mask", "--fault", "boundary"], "breaks the masked mechanism"),
     ([], "exactly one of --workload FILE or --scenario NAME"),
+    (["--scenario", "global", "--fault-steps", "-1"], "--fault-steps takes integers >= 0"),
+    (["--scenario", "control_tenants", "--fault-steps", "1"], "confine a fault: give --fault"),
+    (["--scenario", "global", "--attention-requests", "ZZ"], "attention requests: 'ZZ' is not a request"),
+    (["--scenario", "global", "--attention-layers", "99"], "attention layers: the model has layers 0..1, not 99"),
 ])
 def test_bad_scenario_or_fault_exits_2(args, message):
     p = kvviz("run", *args, "--model", "tiny-llama")

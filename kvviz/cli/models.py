@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from .common import fail
 
@@ -30,11 +31,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     try:
         sizes = [int(s) for s in args.sizes.split(",")]
-        if not sizes or min(sizes) < 1 or args.new_tokens < 1:
+        if not sizes or min(sizes) < 1:
             raise ValueError
     except ValueError:
-        return fail(f"--sizes takes positive integers separated by commas, got {args.sizes!r}; "
-                    "--new-tokens must be >= 1")
+        return fail(f"--sizes takes positive integers separated by commas, got {args.sizes!r}")
+    if args.new_tokens < 1:
+        return fail(f"--new-tokens must be >= 1, got {args.new_tokens}")
+    if args.out and not Path(args.out).parent.is_dir():  # say so now, not after the whole benchmark
+        return fail(f"--out {args.out}: no folder {Path(args.out).parent}")
     try:
         m = load_model(args.model, device=args.device)
     except ModelError as e:

@@ -35,12 +35,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     from ..store import StoreError
     from ..workload import Workload, WorkloadError
 
-    probe = None
+    probe, note = None, None
     try:
         if (args.workload is None) == (args.scenario is None):
             raise WorkloadError("give exactly one of --workload FILE or --scenario NAME")
         sc = scenario(args.scenario) if args.scenario else None
         fault = args.fault if args.fault is not None else (sc.fault if sc else None)
+        if fault is None and (args.fault_steps or args.fault_requests or args.fault_layers):
+            raise WorkloadError("--fault-steps, --fault-requests and --fault-layers confine a fault: give --fault")
         m = load_model(args.model, device=args.device)
         wl = Workload.from_dict(sc.build(m.tokenizer)) if sc else Workload.from_file(args.workload)
         wl = _with_overrides(wl, args)
@@ -49,14 +51,23 @@ def cmd_run(args: argparse.Namespace) -> int:
             def progress(rec: StepRecord) -> None:
                 bar.update(len(rec.sampled))
             if wl.engine.compute == "fast" and fault is None:
+                if args.fail_on_leak:
+                    raise WorkloadError("--fail-on-leak needs the leak oracle, which reads attention weights that "
+                                        "--compute fast does not compute; use --compute inspect")
                 summary = Engine(m, wl.engine).run(wl, on_step=progress).summary()
-                summary.update(fault=None, leak=None, divergence=None, findings=None)
+                summary.update(fault=None, leak=None, divergence=None, findings=None, db=None)
+                note = "--compute fast runs are not judged or recorded (no attention weights); --compute inspect is"
             else:
+                if wl.engine.compute == "fast":  # the oracle needs the probabilities: record what really ran
+                    wl = dataclasses.replace(wl, engine=dataclasses.replace(wl.engine, compute="inspect"))
+                    note = "a run with a fault is judged by the leak oracle, so it runs --compute inspect"
                 probe = _seed_probe(m, sc, wl)
                 summary = _recorded_run(args, m, wl, fault, progress, probe)
     except (WorkloadError, ConfigError, ModelError, EngineError, UnknownFault, UnknownScenario, FaultMismatch,
             StoreError) as e:
         return fail(e)
+    if note is not None:
+        print(f"kvviz: note: {note}", file=sys.stderr)
     summary = {**summary, "scenario": args.scenario, "model": {"name": m.name, "fingerprint": m.fingerprint}}
     if args.json:
         print(json.dumps(summary, ensure_ascii=False))

@@ -14,6 +14,8 @@ def cmd_sql(args: argparse.Namespace) -> int:
     """A read-only query over the run store; exit 2 with the reason when it is refused."""
     from ..store import SqlError, open_sandbox, run_query
 
+    if args.limit < 0:
+        return fail(f"--limit must be >= 0, got {args.limit}", "sql")
     try:
         con = open_sandbox(args.db)
         res = run_query(con, args.query, max_rows=args.limit)
