@@ -634,6 +634,8 @@ def test_a_zip_that_is_not_a_trace_is_refused(rec, tmp_path):
         uploads.import_file(z, rec.db)
     with pytest.raises(uploads.REFUSALS, match="no such file"):
         uploads.import_file(tmp_path / "missing.jsonl", rec.db)
+    with pytest.raises(uploads.REFUSALS, match="is a folder"):
+        uploads.import_file(tmp_path, rec.db)
     assert run_ids(rec.db) == before
 
 

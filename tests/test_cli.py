@@ -109,6 +109,11 @@ def test_unwritable_outputs_and_closed_pipes_end_without_a_traceback(tmp_path):
         p = kvviz("export", run_id, "--db", str(DB), "--format", fmt, "--out", str(tmp_path))  # a folder
         assert p.returncode == 2 and str(tmp_path) in p.stderr and "Traceback" not in p.stderr, p.stderr
     assert list(tmp_path.iterdir()) == []  # no .partial left behind
+    for fmt in ("kvviz", "chrome"):
+        p = kvviz("export", "nosuch", "--db", str(DB), "--format", fmt)
+        assert p.returncode == 2 and "no run 'nosuch'" in p.stderr
+    p = kvviz("export", run_id, "--db", str(tmp_path / "missing.duckdb"))
+    assert p.returncode == 2 and "cannot open" in p.stderr
     p = kvviz("sql", "SELECT 1", "--limit", "-5", "--db", str(DB))
     assert p.returncode == 2 and "--limit must be >= 0" in p.stderr
     head = subprocess.run(f"{sys.executable} -m kvviz sql 'SELECT * FROM range(200000)' --db {DB} | head -2",

@@ -19,6 +19,8 @@ REFUSALS = (TraceError, CaptureError, StoreError)
 def import_file(path: str | Path, db: str | Path) -> str:
     """Import and return the new run id; raises one of REFUSALS naming the problem (nothing imported)."""
     path = Path(path)
+    if path.is_dir():
+        raise CaptureError(f"{path}: is a folder; give a kvviz trace (.zip) or a capture file")
     if not path.is_file():
         raise CaptureError(f"{path}: no such file")
     if path.suffix.lower() == ".zip" or zipfile.is_zipfile(path):
