@@ -4,6 +4,7 @@ Scenarios pages do. A run that dies is marked failed in the database, with its s
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from .checked_run import CheckedRun, check_fault, run_checked
@@ -26,6 +27,7 @@ def record_run(db: str | Path, m: LoadedModel, wl: Workload, fault: str | None =
                selection: AttentionSelection = DEFAULT_SELECTION, on_step: StepCallback | None = None,
                probes: Sequence[AttentionObserver] = ()) -> CheckedRun:
     """Run with both oracles, recording every step; on_step sees each step and the oracle so far."""
+    wl = replace(wl, engine=replace(wl.engine, compute="inspect"))  # what the oracle runs: the record says so
     check_fault(fault, wl)  # bad input is refused before a run row exists
     Engine(m, wl.engine).check(wl)
     if scope is not None:

@@ -58,8 +58,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 summary.update(fault=None, leak=None, divergence=None, findings=None, db=None)
                 note = "--compute fast runs are not judged or recorded (no attention weights); --compute inspect is"
             else:
-                if wl.engine.compute == "fast":  # the oracle needs the probabilities: record what really ran
-                    wl = dataclasses.replace(wl, engine=dataclasses.replace(wl.engine, compute="inspect"))
+                if wl.engine.compute == "fast":
                     note = "a run with a fault is judged by the leak oracle, so it runs --compute inspect"
                 probe = _seed_probe(m, sc, wl)
                 summary = _recorded_run(args, m, wl, fault, progress, probe)
