@@ -110,13 +110,18 @@ def test_run_page_stores_a_run_and_opens_it(empty_db):
     assert (status, fault) == ("complete", "boundary") and findings > 0
 
 
-def test_run_page_custom_workload_refused_with_the_field_named(empty_db):
+def custom_requests(edited_rows: dict) -> AppTest:
+    """The Run page on tiny-llama with the custom request table, edited as a user would in the grid."""
     at = page("run")
     at.selectbox(key="run_model").set_value("tiny-llama").run()
     at.radio(key="run_source").set_value("custom").run()
-    at.session_state["run_requests"] = {"edited_rows": {1: {"parent": "nobody"}}, "added_rows": [],
-                                        "deleted_rows": []}
+    at.session_state["run_requests"] = {"edited_rows": edited_rows, "added_rows": [], "deleted_rows": []}
     at.run()
+    return at
+
+
+def test_run_page_custom_workload_refused_with_the_field_named(empty_db):
+    at = custom_requests({1: {"parent": "nobody"}})
     at.button(key="run_go").click().run()
     assert not at.exception
     assert any("parent" in e.value for e in at.error), [e.value for e in at.error]
@@ -248,12 +253,7 @@ def test_inspector_plays_through_the_steps_and_stops_at_the_end(with_runs):
 
 
 def test_settings_survive_a_visit_to_another_page(empty_db):
-    at = page("run")
-    at.selectbox(key="run_model").set_value("tiny-llama").run()
-    at.radio(key="run_source").set_value("custom").run()
-    at.session_state["run_requests"] = {"edited_rows": {0: {"prompt": "a prompt I typed"}}, "added_rows": [],
-                                        "deleted_rows": []}
-    at.run()
+    at = custom_requests({0: {"prompt": "a prompt I typed"}})
     at.number_input(key="run_nb_custom").set_value(99).run()
     at.switch_page("kvviz/ui/pages/sql.py").run()
     at.switch_page("kvviz/ui/pages/run.py").run()

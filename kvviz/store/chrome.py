@@ -9,10 +9,11 @@ from pathlib import Path
 
 import duckdb
 
-from .db import StoreError
+from .db import StoreError, require_run
 
 
 def chrome_trace(con: duckdb.DuckDBPyConnection, run_id: str) -> dict:
+    require_run(con, run_id)
     steps = con.execute("SELECT step, seconds, free_blocks FROM steps WHERE run_id = ? ORDER BY step",
                         [run_id]).fetchall()
     if not steps:

@@ -38,6 +38,12 @@ def open_writer(path: str | Path = DEFAULT_DB) -> duckdb.DuckDBPyConnection:
     return con
 
 
+def require_run(con: duckdb.DuckDBPyConnection, run_id: str) -> None:
+    """Refuse a run id this database does not hold, in the same words for every reader."""
+    if not con.execute("SELECT count(*) FROM runs WHERE run_id = ?", [run_id]).fetchall()[0][0]:
+        raise StoreError(f"no run {run_id!r} in this database")
+
+
 def _version(con: duckdb.DuckDBPyConnection) -> str | None:
     has_meta = con.execute(
         "SELECT count(*) FROM information_schema.tables WHERE table_name = 'meta'").fetchone()[0]

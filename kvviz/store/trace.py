@@ -17,7 +17,7 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .db import StoreError, writing
+from .db import require_run, writing
 
 FORMAT, VERSION = "kvviz-trace", 1
 # table -> required columns; run_id is implied (the manifest's) and added on import.
@@ -52,8 +52,7 @@ class TraceError(ValueError):
 
 def export_run(con: duckdb.DuckDBPyConnection, run_id: str, out: str | Path) -> Path:
     """Write one run as a kvviz trace (.zip)."""
-    if con.sql("SELECT count(*) FROM runs WHERE run_id = $1", params=[run_id]).fetchall()[0][0] == 0:
-        raise StoreError(f"no run {run_id!r} in this database")
+    require_run(con, run_id)
     out, partial = Path(out), Path(f"{out}.partial")  # renamed into place only when complete
     try:
         _write_trace(con, run_id, partial)
