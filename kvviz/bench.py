@@ -22,9 +22,11 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from .engine import Engine, EngineConfig
 from .models import LoadedModel
+from .models.routing import stock_copy
 from .oracle import ProvenanceOracle
-from .store import RunRecorder
+from .store import RunStore
 from .store.attention import AttentionRecorder, AttentionSelection
+from .store.recorder import RunRecorder
 from .workload import RequestSpec, Workload
 
 
@@ -48,6 +50,9 @@ class Measurement:
     @property
     def tokens_per_second(self) -> float:
         return self.generated / self.seconds
+
+
+CASES = ("uniform", "mixed", "shared-system")
 
 
 def cases(vocab: int, sizes: list[int], new_tokens: int, seed: int = 0) -> list[BenchCase]:
@@ -82,7 +87,7 @@ def run_kvviz(m: LoadedModel, case: BenchCase, compute: str, prefix_caching: boo
     if record:  # default recording: every step, oracle metrics, default attention rows
         tmp = tempfile.TemporaryDirectory()
         observers.append(AttentionRecorder(observers[0], m.config.num_hidden_layers, AttentionSelection()))
-        recorder = RunRecorder(Path(tmp.name) / "bench.duckdb", "bench", model=m, workload=wl,
+        recorder = RunRecorder(RunStore.open(Path(tmp.name) / "bench.duckdb"), "bench", model=m, workload=wl,
                                oracle=observers[0], attention=observers[1])
         on_step = recorder.on_step
     t = time.perf_counter()
@@ -133,9 +138,10 @@ def run_generate(m: LoadedModel, case: BenchCase) -> Measurement:
 
 
 def run_generate_batch(m: LoadedModel, case: BenchCase) -> Measurement:
+    model = stock_copy(m.model)  # generate_batch switches the attention of the model it runs on
     t = time.perf_counter()
     with torch.inference_mode():
-        out = m.model.generate_batch(inputs=case.prompts, generation_config=_no_eos(m, case.new_tokens),
+        out = model.generate_batch(inputs=case.prompts, generation_config=_no_eos(m, case.new_tokens),
                                      progress_bar=False)
     seconds = time.perf_counter() - t
     return Measurement(case.name, "hf generate_batch", seconds, sum(len(o.generated_tokens) for o in out.values()))
@@ -180,17 +186,13 @@ def run_bench(m: LoadedModel, sizes: list[int], new_tokens: int, progress: Calla
 
 def ingest_rate(rows: int = 20_000, keys: int = 256) -> float:
     """Attention weights per second into DuckDB: Arrow list columns, one bulk INSERT."""
-    import duckdb
     import numpy as np
     import pyarrow as pa
 
-    from .store.db import open_writer
-
-    with tempfile.TemporaryDirectory() as tmp:
-        con: duckdb.DuckDBPyConnection = open_writer(Path(tmp) / "ingest.duckdb")
+    with tempfile.TemporaryDirectory() as tmp, RunStore.open(Path(tmp) / "ingest.duckdb").write() as con:
         offsets = pa.array(np.arange(rows + 1, dtype=np.int32) * keys)
         n = rows * keys
-        buf = pa.table({  # noqa: F841 (read by name)
+        rows_in = pa.table({
             "run_id": pa.array(["ingest"] * rows), "step": pa.array(np.zeros(rows, np.int32)),
             "layer": pa.array(np.zeros(rows, np.int32)), "head": pa.array(np.full(rows, -1, np.int32)),
             "request_id": pa.array(["r"] * rows), "position": pa.array(np.arange(rows, dtype=np.int32)),
@@ -198,9 +200,8 @@ def ingest_rate(rows: int = 20_000, keys: int = 256) -> float:
             "weights": pa.ListArray.from_arrays(offsets, pa.array(np.random.rand(n).astype(np.float32))),
             "key_classes": pa.ListArray.from_arrays(offsets, pa.array(np.zeros(n, np.uint8)))})
         t = time.perf_counter()
-        con.execute("INSERT INTO attention BY NAME SELECT * FROM buf")
+        RunStore.insert(con, "attention", rows_in)
         seconds = time.perf_counter() - t
-        con.close()
     return n / seconds
 
 

@@ -7,14 +7,16 @@ from dataclasses import dataclass, replace
 
 from .engine import Engine, RunResult, StepRecord
 from .engine.observer import AttentionObserver
+from .errors import WorkloadError
 from .faults import FAULTS, Scope, UnknownFault, defences_with
 from .models import LoadedModel
+from .models.queue import WaitCallback
 from .oracle import Finding, OracleConfig, ProvenanceOracle
 from .oracle.reference import Divergence, compare_with_isolated, divergence_summary
 from .workload import Workload
 
 
-class FaultMismatch(ValueError):
+class FaultMismatch(WorkloadError):
     """The fault needs the other isolation mechanism."""
 
 
@@ -51,18 +53,20 @@ def check_fault(fault: str | None, workload: Workload) -> None:
 def run_checked(m: LoadedModel, workload: Workload, fault: str | None = None,
                 on_step: Callable[[StepRecord], None] | None = None, config: OracleConfig | None = None,
                 reference: bool = True, probes: Sequence[AttentionObserver] = (), run_id: str | None = None,
-                oracle: ProvenanceOracle | None = None, scope: Scope | None = None) -> CheckedRun:
+                oracle: ProvenanceOracle | None = None, scope: Scope | None = None,
+                on_wait: WaitCallback | None = None) -> CheckedRun:
     """Run with the provenance oracle on every layer (inspect path) and compare each request with
-    itself run alone."""
+    itself run alone, in one turn on the model (on_wait hears how many runs are ahead)."""
     check_fault(fault, workload)
     engine_cfg = replace(workload.engine, compute="inspect")  # the oracle needs the probabilities
     oracle = oracle or ProvenanceOracle(config or OracleConfig())
     defences = defences_with(fault, engine_cfg.block_size, scope)
-    result = Engine(m, engine_cfg, defences).run(workload, on_step=on_step, observers=[oracle, *probes],
-                                                 keep_logits=reference, run_id=run_id)
-    leaked: dict[str, float] = {}
-    for s in oracle.steps:
-        for r, name in enumerate(s.requests):
-            leaked[name] = max(leaked.get(name, 0.0), float(s.max_foreign[r].max()))
-    divs = compare_with_isolated(m, result, leaked) if reference else []
+    with m.queue.turn(on_wait):
+        result = Engine(m, engine_cfg, defences).run(workload, on_step=on_step, observers=[oracle, *probes],
+                                                     keep_logits=reference, run_id=run_id)
+        leaked: dict[str, float] = {}
+        for s in oracle.steps:
+            for r, name in enumerate(s.requests):
+                leaked[name] = max(leaked.get(name, 0.0), float(s.max_foreign[r].max()))
+        divs = compare_with_isolated(m, result, leaked) if reference else []
     return CheckedRun(workload, fault, result, oracle, divs)

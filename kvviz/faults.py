@@ -16,6 +16,7 @@ import torch
 from .engine import Defences
 from .engine.defences import NOT_OWNED, grouped_attend, shared_axis_mask
 from .engine.hashing import block_hash
+from .errors import WorkloadError
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ def _scoped(correct: Defences, faulty: Defences, scope: Scope) -> Defences:
 
 
 def int_set(text: str | None, what: str) -> frozenset[int] | None:
-    """A comma-separated list of integers >= 0 (None when empty); a ValueError names `what` otherwise."""
+    """A comma-separated list of integers >= 0 (None when empty); a WorkloadError names `what` otherwise."""
     if not text or not text.strip():
         return None
     try:
@@ -85,7 +86,7 @@ def int_set(text: str | None, what: str) -> frozenset[int] | None:
         if any(v < 0 for v in values):  # steps and layers count from 0
             raise ValueError
     except ValueError:
-        raise ValueError(f"{what} takes integers >= 0 separated by commas, got {text!r}") from None
+        raise WorkloadError(f"{what} takes integers >= 0 separated by commas, got {text!r}") from None
     return values
 
 
@@ -288,7 +289,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in [
 ]}
 
 
-class UnknownFault(ValueError):
+class UnknownFault(WorkloadError):
     pass
 
 

@@ -5,52 +5,55 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from pathlib import Path
 
 from .checked_run import CheckedRun, check_fault, run_checked
 from .engine import Engine, StepRecord
-from .engine.engine import new_run_id
 from .engine.observer import AttentionObserver
 from .faults import Scope
+from .ids import new_run_id
 from .models import LoadedModel
+from .models.queue import WaitCallback
 from .oracle import ProvenanceOracle
-from .store import RunRecorder
+from .store import RunStore
 from .store.attention import AttentionRecorder, AttentionSelection
+from .store.recorder import RunRecorder
 from .workload import Workload, WorkloadError
 
 DEFAULT_SELECTION = AttentionSelection()
 StepCallback = Callable[[StepRecord, ProvenanceOracle], None]
 
 
-def record_run(db: str | Path, m: LoadedModel, wl: Workload, fault: str | None = None, *,
+def record_run(store: RunStore, m: LoadedModel, wl: Workload, fault: str | None = None, *,
                scenario: str | None = None, scope: Scope | None = None,
                selection: AttentionSelection = DEFAULT_SELECTION, on_step: StepCallback | None = None,
-               probes: Sequence[AttentionObserver] = ()) -> CheckedRun:
-    """Run with both oracles, recording every step; on_step sees each step and the oracle so far."""
+               probes: Sequence[AttentionObserver] = (), on_wait: WaitCallback | None = None) -> CheckedRun:
+    """Run with both oracles, recording every step; on_step sees each step and the oracle so far. The
+    run row is written once the run has its turn on the model (on_wait hears the queue until then)."""
     wl = replace(wl, engine=replace(wl.engine, compute="inspect"))  # what the oracle runs: the record says so
     check_fault(fault, wl)  # bad input is refused before a run row exists
     Engine(m, wl.engine).check(wl)
     if scope is not None:
         check_scope(wl, m.config.num_hidden_layers, "fault", scope.requests, scope.layers)
     check_scope(wl, m.config.num_hidden_layers, "attention", selection.requests, selection.full_layers)
-    run_id, oracle = new_run_id(), ProvenanceOracle()
-    attention = AttentionRecorder(oracle, m.config.num_hidden_layers, selection)
-    rec = RunRecorder(db, run_id, model=m, workload=wl, scenario=scenario, fault=fault, oracle=oracle,
-                      fault_scope=None if scope is None or fault is None else scope.to_dict(), attention=attention)
+    with m.queue.turn(on_wait):
+        run_id, oracle = new_run_id(), ProvenanceOracle()
+        attention = AttentionRecorder(oracle, m.config.num_hidden_layers, selection)
+        rec = RunRecorder(store, run_id, model=m, workload=wl, scenario=scenario, fault=fault, oracle=oracle,
+                          fault_scope=None if scope is None or fault is None else scope.to_dict(), attention=attention)
 
-    def step(r: StepRecord) -> None:
-        rec.on_step(r)
-        if on_step is not None:
-            on_step(r, oracle)
+        def step(r: StepRecord) -> None:
+            rec.on_step(r)
+            if on_step is not None:
+                on_step(r, oracle)
 
-    try:
-        run = run_checked(m, wl, fault, on_step=step, probes=[attention, *probes], run_id=run_id, oracle=oracle,
-                          scope=scope)
-    except BaseException as e:
-        rec.fail(e)
-        raise
-    rec.finish(run)
-    return run
+        try:
+            run = run_checked(m, wl, fault, on_step=step, probes=[attention, *probes], run_id=run_id, oracle=oracle,
+                              scope=scope)
+        except BaseException as e:
+            rec.fail(e)
+            raise
+        rec.finish(run)
+        return run
 
 
 def check_scope(wl: Workload, num_layers: int, what: str, requests: frozenset[str] | None,

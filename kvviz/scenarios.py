@@ -7,8 +7,10 @@ which must stay exactly clean.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
+from .errors import WorkloadError
 from .faults import FAULTS
 
 SYSTEM = "You are a helpful assistant. Answer in one short sentence."
@@ -32,12 +34,14 @@ class Scenario:
     tight_pool: bool = False  # size the pool to the largest request + 1 block, for any tokenizer
 
     def build(self, tokenizer) -> dict:
-        """The workload for a model: a tight pool is sized from this tokenizer's token counts."""
-        if not self.tight_pool:
-            return self.workload
-        B = self.workload["engine"]["block_size"]
-        longest = max(len(tokenizer(r["prompt"]).input_ids) + r["max_new_tokens"] for r in self.workload["requests"])
-        return {**self.workload, "engine": {**self.workload["engine"], "num_blocks": -(-longest // B) + 1}}
+        """The workload for a model, a copy the caller owns (sessions share the catalogue): a tight pool
+        is sized from this tokenizer's token counts."""
+        wl = copy.deepcopy(self.workload)
+        if self.tight_pool:
+            B = wl["engine"]["block_size"]
+            longest = max(len(tokenizer(r["prompt"]).input_ids) + r["max_new_tokens"] for r in wl["requests"])
+            wl["engine"]["num_blocks"] = -(-longest // B) + 1
+        return wl
 
     @property
     def expected(self) -> tuple[str, ...]:
@@ -142,7 +146,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
 ]}
 
 
-class UnknownScenario(ValueError):
+class UnknownScenario(WorkloadError):
     pass
 
 

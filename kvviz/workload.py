@@ -10,15 +10,14 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from .engine.config import ConfigError, EngineConfig
+from .errors import WorkloadError  # the message starts with the path of the offending field
+from .jsonio import parse_json
 
-
-class WorkloadError(ValueError):
-    """The workload is malformed; the message starts with the path of the offending field."""
+MAX_WORKLOAD_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -68,16 +67,15 @@ class Workload:
     def from_file(cls, path: str | Path) -> Workload:
         p = Path(path)
         try:
-            text = p.read_text(encoding="utf-8")
+            if p.stat().st_size > MAX_WORKLOAD_BYTES:
+                raise WorkloadError(f"{p}: {p.stat().st_size} bytes; a workload file holds at most "
+                                    f"{MAX_WORKLOAD_BYTES >> 20} MiB")
+            data = p.read_bytes()
         except FileNotFoundError:
             raise WorkloadError(f"{p}: no such workload file") from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise WorkloadError(f"{p}: cannot read the workload file: {e}") from None
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise WorkloadError(f"{p}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
-        return cls.from_dict(data)
+        except OSError as e:
+            raise WorkloadError(f"{p}: cannot read the workload file: {e.strerror or e}") from None
+        return cls.from_dict(parse_json(data, str(p), WorkloadError))
 
     def to_dict(self) -> dict:
         reqs = [{k: v for k, v in asdict(r).items() if v is not None} for r in self.requests]

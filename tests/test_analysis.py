@@ -18,12 +18,12 @@ import pandas as pd
 import pytest
 
 from kvviz.analysis import attention, blocks, captures, leaks, live, runs, tokens, uploads
+from kvviz.errors import KvvizError
 from kvviz.figures.captures import prefix_tree as tree_figure
 from kvviz.models import load_model
 from kvviz.scenarios import scenario
-from kvviz.store import StoreError
+from kvviz.store import RunStore, StoreError
 from kvviz.store.attention import AttentionSelection
-from kvviz.store.sql import reading
 from kvviz.store.trace import export_run
 from kvviz.workload import WorkloadError
 
@@ -41,7 +41,8 @@ def tiny():
 def record(db, name: str, fault: str | None = "scenario", **kw) -> str:
     m = tiny()
     fault = scenario(name).fault if fault == "scenario" else fault
-    return live.run(db, m, live.scenario_workload(name, m), fault, scenario_name=name, selection=SELECTION,
+    return live.run(RunStore.open(db), m, live.scenario_workload(name, m), fault, scenario_name=name,
+                    selection=SELECTION,
                     **kw).run_id
 
 
@@ -80,7 +81,7 @@ def rec(tmp_path_factory) -> Recorded:
         "control_shared_system_prompt": record(db, "control_shared_system_prompt"),
     }
     cap, big = capture_file(tmp)
-    capture = uploads.import_file(cap, db)
+    capture = uploads.import_file(cap, RunStore.open(db))
     return Recorded(db, ids, steps, capture, big)
 
 
@@ -91,7 +92,7 @@ def info(con, run_id):
 # -- runs ---------------------------------------------------------------------------------------------
 
 def test_list_runs_and_run_info(rec):
-    with reading(rec.db) as con:
+    with RunStore.open(rec.db).read() as con:
         listed = runs.list_runs(con)
         assert set(listed.run_id) == set(rec.ids.values()) | {rec.capture}
         assert listed.created_at.is_monotonic_decreasing  # newest first
@@ -109,7 +110,7 @@ def test_list_runs_and_run_info(rec):
 
 
 def test_requests_frame_counts_match_the_sequences(rec):
-    with reading(rec.db) as con:
+    with RunStore.open(rec.db).read() as con:
         rid = rec.ids["control_forks"]
         df = runs.requests_frame(con, rid).set_index("request_id")
         seqs = tokens.request_tokens(con, rid)
@@ -128,7 +129,7 @@ def test_token_labels():
 
 
 def test_token_texts_cover_every_token_of_the_run(rec):
-    with reading(rec.db) as con:
+    with RunStore.open(rec.db).read() as con:
         rid = rec.ids["boundary"]
         texts = tokens.token_texts(con, rid)
         used = {t for seq in tokens.request_tokens(con, rid).values() for t in seq}
@@ -167,7 +168,7 @@ def page_table_mismatches(con, run_id) -> tuple[int, list]:
 
 @pytest.mark.parametrize("name", ["control_forks", "boundary_control", "boundary", "control_shared_system_prompt"])
 def test_slots_behind_every_page_table_hold_the_requests_own_tokens(rec, name):
-    with reading(rec.db) as con:
+    with RunStore.open(rec.db).read() as con:
         checked, bad = page_table_mismatches(con, rec.ids[name])
     assert checked > 100 and bad == []
 
@@ -175,14 +176,14 @@ def test_slots_behind_every_page_table_hold_the_requests_own_tokens(rec, name):
 @pytest.mark.parametrize("name", ["stale_hash", "missing_cow"])
 def test_a_broken_page_table_shows_in_the_slot_contents(rec, name):
     """The same check fails where the fault puts someone else's keys behind a request's page table."""
-    with reading(rec.db) as con:
+    with RunStore.open(rec.db).read() as con:
         _, bad = page_table_mismatches(con, rec.ids[name])
     assert bad
 
 
 def test_a_copy_on_write_copy_carries_the_parents_prefix(rec):
     rid = rec.ids["control_forks"]
-    with reading(rec.db) as con:
+    with RunStore.open(rec.db).read() as con:
         B = info(con, rid).block_size
         seqs = tokens.request_tokens(con, rid)
         cows = con.execute("SELECT step, block, source, request_id FROM block_events WHERE run_id = ? AND kind = 'cow' "
@@ -207,7 +208,7 @@ def test_a_copy_on_write_copy_carries_the_parents_prefix(rec):
 @pytest.mark.parametrize("name", ["control_forks", "boundary", "control_shared_system_prompt", "stale_hash"])
 def test_block_map_agrees_with_page_tables(rec, name):
     rid = rec.ids[name]
-    with reading(rec.db) as con:
+    with RunStore.open(rec.db).read() as con:
         i = info(con, rid)
         num_blocks = i.engine["num_blocks"]
         for s in i.steps:
@@ -224,7 +225,7 @@ def test_block_map_agrees_with_page_tables(rec, name):
 
 
 def test_shared_blocks_appear_with_prefix_caching_and_not_without_sharing(rec):
-    with reading(rec.db) as con:
+    with RunStore.open(rec.db).read() as con:
         def shared(name):
             rid = rec.ids[name]
             return sum(int(blocks.page_tables(con, rid, s).shared.sum()) for s in info(con, rid).steps)
@@ -233,7 +234,7 @@ def test_shared_blocks_appear_with_prefix_caching_and_not_without_sharing(rec):
 
 
 def test_page_tables_mark_exactly_the_copy_on_write_copies(rec):
-    with reading(rec.db) as con:
+    with RunStore.open(rec.db).read() as con:
         rid = rec.ids["control_forks"]
         cows = con.execute("SELECT step, request_id, block FROM block_events WHERE run_id = ? AND kind = 'cow'",
                            [rid]).fetchall()
@@ -255,7 +256,7 @@ def test_page_tables_mark_exactly_the_copy_on_write_copies(rec):
 
 
 def test_leaky_blocks_at_findings_and_never_in_the_control(rec):
-    with reading(rec.db) as con:
+    with RunStore.open(rec.db).read() as con:
         rid, ctl = rec.ids["boundary"], rec.ids["boundary_control"]
         B = info(con, rid).block_size
         f = leaks.findings(con, rid)
@@ -273,7 +274,7 @@ def test_leaky_blocks_at_findings_and_never_in_the_control(rec):
 
 
 def test_occupancy_codes_agree_with_the_block_map(rec):
-    with reading(rec.db) as con:
+    with RunStore.open(rec.db).read() as con:
         rid = rec.ids["boundary"]
         i = info(con, rid)
         grid, steps, per = blocks.occupancy(con, rid)
@@ -299,7 +300,7 @@ def test_occupancy_codes_agree_with_the_block_map(rec):
 
 
 def test_block_story_of_a_prefix_shared_block(rec):
-    with reading(rec.db) as con:
+    with RunStore.open(rec.db).read() as con:
         rid = rec.ids["boundary_control"]
         i = info(con, rid)
         for s in i.steps:
@@ -345,7 +346,7 @@ def views(con, run_id, layer_heads=((0, -1), (1, -1), (1, 2))):
 
 
 def test_attention_rows_sum_to_one_and_classes_follow_the_writer(rec):
-    with reading(rec.db) as con:
+    with RunStore.open(rec.db).read() as con:
         foreign = {}
         for name in ("boundary", "boundary_control"):
             rid = rec.ids[name]
@@ -366,7 +367,7 @@ def test_attention_rows_sum_to_one_and_classes_follow_the_writer(rec):
 
 
 def test_attention_view_at_a_finding_shows_the_sources_keys(rec):
-    with reading(rec.db) as con:
+    with RunStore.open(rec.db).read() as con:
         rid = rec.ids["boundary"]
         B = info(con, rid).block_size
         top = leaks.findings(con, rid).iloc[0]
@@ -381,7 +382,7 @@ def test_attention_view_at_a_finding_shows_the_sources_keys(rec):
 
 
 def test_a_head_that_was_not_recorded_falls_back_to_the_head_mean(rec):
-    with reading(rec.db) as con:
+    with RunStore.open(rec.db).read() as con:
         rid = rec.ids["boundary_control"]  # clean: only the chosen layer keeps every head
         B = info(con, rid).block_size
         assert attention.recorded_heads(con, rid, 0) == [-1]
@@ -436,7 +437,7 @@ def test_downsample_is_the_identity_within_limits_and_bins_by_max():
 
 
 def test_a_real_view_downsampled_keeps_its_leak(rec):
-    with reading(rec.db) as con:
+    with RunStore.open(rec.db).read() as con:
         rid = rec.ids["boundary"]
         top = leaks.findings(con, rid).iloc[0]
         B = info(con, rid).block_size
@@ -450,7 +451,7 @@ def test_a_real_view_downsampled_keeps_its_leak(rec):
 
 
 def test_leak_grid_and_grid_shape(rec):
-    with reading(rec.db) as con:
+    with RunStore.open(rec.db).read() as con:
         rid, ctl = rec.ids["boundary"], rec.ids["boundary_control"]
         layers, heads = tiny().config.num_hidden_layers, tiny().config.num_attention_heads
         assert attention.grid_shape(con, rid) == attention.grid_shape(con, ctl) == (layers, heads)
@@ -473,7 +474,7 @@ def test_leak_grid_and_grid_shape(rec):
 # -- leaks --------------------------------------------------------------------------------------------------
 
 def test_leak_over_time_and_findings_against_the_control(rec):
-    with reading(rec.db) as con:
+    with RunStore.open(rec.db).read() as con:
         rid, ctl = rec.ids["boundary"], rec.ids["boundary_control"]
         f = leaks.findings(con, rid)
         assert list(f.mass) == sorted(f.mass, reverse=True) and set(f.kind) == {"foreign"}
@@ -491,7 +492,7 @@ def test_leak_over_time_and_findings_against_the_control(rec):
 
 
 def test_focus_of_engine_and_capture_findings(rec):
-    with reading(rec.db) as con:
+    with RunStore.open(rec.db).read() as con:
         top = leaks.findings(con, rec.ids["boundary"]).iloc[0].to_dict()
         focus = leaks.focus_of(top)
         assert focus == leaks.Focus(int(top["step"]), top["request_id"], int(top["layer"]), int(top["head"]),
@@ -510,7 +511,7 @@ def test_focus_of_engine_and_capture_findings(rec):
 
 def test_prefix_tree_and_cache_over_time_of_an_imported_capture(rec):
     big = rec.big
-    with reading(rec.db) as con:
+    with RunStore.open(rec.db).read() as con:
         tree = captures.prefix_tree(con, rec.capture).set_index("block_hash")
         assert sorted(int(h) for h in tree.index) == [big, big + 1, big + 2, big + 3]  # a hash stored twice: one node
         assert pd.isna(tree.loc[big].parent_hash)
@@ -539,8 +540,8 @@ def test_prefix_tree_marks_removed_only_what_left_the_cache(tmp_path):
         batch(stored_map([8], None, [5, 5])),  # after the reset
     ])
     db = tmp_path / "k.duckdb"
-    rid = uploads.import_file(cap, db)
-    with reading(db) as con:
+    rid = uploads.import_file(cap, RunStore.open(db))
+    with RunStore.open(db).read() as con:
         tree = captures.prefix_tree(con, rid)
         cache = captures.cache_over_time(con, rid)
     removed = {int(h): None if pd.isna(r) else int(r) for h, r in zip(tree.block_hash, tree.removed_step, strict=True)}
@@ -556,7 +557,7 @@ def test_prefix_tree_marks_removed_only_what_left_the_cache(tmp_path):
 # -- delete ------------------------------------------------------------------------------------------------
 
 def counts(db, run_id) -> dict[str, int]:
-    with reading(db) as con:
+    with RunStore.open(db).read() as con:
         return {t: con.execute(f"SELECT count(*) FROM {t} WHERE run_id = ?", [run_id]).fetchone()[0]
                 for t in runs.run_tables(con)}
 
@@ -564,49 +565,49 @@ def counts(db, run_id) -> dict[str, int]:
 def test_delete_run_clears_every_table_and_keeps_other_runs(tmp_path):
     db = tmp_path / "k.duckdb"
     doomed, kept = record(db, "boundary"), record(db, "control_forks")
-    cap = uploads.import_file(capture_file(tmp_path)[0], db)
-    with reading(db) as con:
+    cap = uploads.import_file(capture_file(tmp_path)[0], RunStore.open(db))
+    with RunStore.open(db).read() as con:
         tables = runs.run_tables(con)
     assert {"runs", "requests", "attention", "slot_writes", "blocks", "block_events", "page_tables", "leak_metrics",
             "findings", "kv_events", "token_text", "steps", "step_work"} <= set(tables)
     before_doomed, before_kept, before_cap = counts(db, doomed), counts(db, kept), counts(db, cap)
     assert before_doomed["attention"] > 0 and before_doomed["findings"] > 0 and before_cap["kv_events"] > 0
-    runs.delete_run(db, doomed)
+    runs.delete_run(RunStore.open(db), doomed)
     assert all(n == 0 for n in counts(db, doomed).values())
     assert counts(db, kept) == before_kept and counts(db, cap) == before_cap
-    runs.delete_run(db, cap)
+    runs.delete_run(RunStore.open(db), cap)
     assert all(n == 0 for n in counts(db, cap).values())
     with pytest.raises(StoreError, match="no run"):
-        runs.delete_run(db, doomed)  # already gone
+        runs.delete_run(RunStore.open(db), doomed)  # already gone
     with pytest.raises(StoreError, match="no run"):
-        runs.delete_run(db, "unknown")
+        runs.delete_run(RunStore.open(db), "unknown")
     assert counts(db, kept) == before_kept
-    with reading(db) as con:
+    with RunStore.open(db).read() as con:
         assert list(runs.list_runs(con).run_id) == [kept]
 
 
 # -- uploads -------------------------------------------------------------------------------------------------
 
 def run_ids(db) -> list[str]:
-    with reading(db) as con:
+    with RunStore.open(db).read() as con:
         return sorted(r[0] for r in con.execute("SELECT run_id FROM runs").fetchall())
 
 
 def test_an_exported_trace_imports_and_reads_the_same(rec, tmp_path):
     rid = rec.ids["control_forks"]
-    with reading(rec.db) as con:
-        trace = export_run(con, rid, tmp_path / "run.zip")
+    trace = export_run(RunStore.open(rec.db), rid, tmp_path / "run.zip")
+    with RunStore.open(rec.db).read() as con:
         want = runs.run_info(con, rid)
         want_pt = blocks.page_tables(con, rid, 3)
     saved = uploads.save_upload("my run.zip", trace.read_bytes(), tmp_path / "uploads")
     db = tmp_path / "other.duckdb"
-    assert uploads.import_file(saved, db) == rid
-    with reading(db) as con:
+    assert uploads.import_file(saved, RunStore.open(db)) == rid
+    with RunStore.open(db).read() as con:
         got = runs.run_info(con, rid)
         assert (got.steps, got.requests, got.engine, got.has_blocks) == (want.steps, want.requests, want.engine, True)
         pd.testing.assert_frame_equal(blocks.page_tables(con, rid, 3), want_pt)
-    with pytest.raises(uploads.REFUSALS, match="already in"):
-        uploads.import_file(saved, db)
+    with pytest.raises(KvvizError, match="already in"):
+        uploads.import_file(saved, RunStore.open(db))
     assert run_ids(db) == [rid]
 
 
@@ -620,8 +621,8 @@ def test_garbage_uploads_are_refused_and_change_nothing(rec, tmp_path, name, dat
     before = run_ids(rec.db)
     path = uploads.save_upload(name, data, tmp_path / "uploads")
     assert path.read_bytes() == data  # kept to fix and retry
-    with pytest.raises(uploads.REFUSALS):
-        uploads.import_file(path, rec.db)
+    with pytest.raises(KvvizError):
+        uploads.import_file(path, RunStore.open(rec.db))
     assert run_ids(rec.db) == before
 
 
@@ -630,12 +631,12 @@ def test_a_zip_that_is_not_a_trace_is_refused(rec, tmp_path):
     z = tmp_path / "other.zip"
     with zipfile.ZipFile(z, "w") as f:
         f.writestr("readme.txt", "not a trace")
-    with pytest.raises(uploads.REFUSALS):
-        uploads.import_file(z, rec.db)
-    with pytest.raises(uploads.REFUSALS, match="no such file"):
-        uploads.import_file(tmp_path / "missing.jsonl", rec.db)
-    with pytest.raises(uploads.REFUSALS, match="is a folder"):
-        uploads.import_file(tmp_path, rec.db)
+    with pytest.raises(KvvizError):
+        uploads.import_file(z, RunStore.open(rec.db))
+    with pytest.raises(KvvizError, match="no such file"):
+        uploads.import_file(tmp_path / "missing.jsonl", RunStore.open(rec.db))
+    with pytest.raises(KvvizError, match="is a folder"):
+        uploads.import_file(tmp_path, RunStore.open(rec.db))
     assert run_ids(rec.db) == before
 
 
@@ -661,7 +662,7 @@ def test_two_uploads_of_the_same_name_do_not_overwrite(tmp_path):
 
 def test_live_run_reports_every_step(rec):
     steps, rid = rec.live_steps, rec.ids["control_forks"]
-    with reading(rec.db) as con:
+    with RunStore.open(rec.db).read() as con:
         i = info(con, rid)
         generated = con.execute("SELECT generated_tokens FROM runs WHERE run_id = ?", [rid]).fetchone()[0]
         assert [s.step for s in steps] == i.steps
@@ -680,7 +681,8 @@ def test_live_run_reports_every_step(rec):
 def test_live_run_of_a_leak_counts_findings_as_it_goes(tmp_path):
     seen: list[live.LiveStep] = []
     db = tmp_path / "k.duckdb"
-    out = live.run(db, tiny(), live.scenario_workload("boundary", tiny()), "boundary", on_step=seen.append)
+    out = live.run(RunStore.open(db), tiny(), live.scenario_workload("boundary", tiny()), "boundary",
+                   on_step=seen.append)
     assert out.findings > 0 and out.max_foreign > 0 and set(out.texts) == {"A", "B"}
     assert [s.findings for s in seen] == sorted(s.findings for s in seen) and seen[-1].findings == out.findings
     assert [s.max_foreign for s in seen] == sorted(s.max_foreign for s in seen)
@@ -689,9 +691,9 @@ def test_live_run_of_a_leak_counts_findings_as_it_goes(tmp_path):
 
 def test_live_run_refuses_a_bad_workload_before_recording(rec):
     before = run_ids(rec.db)
-    with pytest.raises(live.RUN_ERRORS) as e:
-        live.run(rec.db, tiny(), {"requests": [{"id": "A", "prompt": "x", "max_new_tokens": -1}]})
+    with pytest.raises(KvvizError) as e:
+        live.run(RunStore.open(rec.db), tiny(), {"requests": [{"id": "A", "prompt": "x", "max_new_tokens": -1}]})
     assert isinstance(e.value, WorkloadError)
-    with pytest.raises(live.RUN_ERRORS):
-        live.run(rec.db, tiny(), live.scenario_workload("control_forks", tiny()), "no_such_fault")
+    with pytest.raises(KvvizError):
+        live.run(RunStore.open(rec.db), tiny(), live.scenario_workload("control_forks", tiny()), "no_such_fault")
     assert run_ids(rec.db) == before

@@ -14,7 +14,7 @@ from streamlit.testing.v1 import AppTest
 
 from kvviz.analysis import live
 from kvviz.models import load_model
-from kvviz.store.sql import reading
+from kvviz.store import RunStore
 from kvviz.store.trace import export_run
 
 APP = str(Path(__file__).resolve().parent.parent / "app.py")
@@ -34,7 +34,7 @@ def page(name: str, **state) -> AppTest:
 
 
 def run_ids(db) -> list[str]:
-    with reading(db) as con:
+    with RunStore.open(db).read() as con:
         return [r[0] for r in con.execute("SELECT run_id FROM runs ORDER BY created_at").fetchall()]
 
 
@@ -64,8 +64,8 @@ def store(tmp_path_factory, tiny):
     """A store with the boundary scenario and its control."""
     db = tmp_path_factory.mktemp("app") / "kvviz.duckdb"
     wl = live.scenario_workload("boundary", tiny)
-    faulty = live.run(db, tiny, wl, "boundary", scenario_name="boundary")
-    control = live.run(db, tiny, wl, None, scenario_name="control of boundary")
+    faulty = live.run(RunStore.open(db), tiny, wl, "boundary", scenario_name="boundary")
+    control = live.run(RunStore.open(db), tiny, wl, None, scenario_name="control of boundary")
     assert faulty.findings > 0 and control.findings == 0
     return db, faulty.run_id, control.run_id
 
@@ -105,7 +105,7 @@ def test_run_page_stores_a_run_and_opens_it(empty_db):
     assert not at.exception and not at.error
     [run_id] = run_ids(empty_db)
     assert at.title[0].value == "Inspector" and at.session_state["run_id"] == run_id
-    with reading(empty_db) as con:
+    with RunStore.open(empty_db).read() as con:
         status, fault, findings = con.execute("SELECT status, fault, findings FROM runs").fetchone()
     assert (status, fault) == ("complete", "boundary") and findings > 0
 
@@ -160,8 +160,7 @@ def test_inspector_shows_no_finding_for_the_control(with_runs):
 
 def test_upload_imports_a_trace_and_refuses_a_broken_one(with_runs, tmp_path, monkeypatch):
     db, faulty, _ = with_runs
-    with reading(db) as con:
-        trace = export_run(con, faulty, tmp_path / "t.zip")
+    trace = export_run(RunStore.open(db), faulty, tmp_path / "t.zip")
     target = tmp_path / "fresh.duckdb"
     monkeypatch.setenv("KVVIZ_DB", str(target))
     at = page("upload")
@@ -192,7 +191,7 @@ def test_sql_page_runs_a_select_and_shows_a_refusal(with_runs):
 
 def test_runs_page_compares_and_deletes(store, tmp_path, monkeypatch):
     db = tmp_path / "copy.duckdb"
-    with reading(store[0]) as con:
+    with RunStore.open(store[0]).read() as con:
         con.execute("SELECT 1")  # the source is readable; copy it so deleting leaves the shared store alone
     db.write_bytes(Path(store[0]).read_bytes())
     monkeypatch.setenv("KVVIZ_DB", str(db))
@@ -267,7 +266,7 @@ def test_a_huge_pool_draws_only_the_blocks_in_use(tiny, tmp_path, monkeypatch):
     db = tmp_path / "big.duckdb"
     wl = {"requests": [{"id": "A", "prompt": "a small request", "max_new_tokens": 2}],
           "engine": {"block_size": 4, "num_blocks": 4096}}
-    run_id = live.run(db, tiny, wl).run_id
+    run_id = live.run(RunStore.open(db), tiny, wl).run_id
     monkeypatch.setenv("KVVIZ_DB", str(db))
     at = page("inspector", run_id=run_id)
     assert any("Blocks 256..4095 are not drawn: all free." in c.value for c in at.caption)
@@ -286,11 +285,12 @@ def test_a_fault_scope_naming_no_request_is_refused_before_recording(empty_db):
 
 
 def test_a_run_that_died_before_its_first_step_opens_without_error(tiny, tmp_path, monkeypatch):
-    from kvviz.store import RunRecorder
+    from kvviz.store.recorder import RunRecorder
     from kvviz.workload import Workload
 
     db = tmp_path / "dead.duckdb"
-    rec = RunRecorder(db, "dead0", model=tiny, workload=Workload.from_dict({"requests": [{"id": "A", "prompt": "x"}]}))
+    rec = RunRecorder(RunStore.open(db), "dead0", model=tiny,
+                      workload=Workload.from_dict({"requests": [{"id": "A", "prompt": "x"}]}))
     rec.fail(KeyboardInterrupt())
     monkeypatch.setenv("KVVIZ_DB", str(db))
     at = page("inspector", run_id="dead0")

@@ -2,14 +2,22 @@
 run the boundary scenario against its control on a tiny model, open it in the inspector, click a
 block and a finding, visit every page; a screenshot of each is kept as an artifact."""
 
+import subprocess
+import sys
+import time
+from pathlib import Path
 from urllib.parse import urlparse
 
+import duckdb
 import pytest
+
+from kvviz.scenarios import scenario
 
 from .browser import SKIP_REASON, chromium, new_page, shot, streamlit_app, wait_for_app
 
 pytestmark = [pytest.mark.browser, pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")]
 RUN_TIMEOUT_MS = 240_000
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def settle(page, timeout_ms: int = 60_000) -> None:
@@ -102,3 +110,42 @@ def test_boundary_scenario_inspected_in_chromium(tmp_path):
             no_exception(page)
             shot(page, name or "home")
         assert hosts - {None} <= {"127.0.0.1"}, f"the app fetched from {hosts}: it must work offline"
+
+
+def test_two_sessions_run_scenarios_at_once_while_the_cli_records(tmp_path):
+    """Two people start scenarios at the same moment while a script records into the same database:
+    one waits its turn on the model and says so, and every run completes with the right verdict."""
+    db = tmp_path / "kvviz.duckdb"
+    with streamlit_app(db) as url, chromium() as browser:
+        cli = subprocess.Popen([sys.executable, "-m", "kvviz", "run", "--scenario", "boundary", "--model",
+                                "tiny-llama", "--db", str(db), "--quiet", "--json"], cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        pages = []
+        for name in ("global", "early_free"):
+            page = new_page(browser)
+            page.set_viewport_size({"width": 1400, "height": 1400})
+            page.goto(f"{url}/scenarios")
+            wait_for_app(page)
+            choose(page, "sc_name", f"{name}: {scenario(name).title}")
+            choose(page, "sc_model", "tiny-llama")
+            pages.append(page)
+        for page in pages:
+            page.get_by_role("button", name="Run it with its control").click()
+        waited = False
+        deadline = time.monotonic() + RUN_TIMEOUT_MS / 1000
+        while any(p.get_by_text("Side by side").count() == 0 for p in pages) and time.monotonic() < deadline:
+            waited = waited or any(p.get_by_text("waiting for the model").count() for p in pages)
+            pages[0].wait_for_timeout(50)
+        for i, page in enumerate(pages):
+            page.get_by_text("Side by side").wait_for(timeout=1000)
+            settle(page)
+            no_exception(page)
+            assert page.get_by_text("the detector fired").count() == 1
+            assert page.get_by_text("clean", exact=True).count() == 1
+            shot(page, f"two-sessions-{i}")
+        assert waited, "neither session said it was waiting for the model"
+        _, err = cli.communicate(timeout=300)
+        assert cli.returncode == 0, err
+    con = duckdb.connect(str(db), read_only=True)
+    assert con.execute("SELECT status, count(*) FROM runs GROUP BY 1").fetchall() == [("complete", 5)]
+    con.close()

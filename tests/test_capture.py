@@ -18,6 +18,7 @@ from kvviz.capture.capture_file import CaptureWriter, read_capture
 from kvviz.capture.events import CaptureError, decode_batch
 from kvviz.capture.import_vllm import import_capture
 from kvviz.capture.zmq_capture import capture
+from kvviz.store import RunStore
 
 BIG = (1 << 63) + 12345  # unsigned 64-bit hashes above 2^63 occur
 
@@ -70,7 +71,7 @@ def test_import_builds_the_prefix_tree_occupancy_and_cross_salt_findings(tmp_pat
         batch({"type": "BlockRemoved", "block_hashes": [21, 12], "medium": "GPU"}),
     ])
     db = tmp_path / "k.duckdb"
-    run_id = import_capture(cap, db)
+    run_id = import_capture(cap, RunStore.open(db))
     con = duckdb.connect(str(db), read_only=True)
     tree = con.execute("SELECT block_hash, parent_hash, token_ids FROM kv_events WHERE run_id = ? AND "
                        "kind = 'BlockStored' ORDER BY step, block_index", [run_id]).fetchall()
@@ -158,7 +159,7 @@ def test_capture_over_a_real_zmq_socket_with_replay_and_a_gap(tmp_path):
     assert len(seqs) == len(set(seqs)), "a batch both replayed and received live is written once"
     assert 17 not in seqs and (17, 17) in w.gaps
     assert len(seqs) >= 10
-    run_id = import_capture(out, tmp_path / "k.duckdb")
+    run_id = import_capture(out, RunStore.open(tmp_path / "k.duckdb"))
     con = duckdb.connect(str(tmp_path / "k.duckdb"), read_only=True)
     assert con.execute("SELECT count(*) FROM kv_events WHERE run_id = ?", [run_id]).fetchone()[0] == len(seqs)
 
@@ -240,7 +241,7 @@ def sglang_radix_capture(tmp_path):
 def test_sglang_capture_imports_as_a_run_with_the_radix_prefix_tree(tmp_path):
     cap, (a, b, c, d, s1, s2) = sglang_radix_capture(tmp_path)
     db = tmp_path / "k.duckdb"
-    run_id = import_capture(cap, db)
+    run_id = import_capture(cap, RunStore.open(db))
     con = duckdb.connect(str(db), read_only=True)
     tree = con.execute("SELECT block_hash, parent_hash, token_ids, block_size, salt, medium, rank FROM kv_events "
                        "WHERE run_id = ? AND kind = 'BlockStored' ORDER BY step, block_index", [run_id]).fetchall()
@@ -294,7 +295,7 @@ def test_sglang_capture_over_a_real_zmq_socket_with_replay_and_a_gap(tmp_path):
     assert SGLangPublisher.BARRIER in seqs and len(seqs) >= 30
     topics = [json.loads(line)["topic"] for line in out.read_text().splitlines()[1:]]
     assert topics[:3] == ["", "", ""] and topics[3].startswith("kv@pod-0@model\x00sgl-kv-epoch=")
-    run_id = import_capture(out, tmp_path / "k.duckdb")
+    run_id = import_capture(out, RunStore.open(tmp_path / "k.duckdb"))
     con = duckdb.connect(str(tmp_path / "k.duckdb"), read_only=True)
     rows = con.execute("SELECT seq, block_hash, parent_hash, token_ids FROM kv_events WHERE run_id = ? ORDER BY seq",
                        [run_id]).fetchall()
@@ -312,14 +313,14 @@ def bad_line(tmp_path, line):
 
 BAD = {
     "missing": (lambda t: t / "none.jsonl", "no such file"),
-    "a zip": (lambda t: (t / "c.jsonl").write_bytes(b"PK\x03\x04junk") and t / "c.jsonl", "not a capture header"),
+    "a zip": (lambda t: (t / "c.jsonl").write_bytes(b"PK\x03\x04junk") and t / "c.jsonl", "line 1: not valid JSON"),
     "wrong header": (lambda t: (t / "c.jsonl").write_text('{"format": "other"}\n') and t / "c.jsonl",
                      "not a kvviz vLLM capture"),
     "future version": (lambda t: (t / "c.jsonl").write_text(
         '{"format": "kvviz-vllm-capture", "version": 9}\n') and t / "c.jsonl", "version 9 is not supported"),
     "empty": (lambda t: (t / "c.jsonl").write_text(
         '{"format": "kvviz-vllm-capture", "version": 1}\n') and t / "c.jsonl", "holds no messages"),
-    "bad line": (lambda t: bad_line(t, "{not json"), "line 3 is not a captured message"),
+    "bad line": (lambda t: bad_line(t, "{not json"), "line 3: not valid JSON"),
     "bad base64": (lambda t: bad_line(t, json.dumps({"seq": 1, "payload": "@@@"})), "line 3"),
     "not msgpack": (lambda t: bad_line(t, json.dumps({"seq": 1, "payload": base64.b64encode(b"\xc1").decode()})),
                     "not a msgpack event batch"),
@@ -336,9 +337,10 @@ BAD = {
 def test_malformed_captures_are_refused_and_change_nothing(tmp_path, name):
     make, message = BAD[name]
     db = tmp_path / "k.duckdb"
-    good = import_capture(write_capture(tmp_path / "good.jsonl", [batch(stored_map([5], None, [1, 2]))]), db)
+    good = import_capture(write_capture(tmp_path / "good.jsonl", [batch(stored_map([5], None, [1, 2]))]),
+                          RunStore.open(db))
     with pytest.raises(CaptureError, match=message):
-        import_capture(make(tmp_path), db)
+        import_capture(make(tmp_path), RunStore.open(db))
     con = duckdb.connect(str(db), read_only=True)
     assert con.execute("SELECT list(run_id) FROM runs").fetchone()[0] == [good]
     assert con.execute("SELECT count(*) FROM kv_events").fetchone()[0] == 1

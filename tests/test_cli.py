@@ -113,7 +113,7 @@ def test_unwritable_outputs_and_closed_pipes_end_without_a_traceback(tmp_path):
         p = kvviz("export", "nosuch", "--db", str(DB), "--format", fmt)
         assert p.returncode == 2 and "no run 'nosuch'" in p.stderr
     p = kvviz("export", run_id, "--db", str(tmp_path / "missing.duckdb"))
-    assert p.returncode == 2 and "cannot open" in p.stderr
+    assert p.returncode == 2 and "no database at" in p.stderr and not (tmp_path / "missing.duckdb").exists()
     p = kvviz("sql", "SELECT 1", "--limit", "-5", "--db", str(DB))
     assert p.returncode == 2 and "--limit must be >= 0" in p.stderr
     head = subprocess.run(f"{sys.executable} -m kvviz sql 'SELECT * FROM range(200000)' --db {DB} | head -2",
@@ -201,3 +201,25 @@ def test_bench_repeats_interleaved_and_reports_medians(tmp_path):
     assert len(runs) == len(PEERS) and all(line.count(",") == 2 for line in runs)
     bad = kvviz("bench", "--model", "tiny-llama", "--sizes", "2", "--cases", "nothing")
     assert bad.returncode == 2 and "matches no case" in bad.stderr
+
+
+def test_bench_sessions_runs_four_at_once_and_one_after_another():
+    p = kvviz("bench", "--model", "tiny-llama", "--sessions", "4")
+    assert p.returncode == 0, p.stderr
+    row = next(line for line in p.stdout.splitlines() if line.startswith("| 4 |"))
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    assert float(cells[1]) > 0 and float(cells[2]) > 0
+    assert cells[4] == "3" and cells[5] == "yes"  # three sessions waited; each recorded what it did alone
+    bad = kvviz("bench", "--model", "tiny-llama", "--sessions", "0")
+    assert bad.returncode == 2 and "--sessions must be >= 1" in bad.stderr
+
+
+def test_sql_and_import_load_no_model_code(tmp_path):
+    """Reading the store is quick: `kvviz sql` and `kvviz import` never import torch or transformers."""
+    code = ("import sys; from kvviz.cli import main; "
+            f"main(['sql', 'SELECT count(*) FROM runs', '--db', {str(DB)!r}]); "
+            f"main(['import', {str(tmp_path / 'missing.jsonl')!r}, '--db', {str(tmp_path / 'x.duckdb')!r}]); "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines()[-1] == "[]" and "no such file" in p.stderr

@@ -18,7 +18,7 @@ from kvviz.figures import captures as fig_captures
 from kvviz.figures import timeline
 from kvviz.figures.palette import LEAK, STATE_COLOURS, grid_columns, request_colours
 from kvviz.models import load_model
-from kvviz.store.sql import reading
+from kvviz.store import RunStore
 
 
 @functools.cache
@@ -31,7 +31,7 @@ def recorded(tmp_path_factory):
     db = tmp_path_factory.mktemp("figures") / "kvviz.duckdb"
     m = tiny()
     wl = live.scenario_workload("boundary", m)
-    return db, live.run(db, m, wl, "boundary").run_id, live.run(db, m, wl, None).run_id
+    return db, live.run(RunStore.open(db), m, wl, "boundary").run_id, live.run(RunStore.open(db), m, wl, None).run_id
 
 
 def markers(fig: go.Figure) -> list[tuple]:
@@ -84,7 +84,7 @@ def test_block_map_colours_by_owner_and_state():
 
 def test_leaky_blocks_get_the_red_outline(recorded):
     db, rid, ctl = recorded
-    with reading(db) as con:
+    with RunStore.open(db).read() as con:
         B = runs.run_info(con, rid).block_size
         step = int(leaks.findings(con, rid).iloc[0].step)
         leaky = blocks.leaky_blocks(con, rid, step, B)
@@ -106,7 +106,7 @@ def test_leaky_blocks_get_the_red_outline(recorded):
 
 def test_occupancy_is_a_heatmap_of_the_grid(recorded):
     db, rid, _ = recorded
-    with reading(db) as con:
+    with RunStore.open(db).read() as con:
         grid, steps, per = blocks.occupancy(con, rid)
     fig = fig_blocks.occupancy(grid, steps, current=steps[1], per_row=per)
     (heat,) = fig.data
@@ -130,7 +130,7 @@ def test_page_tables_outline_shared_blocks_and_copies():
 
 def test_page_tables_of_a_real_run(recorded):
     db, rid, _ = recorded
-    with reading(db) as con:
+    with RunStore.open(db).read() as con:
         entries = blocks.page_tables(con, rid, 1)
     fig = fig_blocks.page_tables(entries)
     drawn = sorted((y, x, int(p)) for t in fig.data for x, y, p in zip(t.x, t.y, t.text, strict=True))
@@ -146,7 +146,7 @@ def heatmap_traces(fig) -> dict[str, go.Heatmap]:
 
 def test_attention_heatmap_puts_foreign_weights_in_their_own_trace(recorded):
     db, rid, ctl = recorded
-    with reading(db) as con:
+    with RunStore.open(db).read() as con:
         B = runs.run_info(con, rid).block_size
         top = leaks.findings(con, rid).iloc[0]
         args = (top.request_id, int(top.step), int(top.layer), -1, B)
@@ -205,7 +205,7 @@ def test_leak_grid_has_a_square_per_head_and_cell_at_inverts_it(layers, heads):
 
 def test_leak_grid_of_a_real_run(recorded):
     db, rid, ctl = recorded
-    with reading(db) as con:
+    with RunStore.open(db).read() as con:
         layers, heads = attention.grid_shape(con, rid)
         grid, clean = attention.leak_grid(con, rid), attention.leak_grid(con, ctl)
     fig = fig_attention.leak_grid(grid, layers, heads)
@@ -220,7 +220,7 @@ def test_leak_grid_of_a_real_run(recorded):
 
 def test_leak_timeline_has_a_line_per_request_and_panel(recorded):
     db, rid, _ = recorded
-    with reading(db) as con:
+    with RunStore.open(db).read() as con:
         df = leaks.leak_over_time(con, rid)
     fig = timeline.leak_timeline(df, current=2)
     assert sorted((t.name, t.yaxis) for t in fig.data) == [("A", "y"), ("A", "y2"), ("B", "y"), ("B", "y2")]

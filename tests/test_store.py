@@ -16,12 +16,13 @@ import duckdb
 import pytest
 
 from kvviz.checked_run import run_checked
-from kvviz.engine.engine import new_run_id
+from kvviz.ids import new_run_id
 from kvviz.models import load_model
 from kvviz.oracle import ProvenanceOracle
 from kvviz.scenarios import SCENARIOS
-from kvviz.store import SCHEMA_VERSION, RunRecorder, SqlError, StoreError, open_sandbox, open_writer, run_query
+from kvviz.store import SCHEMA_VERSION, RunStore, SqlError, StoreError, run_query
 from kvviz.store.attention import AttentionRecorder, AttentionSelection
+from kvviz.store.recorder import RunRecorder
 from kvviz.workload import Workload
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,7 +38,7 @@ def record(db: Path, scenario: str, fault: str | None = None):
     wl = Workload.from_dict(SCENARIOS[scenario].build(m.tokenizer))
     run_id, oracle = new_run_id(), ProvenanceOracle()
     attention = AttentionRecorder(oracle, m.config.num_hidden_layers, AttentionSelection(full_layers=frozenset({1})))
-    rec = RunRecorder(db, run_id, model=m, workload=wl, scenario=scenario, fault=fault, oracle=oracle,
+    rec = RunRecorder(RunStore.open(db), run_id, model=m, workload=wl, scenario=scenario, fault=fault, oracle=oracle,
                       attention=attention, flush_every=3, flush_seconds=0)
     run = run_checked(m, wl, fault, on_step=rec.on_step, run_id=run_id, oracle=oracle, probes=[attention])
     rec.finish(run)
@@ -50,6 +51,13 @@ def db(tmp_path_factory):
     record(path, "boundary", "boundary")
     record(path, "control_forks")
     return path
+
+
+@pytest.fixture
+def con(db):
+    """A sandboxed reader of the module's store: what user SQL gets (RunStore.read)."""
+    with RunStore.open(db).read() as c:
+        yield c
 
 
 def test_a_recorded_run_round_trips(db):
@@ -90,7 +98,7 @@ def test_a_failed_run_is_marked_with_its_error_and_keeps_its_steps(tmp_path):
     m = tiny()
     wl = Workload.from_dict(SCENARIOS["control_forks"].workload)
     run_id, db = new_run_id(), tmp_path / "k.duckdb"
-    rec = RunRecorder(db, run_id, model=m, workload=wl, flush_every=1, flush_seconds=0)
+    rec = RunRecorder(RunStore.open(db), run_id, model=m, workload=wl, flush_every=1, flush_seconds=0)
 
     def on_step(r):
         rec.on_step(r)
@@ -110,11 +118,9 @@ def test_a_failed_run_is_marked_with_its_error_and_keeps_its_steps(tmp_path):
     from kvviz.store.trace import export_run, import_trace
 
     con.close()
-    con = duckdb.connect(str(db), read_only=True)
-    trace = export_run(con, run_id, tmp_path / "failed.zip")
-    con.close()
+    trace = export_run(RunStore.open(db), run_id, tmp_path / "failed.zip")
     assert not (tmp_path / "failed.zip.partial").exists()
-    assert import_trace(trace, tmp_path / "other.duckdb") == run_id
+    assert import_trace(trace, RunStore.open(tmp_path / "other.duckdb")) == run_id
     con = duckdb.connect(str(tmp_path / "other.duckdb"), read_only=True)
     assert con.execute("SELECT status FROM runs").fetchone() == ("failed",)
     assert con.execute("SELECT count(*) FROM steps").fetchone()[0] == 3
@@ -124,12 +130,14 @@ def test_a_failed_run_is_marked_with_its_error_and_keeps_its_steps(tmp_path):
 
 def test_wrong_schema_version_is_refused(tmp_path):
     db = tmp_path / "k.duckdb"
-    open_writer(db).close()
+    with RunStore.open(db).write():
+        pass
     con = duckdb.connect(str(db))
     con.execute("UPDATE meta SET value = '999'")
     con.close()
-    with pytest.raises(StoreError, match="schema version 999"):
-        open_writer(db)
+    for connect in (RunStore.open(db).write, RunStore.open(db).read):
+        with pytest.raises(StoreError, match="schema version 999"), connect():
+            pass
 
 
 def test_attention_rows_hold_weights_and_key_classes(db):
@@ -180,8 +188,7 @@ ALL_TABLES = ["runs", "attention", "slot_writes", "kv_events", "kv_cache_blocks"
               "meta"]
 
 
-def test_selects_over_every_table_and_view_work(db):
-    con = open_sandbox(db)
+def test_selects_over_every_table_and_view_work(con):
     for t in ALL_TABLES:
         res = run_query(con, f"SELECT * FROM {t} LIMIT 5")
         assert res.columns and not res.truncated
@@ -212,8 +219,7 @@ HOSTILE = [
 
 
 @pytest.mark.parametrize("sql,message", HOSTILE)
-def test_hostile_sql_is_refused_and_changes_nothing(db, sql, message):
-    con = open_sandbox(db)
+def test_hostile_sql_is_refused_and_changes_nothing(con, sql, message):
     before = run_query(con, "SELECT count(*), min(status) FROM runs").rows
     with pytest.raises(SqlError) as err:
         run_query(con, sql)
@@ -273,13 +279,13 @@ def test_a_run_killed_midway_leaves_a_readable_database(tmp_path, sig):
                               "engine": {"num_blocks": 1024}}))
     proc = subprocess.Popen([sys.executable, "-m", "kvviz", "run", "--workload", str(wl), "--model", "tiny-llama",
                              "--db", str(db), "--quiet"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    from kvviz.store.sql import reading
+    from kvviz.store import RunStore
 
     deadline, stored = time.time() + 120, 0
     while time.time() < deadline and stored < 2 and proc.poll() is None:  # wait until flushes have landed
         time.sleep(0.5)
         if db.exists():
-            with reading(db) as con:
+            with RunStore.open(db).read() as con:
                 stored = con.execute("SELECT count(*) FROM steps").fetchone()[0]
     assert proc.poll() is None, "the run finished before it could be killed"
     os.kill(proc.pid, sig)
@@ -295,10 +301,9 @@ def test_a_run_killed_midway_leaves_a_readable_database(tmp_path, sig):
     assert con.execute("SELECT count(*) FROM blocks").fetchone()[0] > 0
 
 
-def test_the_slot_write_log_reproduces_provenance(db):
+def test_the_slot_write_log_reproduces_provenance(con):
     """Replaying slot_writes and copy-on-write events up to a step gives, for every position of every
     request, a slot holding that position: its page table points at its own keys."""
-    con = open_sandbox(db)  # the same read-only instance the SQL tests above opened
     clean = con.execute("SELECT run_id FROM runs WHERE fault IS NULL").fetchone()[0]
     last = con.execute("SELECT max(step) FROM steps WHERE run_id = ?", [clean]).fetchone()[0]
     step, B = last // 2, 64  # control_forks uses 64-token blocks
@@ -330,7 +335,8 @@ def test_the_database_can_be_read_between_flushes(tmp_path):
     m = tiny()
     wl = Workload.from_dict(SCENARIOS["control_forks"].workload)
     db, seen = tmp_path / "k.duckdb", []
-    rec = RunRecorder(db, new_run_id(), model=m, workload=wl, flush_every=2, flush_seconds=0, background=False)
+    rec = RunRecorder(RunStore.open(db), new_run_id(), model=m, workload=wl, flush_every=2, flush_seconds=0,
+                      background=False)
 
     def on_step(r):
         rec.on_step(r)
@@ -361,7 +367,7 @@ def test_attention_selection_by_request_step_and_layer(tmp_path):
 def test_another_process_reads_all_through_a_recording_run(tmp_path):
     """What the UI does while `kvviz run` records in another process: every read succeeds (a reader
     waits out a flush, and the recorder waits out a reader), and it sees the run grow."""
-    from kvviz.store.sql import reading
+    from kvviz.store import RunStore
 
     db, wl = tmp_path / "k.duckdb", tmp_path / "w.json"
     wl.write_text(json.dumps({"requests": [{"id": f"r{i}", "prompt": "one two three " * (i + 1),
@@ -373,11 +379,11 @@ def test_another_process_reads_all_through_a_recording_run(tmp_path):
     seen = []
     while proc.poll() is None:
         if db.exists():
-            with reading(db) as con:
+            with RunStore.open(db).read() as con:
                 seen.append(con.execute("SELECT status, (SELECT count(*) FROM steps) FROM runs").fetchall())
         time.sleep(0.02)
     assert proc.returncode == 0, proc.stderr.read()
-    with reading(db) as con:
+    with RunStore.open(db).read() as con:
         final = con.execute("SELECT status, steps FROM runs").fetchall()
     assert final[0][0] == "complete", final
     mid = [s[0] for s in seen if s]
@@ -393,8 +399,9 @@ def test_default_recording_keeps_every_head_where_a_leak_was_seen(tmp_path):
     m = tiny()
     db = tmp_path / "k.duckdb"
     wl = live.scenario_workload("boundary", m)
-    faulty = live.run(db, m, wl, "boundary", selection=AttentionSelection(full_layers=frozenset())).run_id
-    clean = live.run(db, m, wl, None, selection=AttentionSelection(full_layers=frozenset())).run_id
+    faulty = live.run(RunStore.open(db), m, wl, "boundary",
+                      selection=AttentionSelection(full_layers=frozenset())).run_id
+    clean = live.run(RunStore.open(db), m, wl, None, selection=AttentionSelection(full_layers=frozenset())).run_id
     con = duckdb.connect(str(db), read_only=True)
     findings = con.execute("SELECT step, layer, head FROM findings WHERE run_id = ? AND kind = 'foreign'",
                            [faulty]).fetchall()
@@ -413,8 +420,7 @@ def test_a_version_1_store_is_upgraded_in_place_and_keeps_its_runs(tmp_path):
     con.execute("UPDATE meta SET value = '1' WHERE key = 'schema_version'")
     runs_before = con.execute("SELECT count(*) FROM runs").fetchone()[0]
     con.close()
-    con = open_writer(db)
-    assert con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0] == SCHEMA_VERSION
-    assert con.execute("SELECT count(*) FROM token_text").fetchone()[0] == 0
-    assert con.execute("SELECT count(*) FROM runs").fetchone()[0] == runs_before == 1
-    con.close()
+    with RunStore.open(db).read() as con:  # a reader upgrades it as well as a writer would
+        assert con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0] == SCHEMA_VERSION
+        assert con.execute("SELECT count(*) FROM token_text").fetchone()[0] == 0
+        assert con.execute("SELECT count(*) FROM runs").fetchone()[0] == runs_before == 1

@@ -7,12 +7,14 @@ import io
 import json
 import pickle
 import zipfile
+from pathlib import Path
 
 import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from kvviz.store import RunStore
 from kvviz.store.chrome import chrome_trace
 from kvviz.store.trace import TABLES, TraceError, export_run, import_trace
 
@@ -24,7 +26,7 @@ def source(tmp_path_factory):
     d = tmp_path_factory.mktemp("trace")
     db = d / "src.duckdb"
     run = record(db, "boundary", "boundary")
-    trace = export_run(duckdb.connect(str(db), read_only=True), run.result.run_id, d / "run.zip")
+    trace = export_run(RunStore.open(db), run.result.run_id, d / "run.zip")
     return db, run.result.run_id, trace
 
 
@@ -39,7 +41,7 @@ def rows(db, table, run_id):
 def test_export_then_import_is_the_identity(source, tmp_path):
     db, run_id, trace = source
     target = tmp_path / "target.duckdb"
-    assert import_trace(trace, target) == run_id
+    assert import_trace(trace, RunStore.open(target)) == run_id
     for table in TABLES:
         assert rows(target, table, run_id) == rows(db, table, run_id), table
     assert len(rows(target, "attention", run_id)) > 0 and len(rows(target, "findings", run_id)) > 0
@@ -129,10 +131,10 @@ def test_malformed_and_hostile_traces_are_refused_and_change_nothing(source, tmp
     make, message = CASES[name]
     bad = make(trace, tmp_path / "bad.zip")
     target = tmp_path / "target.duckdb"
-    import_trace(trace, target)  # the database already holds one run
+    import_trace(trace, RunStore.open(target))  # the database already holds one run
     before = {t: rows(target, t, run_id) for t in TABLES}
     with pytest.raises(TraceError, match=message):
-        import_trace(bad, target)
+        import_trace(bad, RunStore.open(target))
     assert {t: rows(target, t, run_id) for t in TABLES} == before
     con = duckdb.connect(str(target), read_only=True)
     assert con.execute("SELECT count(*) FROM runs").fetchone()[0] == 1
@@ -140,9 +142,9 @@ def test_malformed_and_hostile_traces_are_refused_and_change_nothing(source, tmp
 
 def test_importing_the_same_run_twice_is_refused(source, tmp_path):
     target = tmp_path / "t.duckdb"
-    import_trace(source[2], target)
+    import_trace(source[2], RunStore.open(target))
     with pytest.raises(TraceError, match="already in"):
-        import_trace(source[2], target)
+        import_trace(source[2], RunStore.open(target))
 
 
 def test_chrome_trace_has_tracks_slices_and_counters(source):
@@ -166,5 +168,19 @@ def test_the_documented_stand_alone_writer_imports(tmp_path, monkeypatch):
     code = re.search(r"## A stand-alone writer\n\n```python\n(.*?)```", doc, re.S).group(1)
     monkeypatch.chdir(tmp_path)
     exec(code, {})
-    assert import_trace(tmp_path / "capture.zip", tmp_path / "k.duckdb") == "prod-0001"
+    assert import_trace(tmp_path / "capture.zip", RunStore.open(tmp_path / "k.duckdb")) == "prod-0001"
     assert rows(tmp_path / "k.duckdb", "page_tables", "prod-0001") == [(0, "r1", 0, 7)]
+
+
+def test_the_documented_trace_tables_are_the_declared_ones():
+    """docs/trace-format.md lists each table's columns; the schema declaration is the truth (drift fails)."""
+    import re
+
+    from kvviz.store.schema import TRACE_TABLES
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "trace-format.md").read_text()
+    listed = {}
+    for table, cols in re.findall(r"^\| (\w+) \| ([^|]+) \| [^|]+ \|$", doc, re.M):
+        if table != "table":
+            listed[table] = [c.strip() for c in re.sub(r"\([^)]*\)", "", cols).split(",")]
+    assert listed == TRACE_TABLES

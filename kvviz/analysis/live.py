@@ -5,20 +5,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import pandas as pd
 
-from ..checked_run import FaultMismatch
-from ..engine import ConfigError, EngineError, StepRecord
-from ..faults import Scope, UnknownFault
-from ..models import LoadedModel, ModelError, load_model
+from ..engine import StepRecord
+from ..faults import Scope
+from ..models import LoadedModel, load_model
+from ..models.queue import WaitCallback, waiting_message  # noqa: F401 (the pages say it)
 from ..oracle import ProvenanceOracle
 from ..recorded import DEFAULT_SELECTION, record_run
 from ..scenarios import scenario
-from ..store import StoreError
+from ..store import RunStore
 from ..store.attention import AttentionSelection
-from ..workload import Workload, WorkloadError
+from ..workload import Workload
 
 
 @dataclass
@@ -49,11 +48,11 @@ def scenario_workload(name: str, m: LoadedModel) -> dict:
     return scenario(name).build(m.tokenizer)
 
 
-def run(db: str | Path, m: LoadedModel, workload: dict, fault: str | None = None, *, scenario_name: str | None = None,
+def run(store: RunStore, m: LoadedModel, workload: dict, fault: str | None = None, *, scenario_name: str | None = None,
         scope: Scope | None = None, selection: AttentionSelection = DEFAULT_SELECTION,
-        on_step: Callable[[LiveStep], None] | None = None) -> Outcome:
+        on_step: Callable[[LiveStep], None] | None = None, on_wait: WaitCallback | None = None) -> Outcome:
     """Validate and run a workload (a dict as in a workload file); raises WorkloadError and friends on
-    bad input before anything is recorded."""
+    bad input before anything is recorded. on_wait hears how many runs are ahead on the model."""
     wl = Workload.from_dict(workload)
     total = sum(r.max_new_tokens for r in wl.requests)
     done, worst = 0, 0.0
@@ -66,7 +65,8 @@ def run(db: str | Path, m: LoadedModel, workload: dict, fault: str | None = None
         if on_step is not None:
             on_step(LiveStep(rec.step, done, total, pool_frame(rec), len(oracle.findings), worst))
 
-    checked = record_run(db, m, wl, fault, scenario=scenario_name, scope=scope, selection=selection, on_step=step)
+    checked = record_run(store, m, wl, fault, scenario=scenario_name, scope=scope, selection=selection, on_step=step,
+                         on_wait=on_wait)
     summary = checked.summary()
     return Outcome(checked.result.run_id, {r.id: r.text for r in checked.result.requests}, len(checked.findings),
                    summary["leak"]["max_foreign_mass"])
@@ -82,6 +82,3 @@ def pool_frame(rec: StepRecord) -> pd.DataFrame:
     return pd.DataFrame({"block": range(n), "state": [snap.state(b) for b in range(n)], "refcount": snap.refcounts,
                          "owners": [",".join(dict.fromkeys(owners.get(b, []))) for b in range(n)]})
 
-
-# What a bad run request raises; the UI shows the message (it names the field) and records nothing.
-RUN_ERRORS = (WorkloadError, ConfigError, EngineError, UnknownFault, FaultMismatch, StoreError, ModelError, ValueError)

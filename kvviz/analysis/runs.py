@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import duckdb
 import pandas as pd
 
-from ..store.db import StoreError, writing
+from ..store import RunStore, StoreError
 
 
 @dataclass(frozen=True)
@@ -82,11 +81,11 @@ def run_tables(con: duckdb.DuckDBPyConnection) -> list[str]:
         "WHERE c.column_name = 'run_id' AND t.table_type = 'BASE TABLE' ORDER BY table_name").fetchall()]
 
 
-def delete_run(db: str | Path, run_id: str) -> None:
+def delete_run(store: RunStore, run_id: str) -> None:
     """Remove a run and every row that belongs to it, in one transaction."""
-    with writing(db) as con:
+    with store.write() as con:
         if not con.execute("SELECT count(*) FROM runs WHERE run_id = ?", [run_id]).fetchone()[0]:
-            raise StoreError(f"no run {run_id!r} in {db}")
+            raise StoreError(f"no run {run_id!r} in {store.path}")
         con.execute("BEGIN TRANSACTION")
         for table in run_tables(con):
             con.execute(f"DELETE FROM {table} WHERE run_id = ?", [run_id])

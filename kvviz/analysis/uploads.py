@@ -10,22 +10,20 @@ from pathlib import Path
 
 from ..capture.events import CaptureError
 from ..capture.import_vllm import import_capture
-from ..store import StoreError
-from ..store.trace import TraceError, import_trace
-
-REFUSALS = (TraceError, CaptureError, StoreError)
+from ..store import RunStore
+from ..store.trace import import_trace
 
 
-def import_file(path: str | Path, db: str | Path) -> str:
-    """Import and return the new run id; raises one of REFUSALS naming the problem (nothing imported)."""
+def import_file(path: str | Path, store: RunStore) -> str:
+    """Import and return the new run id; a KvvizError names the problem (and nothing was imported)."""
     path = Path(path)
     if path.is_dir():
         raise CaptureError(f"{path}: is a folder; give a kvviz trace (.zip) or a capture file")
     if not path.is_file():
         raise CaptureError(f"{path}: no such file")
     if path.suffix.lower() == ".zip" or zipfile.is_zipfile(path):
-        return import_trace(path, db)  # a .zip that is no zip gets the trace reader's "not a zip" error
-    return import_capture(path, db)
+        return import_trace(path, store)  # a .zip that is no zip gets the trace reader's "not a zip" error
+    return import_capture(path, store)
 
 
 def save_upload(name: str, data: bytes, folder: str | Path) -> Path:

@@ -4,10 +4,13 @@ and the msgpack payload in base64), exactly as received, so import can decode it
 from __future__ import annotations
 
 import base64
+import binascii
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
+from ..jsonio import parse_json
 from .events import CaptureError
 
 FORMAT, VERSION = "kvviz-vllm-capture", 1
@@ -33,24 +36,40 @@ class CaptureWriter:
 
 
 def read_capture(path: str | Path) -> Iterator[tuple[int, bytes]]:
-    """(sequence number, payload) per message; CaptureError names the line that is wrong."""
+    """(sequence number, payload) per message; CaptureError names the line that is wrong. Read as
+    bytes line by line, so another encoding or an endless line is a refusal, not a traceback."""
     path = Path(path)
     try:
-        f = open(path, encoding="utf-8")
+        f = open(path, "rb")
     except FileNotFoundError:
         raise CaptureError(f"{path}: no such file") from None
+    except OSError as e:
+        raise CaptureError(f"{path}: cannot read it ({e.strerror or e})") from None
     with f:
-        try:
-            header = json.loads(f.readline(MAX_LINE) or "null")
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise CaptureError(f"{path}: line 1 is not a capture header") from None
+        lines = _lines(f, path)
+        header = parse_json(next(lines, (1, b"null"))[1], f"{path}: line 1", CaptureError)
         if not isinstance(header, dict) or header.get("format") != FORMAT:
             raise CaptureError(f"{path}: not a kvviz vLLM capture (line 1 must name format {FORMAT!r})")
         if header.get("version") != VERSION:
             raise CaptureError(f"{path}: capture version {header.get('version')!r} is not supported")
-        for n, line in enumerate(f, start=2):
+        for n, line in lines:
+            rec = parse_json(line, f"{path}: line {n}", CaptureError)
+            seq, payload = (rec.get("seq"), rec.get("payload")) if isinstance(rec, dict) else (None, None)
+            if not isinstance(seq, int) or isinstance(seq, bool) or not isinstance(payload, str):
+                raise CaptureError(f"{path}: line {n} is not a captured message "
+                                   '({"seq": integer, "payload": base64 text})')
             try:
-                rec = json.loads(line)
-                yield int(rec["seq"]), base64.b64decode(rec["payload"], validate=True)
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError, UnicodeDecodeError):
-                raise CaptureError(f"{path}: line {n} is not a captured message") from None
+                yield seq, base64.b64decode(payload, validate=True)
+            except (binascii.Error, ValueError):
+                raise CaptureError(f"{path}: line {n}: the payload is not base64") from None
+
+
+def _lines(f: BinaryIO, path: Path) -> Iterator[tuple[int, bytes]]:
+    """Numbered non-blank lines, each at most MAX_LINE bytes."""
+    n = 0
+    while line := f.readline(MAX_LINE + 1):
+        n += 1
+        if len(line) > MAX_LINE:
+            raise CaptureError(f"{path}: line {n} is longer than {MAX_LINE >> 20} MiB")
+        if line.strip():
+            yield n, line

@@ -16,14 +16,12 @@ from dataclasses import dataclass
 
 import msgpack
 
+from ..errors import CaptureError
+
 _M64 = (1 << 64) - 1
 STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
                  "extra_keys", "group_idx")
 REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
-
-
-class CaptureError(ValueError):
-    """A capture or event batch is malformed; the message says where."""
 
 
 @dataclass(frozen=True)

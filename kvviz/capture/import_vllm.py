@@ -10,22 +10,24 @@ from collections import defaultdict
 from datetime import UTC, datetime
 from pathlib import Path
 
-import pyarrow as pa
-
 from .. import __version__
-from ..engine.engine import new_run_id
-from ..store.db import open_writer
+from ..ids import new_run_id
+from ..store import RunStore
+from ..store.schema import arrow_table
 from .capture_file import read_capture
 from .events import CaptureError, decode_batch
 
 
-def import_capture(path: str | Path, db: str | Path) -> str:
+def import_capture(path: str | Path, store: RunStore) -> str:
     """Decode every message first (a bad capture changes nothing), then insert in one transaction."""
     path = Path(path)
     messages = list(read_capture(path))
     if not messages:
         raise CaptureError(f"{path}: the capture holds no messages")
-    events = [(step, ev) for step, (seq, payload) in enumerate(messages) for ev in decode_batch(payload, seq)]
+    try:
+        events = [(step, ev) for step, (seq, payload) in enumerate(messages) for ev in decode_batch(payload, seq)]
+    except CaptureError as e:
+        raise CaptureError(f"{path}: {e}") from None
     run_id = new_run_id()
     cols: dict[str, list] = defaultdict(list)
     salts_of: dict[int, set] = defaultdict(set)
@@ -50,22 +52,19 @@ def import_capture(path: str | Path, db: str | Path) -> str:
                 salts_of[h].add(salt)
     steps = {"run_id": [run_id] * len(messages), "step": list(range(len(messages))),
              "seconds": [0.0] * len(messages), "free_blocks": [None] * len(messages)}
-    con = open_writer(db)
-    try:
+    with store.write() as con:
         con.execute("BEGIN TRANSACTION")
-        con.execute("INSERT INTO runs (run_id, created_at, status, model, scenario, workload, engine, kvviz_version, "
-                    "steps, findings) VALUES (?, ?, 'complete', 'vllm capture', 'import', ?, '{}', ?, ?, ?)",
-                    [run_id, datetime.now(UTC).replace(tzinfo=None), json.dumps({"capture": path.name}),
-                     __version__, len(messages), len(findings["kind"])])
-        for table, data in (("kv_events", cols), ("steps", steps), ("findings", findings)):
-            if data and data.get("run_id"):
-                buf = pa.table({k: pa.array(v, type=pa.uint64() if k.endswith("hash") else None)  # noqa: F841
-                                for k, v in data.items()})
-                con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM buf")
-        con.execute("COMMIT")
-    except Exception:
-        con.execute("ROLLBACK")
-        raise
-    finally:
-        con.close()
+        try:
+            con.execute("INSERT INTO runs (run_id, created_at, status, model, scenario, workload, engine, "
+                        "kvviz_version, steps, findings) VALUES (?, ?, 'complete', 'vllm capture', 'import', ?, '{}', "
+                        "?, ?, ?)", [run_id, datetime.now(UTC).replace(tzinfo=None),
+                                     json.dumps({"capture": path.name}), __version__, len(messages),
+                                     len(findings["kind"])])
+            for table, data in (("kv_events", cols), ("steps", steps), ("findings", findings)):
+                if data and data.get("run_id"):
+                    store.insert(con, table, arrow_table(table, data))
+            con.execute("COMMIT")
+        except Exception:
+            con.execute("ROLLBACK")
+            raise
     return run_id

@@ -15,9 +15,10 @@ from collections.abc import Callable
 import zmq
 
 from .capture_file import CaptureWriter
+from .events import CaptureError
 
 
-class EndpointError(ValueError):
+class EndpointError(CaptureError):
     """An endpoint ZMQ cannot connect to (a malformed address): said before anything is written."""
 
 

@@ -7,6 +7,7 @@ import os
 import sys
 
 from .. import __version__
+from ..errors import KvvizError
 from .capture import cmd_capture_vllm
 from .catalogue import cmd_audit, cmd_scenarios
 from .common import fail
@@ -14,7 +15,6 @@ from .models import cmd_bench, cmd_fetch_model
 from .run import cmd_run
 from .store import cmd_export, cmd_import, cmd_replay, cmd_sql
 
-DEFAULT_DB = "runs/kvviz.duckdb"
 MODEL_HELP = "smollm2 (default), tiny-llama, tiny-gpt2 or a path"
 DEVICE_HELP = "auto (default), cpu, cuda or cuda:N"
 
@@ -27,7 +27,7 @@ def _add_model_device(p: argparse.ArgumentParser) -> None:
 
 def _add_db(p: argparse.ArgumentParser, what: str = "run store") -> None:
     """--db, the run store every command that reads or writes runs shares with the UI."""
-    p.add_argument("--db", default=DEFAULT_DB, help=f"{what} (default {DEFAULT_DB})")
+    p.add_argument("--db", help=f"{what} (default $KVVIZ_DB, else runs/kvviz.duckdb)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -113,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeat", type=int, default=1,
                        help="run every peer this many times, interleaved, and report medians (default 1)")
     bench.add_argument("--cases", help="only these cases, comma-separated: uniform, mixed, shared-system")
+    bench.add_argument("--sessions", type=int, metavar="N",
+                       help="instead: N sessions recording scenarios at once vs one after another (many users)")
     bench.add_argument("--out", metavar="FILE.md", help="also write the markdown table to this file")
     bench.set_defaults(func=cmd_bench)
     return p
@@ -122,7 +124,13 @@ def main(argv: list[str] | None = None) -> int:
     """Parse argv (sys.argv when None) and run the chosen command; its return value is the exit status."""
     args = build_parser().parse_args(argv)
     try:
+        if "db" in args:  # the one RunStore of this process, for every command that reads or writes runs
+            from ..store import RunStore
+
+            args.store = RunStore.open(args.db)
         return args.func(args)
+    except KvvizError as e:  # bad input of any command: one line, exit 2, no traceback
+        return fail(e, args.command)
     except KeyboardInterrupt:  # a recording run has marked itself failed on the way out
         print("\nkvviz: interrupted", file=sys.stderr)
         return 130

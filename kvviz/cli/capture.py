@@ -7,15 +7,13 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
-from .common import fail
-
 if TYPE_CHECKING:
     from ..capture.capture_file import CaptureWriter
 
 
 def cmd_capture_vllm(args: argparse.Namespace) -> int:
     """Subscribe to vLLM's KV-event publisher and write a capture; stop on Ctrl-C or --duration."""
-    from ..capture.zmq_capture import EndpointError, capture
+    from ..capture.zmq_capture import capture
 
     def progress(w: CaptureWriter) -> None:
         gaps = f", {len(w.gaps)} gaps in sequence numbers" if w.gaps else ""
@@ -24,8 +22,6 @@ def cmd_capture_vllm(args: argparse.Namespace) -> int:
     try:
         w = capture(args.endpoint, args.out, duration=args.duration, replay=args.replay, topic=args.topic,
                     progress=progress)
-    except EndpointError as e:
-        return fail(e, "capture-vllm")
     except KeyboardInterrupt:
         print("", file=sys.stderr)
         print(f"kvviz: stopped; capture written to {args.out}", file=sys.stderr)

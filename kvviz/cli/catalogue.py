@@ -6,8 +6,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .common import fail
-
 
 def cmd_scenarios(args: argparse.Namespace) -> int:
     """One line a scenario (name, fault or control, title) for picking a --scenario to run."""
@@ -21,12 +19,9 @@ def cmd_scenarios(args: argparse.Namespace) -> int:
 def cmd_audit(args: argparse.Namespace) -> int:
     """The detection matrix: every fault against its scenario and the same workload clean."""
     from ..audit import audit, format_matrix
-    from ..models import ModelError, load_model
+    from ..models import load_model
 
-    try:
-        m = load_model(args.model, device=args.device)
-    except ModelError as e:
-        return fail(e)
+    m = load_model(args.model, device=args.device)
     rows = audit(m, progress=lambda s: print(s, file=sys.stderr, flush=True))
     print(format_matrix(rows))
     bad = [r for r in rows if not r.ok]

@@ -10,8 +10,6 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .common import fail
-
 if TYPE_CHECKING:
     from ..engine import StepRecord
     from ..faults import Scope
@@ -27,44 +25,37 @@ def cmd_run(args: argparse.Namespace) -> int:
     Exit 1 with --fail-on-leak when the run has findings, 2 on bad input."""
     from tqdm import tqdm
 
-    from ..checked_run import FaultMismatch
-    from ..engine import ConfigError, Engine, EngineError
-    from ..faults import UnknownFault
-    from ..models import ModelError, load_model
-    from ..scenarios import UnknownScenario, scenario
-    from ..store import StoreError
+    from ..engine import Engine
+    from ..models import load_model
+    from ..scenarios import scenario
     from ..workload import Workload, WorkloadError
 
     probe, note = None, None
-    try:
-        if (args.workload is None) == (args.scenario is None):
-            raise WorkloadError("give exactly one of --workload FILE or --scenario NAME")
-        sc = scenario(args.scenario) if args.scenario else None
-        fault = args.fault if args.fault is not None else (sc.fault if sc else None)
-        if fault is None and (args.fault_steps or args.fault_requests or args.fault_layers):
-            raise WorkloadError("--fault-steps, --fault-requests and --fault-layers confine a fault: give --fault")
-        m = load_model(args.model, device=args.device)
-        wl = Workload.from_dict(sc.build(m.tokenizer)) if sc else Workload.from_file(args.workload)
-        wl = _with_overrides(wl, args)
-        total = sum(r.max_new_tokens for r in wl.requests)
-        with tqdm(total=total, unit="tok", desc="generating", file=sys.stderr, disable=args.quiet) as bar:
-            def progress(rec: StepRecord) -> None:
-                bar.update(len(rec.sampled))
-            if wl.engine.compute == "fast" and fault is None:
-                if args.fail_on_leak:
-                    raise WorkloadError("--fail-on-leak needs the leak oracle, which reads attention weights that "
-                                        "--compute fast does not compute; use --compute inspect")
-                summary = Engine(m, wl.engine).run(wl, on_step=progress).summary()
-                summary.update(fault=None, leak=None, divergence=None, findings=None, db=None)
-                note = "--compute fast runs are not judged or recorded (no attention weights); --compute inspect is"
-            else:
-                if wl.engine.compute == "fast":
-                    note = "a run with a fault is judged by the leak oracle, so it runs --compute inspect"
-                probe = _seed_probe(m, sc, wl)
-                summary = _recorded_run(args, m, wl, fault, progress, probe)
-    except (WorkloadError, ConfigError, ModelError, EngineError, UnknownFault, UnknownScenario, FaultMismatch,
-            StoreError) as e:
-        return fail(e)
+    if (args.workload is None) == (args.scenario is None):
+        raise WorkloadError("give exactly one of --workload FILE or --scenario NAME")
+    sc = scenario(args.scenario) if args.scenario else None
+    fault = args.fault if args.fault is not None else (sc.fault if sc else None)
+    if fault is None and (args.fault_steps or args.fault_requests or args.fault_layers):
+        raise WorkloadError("--fault-steps, --fault-requests and --fault-layers confine a fault: give --fault")
+    m = load_model(args.model, device=args.device)
+    wl = Workload.from_dict(sc.build(m.tokenizer)) if sc else Workload.from_file(args.workload)
+    wl = _with_overrides(wl, args)
+    total = sum(r.max_new_tokens for r in wl.requests)
+    with tqdm(total=total, unit="tok", desc="generating", file=sys.stderr, disable=args.quiet) as bar:
+        def progress(rec: StepRecord) -> None:
+            bar.update(len(rec.sampled))
+        if wl.engine.compute == "fast" and fault is None:
+            if args.fail_on_leak:
+                raise WorkloadError("--fail-on-leak needs the leak oracle, which reads attention weights that "
+                                    "--compute fast does not compute; use --compute inspect")
+            summary = Engine(m, wl.engine).run(wl, on_step=progress).summary()
+            summary.update(fault=None, leak=None, divergence=None, findings=None, db=None)
+            note = "--compute fast runs are not judged or recorded (no attention weights); --compute inspect is"
+        else:
+            if wl.engine.compute == "fast":
+                note = "a run with a fault is judged by the leak oracle, so it runs --compute inspect"
+            probe = _seed_probe(m, sc, wl)
+            summary = _recorded_run(args, m, wl, fault, progress, probe)
     if note is not None:
         print(f"kvviz: note: {note}", file=sys.stderr)
     summary = {**summary, "scenario": args.scenario, "model": {"name": m.name, "fingerprint": m.fingerprint}}
@@ -83,10 +74,10 @@ def _recorded_run(args: argparse.Namespace, m: LoadedModel, wl: Workload, fault:
     """A checked run recorded step by step into --db; a run that dies is marked failed there."""
     from ..recorded import record_run
 
-    run = record_run(args.db, m, wl, fault, scenario=args.scenario, scope=_fault_scope(args),
+    run = record_run(args.store, m, wl, fault, scenario=args.scenario, scope=_fault_scope(args),
                      selection=_attention_selection(args), on_step=lambda r, _oracle: progress(r),
                      probes=[probe] if probe else [])
-    return {**run.summary(), "db": str(args.db)}
+    return {**run.summary(), "db": str(args.store.path)}
 
 
 def _with_overrides(wl: Workload, args: argparse.Namespace) -> Workload:
@@ -99,37 +90,21 @@ def _with_overrides(wl: Workload, args: argparse.Namespace) -> Workload:
     return dataclasses.replace(wl, engine=EngineConfig.from_dict({**wl.engine.to_dict(), **changes}))
 
 
-def _int_set(text: str | None, flag: str) -> frozenset[int] | None:
-    """A comma-separated list of integers from the command line (None when the flag is absent); a bad
-    one is a WorkloadError so cmd_run reports it like any other bad input."""
-    from ..faults import int_set
-    from ..workload import WorkloadError
-
-    try:
-        return int_set(text, flag)
-    except ValueError as e:
-        raise WorkloadError(str(e)) from None
-
-
 def _fault_scope(args: argparse.Namespace) -> Scope | None:
     """--fault-steps/--fault-requests/--fault-layers as a Scope, or None for the fault's own."""
     from ..faults import Scope
-    from ..workload import WorkloadError
 
-    try:
-        return Scope.parse(args.fault_steps, args.fault_requests, args.fault_layers,
-                           names=("--fault-steps", "--fault-layers"))
-    except ValueError as e:
-        raise WorkloadError(str(e)) from None
+    return Scope.parse(args.fault_steps, args.fault_requests, args.fault_layers,
+                       names=("--fault-steps", "--fault-layers"))
 
 
 def _attention_selection(args: argparse.Namespace) -> AttentionSelection:
     """--attention and its filters: which attention rows the recorder keeps (the store's biggest table)."""
-    from ..faults import name_set
+    from ..faults import int_set, name_set
     from ..store.attention import AttentionSelection
 
-    return AttentionSelection(args.attention, _int_set(args.attention_layers, "--attention-layers"),
-                              _int_set(args.attention_steps, "--attention-steps"), name_set(args.attention_requests))
+    return AttentionSelection(args.attention, int_set(args.attention_layers, "--attention-layers"),
+                              int_set(args.attention_steps, "--attention-steps"), name_set(args.attention_requests))
 
 
 def _seed_probe(m: LoadedModel, sc: Scenario | None, wl: Workload) -> LastPromptTokenProbe | None:

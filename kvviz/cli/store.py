@@ -1,5 +1,6 @@
 """The commands that read or fill the run store without running a model: `sql`, `replay`, `export`
-and `import` (replay --verify does re-execute, through the store's own replay module)."""
+and `import` (replay --verify does re-execute, through the store's own replay module). Each gets the
+process's one RunStore as args.store; a refusal is a KvvizError, reported by main."""
 
 from __future__ import annotations
 
@@ -12,15 +13,12 @@ from .common import fail
 
 def cmd_sql(args: argparse.Namespace) -> int:
     """A read-only query over the run store; exit 2 with the reason when it is refused."""
-    from ..store import SqlError, open_sandbox, run_query
+    from ..store import run_query
 
     if args.limit < 0:
         return fail(f"--limit must be >= 0, got {args.limit}", "sql")
-    try:
-        con = open_sandbox(args.db)
+    with args.store.read() as con:
         res = run_query(con, args.query, max_rows=args.limit)
-    except SqlError as e:
-        return fail(e, "sql")
     if args.format == "json":
         print(json.dumps([dict(zip(res.columns, r, strict=True)) for r in res.rows], default=str, ensure_ascii=False))
     elif args.format == "csv":
@@ -41,26 +39,17 @@ def cmd_sql(args: argparse.Namespace) -> int:
 
 def cmd_replay(args: argparse.Namespace) -> int:
     """Show a recorded run at one step, or re-execute it and verify it (exit 1 on a mismatch)."""
-    import duckdb
-
-    from ..store import StoreError
     from ..store.replay import load_run, state_at, verify
 
-    try:
-        con = duckdb.connect(args.db, read_only=True)
-    except duckdb.Error as e:
-        return fail(f"cannot open {args.db}: {e}")
-    try:
+    if args.verify:
+        problems = verify(args.store, args.run_id, device=args.device)
+        for p in problems:
+            print(f"MISMATCH {p}")
+        print(f"run {args.run_id}: " + ("replays identically" if not problems else f"{len(problems)} mismatches"))
+        return 1 if problems else 0
+    with args.store.read() as con:
         rec = load_run(con, args.run_id)
-        if args.verify:
-            problems = verify(con, args.run_id, device=args.device)
-            for p in problems:
-                print(f"MISMATCH {p}")
-            print(f"run {args.run_id}: " + ("replays identically" if not problems else f"{len(problems)} mismatches"))
-            return 1 if problems else 0
         st = state_at(con, args.run_id, args.step)
-    except StoreError as e:
-        return fail(e)
     print(f"run {rec.run_id} ({rec.status}), model {rec.model}, fault {rec.fault or 'none'}: step {st.step}")
     for req, start, n, tok in st.work:
         sampled = f", sampled {tok}" if tok is not None else ""
@@ -81,33 +70,19 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     """A recorded run as a kvviz trace (zip of Parquet) or Chrome trace JSON for Perfetto."""
-    import duckdb
-
-    from ..store import StoreError
     from ..store.chrome import export_chrome
     from ..store.trace import export_run
 
     out = args.out or f"{args.run_id}.{'zip' if args.format == 'kvviz' else 'json'}"
-    try:
-        con = duckdb.connect(args.db, read_only=True)
-    except duckdb.Error as e:
-        return fail(f"cannot open {args.db}: {str(e).splitlines()[0]}")
-    try:
-        (export_run if args.format == "kvviz" else export_chrome)(con, args.run_id, out)
-    except (duckdb.Error, StoreError) as e:
-        return fail(e)
+    (export_run if args.format == "kvviz" else export_chrome)(args.store, args.run_id, out)
     print(out)
     return 0
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    """Validate and import a kvviz trace or a vLLM/SGLang KV-event capture into --db; a bad file is
-    refused whole, with the reason."""
-    from ..analysis.uploads import REFUSALS, import_file
+    """Validate and import a kvviz trace or a vLLM/SGLang KV-event capture into the store; a bad file
+    is refused whole, with the reason."""
+    from ..analysis.uploads import import_file
 
-    try:
-        run_id = import_file(args.file, args.db)
-    except REFUSALS as e:
-        return fail(e, "import")
-    print(run_id)
+    print(import_file(args.file, args.store))
     return 0

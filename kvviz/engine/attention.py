@@ -1,9 +1,9 @@
 """Paged attention over the shared pool, plugged into unmodified transformers models.
 
-The model runs one forward over every scheduled token of every request (`input_ids [1, T]`).
-In each layer, transformers calls `paged_attention` with that layer's new K/V; it writes them into
-the pool by slot mapping, gathers each group's keys by physical slot and attends under the mask
-the step plan built once for all layers.
+The model runs one forward over every scheduled token of every request (`input_ids [1, T]`), with
+the step's StepBatch in its kwargs (kvviz.models.routing sends each layer's attention to it). In each
+layer the batch writes that layer's new K/V into the pool by slot mapping, gathers each group's keys
+by physical slot and attends under the mask the step plan built once for all layers.
 """
 
 from __future__ import annotations
@@ -12,11 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from transformers import AttentionInterface
 
 from .defences import sdpa_attend
-
-ATTN_IMPLEMENTATION = "kvviz_paged"
 
 
 class KVTensors:
@@ -69,6 +66,11 @@ class AttentionGroup:
             self.layout = "causal"
 
 
+def _gather(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """pool[slots] for slots [R, L]; index_select is several times faster than indexing on CPU."""
+    return pool.index_select(0, slots.flatten()).view(*slots.shape, *pool.shape[1:])
+
+
 @dataclass
 class StepBatch:
     """Everything the attention function needs for one step, built once and shared by all layers."""
@@ -79,31 +81,21 @@ class StepBatch:
     attend: Callable | None  # the inspect path's attend defence; None selects the fast path
     on_probs: Callable[[int, AttentionGroup, torch.Tensor], None] | None = None
 
-
-def _gather(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """pool[slots] for slots [R, L]; index_select is several times faster than indexing on CPU."""
-    return pool.index_select(0, slots.flatten()).view(*slots.shape, *pool.shape[1:])
-
-
-def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, kvviz_step=None, **_):
-    """transformers attention signature: query [1, H, T, D], key/value [1, KVH, T, D] (RoPE applied)."""
-    step: StepBatch = kvviz_step
-    kc, vc = step.kv.layer(module.layer_idx, key)
-    kc[step.write_slots] = key[0].transpose(0, 1)
-    vc[step.write_slots] = value[0].transpose(0, 1)
-    q = query[0].transpose(0, 1)  # [T, H, D]
-    out = torch.empty_like(q)
-    for g in step.groups:
-        qg = q[g.span].view(*g.mask.shape[:2], *q.shape[1:])
-        kg, vg = _gather(kc, g.key_slots), _gather(vc, g.key_slots)
-        if step.attend is None:
-            og = sdpa_attend(qg, kg, vg, g.mask, scaling, g.layout)
-        else:
-            og, probs = step.attend(qg, kg, vg, g.mask, scaling, module.layer_idx)
-            if step.on_probs is not None:
-                step.on_probs(module.layer_idx, g, probs)
-        out[g.span] = og.reshape(-1, *q.shape[1:])
-    return out[None], None
-
-
-AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)
+    def __call__(self, module, query, key, value, scaling=None):
+        """One layer's attention; query [1, H, T, D], key/value [1, KVH, T, D] (RoPE applied)."""
+        kc, vc = self.kv.layer(module.layer_idx, key)
+        kc[self.write_slots] = key[0].transpose(0, 1)
+        vc[self.write_slots] = value[0].transpose(0, 1)
+        q = query[0].transpose(0, 1)  # [T, H, D]
+        out = torch.empty_like(q)
+        for g in self.groups:
+            qg = q[g.span].view(*g.mask.shape[:2], *q.shape[1:])
+            kg, vg = _gather(kc, g.key_slots), _gather(vc, g.key_slots)
+            if self.attend is None:
+                og = sdpa_attend(qg, kg, vg, g.mask, scaling, g.layout)
+            else:
+                og, probs = self.attend(qg, kg, vg, g.mask, scaling, module.layer_idx)
+                if self.on_probs is not None:
+                    self.on_probs(module.layer_idx, g, probs)
+            out[g.span] = og.reshape(-1, *q.shape[1:])
+        return out[None], None

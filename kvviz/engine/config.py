@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
+from ..errors import WorkloadError
+
 ISOLATIONS = ("paged", "masked")
 COMPUTES = ("inspect", "fast")
 
 
-class ConfigError(ValueError):
+class ConfigError(WorkloadError):
     """A setting is out of range; the message starts with the field's name."""
 
 

@@ -3,18 +3,18 @@ sample -> finish, once per step, over one shared pool and an unmodified transfor
 
 from __future__ import annotations
 
-import threading
 import time
-import uuid
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from ..ids import new_run_id
 from ..models import LoadedModel
+from ..models.queue import WaitCallback
+from ..models.routing import step_kwargs
 from ..workload import RequestSpec, Workload, WorkloadError
-from .attention import ATTN_IMPLEMENTATION, KVTensors, StepBatch
+from .attention import KVTensors, StepBatch
 from .config import EngineConfig
 from .defences import Defences
 from .events import BlockEvent
@@ -24,14 +24,8 @@ from .plan import ScheduledWork, build_step
 from .sampler import request_generator, sample
 from .scheduler import Scheduler
 
-_MODEL_LOCK = threading.Lock()  # the attention implementation is a property of the shared model
 
-
-def new_run_id() -> str:
-    return uuid.uuid4().hex[:12]
-
-
-class EngineError(RuntimeError):
+class EngineError(WorkloadError):
     """The workload cannot run on this model and pool (it says which request and why)."""
 
 
@@ -126,18 +120,6 @@ class _Live:
     finish_at: float = 0.0
 
 
-@contextmanager
-def paged_attention_on(model: torch.nn.Module) -> Iterator[None]:
-    """Route the model's attention through kvviz for the duration of a run, then restore it."""
-    with _MODEL_LOCK:
-        previous = model.config._attn_implementation
-        model.set_attn_implementation(ATTN_IMPLEMENTATION)
-        try:
-            yield
-        finally:
-            model.set_attn_implementation(previous)
-
-
 class Engine:
     def __init__(self, model: LoadedModel, config: EngineConfig, defences: Defences | None = None):
         self.m, self.config, self.defences = model, config, defences or Defences()
@@ -149,9 +131,10 @@ class Engine:
 
     def run(self, workload: Workload, on_step: Callable[[StepRecord], None] | None = None,
             observers: Sequence[AttentionObserver] = (), keep_logits: bool = False,
-            run_id: str | None = None) -> RunResult:
+            run_id: str | None = None, on_wait: WaitCallback | None = None) -> RunResult:
         """Run every request of the workload to completion; steps are numbered from 0. Observers
-        see every layer's attention probabilities, which only the inspect path computes."""
+        see every layer's attention probabilities, which only the inspect path computes. The run
+        waits its turn on the model (on_wait hears how many runs are ahead)."""
         cfg = self.config
         if observers and cfg.compute != "inspect":
             raise EngineError("attention observers (the leak oracle) need compute='inspect'")
@@ -163,8 +146,9 @@ class Engine:
         tensors = KVTensors(cfg.num_blocks * cfg.block_size)
         live: dict[str, _Live] = {}
         arrivals = sorted(specs, key=lambda s: s[0].arrival_step)
-        stats, step, t0 = RunStats(), 0, time.perf_counter()
-        with paged_attention_on(self.m.model), torch.inference_mode():
+        stats, step = RunStats(), 0
+        with self.m.queue.turn(on_wait), torch.inference_mode():
+            t0 = time.perf_counter()  # times count from the turn on the model, not the wait for it
             while arrivals or sched.running or sched.waiting:
                 while arrivals and arrivals[0][0].arrival_step <= step:
                     spec, own_ids = arrivals.pop(0)
@@ -229,7 +213,7 @@ class Engine:
         batch = StepBatch(inp.write_slots, inp.groups, tensors,
                           None if cfg.compute == "fast" else self.defences.attend, on_attention if observers else None)
         logits = self.m.model(input_ids=inp.input_ids, position_ids=inp.position_ids, use_cache=False,
-                              logits_to_keep=keep, kvviz_step=batch).logits[0]
+                              logits_to_keep=keep, **step_kwargs(batch)).logits[0]
         for o in observers:
             o.end_step()
         allocs = dict(plan.work)

@@ -1,8 +1,8 @@
 """Typed model-loading errors: each message says what was asked for and what to do instead."""
 
+from ..errors import ModelError
 
-class ModelError(Exception):
-    """A model could not be loaded."""
+__all__ = ["ModelError", "ModelFetchError", "ModelNotFound", "UnsupportedModel"]
 
 
 class ModelNotFound(ModelError):

@@ -6,7 +6,7 @@ import hashlib
 import json
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -14,6 +14,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from . import gguf, smollm2, tiny
 from .errors import ModelError, ModelNotFound, UnsupportedModel
+from .queue import ModelQueue
+from .routing import route_attention
 
 DEFAULT_MODEL = "smollm2"
 BUILTIN = ("smollm2", *tiny.TINY_CONFIGS)
@@ -33,6 +35,7 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     fingerprint: str  # sha256 of the weights' source: a run is only replayable on the same weights
+    queue: ModelQueue = field(default_factory=ModelQueue, repr=False, compare=False)  # runs take turns on it
 
     @property
     def config(self):
@@ -83,6 +86,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, device: str = "auto", dtype: s
         folder, fingerprint = _local_folder(name_or_path, progress)
         model, tokenizer = _from_folder(folder)
     model = model.to(device=dev, dtype=dt).eval().requires_grad_(False)
+    route_attention(model)  # once, here: no run ever changes the model again
     return LoadedModel(name_or_path, model, tokenizer, dev, dt, fingerprint)
 
 

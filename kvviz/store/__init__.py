@@ -1,8 +1,11 @@
-"""The run store: every step of every run in DuckDB, and safe SQL over it."""
+"""The run store: every step of every run in DuckDB, reached only through RunStore, and safe SQL
+over it. Importing it loads no model code (`kvviz sql` stays light); the recorder lives in
+kvviz.store.recorder."""
 
-from .db import DEFAULT_DB, SCHEMA_VERSION, StoreError, open_writer
-from .recorder import RunRecorder
-from .sql import QueryResult, SqlError, open_sandbox, run_query
+from ..errors import SqlError, StoreError
+from .run_store import DEFAULT_DB, RunStore, default_path
+from .schema import SCHEMA_VERSION
+from .sql import QueryResult, run_query
 
-__all__ = ["DEFAULT_DB", "SCHEMA_VERSION", "QueryResult", "RunRecorder", "SqlError", "StoreError", "open_sandbox",
-           "open_writer", "run_query"]
+__all__ = ["DEFAULT_DB", "SCHEMA_VERSION", "QueryResult", "RunStore", "SqlError", "StoreError", "default_path",
+           "run_query"]

@@ -9,11 +9,12 @@ from pathlib import Path
 
 import duckdb
 
-from .db import StoreError, require_run
+from ..errors import StoreError
+from .run_store import RunStore
 
 
 def chrome_trace(con: duckdb.DuckDBPyConnection, run_id: str) -> dict:
-    require_run(con, run_id)
+    RunStore.require_run(con, run_id)
     steps = con.execute("SELECT step, seconds, free_blocks FROM steps WHERE run_id = ? ORDER BY step",
                         [run_id]).fetchall()
     if not steps:
@@ -52,7 +53,9 @@ def chrome_trace(con: duckdb.DuckDBPyConnection, run_id: str) -> dict:
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-def export_chrome(con: duckdb.DuckDBPyConnection, run_id: str, out: str | Path) -> Path:
+def export_chrome(store: RunStore, run_id: str, out: str | Path) -> Path:
+    with store.read() as con:
+        trace = chrome_trace(con, run_id)
     out = Path(out)
-    out.write_text(json.dumps(chrome_trace(con, run_id)))
+    out.write_text(json.dumps(trace))
     return out

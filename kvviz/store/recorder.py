@@ -22,23 +22,21 @@ import pyarrow as pa
 from .. import __version__
 from ..engine import StepRecord
 from ..engine.hashing import hash_to_u64
+from . import schema
 from .attention import AttentionRecorder
-from .db import writing
+from .run_store import RunStore
 
 if TYPE_CHECKING:
     from ..checked_run import CheckedRun
     from ..oracle import ProvenanceOracle
 
 
-_TYPES = {"hash": pa.uint64()}  # vLLM-style 64-bit hashes exceed int64
-
-
 class RunRecorder:
-    def __init__(self, db_path, run_id: str, *, model, workload, scenario: str | None = None,
+    def __init__(self, store: RunStore, run_id: str, *, model, workload, scenario: str | None = None,
                  fault: str | None = None, fault_scope: dict | None = None, oracle: ProvenanceOracle | None = None,
                  attention: AttentionRecorder | None = None, flush_every: int = 8, flush_seconds: float = 2.0,
                  background: bool = True):
-        self.db_path, self.tokenizer = db_path, model.tokenizer
+        self.store, self.tokenizer = store, model.tokenizer
         # Writes go to one background thread, in order, so the engine computes while DuckDB inserts and
         # checkpoints; finish() and fail() wait for them.
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvviz-recorder") if background else None
@@ -51,7 +49,7 @@ class RunRecorder:
         row = [run_id, datetime.now(UTC).replace(tzinfo=None), model.name, model.fingerprint, scenario, fault, scope,
                workload.seed, json.dumps(workload.engine.to_dict()), json.dumps(workload.to_dict(), ensure_ascii=False),
                __version__]
-        with writing(self.db_path) as con:
+        with self.store.write() as con:
             con.execute("INSERT INTO runs (run_id, created_at, status, model, model_fingerprint, scenario, fault, "
                         "fault_scope, seed, engine, workload, kvviz_version) "
                         "VALUES (?, ?, 'running', ?, ?, ?, ?, ?, ?, ?, ?, ?)", row)
@@ -115,8 +113,7 @@ class RunRecorder:
 
     def flush(self) -> None:
         """Insert everything buffered, in one transaction."""
-        tables = {t: pa.table({k: pa.array(v, type=_TYPES.get(k)) for k, v in cols.items()})
-                  for t, cols in self.rows.items() if cols}
+        tables = {t: schema.arrow_table(t, cols) for t, cols in self.rows.items() if cols}
         metrics = self._oracle_table()
         if metrics is not None:
             tables["leak_metrics"] = metrics
@@ -136,10 +133,10 @@ class RunRecorder:
             self._writes.append(self._writer.submit(self._insert, tables))
 
     def _insert(self, tables: dict[str, pa.Table]) -> None:
-        with writing(self.db_path) as con:
+        with self.store.write() as con:
             con.execute("BEGIN TRANSACTION")
-            for table, buf in tables.items():  # noqa: B007 (DuckDB reads `buf` by name)
-                con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM buf")
+            for table, rows in tables.items():
+                self.store.insert(con, table, rows)
             con.execute("COMMIT")
 
     def wait(self) -> None:
@@ -175,7 +172,7 @@ class RunRecorder:
         st = res.stats
         values = [st.steps, seconds if seconds is not None else st.seconds, st.generated_tokens,
                   summary["leak"]["max_foreign_mass"], summary["leak"]["leak_rate"], len(run.findings), self.run_id]
-        with writing(self.db_path) as con:
+        with self.store.write() as con:
             con.execute("UPDATE runs SET status = 'complete', steps = ?, seconds = ?, generated_tokens = ?, "
                         "max_foreign_mass = ?, leak_rate = ?, findings = ? WHERE run_id = ?", values)
 
@@ -185,7 +182,7 @@ class RunRecorder:
             self.flush()
             self.wait()
         finally:
-            with writing(self.db_path) as con:
+            with self.store.write() as con:
                 con.execute("UPDATE runs SET status = 'failed', error = ? WHERE run_id = ?",
                             [f"{type(error).__name__}: {error}" if str(error) else type(error).__name__,
                              self.run_id])

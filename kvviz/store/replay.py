@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import duckdb
 
-from .db import StoreError
+from ..errors import StoreError
+from .run_store import RunStore
 
 LEAK_TOLERANCE = 1e-5  # max foreign mass per (step, request, layer, head), recomputed vs recorded
 
@@ -67,14 +68,21 @@ def state_at(con: duckdb.DuckDBPyConnection, run_id: str, step: int) -> StepStat
     )
 
 
-def verify(con: duckdb.DuckDBPyConnection, run_id: str, device: str = "auto") -> list[str]:
-    """Re-execute a recorded run and list every difference, first divergence first ([] = identical)."""
+def verify(store: RunStore, run_id: str, device: str = "auto") -> list[str]:
+    """Re-execute a recorded run and list every difference, first divergence first ([] = identical).
+    The record is read first and the store let go: re-execution holds no connection."""
     from ..checked_run import run_checked
     from ..faults import Scope
     from ..models import load_model
     from ..workload import Workload
 
-    rec = load_run(con, run_id)
+    with store.read() as con:
+        rec = load_run(con, run_id)
+        stored = dict(con.execute("SELECT request_id, output_ids FROM requests WHERE run_id = ?",
+                                  [run_id]).fetchall())
+        recorded = {(s, q, lay, h): v for s, q, lay, h, v in con.execute(
+            "SELECT step, request_id, layer, head, max_foreign FROM leak_metrics WHERE run_id = ?",
+            [run_id]).fetchall()}
     if rec.status != "complete":
         return [f"run {run_id} is {rec.status}, not complete: there is no full record to compare with"]
     m = load_model(rec.model, device=device)
@@ -84,7 +92,6 @@ def verify(con: duckdb.DuckDBPyConnection, run_id: str, device: str = "auto") ->
     scope = Scope.from_dict(rec.fault_scope) if rec.fault_scope else None
     run = run_checked(m, Workload.from_dict(rec.workload), rec.fault, reference=False, scope=scope)
     problems = []
-    stored = dict(con.execute("SELECT request_id, output_ids FROM requests WHERE run_id = ?", [run_id]).fetchall())
     for r in run.result.requests:
         old = list(stored.get(r.id) or [])
         if old != r.output_ids:
@@ -92,8 +99,6 @@ def verify(con: duckdb.DuckDBPyConnection, run_id: str, device: str = "auto") ->
                       min(len(old), len(r.output_ids)))
             problems.append(f"request {r.id}: generated token {at} differs (recorded {old[at:at + 3]}, "
                             f"now {r.output_ids[at:at + 3]})")
-    recorded = {(s, q, lay, h): v for s, q, lay, h, v in con.execute(
-        "SELECT step, request_id, layer, head, max_foreign FROM leak_metrics WHERE run_id = ?", [run_id]).fetchall()}
     for st in run.oracle.steps:
         for r, req in enumerate(st.requests):
             for (lay, h), v in _cells(st.max_foreign[r]):

@@ -1,33 +1,17 @@
-"""User SQL, safely: a separate read-only DuckDB instance that cannot touch host files, attach
-databases, install extensions or read Python variables, and runs one read-only statement with a
-row cap and a timeout."""
+"""User SQL, safely: one read-only statement with a row cap and a timeout, on a RunStore reader (a
+sandboxed instance that cannot touch host files, attach databases, install extensions or read
+Python variables)."""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 import duckdb
 
-from .db import GATE, StoreError, retry_locked
+from ..errors import SqlError
 
 ALLOWED = {duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN}
-LOCKDOWN = {
-    "enable_external_access": False,
-    "autoinstall_known_extensions": False,
-    "autoload_known_extensions": False,
-    "allow_community_extensions": False,
-    "python_enable_replacements": False,
-    "threads": 2,
-    "memory_limit": "2GB",
-}
-
-
-class SqlError(ValueError):
-    """The query was refused or failed; the message says why in plain words."""
 
 
 @dataclass
@@ -35,34 +19,6 @@ class QueryResult:
     columns: list[str]
     rows: list[tuple]
     truncated: bool  # more rows existed than the cap
-
-
-def open_sandbox(path: str | Path) -> duckdb.DuckDBPyConnection:
-    path = Path(path)
-    if not path.exists():
-        raise SqlError(f"no database at {path}: run something first (python -m kvviz run ...)")
-    try:
-        con = duckdb.connect(str(path), read_only=True, config=LOCKDOWN)
-    except duckdb.Error as e:
-        raise SqlError(f"cannot open {path} read-only: {e}") from None
-    if not con.execute("SELECT current_setting('lock_configuration')").fetchone()[0]:
-        con.execute("SET lock_configuration = true")  # (a reopened instance in this process stays locked)
-    return con
-
-
-@contextmanager
-def reading(path: str | Path) -> Iterator[duckdb.DuckDBPyConnection]:
-    """A short-lived sandboxed connection for the UI's reads and user SQL alike; writers in this
-    process wait until it closes, and another process's flush is waited out."""
-    with GATE.read():
-        try:
-            con = retry_locked(lambda: open_sandbox(path), Path(path))
-        except StoreError as e:
-            raise SqlError(str(e)) from None
-        try:
-            yield con
-        finally:
-            con.close()
 
 
 def run_query(con: duckdb.DuckDBPyConnection, sql: str, max_rows: int = 10_000, timeout_s: float = 30.0) -> QueryResult:

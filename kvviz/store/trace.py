@@ -11,51 +11,36 @@ from __future__ import annotations
 import io
 import json
 import zipfile
+import zlib
 from pathlib import Path
 
 import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .db import require_run, writing
+from ..errors import CaptureError
+from ..jsonio import parse_json
+from .run_store import RunStore
+from .schema import TRACE_TABLES as TABLES  # table -> required columns; run_id is the manifest's
 
 FORMAT, VERSION = "kvviz-trace", 1
-# table -> required columns; run_id is implied (the manifest's) and added on import.
-TABLES: dict[str, list[str]] = {
-    "runs": ["created_at", "status", "model", "model_fingerprint", "scenario", "fault", "fault_scope", "seed",
-             "engine", "workload", "kvviz_version", "steps", "seconds", "generated_tokens", "max_foreign_mass",
-             "leak_rate", "findings"],
-    "requests": ["request_id", "tenant", "parent", "prompt_ids", "output_ids", "text", "arrival_step",
-                 "first_token_step", "finish_step", "finish_reason", "cached_tokens"],
-    "token_text": ["token_id", "text"],
-    "steps": ["step", "seconds", "free_blocks"],
-    "slot_writes": ["step", "request_id", "position", "token", "slot", "block", "lifetime"],
-    "step_work": ["step", "request_id", "start", "tokens", "admitted", "preempted", "sampled_token", "finished"],
-    "page_tables": ["step", "request_id", "logical_block", "physical_block"],
-    "blocks": ["step", "block", "refcount", "hash", "lifetime", "state"],
-    "block_events": ["step", "seq", "kind", "block", "request_id", "refcount", "source"],
-    "leak_metrics": ["step", "request_id", "layer", "head", "max_foreign", "sum_foreign", "leak_rows", "rows",
-                     "sum_entropy"],
-    "attention": ["step", "layer", "head", "request_id", "position", "key_slots", "weights", "key_classes"],
-    "findings": ["kind", "request_id", "step", "layer", "head", "position", "source_request", "mass"],
-    "divergence": ["request_id", "first_divergent_step", "max_logit_diff", "max_kl", "classification"],
-}
 REQUIRED = ("runs", "requests", "steps")
 MAX_MEMBER_BYTES = 1 << 30  # 1 GiB uncompressed per table
 MAX_TOTAL_BYTES = 4 << 30
 MAX_RATIO = 200  # uncompressed / compressed: beyond this a member is treated as a zip bomb
 
 
-class TraceError(ValueError):
+class TraceError(CaptureError):
     """The trace file is malformed or hostile; the message names the problem. Nothing was imported."""
 
 
-def export_run(con: duckdb.DuckDBPyConnection, run_id: str, out: str | Path) -> Path:
+def export_run(store: RunStore, run_id: str, out: str | Path) -> Path:
     """Write one run as a kvviz trace (.zip)."""
-    require_run(con, run_id)
     out, partial = Path(out), Path(f"{out}.partial")  # renamed into place only when complete
     try:
-        _write_trace(con, run_id, partial)
+        with store.read() as con:
+            store.require_run(con, run_id)
+            _write_trace(con, run_id, partial)
         partial.replace(out)
     except BaseException:
         partial.unlink(missing_ok=True)
@@ -121,12 +106,7 @@ def read_trace(path: str | Path) -> tuple[str, dict[str, pa.Table]]:
 def _manifest(z: zipfile.ZipFile, infos: dict, path: Path) -> dict:
     if "manifest.json" not in infos:
         raise TraceError(f"{path}: no manifest.json: not a kvviz trace")
-    try:
-        m = json.loads(z.read("manifest.json").decode("utf-8"))
-    except UnicodeDecodeError:
-        raise TraceError(f"{path}: manifest.json is not UTF-8 text") from None
-    except json.JSONDecodeError as e:
-        raise TraceError(f"{path}: manifest.json is not valid JSON ({e.msg}, line {e.lineno})") from None
+    m = parse_json(_member(z, "manifest.json", path), f"{path}: manifest.json", TraceError)
     if not isinstance(m, dict) or m.get("format") != FORMAT:
         raise TraceError(f"{path}: manifest format must be {FORMAT!r}")
     if m.get("version") != VERSION:
@@ -147,9 +127,10 @@ def _table(z: zipfile.ZipFile, infos: dict, path: Path, name: str, entry: object
         raise TraceError(f"{path}: manifest entry for {name!r} must name its file")
     if entry["file"] not in infos:
         raise TraceError(f"{path}: table {name!r}: file {entry['file']} is missing from the archive")
+    data = _member(z, entry["file"], path)
     try:
-        table = pq.read_table(io.BytesIO(z.read(entry["file"])))
-    except (pa.ArrowException, OSError, zipfile.BadZipFile) as e:
+        table = pq.read_table(io.BytesIO(data))
+    except (pa.ArrowException, OSError) as e:
         raise TraceError(f"{path}: table {name!r} is not readable Parquet ({e})") from None
     missing = [c for c in TABLES[name] if c not in table.column_names]
     if missing:
@@ -159,17 +140,25 @@ def _table(z: zipfile.ZipFile, infos: dict, path: Path, name: str, entry: object
     return table.select(TABLES[name])
 
 
-def import_trace(path: str | Path, db: str | Path) -> str:
+def _member(z: zipfile.ZipFile, name: str, path: Path) -> bytes:
+    """One archive member's bytes; a corrupt member is a refusal naming it."""
+    try:
+        return z.read(name)
+    except (zipfile.BadZipFile, zlib.error, EOFError, OSError, NotImplementedError) as e:
+        raise TraceError(f"{path}: member {name} cannot be read ({e})") from None
+
+
+def import_trace(path: str | Path, store: RunStore) -> str:
     """Validate and insert a trace in one transaction; returns the run id. A bad file changes nothing."""
     run_id, tables = read_trace(path)
-    with writing(db) as con:
+    with store.write() as con:
         if con.execute("SELECT count(*) FROM runs WHERE run_id = ?", [run_id]).fetchone()[0]:
-            raise TraceError(f"{path}: run {run_id} is already in {db}")
+            raise TraceError(f"{path}: run {run_id} is already in {store.path}")
         con.execute("BEGIN TRANSACTION")
         try:
             for name, table in tables.items():
-                buf = table.append_column("run_id", pa.array([run_id] * table.num_rows, pa.string()))  # noqa: F841
-                con.execute(f"INSERT INTO {name} BY NAME SELECT * FROM buf")
+                store.insert(con, name, table.append_column("run_id", pa.array([run_id] * table.num_rows,
+                                                                                pa.string())))
             con.execute("COMMIT")
         except duckdb.Error as e:
             con.execute("ROLLBACK")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -13,8 +12,7 @@ import streamlit as st
 
 from ..analysis import live, runs
 from ..models import ModelError
-from ..store import DEFAULT_DB, SqlError, StoreError
-from ..store.sql import reading
+from ..store import RunStore, StoreError
 
 MODELS = ("smollm2", "tiny-llama", "tiny-gpt2")
 
@@ -58,13 +56,17 @@ def keep_widget_state() -> None:
             st.session_state[key] = st.session_state[key]
 
 
+def store() -> RunStore:
+    """The process's one store for $KVVIZ_DB (or runs/kvviz.duckdb), shared by every session."""
+    return RunStore.open()
+
+
 def db_path() -> Path:
-    """KVVIZ_DB, or runs/kvviz.duckdb."""
-    return Path(os.environ.get("KVVIZ_DB") or DEFAULT_DB)
+    return store().path
 
 
 def has_db() -> bool:
-    return db_path().exists()
+    return store().exists()
 
 
 @contextmanager
@@ -72,8 +74,8 @@ def reader() -> Iterator[duckdb.DuckDBPyConnection]:
     """A read-only connection for this render; a store that cannot be read stops the page with why."""
     with ExitStack() as stack:
         try:
-            con = stack.enter_context(reading(db_path()))
-        except (SqlError, StoreError) as e:
+            con = stack.enter_context(store().read())
+        except StoreError as e:
             st.error(f"Cannot read the run store {db_path()}: {e}", icon=":material/error:")
             st.stop()
         yield con

@@ -14,7 +14,7 @@ from ..faults import FAULTS, Scope
 from ..figures import blocks as block_fig
 from ..scenarios import SCENARIOS
 from ..store.attention import AttentionSelection
-from .common import MODELS, db_path, load_model_or_error, open_run
+from .common import MODELS, db_path, load_model_or_error, open_run, store
 
 LOCAL = "a local path..."
 CUSTOM = pd.DataFrame([
@@ -126,12 +126,8 @@ def _run(name, sc, requests, engine, fault, scope_text, selection, seed) -> None
     m = load_model_or_error(name)
     if m is None:
         return
-    try:
-        scope = Scope.parse(*scope_text)
-        workload = _workload(m, sc, requests, engine, seed)
-    except ValueError as e:
-        st.error(str(e), icon=":material/error:")
-        return
+    scope = Scope.parse(*scope_text)  # a refusal (KvvizError) is shown by the app, with its reason
+    workload = _workload(m, sc, requests, engine, seed)
     bar = st.progress(0.0, text="starting...")
     counters = st.empty()
     pool = st.empty()
@@ -146,11 +142,8 @@ def _run(name, sc, requests, engine, fault, scope_text, selection, seed) -> None
             pool.plotly_chart(block_fig.block_map(s.blocks, title=f"Pool after step {s.step}"), width="stretch",
                               key=f"run_live_{s.step}")
 
-    try:
-        out = live.run(db_path(), m, workload, fault, scenario_name=sc.name if sc else None, scope=scope,
-                       selection=selection, on_step=on_step)
-    except live.RUN_ERRORS as e:
-        st.error(f"The run was refused or failed: {e}", icon=":material/error:")
-        return
+    out = live.run(store(), m, workload, fault, scenario_name=sc.name if sc else None, scope=scope,
+                   selection=selection, on_step=on_step,
+                   on_wait=lambda n: bar.progress(0.0, text=live.waiting_message(n).capitalize()))
     bar.progress(1.0, text="done")
     open_run(out.run_id)

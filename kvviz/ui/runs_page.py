@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import tempfile
 from pathlib import Path
 
@@ -11,10 +10,9 @@ import streamlit as st
 
 from ..analysis import leaks, runs
 from ..figures import timeline
-from ..store import StoreError
-from ..store.chrome import chrome_trace
+from ..store.chrome import export_chrome
 from ..store.trace import export_run
-from .common import db_path, open_run, reader, runs_or_hint
+from .common import db_path, open_run, reader, runs_or_hint, store
 
 
 def render() -> None:
@@ -45,13 +43,9 @@ def _one(run_id: str) -> None:
     if c[0].button("Open in the inspector", key="runs_open", type="primary", icon=":material/grid_view:"):
         open_run(run_id)
     if c[1].button("Prepare exports", key="runs_export", icon=":material/download:"):
-        with reader() as con, tempfile.TemporaryDirectory() as tmp:
-            try:
-                trace = export_run(con, run_id, Path(tmp) / f"{run_id}.zip").read_bytes()
-                chrome = json.dumps(chrome_trace(con, run_id)).encode()
-            except StoreError as e:
-                st.error(str(e))
-                return
+        with tempfile.TemporaryDirectory() as tmp:
+            trace = export_run(store(), run_id, Path(tmp) / f"{run_id}.zip").read_bytes()
+            chrome = export_chrome(store(), run_id, Path(tmp) / f"{run_id}.json").read_bytes()
         st.session_state["runs_exports"] = {"run": run_id, "trace": trace, "chrome": chrome}
     exports = st.session_state.get("runs_exports")
     if exports and exports["run"] == run_id:
@@ -62,11 +56,7 @@ def _one(run_id: str) -> None:
     with st.expander("Delete this run"):
         sure = st.checkbox(f"Yes, delete run {run_id} and everything recorded for it", key=f"runs_sure_{run_id}")
         if st.button("Delete", key="runs_delete", disabled=not sure, icon=":material/delete:"):
-            try:
-                runs.delete_run(db_path(), run_id)
-            except StoreError as e:
-                st.error(str(e))
-                return
+            runs.delete_run(store(), run_id)
             if st.session_state.get("run_id") == run_id:
                 st.session_state.pop("run_id")
             st.session_state["runs_gen"] = st.session_state.get("runs_gen", 0) + 1

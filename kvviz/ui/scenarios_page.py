@@ -10,7 +10,7 @@ from ..analysis import attention, leaks, live, runs
 from ..faults import FAULTS
 from ..figures import attention as fig
 from ..scenarios import SCENARIOS
-from .common import MODELS, db_path, load_model_or_error, open_run, reader
+from .common import MODELS, load_model_or_error, open_run, reader, store
 
 
 def render() -> None:
@@ -53,12 +53,11 @@ def _run_pair(name: str, model_name: str) -> None:
         def on_step(s: live.LiveStep, role=role, i=i) -> None:
             bar.progress((i + min(1.0, s.tokens / max(1, s.total))) / len(plan),
                          text=f"{role}: step {s.step}, {s.tokens} tokens, {s.findings} findings")
-        try:
-            ids[role] = live.run(db_path(), m, workload, fault, scenario_name=name if role == "scenario"
-                                 else f"control of {name}", on_step=on_step).run_id
-        except live.RUN_ERRORS as e:
-            st.error(f"The {role} run failed: {e}", icon=":material/error:")
-            return
+        def on_wait(ahead: int, role=role) -> None:
+            bar.progress(0.0, text=f"{role}: {live.waiting_message(ahead)}")
+
+        ids[role] = live.run(store(), m, workload, fault, on_step=on_step, on_wait=on_wait,
+                             scenario_name=name if role == "scenario" else f"control of {name}").run_id
     bar.progress(1.0, text="done")
     st.session_state["sc_pair"] = {"name": name, **ids}
 

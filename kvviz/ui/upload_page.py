@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import streamlit as st
 
-from ..analysis.uploads import REFUSALS, import_file, save_upload
-from .common import db_path, open_run
+from ..analysis.uploads import import_file, save_upload
+from ..errors import KvvizError
+from .common import db_path, open_run, store
 
 
 def render() -> None:
@@ -26,8 +27,8 @@ def render() -> None:
         with st.spinner(f"Validating and importing {up.name}..."):
             saved = save_upload(up.name, up.getvalue(), _folder())
             try:
-                run_id = import_file(saved, db_path())
-            except REFUSALS as e:
+                run_id = import_file(saved, store())
+            except KvvizError as e:  # said here, not by the app: with the name the user gave the file
                 st.error(f"Not imported: {str(e).replace(str(saved), up.name)}. Nothing was added to the "
                          "database.", icon=":material/error:")
                 return

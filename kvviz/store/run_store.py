@@ -1,0 +1,218 @@
+"""RunStore: the one way into a run store file. Nothing else in kvviz opens it.
+
+One object per file per process (`RunStore.open`), made from `--db` / `$KVVIZ_DB`, owns:
+- the writer: short-lived read-write connections, exclusive within the process, that create the
+  schema on first use and upgrade an older version in place;
+- the readers: short-lived sandboxed read-only connections (no host files, no extensions, no
+  Python variables: safe for user SQL too);
+- the in-process gate between them (DuckDB refuses to hold one file read-only and read-write in
+  one process at once, and the app reads while a run records);
+- the wait for another process (a recorder holds the file only while it flushes).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TypeVar
+
+import duckdb
+import pyarrow as pa
+
+from ..errors import StoreError
+from . import schema
+
+DEFAULT_DB = Path("runs") / "kvviz.duckdb"
+LOCK_WAIT_S = 15.0  # how long to wait for another process's writer to let go of the file
+SANDBOX = {
+    "enable_external_access": False,
+    "autoinstall_known_extensions": False,
+    "autoload_known_extensions": False,
+    "allow_community_extensions": False,
+    "python_enable_replacements": False,
+    "threads": 2,
+    "memory_limit": "2GB",
+}
+T = TypeVar("T")
+
+
+def default_path() -> Path:
+    """$KVVIZ_DB, or runs/kvviz.duckdb: what the app and every CLI command use without --db."""
+    return Path(os.environ.get("KVVIZ_DB") or DEFAULT_DB)
+
+
+class _Gate:
+    """Readers, or one writer, at a time within this process."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writing = False
+
+    @contextmanager
+    def read(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._writing)
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                self._cond.notify_all()
+
+    @contextmanager
+    def write(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._writing and self._readers == 0)
+            self._writing = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writing = False
+                self._cond.notify_all()
+
+
+class RunStore:
+    _open: dict[Path, RunStore] = {}
+    _registry = threading.Lock()
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._gate = _Gate()
+        self._reader_setup = threading.Lock()  # concurrent readers share one DuckDB instance per file
+
+    @classmethod
+    def open(cls, path: str | Path | None = None) -> RunStore:
+        """The store for a file (default: $KVVIZ_DB or runs/kvviz.duckdb), one object per file per process."""
+        key = Path(path if path is not None else default_path()).expanduser().resolve()
+        with cls._registry:
+            if key not in cls._open:
+                cls._open[key] = cls(key)
+            return cls._open[key]
+
+    def __repr__(self) -> str:
+        return f"RunStore({str(self.path)!r})"
+
+    def exists(self) -> bool:
+        return self.path.is_file()
+
+    # -- connections ---------------------------------------------------------------------------
+    @contextmanager
+    def write(self) -> Iterator[duckdb.DuckDBPyConnection]:
+        """A read-write connection, exclusive within this process, closed (checkpointed, ~0.1 s) on exit:
+        writers that repeat, like the recorder, space their writes."""
+        with self._gate.write():
+            con = self._wait_out_lock(self._connect_writer)
+            try:
+                yield con
+            finally:
+                con.close()
+
+    @contextmanager
+    def read(self) -> Iterator[duckdb.DuckDBPyConnection]:
+        """A sandboxed read-only connection; writers in this process wait until it closes. An older
+        file is upgraded first (through the writer)."""
+        if not self.exists():
+            raise StoreError(f"no database at {self.path}: run something first (python -m kvviz run ...)")
+        for attempt in range(2):
+            with self._gate.read():
+                con = self._wait_out_lock(self._connect_reader)
+                found = _version(con)
+                if found == schema.SCHEMA_VERSION:
+                    try:
+                        yield con
+                    finally:
+                        con.close()
+                    return
+                con.close()
+            if attempt or not (found is None or found in schema.UPGRADABLE):
+                raise self._wrong_version(found)
+            with self.write():  # upgrades in place
+                pass
+
+    @staticmethod
+    def insert(con: duckdb.DuckDBPyConnection, table: str, rows: pa.Table) -> None:
+        """Append an Arrow table to a declared table, by column name (inside the caller's transaction)."""
+        if table not in schema.TABLES:
+            raise StoreError(f"no table {table!r} in the run store's schema")
+        con.register("_kvviz_rows", rows)
+        try:
+            con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM _kvviz_rows")
+        finally:
+            con.unregister("_kvviz_rows")
+
+    @staticmethod
+    def require_run(con: duckdb.DuckDBPyConnection, run_id: str) -> None:
+        """Refuse a run id this database does not hold, in the same words for every reader."""
+        if not con.execute("SELECT count(*) FROM runs WHERE run_id = ?", [run_id]).fetchall()[0][0]:
+            raise StoreError(f"no run {run_id!r} in this database")
+
+    # -- internals -----------------------------------------------------------------------------
+    def _connect_writer(self) -> duckdb.DuckDBPyConnection:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            con = duckdb.connect(str(self.path))
+        except (duckdb.Error, OSError) as e:
+            raise StoreError(f"cannot open {self.path} for writing: {_first_line(e)}") from None
+        try:
+            self._ensure_schema(con)
+        except BaseException:
+            con.close()
+            raise
+        return con
+
+    def _ensure_schema(self, con: duckdb.DuckDBPyConnection) -> None:
+        """Create the schema in a new file, upgrade an older one, refuse an unknown version (a cheap
+        check on every connection: another process may have replaced the file)."""
+        found = _version(con)
+        if found is None or found in schema.UPGRADABLE:
+            con.execute(schema.ddl())
+            con.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", [schema.SCHEMA_VERSION])
+        elif found != schema.SCHEMA_VERSION:
+            raise self._wrong_version(found)
+
+    def _wrong_version(self, found: str | None) -> StoreError:
+        return StoreError(f"{self.path} has schema version {found}; this kvviz reads version {schema.SCHEMA_VERSION}")
+
+    def _connect_reader(self) -> duckdb.DuckDBPyConnection:
+        with self._reader_setup:
+            try:
+                con = duckdb.connect(str(self.path), read_only=True, config=SANDBOX)
+            except duckdb.Error as e:
+                raise StoreError(f"cannot open {self.path} read-only: {_first_line(e)}") from None
+            if not con.execute("SELECT current_setting('lock_configuration')").fetchone()[0]:
+                con.execute("SET lock_configuration = true")  # the instance stays locked for later readers
+        return con
+
+    def _wait_out_lock(self, connect: Callable[[], T]) -> T:
+        """Connect, waiting while another process holds the file (a recorder flushes for milliseconds)."""
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while True:
+            try:
+                return connect()
+            except StoreError as e:
+                if "lock" not in str(e).lower():
+                    raise
+                if time.monotonic() > deadline:
+                    raise StoreError(f"{self.path} is held by another process for longer than {LOCK_WAIT_S:g} s "
+                                     f"({e})") from None
+                time.sleep(0.01)
+
+
+def _version(con: duckdb.DuckDBPyConnection) -> str | None:
+    has_meta = con.execute(
+        "SELECT count(*) FROM information_schema.tables WHERE table_name = 'meta'").fetchone()[0]
+    if not has_meta:
+        return None
+    row = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+    return row[0] if row else None
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).splitlines()[0] if str(e) else type(e).__name__

@@ -1,0 +1,154 @@
+"""The run store's schema, declared once: the DDL, the Arrow types the recorder and the capture import
+build, and the kvviz trace's tables all come from here, so the public trace format cannot drift from
+the database.
+
+Version 2 added token_text; a version 1 file is upgraded in place by the idempotent DDL.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+SCHEMA_VERSION = "2"
+UPGRADABLE = {"1"}  # versions whose files the idempotent DDL brings up to date
+
+_ARROW = {"VARCHAR": pa.string(), "JSON": pa.string(), "TIMESTAMP": pa.timestamp("us"), "BIGINT": pa.int64(),
+          "INTEGER": pa.int32(), "DOUBLE": pa.float64(), "FLOAT": pa.float32(), "BOOLEAN": pa.bool_(),
+          "UBIGINT": pa.uint64(), "UTINYINT": pa.uint8()}
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    sql: str  # DuckDB type; "X[]" is a list of X
+    note: str = ""
+    in_trace: bool = True  # part of the kvviz trace format (run_id never is: the manifest holds it)
+
+    @property
+    def arrow(self) -> pa.DataType:
+        if self.sql.endswith("[]"):
+            return pa.list_(_ARROW[self.sql[:-2]])
+        return _ARROW[self.sql]
+
+
+@dataclass(frozen=True)
+class Table:
+    name: str
+    note: str
+    columns: tuple[Column, ...]
+    in_trace: bool = True  # exported and imported with a run as a kvviz trace
+    key: str | None = None  # a primary key column
+
+    def column(self, name: str) -> Column:
+        return next(c for c in self.columns if c.name == name)
+
+    def ddl(self) -> str:
+        cols = ",\n".join(f"    {c.name} {c.sql}{' PRIMARY KEY' if c.name == self.key else ''}" for c in self.columns)
+        return f"-- {self.note}\nCREATE TABLE IF NOT EXISTS {self.name} (\n{cols}\n);"
+
+    def trace_columns(self) -> list[str]:
+        return [c.name for c in self.columns if c.in_trace and c.name != "run_id"]
+
+
+def _cols(spec: str) -> tuple[Column, ...]:
+    """'name TYPE, name TYPE' -> columns (every table of a run starts with run_id)."""
+    return tuple(Column(*part.split()) for part in spec.split(","))
+
+
+RUN_ID = "run_id VARCHAR, "
+TABLES: dict[str, Table] = {t.name: t for t in (
+    Table("meta", "The schema version and other facts about the file.", _cols("key VARCHAR, value VARCHAR"),
+          in_trace=False, key="key"),
+    Table("runs", "One row per run: how it was made and its leak summary.", (
+        Column("run_id", "VARCHAR"), Column("created_at", "TIMESTAMP"),
+        Column("status", "VARCHAR", "running | complete | failed"),
+        Column("error", "VARCHAR", "why a failed run failed", in_trace=False),
+        Column("model", "VARCHAR"), Column("model_fingerprint", "VARCHAR", "sha256 of the weights' source"),
+        Column("scenario", "VARCHAR"), Column("fault", "VARCHAR"),
+        Column("fault_scope", "JSON", "where the fault was confined, or null"), Column("seed", "BIGINT"),
+        Column("engine", "JSON", "EngineConfig"), Column("workload", "JSON", "the workload as given"),
+        Column("kvviz_version", "VARCHAR"), Column("steps", "INTEGER"), Column("seconds", "DOUBLE"),
+        Column("generated_tokens", "INTEGER"), Column("max_foreign_mass", "DOUBLE"), Column("leak_rate", "DOUBLE"),
+        Column("findings", "INTEGER")), key="run_id"),
+    Table("requests", "Each request of a run and what it generated.", _cols(
+        RUN_ID + "request_id VARCHAR, tenant VARCHAR, parent VARCHAR, prompt_ids INTEGER[], output_ids INTEGER[], "
+        "text VARCHAR, arrival_step INTEGER, first_token_step INTEGER, finish_step INTEGER, finish_reason VARCHAR, "
+        "cached_tokens INTEGER")),
+    Table("token_text", "The text of each token id the run's requests hold (labels without the tokenizer).",
+          _cols(RUN_ID + "token_id INTEGER, text VARCHAR")),
+    Table("steps", "One row per scheduler step.", _cols(RUN_ID + "step INTEGER, seconds DOUBLE, free_blocks INTEGER")),
+    Table("slot_writes", "Slot provenance as a log: where each step wrote each request's K/V (replayed with the "
+          "cow block_events it gives every slot's writer, position and token).", _cols(
+              RUN_ID + "step INTEGER, request_id VARCHAR, position INTEGER, token INTEGER, slot INTEGER, "
+              "block INTEGER, lifetime INTEGER")),
+    Table("step_work", "What each step computed: request_id computed positions [start, start + tokens).", _cols(
+        RUN_ID + "step INTEGER, request_id VARCHAR, start INTEGER, tokens INTEGER, admitted BOOLEAN, "
+        "preempted BOOLEAN, sampled_token INTEGER, finished BOOLEAN")),
+    Table("page_tables", "Page tables after each step.", _cols(
+        RUN_ID + "step INTEGER, request_id VARCHAR, logical_block INTEGER, physical_block INTEGER")),
+    Table("blocks", "Every block after each step. state: free | cached (free, hash kept) | used.", _cols(
+        RUN_ID + "step INTEGER, block INTEGER, refcount INTEGER, hash UBIGINT, lifetime INTEGER, state VARCHAR")),
+    Table("block_events", "Every change to a block, in order within the step. kind: allocate | hit | share | free "
+          "| preempt | cow (block is the copy of source) | cache | evict.", _cols(
+              RUN_ID + "step INTEGER, seq INTEGER, kind VARCHAR, block INTEGER, request_id VARCHAR, refcount INTEGER, "
+              "source INTEGER")),
+    Table("leak_metrics", "The provenance oracle per (step, request, layer, head), reduced over the queries.", _cols(
+        RUN_ID + "step INTEGER, request_id VARCHAR, layer INTEGER, head INTEGER, max_foreign DOUBLE, "
+        "sum_foreign DOUBLE, leak_rows INTEGER, rows INTEGER, sum_entropy DOUBLE")),
+    Table("attention", "Attention rows: the key slots one query read, their weights and classes (0 own, 1 foreign, "
+          "2 stale); head -1 is the mean over heads.", _cols(
+              RUN_ID + "step INTEGER, layer INTEGER, head INTEGER, request_id VARCHAR, position INTEGER, "
+              "key_slots INTEGER[], weights FLOAT[], key_classes UTINYINT[]")),
+    Table("kv_events", "KV-cache events imported from a vLLM/SGLang capture, one row per block hash (the prefix "
+          "tree is block_hash -> parent_hash; no physical block ids).", _cols(
+              RUN_ID + "step INTEGER, seq BIGINT, ts DOUBLE, rank INTEGER, kind VARCHAR, block_hash UBIGINT, "
+              "parent_hash UBIGINT, block_index INTEGER, token_ids INTEGER[], block_size INTEGER, lora_name VARCHAR, "
+              "medium VARCHAR, salt VARCHAR"), in_trace=False),
+    Table("findings", "What the oracles found.", _cols(
+        RUN_ID + "kind VARCHAR, request_id VARCHAR, step INTEGER, layer INTEGER, head INTEGER, position INTEGER, "
+        "source_request VARCHAR, mass DOUBLE")),
+    Table("divergence", "Each request against itself run alone (the reference oracle).", _cols(
+        RUN_ID + "request_id VARCHAR, first_divergent_step INTEGER, max_logit_diff DOUBLE, max_kl DOUBLE, "
+        "classification VARCHAR")),
+)}
+
+VIEWS = """
+CREATE OR REPLACE VIEW leak_rate_per_step AS
+SELECT run_id, step, request_id, sum(leak_rows) / sum(rows) AS leak_rate, max(max_foreign) AS max_foreign_mass
+FROM leak_metrics GROUP BY run_id, step, request_id;
+
+CREATE OR REPLACE VIEW top_leaking_heads AS
+SELECT run_id, layer, head, max(max_foreign) AS max_foreign_mass, sum(leak_rows) AS leak_rows
+FROM leak_metrics GROUP BY run_id, layer, head;
+
+-- Blocks cached after each captured message: stored minus removed, back to zero at AllBlocksCleared.
+CREATE OR REPLACE VIEW kv_cache_blocks AS
+WITH per_step AS (
+    SELECT run_id, step, count(*) FILTER (kind = 'BlockStored') AS stored,
+           count(*) FILTER (kind = 'BlockRemoved') AS removed, count(*) FILTER (kind = 'AllBlocksCleared') AS cleared
+    FROM kv_events GROUP BY run_id, step),
+epochs AS (SELECT *, sum(cleared) OVER (PARTITION BY run_id ORDER BY step) AS epoch FROM per_step)
+SELECT run_id, step, sum(stored - removed) OVER (PARTITION BY run_id, epoch ORDER BY step) AS cached_blocks,
+       stored, removed
+FROM epochs;
+
+CREATE OR REPLACE VIEW block_occupancy AS
+SELECT run_id, step, count(*) FILTER (state = 'used') AS used, count(*) FILTER (state = 'cached') AS cached,
+       count(*) FILTER (state = 'free') AS free
+FROM blocks GROUP BY run_id, step;
+"""
+
+TRACE_TABLES: dict[str, list[str]] = {t.name: t.trace_columns() for t in TABLES.values() if t.in_trace}
+
+
+def ddl() -> str:
+    """The whole schema as one idempotent script: creating a new file or upgrading an old one."""
+    return "\n\n".join(t.ddl() for t in TABLES.values()) + "\n" + VIEWS
+
+
+def arrow_table(table: str, columns: dict[str, list]) -> pa.Table:
+    """Buffered column lists as an Arrow table of the declared types (hashes above 2^63 included)."""
+    t = TABLES[table]
+    return pa.table({name: pa.array(values, type=t.column(name).arrow) for name, values in columns.items()})
