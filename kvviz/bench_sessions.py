@@ -52,20 +52,22 @@ def run_sessions(m: LoadedModel, n: int, repeat: int = 1, progress: Callable[[st
         record_run(store, m, *jobs[0][:2])  # warm-up: caches, the store's schema
         for round_ in range(repeat):
             t = time.perf_counter()
-            alone = [_fingerprint(record_run(store, m, wl, fault, scenario=s)) for wl, fault, s in jobs]
+            alone, _ = _sessions(store, m, jobs, at_once=False)
             sequential.append(time.perf_counter() - t)
             t = time.perf_counter()
-            together, heard = _at_once(store, m, jobs)
+            together, heard = _sessions(store, m, jobs, at_once=True)
             concurrent.append(time.perf_counter() - t)
-            identical &= [_fingerprint(r) for r in together] == alone
+            identical &= [_fingerprint(r) for r in together] == [_fingerprint(r) for r in alone]
             ahead = max([ahead, *(max(h) for h in heard if h)])
             progress(f"sessions round {round_ + 1}: {n} one after another {sequential[-1]:.1f} s, at once "
                      f"{concurrent[-1]:.1f} s")
     return SessionsResult(n, sequential, concurrent, ahead, identical)
 
 
-def _at_once(store: RunStore, m: LoadedModel, jobs: list) -> tuple[list[CheckedRun], list[list[int]]]:
-    """Every job recorded from its own thread, started together; what each heard while it waited."""
+def _sessions(store: RunStore, m: LoadedModel, jobs: list, at_once: bool) -> tuple[list[CheckedRun], list[list[int]]]:
+    """Every job recorded from its own thread, as each app session runs in its own script thread:
+    started together, or each after the last has finished. Returns the runs and what each heard
+    while it waited for the model."""
     heard: list[list[int]] = [[] for _ in jobs]
     done: list[CheckedRun | BaseException | None] = [None] * len(jobs)
 
@@ -79,6 +81,8 @@ def _at_once(store: RunStore, m: LoadedModel, jobs: list) -> tuple[list[CheckedR
     threads = [threading.Thread(target=session, args=(i,)) for i in range(len(jobs))]
     for th in threads:
         th.start()
+        if not at_once:
+            th.join()
     for th in threads:
         th.join()
     failed = [r for r in done if not isinstance(r, CheckedRun)]

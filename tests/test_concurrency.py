@@ -173,3 +173,50 @@ def test_a_turn_is_reentrant_and_a_cancelled_wait_leaves_the_line():
     th.start()
     th.join(10)
     assert done == [1]  # the model is free again
+
+
+def test_the_line_spans_processes_and_a_dead_process_never_blocks_it(tmp_path):
+    """Two queues on one line folder stand for two processes; a ticket left by a killed process is
+    skipped and removed."""
+    import subprocess
+    import sys
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = tmp_path / f"{1:020d}-{int(gone.stdout)}-1"  # older than any real ticket, its process ended
+    dead.touch()
+    first, second = ModelQueue(tmp_path), ModelQueue(tmp_path)
+    with first.turn():  # not blocked by the dead ticket
+        assert not dead.exists()
+        heard, entered = [], threading.Event()
+
+        def other():
+            with second.turn(heard.append):
+                entered.set()
+
+        th = threading.Thread(target=other)
+        th.start()
+        assert not entered.wait(0.5)  # the other "process" waits for this one
+        assert heard == [1]
+    th.join(10)
+    assert entered.is_set() and list(tmp_path.iterdir()) == []  # tickets are removed on the way out
+
+
+def test_a_cli_run_waits_for_a_run_of_another_process_and_says_so(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    m = tiny()
+    cmd = [sys.executable, "-m", "kvviz", "run", "--scenario", "control_forks", "--model", "tiny-llama", "--db",
+           str(tmp_path / "k.duckdb"), "--quiet", "--json"]
+    with m.queue.turn():  # this process holds the model
+        cli = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parent.parent, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+        line = cli.stderr.readline()
+        while line and "waiting for the model" not in line:
+            line = cli.stderr.readline()
+        assert line.strip() == "kvviz: waiting for the model: 1 run ahead"
+        time.sleep(0.5)
+        assert cli.poll() is None  # still waiting while the turn is held
+    out, err = cli.communicate(timeout=300)
+    assert cli.returncode == 0, err

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import duckdb
+import pyarrow as pa
 import pytest
 
 from kvviz.checked_run import run_checked
@@ -371,8 +372,8 @@ def test_another_process_reads_all_through_a_recording_run(tmp_path):
 
     db, wl = tmp_path / "k.duckdb", tmp_path / "w.json"
     wl.write_text(json.dumps({"requests": [{"id": f"r{i}", "prompt": "one two three " * (i + 1),
-                                            "max_new_tokens": 300, "ignore_eos": True} for i in range(6)],
-                              "engine": {"block_size": 4, "num_blocks": 512}}))  # long enough for a few flushes
+                                            "max_new_tokens": 900, "ignore_eos": True} for i in range(6)],
+                              "engine": {"block_size": 4, "num_blocks": 1500}}))  # several flushes, 2 s apart
     proc = subprocess.Popen([sys.executable, "-m", "kvviz", "run", "--workload", str(wl), "--model", "tiny-llama",
                              "--db", str(db), "--quiet"], cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
@@ -424,3 +425,21 @@ def test_a_version_1_store_is_upgraded_in_place_and_keeps_its_runs(tmp_path):
         assert con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0] == SCHEMA_VERSION
         assert con.execute("SELECT count(*) FROM token_text").fetchone()[0] == 0
         assert con.execute("SELECT count(*) FROM runs").fetchone()[0] == runs_before == 1
+
+
+def test_only_the_run_store_opens_the_file():
+    """RunStore owns every connection: no other module of kvviz calls duckdb.connect."""
+    openers = [str(p.relative_to(ROOT)) for p in (ROOT / "kvviz").rglob("*.py")
+               if "duckdb.connect(" in p.read_text()]
+    assert openers == ["kvviz/store/run_store.py"]
+
+
+def test_rows_are_cast_to_the_declared_types_or_refused_by_column(tmp_path):
+    store = RunStore.open(tmp_path / "k.duckdb")
+    with store.write() as con:
+        store.insert(con, "steps", pa.table({"run_id": ["r"], "step": [1.0], "free_blocks": ["7"]}))
+        assert con.execute("SELECT typeof(step), free_blocks FROM steps").fetchall() == [("INTEGER", 7)]
+        with pytest.raises(StoreError, match="steps.free_blocks"):
+            store.insert(con, "steps", pa.table({"run_id": ["r"], "free_blocks": ["seven"]}))
+        with pytest.raises(StoreError, match="no column 'colour'"):
+            store.insert(con, "steps", pa.table({"run_id": ["r"], "colour": ["red"]}))

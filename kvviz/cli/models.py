@@ -23,8 +23,7 @@ def cmd_fetch_model(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """Throughput against transformers' generate and generate_batch, as a markdown table."""
-    from ..bench import report, run_bench
-    from ..bench import CASES
+    from ..bench import CASES, report, run_bench
     from ..models import load_model
 
     try:

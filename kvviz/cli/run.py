@@ -27,6 +27,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     from ..engine import Engine
     from ..models import load_model
+    from ..models.queue import waiting_message
     from ..scenarios import scenario
     from ..workload import Workload, WorkloadError
 
@@ -44,18 +45,21 @@ def cmd_run(args: argparse.Namespace) -> int:
     with tqdm(total=total, unit="tok", desc="generating", file=sys.stderr, disable=args.quiet) as bar:
         def progress(rec: StepRecord) -> None:
             bar.update(len(rec.sampled))
+
+        def waiting(ahead: int) -> None:  # another run (this machine's app, another script) has the model
+            bar.write(f"kvviz: {waiting_message(ahead)}", file=sys.stderr)
         if wl.engine.compute == "fast" and fault is None:
             if args.fail_on_leak:
                 raise WorkloadError("--fail-on-leak needs the leak oracle, which reads attention weights that "
                                     "--compute fast does not compute; use --compute inspect")
-            summary = Engine(m, wl.engine).run(wl, on_step=progress).summary()
+            summary = Engine(m, wl.engine).run(wl, on_step=progress, on_wait=waiting).summary()
             summary.update(fault=None, leak=None, divergence=None, findings=None, db=None)
             note = "--compute fast runs are not judged or recorded (no attention weights); --compute inspect is"
         else:
             if wl.engine.compute == "fast":
                 note = "a run with a fault is judged by the leak oracle, so it runs --compute inspect"
             probe = _seed_probe(m, sc, wl)
-            summary = _recorded_run(args, m, wl, fault, progress, probe)
+            summary = _recorded_run(args, m, wl, fault, progress, waiting, probe)
     if note is not None:
         print(f"kvviz: note: {note}", file=sys.stderr)
     summary = {**summary, "scenario": args.scenario, "model": {"name": m.name, "fingerprint": m.fingerprint}}
@@ -70,13 +74,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _recorded_run(args: argparse.Namespace, m: LoadedModel, wl: Workload, fault: str | None,
-                  progress: Callable[[StepRecord], None], probe: LastPromptTokenProbe | None) -> dict:
+                  progress: Callable[[StepRecord], None], waiting: Callable[[int], None],
+                  probe: LastPromptTokenProbe | None) -> dict:
     """A checked run recorded step by step into --db; a run that dies is marked failed there."""
     from ..recorded import record_run
 
     run = record_run(args.store, m, wl, fault, scenario=args.scenario, scope=_fault_scope(args),
                      selection=_attention_selection(args), on_step=lambda r, _oracle: progress(r),
-                     probes=[probe] if probe else [])
+                     probes=[probe] if probe else [], on_wait=waiting)
     return {**run.summary(), "db": str(args.store.path)}
 
 

@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from . import gguf, smollm2, tiny
+from .cache import cache_dir
 from .errors import ModelError, ModelNotFound, UnsupportedModel
 from .queue import ModelQueue
 from .routing import route_attention
@@ -87,7 +88,8 @@ def load_model(name_or_path: str = DEFAULT_MODEL, device: str = "auto", dtype: s
         model, tokenizer = _from_folder(folder)
     model = model.to(device=dev, dtype=dt).eval().requires_grad_(False)
     route_attention(model)  # once, here: no run ever changes the model again
-    return LoadedModel(name_or_path, model, tokenizer, dev, dt, fingerprint)
+    line = cache_dir() / "queue" / f"{fingerprint[:16]}-{dev.type}{dev.index if dev.index is not None else ''}"
+    return LoadedModel(name_or_path, model, tokenizer, dev, dt, fingerprint, ModelQueue(line))
 
 
 def _local_folder(name_or_path: str, progress: Callable[[str], None]) -> tuple[Path, str]:

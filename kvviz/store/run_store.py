@@ -138,9 +138,14 @@ class RunStore:
 
     @staticmethod
     def insert(con: duckdb.DuckDBPyConnection, table: str, rows: pa.Table) -> None:
-        """Append an Arrow table to a declared table, by column name (inside the caller's transaction)."""
+        """Append an Arrow table to a declared table, by column name, cast to the declared types
+        (inside the caller's transaction); rows that do not fit are a StoreError naming the column."""
         if table not in schema.TABLES:
             raise StoreError(f"no table {table!r} in the run store's schema")
+        try:
+            rows = schema.conform(table, rows)
+        except ValueError as e:
+            raise StoreError(str(e)) from None
         con.register("_kvviz_rows", rows)
         try:
             con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM _kvviz_rows")

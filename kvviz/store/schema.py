@@ -148,6 +148,24 @@ def ddl() -> str:
     return "\n\n".join(t.ddl() for t in TABLES.values()) + "\n" + VIEWS
 
 
+def conform(table: str, rows: pa.Table) -> pa.Table:
+    """Rows cast to the declared types of their columns; ValueError names a column that is not
+    declared or a value that does not fit (what every insert goes through)."""
+    t = TABLES[table]
+    declared = {c.name: c for c in t.columns}
+    out = []
+    for name, col in zip(rows.column_names, rows.columns, strict=True):
+        if name not in declared:
+            raise ValueError(f"table {table!r} has no column {name!r}")
+        want = declared[name].arrow
+        try:
+            out.append(col if col.type == want else col.cast(want))
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as e:
+            raise ValueError(f"{table}.{name}: {col.type} values do not fit {declared[name].sql} "
+                             f"({str(e).splitlines()[0]})") from None
+    return pa.table(out, names=rows.column_names)
+
+
 def arrow_table(table: str, columns: dict[str, list]) -> pa.Table:
     """Buffered column lists as an Arrow table of the declared types (hashes above 2^63 included)."""
     t = TABLES[table]

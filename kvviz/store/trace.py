@@ -18,7 +18,7 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..errors import CaptureError
+from ..errors import CaptureError, StoreError
 from ..jsonio import parse_json
 from .run_store import RunStore
 from .schema import TRACE_TABLES as TABLES  # table -> required columns; run_id is the manifest's
@@ -160,7 +160,7 @@ def import_trace(path: str | Path, store: RunStore) -> str:
                 store.insert(con, name, table.append_column("run_id", pa.array([run_id] * table.num_rows,
                                                                                 pa.string())))
             con.execute("COMMIT")
-        except duckdb.Error as e:
+        except (duckdb.Error, StoreError) as e:
             con.execute("ROLLBACK")
             raise TraceError(f"{path}: a table does not fit the schema: {str(e).splitlines()[0]}") from None
     return run_id
