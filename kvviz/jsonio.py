@@ -9,12 +9,14 @@ import json
 from .errors import KvvizError
 
 
-def parse_json(text: str | bytes, where: str, error: type[KvvizError]) -> object:
-    """json.loads, with every failure raised as `error` starting with `where` (a file, a line)."""
+def parse_json(text: str | bytes, where: str, error: type[KvvizError], one_line: bool = False) -> object:
+    """json.loads, with every failure raised as `error` starting with `where` (a file, or a line of one:
+    `one_line`, and the place is a column)."""
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
-        raise error(f"{where}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+        place = f"column {e.colno}" if one_line else f"line {e.lineno}, column {e.colno}"
+        raise error(f"{where}: not valid JSON ({place}: {e.msg})") from None
     except UnicodeDecodeError:
         raise error(f"{where}: not UTF-8 text") from None
     except RecursionError:

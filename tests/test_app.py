@@ -298,3 +298,25 @@ def test_a_run_that_died_before_its_first_step_opens_without_error(tiny, tmp_pat
     assert any("no recorded steps" in w.value for w in at.warning)
     at = page("runs")
     assert not at.exception
+
+
+def test_two_captures_compare_and_a_fault_that_never_struck_is_said(empty_db, tiny, tmp_path):
+    """Review findings: comparing two captures (no leak metrics) drew a traceback; a fault confined to
+    steps after the run's end looked like a detector miss."""
+    from kvviz.analysis.uploads import import_file
+    from kvviz.faults import Scope
+
+    from .test_capture import batch, stored_map, write_capture
+
+    store = RunStore.open(empty_db)
+    caps = [import_file(write_capture(tmp_path / f"c{i}.jsonl", [batch(stored_map([11 + i], None, [1, 2]))]), store)
+            for i in range(2)]
+    at = page("runs")
+    at.text_input(key="runs_ids").input(", ".join(caps)).run()
+    assert not at.exception and not at.error
+    late = live.run(store, tiny, live.scenario_workload("boundary", tiny), "boundary",
+                    scope=Scope(steps=frozenset({999}))).run_id
+    at = page("inspector", run_id=late)
+    assert any("the fault never struck" in c.value for c in at.caption)
+    at = page("runs")
+    assert "steps 999" in list(at.dataframe[0].value.fault_scope)  # said as words, not raw JSON

@@ -220,3 +220,63 @@ def test_a_cli_run_waits_for_a_run_of_another_process_and_says_so(tmp_path):
         assert cli.poll() is None  # still waiting while the turn is held
     out, err = cli.communicate(timeout=300)
     assert cli.returncode == 0, err
+
+
+def test_a_waiting_run_is_told_its_place_every_second_so_a_left_page_can_cancel_it():
+    q, calls, errors = ModelQueue(), [], []
+    held, release = threading.Event(), threading.Event()
+
+    def holder():
+        with q.turn():
+            held.set()
+            release.wait(10)
+
+    def left_page(ahead):
+        calls.append(ahead)
+        if len(calls) == 2:  # the unchanged place is said again: the second call is the heartbeat
+            raise InterruptedError("the page was left")
+
+    def waiter():
+        try:
+            with q.turn(left_page):
+                errors.append("the run started")
+        except InterruptedError as e:
+            errors.append(str(e))
+
+    h = threading.Thread(target=holder)
+    h.start()
+    held.wait(5)
+    w = threading.Thread(target=waiter)
+    w.start()
+    w.join(5)
+    assert errors == ["the page was left"] and calls == [1, 1] and q.waiting == 0
+    release.set()
+    h.join(5)
+
+
+def test_both_lines_keep_one_order_even_when_a_ticket_is_slow_to_write(tmp_path, monkeypatch):
+    """A thread switch between joining the process's line and the machine's must not let two runs
+    stand in opposite orders in the two lines (each would wait for the other forever)."""
+    from kvviz.models import queue as queue_module
+
+    real, slowed = queue_module._FileLine.join, threading.Event()
+
+    def slow_first_join(self):
+        if not slowed.is_set():
+            slowed.set()
+            time.sleep(0.05)
+        return real(self)
+
+    monkeypatch.setattr(queue_module._FileLine, "join", slow_first_join)
+    q, done = ModelQueue(tmp_path), []
+
+    def run(i):
+        with q.turn():
+            done.append(i)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(5)
+    assert sorted(done) == [0, 1, 2]

@@ -443,3 +443,25 @@ def test_rows_are_cast_to_the_declared_types_or_refused_by_column(tmp_path):
             store.insert(con, "steps", pa.table({"run_id": ["r"], "free_blocks": ["seven"]}))
         with pytest.raises(StoreError, match="no column 'colour'"):
             store.insert(con, "steps", pa.table({"run_id": ["r"], "colour": ["red"]}))
+
+
+def test_a_run_deleted_while_it_records_stops_writing_and_says_so(tmp_path):
+    """Another session deletes a run that is still recording: the recorder writes no orphan rows and
+    the run ends with the reason, instead of reporting success for a run that no longer exists."""
+    from kvviz.analysis import runs
+    from kvviz.recorded import record_run
+
+    m, store = tiny(), RunStore.open(tmp_path / "k.duckdb")
+    wl = Workload.from_dict(SCENARIOS["control_forks"].workload)
+
+    def delete_at_step_2(rec, _oracle):
+        if rec.step == 2:
+            with store.read() as con:
+                run_id = con.execute("SELECT run_id FROM runs").fetchone()[0]
+            runs.delete_run(store, run_id)
+
+    with pytest.raises(StoreError, match="was deleted .* while it was recording"):
+        record_run(store, m, wl, on_step=delete_at_step_2)
+    with store.read() as con:
+        left = {t: con.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in runs.run_tables(con)}
+    assert set(left.values()) == {0}, left

@@ -27,6 +27,7 @@ class RunInfo:
     has_blocks: bool  # engine runs and kvviz traces; captures have none
     has_attention: bool
     has_kv_events: bool  # an imported vLLM/SGLang capture
+    fault_scope: dict | None = None  # where the fault was confined
 
     @property
     def block_size(self) -> int:
@@ -46,11 +47,22 @@ def list_runs(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
         "generated_tokens AS tokens, round(leak_rate, 6) AS leak_rate, round(max_foreign_mass, 4) AS "
         "max_foreign_mass, findings, round(seconds, 2) AS seconds, error FROM runs r "
         "ORDER BY created_at DESC, run_id").df()
+    df["fault_scope"] = [scope_text(json.loads(s)) if isinstance(s, str) else None for s in df.fault_scope]
     return df.astype(object).where(df.notna(), None)
 
 
+def scope_text(scope: dict) -> str:
+    """A fault scope as a reader says it: "steps 3, 4; requests A"."""
+    parts = [f"{k} {', '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in scope.items() if v is not None]
+    return "; ".join(parts) or "everywhere"
+
+
+def run_exists(con: duckdb.DuckDBPyConnection, run_id: str) -> bool:
+    return bool(con.execute("SELECT count(*) FROM runs WHERE run_id = ?", [run_id]).fetchone()[0])
+
+
 def run_info(con: duckdb.DuckDBPyConnection, run_id: str) -> RunInfo:
-    row = con.execute("SELECT status, error, model, scenario, fault, engine FROM runs WHERE run_id = ?",
+    row = con.execute("SELECT status, error, model, scenario, fault, engine, fault_scope FROM runs WHERE run_id = ?",
                       [run_id]).fetchone()
     if row is None:
         raise StoreError(f"no run {run_id!r} in this database")
@@ -64,7 +76,8 @@ def run_info(con: duckdb.DuckDBPyConnection, run_id: str) -> RunInfo:
     requests = [r[0] for r in con.execute("SELECT request_id FROM requests WHERE run_id = ? ORDER BY request_id",
                                           [run_id]).fetchall()]
     return RunInfo(run_id, row[0], row[1], row[2], row[3], row[4], json.loads(row[5]) if row[5] else {}, steps,
-                   requests, exists("blocks"), exists("attention"), exists("kv_events"))
+                   requests, exists("blocks"), exists("attention"), exists("kv_events"),
+                   json.loads(row[6]) if row[6] else None)
 
 
 def requests_frame(con: duckdb.DuckDBPyConnection, run_id: str) -> pd.DataFrame:

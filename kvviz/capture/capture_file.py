@@ -47,13 +47,13 @@ def read_capture(path: str | Path) -> Iterator[tuple[int, bytes]]:
         raise CaptureError(f"{path}: cannot read it ({e.strerror or e})") from None
     with f:
         lines = _lines(f, path)
-        header = parse_json(next(lines, (1, b"null"))[1], f"{path}: line 1", CaptureError)
+        header = parse_json(next(lines, (1, b"null"))[1], f"{path}: line 1", CaptureError, one_line=True)
         if not isinstance(header, dict) or header.get("format") != FORMAT:
             raise CaptureError(f"{path}: not a kvviz vLLM capture (line 1 must name format {FORMAT!r})")
         if header.get("version") != VERSION:
             raise CaptureError(f"{path}: capture version {header.get('version')!r} is not supported")
         for n, line in lines:
-            rec = parse_json(line, f"{path}: line {n}", CaptureError)
+            rec = parse_json(line, f"{path}: line {n}", CaptureError, one_line=True)
             seq, payload = (rec.get("seq"), rec.get("payload")) if isinstance(rec, dict) else (None, None)
             if not isinstance(seq, int) or isinstance(seq, bool) or not isinstance(payload, str):
                 raise CaptureError(f"{path}: line {n} is not a captured message "

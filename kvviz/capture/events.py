@@ -50,11 +50,15 @@ def to_u64(h: object, where: str) -> int:
 
 
 def decode_batch(payload: bytes, seq: int) -> list[KVEvent]:
-    where = f"message {seq}"
+    where = f"message seq {seq}"
     try:
         batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-    except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError) as e:
-        raise CaptureError(f"{where}: not a msgpack event batch ({e})") from None
+    except msgpack.ExtraData:
+        raise CaptureError(f"{where}: not a msgpack event batch (bytes follow the batch)") from None
+    except msgpack.StackError:
+        raise CaptureError(f"{where}: not a msgpack event batch (nested too deeply)") from None
+    except (msgpack.FormatError, ValueError) as e:
+        raise CaptureError(f"{where}: not a msgpack event batch ({str(e).rstrip('.')})") from None
     if isinstance(batch, dict):
         batch = [batch.get("ts"), batch.get("events"), batch.get("data_parallel_rank", batch.get("attn_dp_rank"))]
     if not isinstance(batch, list) or len(batch) < 2 or not isinstance(batch[1], list):

@@ -38,16 +38,24 @@ def cmd_run(args: argparse.Namespace) -> int:
     fault = args.fault if args.fault is not None else (sc.fault if sc else None)
     if fault is None and (args.fault_steps or args.fault_requests or args.fault_layers):
         raise WorkloadError("--fault-steps, --fault-requests and --fault-layers confine a fault: give --fault")
+    given = Workload.from_file(args.workload) if args.workload else None  # a bad file is refused before loading
     m = load_model(args.model, device=args.device)
-    wl = Workload.from_dict(sc.build(m.tokenizer)) if sc else Workload.from_file(args.workload)
+    wl = Workload.from_dict(sc.build(m.tokenizer)) if sc else given
     wl = _with_overrides(wl, args)
     total = sum(r.max_new_tokens for r in wl.requests)
     with tqdm(total=total, unit="tok", desc="generating", file=sys.stderr, disable=args.quiet) as bar:
+        said: list[int | None] = [None]  # the place in line last printed, while waiting
+
         def progress(rec: StepRecord) -> None:
+            if said[0] is not None:  # the rate counts from the run's turn on the model, not from the wait
+                said[0] = None
+                bar.reset(total)
             bar.update(len(rec.sampled))
 
         def waiting(ahead: int) -> None:  # another run (this machine's app, another script) has the model
-            bar.write(f"kvviz: {waiting_message(ahead)}", file=sys.stderr)
+            if ahead != said[0]:
+                bar.write(f"kvviz: {waiting_message(ahead)}", file=sys.stderr)
+            said[0] = ahead
         if wl.engine.compute == "fast" and fault is None:
             if args.fail_on_leak:
                 raise WorkloadError("--fail-on-leak needs the leak oracle, which reads attention weights that "

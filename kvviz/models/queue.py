@@ -3,9 +3,10 @@
 Two forwards at once on one CPU model only fight over the same cores (torch already spreads one
 forward over all of them), so the runs that share a model (several app sessions, a CLI script beside
 the app) queue for it instead. A waiting run hears how many runs are ahead of it whenever that number
-changes, so a user sees "waiting for the model: N runs ahead" rather than a frozen page or a slow
-bar. A turn is reentrant within a thread: a checked run holds it across its engine run and its
-reference oracle.
+changes, and again every second, so a user sees "waiting for the model: N runs ahead" rather than a
+frozen page or a slow bar, and a session whose page was left or rerun finds out (its callback raises)
+before the run starts, instead of starting a run nobody watches. A turn is reentrant within a
+thread: a checked run holds it across its engine run and its reference oracle.
 
 Across processes the line is a folder of ticket files named by arrival time and process id; a
 ticket whose process has died is removed by whoever sees it, so a killed run never blocks the line.
@@ -22,6 +23,7 @@ from pathlib import Path
 
 WaitCallback = Callable[[int], None]
 POLL_S = 0.1  # how often a run waiting on another process looks at the line
+HEARTBEAT_S = 1.0  # a waiting run is told its place at least this often, so a page that was left notices
 
 
 def waiting_message(ahead: int) -> str:
@@ -93,9 +95,10 @@ class ModelQueue:
             if self._holder == me:
                 self._depth += 1
                 reentered = True
-            else:
+            else:  # both lines take this run in the same order, or two runs could each wait for the other
                 reentered, ticket = False, object()
                 self._line.append(ticket)
+                file_ticket = self._files.join() if self._files is not None else None
         if reentered:
             try:
                 yield
@@ -103,7 +106,6 @@ class ModelQueue:
                 with self._cond:
                     self._depth -= 1
             return
-        file_ticket = self._files.join() if self._files is not None else None
         try:
             self._wait_for(ticket, file_ticket, me, on_wait)
             yield
@@ -117,7 +119,7 @@ class ModelQueue:
                 self._cond.notify_all()
 
     def _wait_for(self, ticket: object, file_ticket: Path | None, me: int, on_wait: WaitCallback | None) -> None:
-        reported = None
+        reported, told_at = None, 0.0
         while True:
             with self._cond:
                 here = self._line.index(ticket)
@@ -126,8 +128,9 @@ class ModelQueue:
                 if here == 0 and ahead == 0:
                     self._holder, self._depth = me, 1
                     return
-                if ahead == reported or on_wait is None:
-                    self._cond.wait(POLL_S if file_ticket is not None else None)
+                due = on_wait is not None and (ahead != reported or time.monotonic() - told_at >= HEARTBEAT_S)
+                if not due:
+                    self._cond.wait(POLL_S if file_ticket is not None or on_wait is not None else None)
                     continue
             on_wait(ahead)  # outside the lock: the callback may draw, or raise to cancel the wait
-            reported = ahead
+            reported, told_at = ahead, time.monotonic()

@@ -22,6 +22,7 @@ import pyarrow as pa
 from .. import __version__
 from ..engine import StepRecord
 from ..engine.hashing import hash_to_u64
+from ..errors import StoreError
 from . import schema
 from .attention import AttentionRecorder
 from .run_store import RunStore
@@ -135,6 +136,10 @@ class RunRecorder:
     def _insert(self, tables: dict[str, pa.Table]) -> None:
         with self.store.write() as con:
             con.execute("BEGIN TRANSACTION")
+            if not con.execute("SELECT count(*) FROM runs WHERE run_id = ?", [self.run_id]).fetchall()[0][0]:
+                con.execute("ROLLBACK")  # deleted by someone while it recorded: write no orphan rows
+                raise StoreError(f"run {self.run_id} was deleted from {self.store.path} while it was recording; "
+                                 "the rest of it was not written")
             for table, rows in tables.items():
                 self.store.insert(con, table, rows)
             con.execute("COMMIT")
@@ -180,12 +185,20 @@ class RunRecorder:
         """Keep what was recorded and mark the run failed with the reason."""
         try:
             self.flush()
-            self.wait()
         finally:
-            with self.store.write() as con:
-                con.execute("UPDATE runs SET status = 'failed', error = ? WHERE run_id = ?",
-                            [f"{type(error).__name__}: {error}" if str(error) else type(error).__name__,
-                             self.run_id])
+            try:
+                self.wait()
+            finally:
+                with self.store.write() as con:
+                    con.execute("UPDATE runs SET status = 'failed', error = ? WHERE run_id = ?",
+                                [failure_reason(error), self.run_id])
+
+
+def failure_reason(error: BaseException) -> str:
+    """What a failed run's row says: the error, or that it was stopped (Ctrl-C, or the app session
+    that started it was rerun or left: control exceptions that are not errors)."""
+    said = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+    return said if isinstance(error, Exception) else f"stopped before it finished ({said})"
 
 
 def token_label(tokenizer, token_id: int) -> str:

@@ -102,6 +102,10 @@ class RunStore:
     def exists(self) -> bool:
         return self.path.is_file()
 
+    def _not_a_folder(self) -> None:
+        if self.path.is_dir():
+            raise StoreError(f"{self.path} is a folder, not a run store: give a .duckdb file")
+
     # -- connections ---------------------------------------------------------------------------
     @contextmanager
     def write(self) -> Iterator[duckdb.DuckDBPyConnection]:
@@ -118,6 +122,7 @@ class RunStore:
     def read(self) -> Iterator[duckdb.DuckDBPyConnection]:
         """A sandboxed read-only connection; writers in this process wait until it closes. An older
         file is upgraded first (through the writer)."""
+        self._not_a_folder()
         if not self.exists():
             raise StoreError(f"no database at {self.path}: run something first (python -m kvviz run ...)")
         for attempt in range(2):
@@ -160,6 +165,7 @@ class RunStore:
 
     # -- internals -----------------------------------------------------------------------------
     def _connect_writer(self) -> duckdb.DuckDBPyConnection:
+        self._not_a_folder()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             con = duckdb.connect(str(self.path))

@@ -26,7 +26,7 @@ def run_query(con: duckdb.DuckDBPyConnection, sql: str, max_rows: int = 10_000, 
     try:
         statements = con.extract_statements(sql)
     except duckdb.Error as e:
-        raise SqlError(f"cannot parse the query: {e}") from None
+        raise SqlError(f"cannot parse the query: {_one_line(e)}") from None
     if len(statements) != 1:
         raise SqlError(f"give exactly one statement, got {len(statements)}")
     kind = statements[0].type
@@ -41,7 +41,19 @@ def run_query(con: duckdb.DuckDBPyConnection, sql: str, max_rows: int = 10_000, 
     except duckdb.InterruptException:
         raise SqlError(f"the query ran longer than {timeout_s:g} s and was stopped") from None
     except duckdb.Error as e:
-        raise SqlError(str(e).split("\n")[0]) from None
+        raise SqlError(_one_line(e)) from None
     finally:
         timer.cancel()
     return QueryResult(columns, rows[:max_rows], len(rows) > max_rows)
+
+
+def _one_line(e: duckdb.Error) -> str:
+    """DuckDB's message in one line: what it says (a "did you mean" hint too), and where its caret points."""
+    lines = str(e).split("\n")
+    said = " ".join(x.strip() for x in lines if x.strip() and not x.startswith("LINE ") and x.strip("^ "))
+    said = said.removeprefix("Parser Error: ")
+    for text, caret in zip(lines, lines[1:], strict=False):
+        if text.startswith("LINE ") and "^" in caret:
+            prefix = text[:text.index(": ") + 2]
+            return f"{said} (line {prefix[5:-2]}, column {caret.index('^') - len(prefix) + 1})"
+    return said

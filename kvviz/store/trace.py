@@ -130,8 +130,9 @@ def _table(z: zipfile.ZipFile, infos: dict, path: Path, name: str, entry: object
     data = _member(z, entry["file"], path)
     try:
         table = pq.read_table(io.BytesIO(data))
-    except (pa.ArrowException, OSError) as e:
-        raise TraceError(f"{path}: table {name!r} is not readable Parquet ({e})") from None
+    except (pa.ArrowException, OSError) as e:  # pyarrow's text: "Could not open ... '<Buffer>': WHY. Either ..."
+        why = str(e).split(": ", 1)[-1].split(". ")[0].rstrip(".")
+        raise TraceError(f"{path}: table {name!r} is not readable Parquet ({why})") from None
     missing = [c for c in TABLES[name] if c not in table.column_names]
     if missing:
         raise TraceError(f"{path}: table {name!r} lacks column {missing[0]!r}")

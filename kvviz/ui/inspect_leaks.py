@@ -30,7 +30,11 @@ def render(con, info: RunInfo, step: int, focus: Callable[[leaks.Focus, str | No
             if rows:
                 jump_to(rows[0])
 
-        st.caption("Click a finding to jump to its step, request, layer and head.")
+        st.caption("Click a finding to jump to its step, request, layer and head. Kinds: **foreign**, weight on "
+                   "another request's keys (source_request); **stale**, on a slot not written since its block was "
+                   "reallocated; **duplicate**, two visible keys for one position (the weights may all be own, the "
+                   "output still differs); **cross_tenant**, a key written under another tenant's salt; "
+                   "**normalisation** and **non_finite**, weights that do not sum to 1 or are not numbers.")
         st.dataframe(found, hide_index=True, width="stretch", on_select=clicked, selection_mode="single-row",
                      key="insp_findings", height=min(400, 38 + 35 * len(found)))
         st.button("Go to the heaviest finding", key="insp_top_finding", on_click=jump_to, args=(0,),
@@ -38,8 +42,10 @@ def render(con, info: RunInfo, step: int, focus: Callable[[leaks.Focus, str | No
     div = leaks.divergence(con, info.run_id)
     if not div.empty:
         st.subheader("Divergence from each request run alone")
-        st.caption("leak: the output changed and the oracle saw foreign attention; batch_variance: tiny logit "
-                   "differences from batching, no leak; identical: the same logits.")
+        st.caption("leak: the oracle saw foreign or stale attention in this request (its output may still match: "
+                   "first_divergent_step says where it first changed, if it did); divergence: the output moved with "
+                   "no foreign attention; batch_variance: tiny logit differences from batching, no leak; identical: "
+                   "the same logits.")
         st.dataframe(div, hide_index=True, width="stretch")
 
 

@@ -3,7 +3,6 @@ imported KV-event capture, its prefix tree and cache over time)."""
 
 from __future__ import annotations
 
-import json
 import time
 
 import pandas as pd
@@ -88,8 +87,12 @@ def _header(row, info: RunInfo) -> None:
     cols[3].metric("steps", len(info.steps))
     cols[4].metric("findings", "-" if pd.isna(row.findings) else int(row.findings))
     cols[5].metric("max foreign mass", "-" if pd.isna(row.max_foreign_mass) else f"{row.max_foreign_mass:.4f}")
-    if row.fault_scope:
-        st.caption(f"The fault was confined to {_scope_text(json.loads(row.fault_scope))}.")
+    if info.fault_scope:
+        scope = info.fault_scope
+        beyond = scope.get("steps") and info.steps and min(scope["steps"]) > info.steps[-1]
+        st.caption(f"The fault was confined to {runs.scope_text(scope)}."
+                   + (f" The run ended at step {info.steps[-1]}: **the fault never struck**, so no finding is "
+                      "expected." if beyond else ""))
     if row.status == "running":
         st.warning("This run is still being recorded, or its process died: showing the steps stored so far.",
                    icon=":material/pending:")
@@ -109,11 +112,6 @@ def _follow(run_id: str, seen: int) -> None:
         st.rerun(scope="app")
 
 
-def _scope_text(scope: dict) -> str:
-    parts = [f"{k} {', '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in scope.items() if v is not None]
-    return "; ".join(parts) or "everywhere"
-
-
 def _toggle_play(steps: list[int]) -> None:
     playing = not st.session_state.get("insp_playing", False)
     st.session_state["insp_playing"] = playing
@@ -123,6 +121,11 @@ def _toggle_play(steps: list[int]) -> None:
 
 
 def _step_views(info: RunInfo, playing: bool) -> None:
+    with reader() as con:
+        if not runs.run_exists(con, info.run_id):  # this fragment reruns alone: the run may be gone since
+            st.warning(f"Run {info.run_id} is no longer in the store: another session or a script deleted it.",
+                       icon=":material/delete:")
+            return
     steps = info.steps
     if st.session_state.get("insp_playing", False) != playing:
         st.rerun(scope="app")  # start or stop the timer that reruns this fragment

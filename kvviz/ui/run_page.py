@@ -90,13 +90,13 @@ def _settings(sc, engine0: dict):
                                                                         bool(engine0.get("prefix_caching", True)))),
         }
         c = st.columns(4)
-        faults = [None, *FAULTS]
-        fault = c[0].selectbox("fault", faults, key=_key("fault", tag, sc.fault if sc else None),
-                               format_func=lambda f: "none" if f is None else f"{f} ({FAULTS[f].isolation or 'any'})")
+        faults = ["none", *FAULTS]  # a string: a None value would show as "Choose an option"
+        fault = c[0].selectbox("fault", faults, key=_key("fault", tag, sc.fault if sc and sc.fault else "none"),
+                               format_func=lambda f: f if f == "none" else f"{f} ({FAULTS[f].isolation or 'any'})")
         scope_text = (c[1].text_input("fault steps", key=_key("fs", tag, ""), placeholder="e.g. 3,4"),
                       c[2].text_input("fault requests", key=_key("fr", tag, ""), placeholder="e.g. A"),
                       c[3].text_input("fault layers", key=_key("fl", tag, ""), placeholder="e.g. 0,1"))
-        if fault:
+        if fault != "none":
             st.caption(f"**{fault}** replaces `{FAULTS[fault].defence}`: {FAULTS[fault].breaks}")
         c = st.columns(3)
         mode = c[0].radio("attention recorded", ("default", "all", "none"), horizontal=True,
@@ -105,7 +105,7 @@ def _settings(sc, engine0: dict):
                                "and all heads of a layer at a step where the oracle saw a leak in it. "
                                "The oracle's metrics are always recorded for every head.")
         seed = c[1].number_input("seed", 0, 2**31 - 1, key=_key("seed", tag, 0))
-    return engine, fault, scope_text, AttentionSelection(mode), int(seed)
+    return engine, None if fault == "none" else fault, scope_text, AttentionSelection(mode), int(seed)
 
 
 def _workload(m, sc, requests: pd.DataFrame | None, engine: dict, seed: int) -> dict:

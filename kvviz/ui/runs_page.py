@@ -29,16 +29,17 @@ def render() -> None:
     if not picked:
         picked_text = st.text_input("Or paste run ids (comma-separated, as the CLI prints them)", key="runs_ids")
         picked = [r.strip() for r in picked_text.split(",") if r.strip() in set(listing.run_id)]
+    picked = list(dict.fromkeys(picked))  # the same id pasted twice is one run
     if len(picked) == 1:
-        _one(picked[0])
+        _one(picked[0], listing.set_index("run_id").status[picked[0]])
     elif len(picked) == 2:
         _compare(*picked)
     elif len(picked) > 2:
         st.info("Select one run to open, export or delete it, or two to compare them.")
 
 
-def _one(run_id: str) -> None:
-    st.markdown(f"Selected: run `{run_id}`")
+def _one(run_id: str, status: str) -> None:
+    st.markdown(f"Selected: run `{run_id}` ({status})")
     c = st.columns(4)
     if c[0].button("Open in the inspector", key="runs_open", type="primary", icon=":material/grid_view:"):
         open_run(run_id)
@@ -54,6 +55,10 @@ def _one(run_id: str) -> None:
         c[3].download_button("Chrome trace (Perfetto)", exports["chrome"], f"{run_id}.json", "application/json",
                              key="runs_dl_chrome")
     with st.expander("Delete this run"):
+        if status == "running":
+            st.warning("This run is still recording, or its process ended before it could say so. Deleting "
+                       "it stops the recording: the run that records it ends with that reason.",
+                       icon=":material/warning:")
         sure = st.checkbox(f"Yes, delete run {run_id} and everything recorded for it", key=f"runs_sure_{run_id}")
         if st.button("Delete", key="runs_delete", disabled=not sure, icon=":material/delete:"):
             runs.delete_run(store(), run_id)
@@ -73,8 +78,9 @@ def _compare(a: str, b: str) -> None:
     summary = pd.DataFrame({r: info[r][["status", "model", "scenario", "fault", "steps", "tokens", "leak_rate",
                                          "max_foreign_mass", "findings"]] for r in (a, b)})
     st.dataframe(summary.astype(str), width="stretch")
-    both = pd.concat([o.assign(request_id=o.request_id + f" ({r})") for r, o in over.items() if not o.empty])
-    if not both.empty:
+    measured = [o.assign(request_id=o.request_id + f" ({r})") for r, o in over.items() if not o.empty]
+    if measured:  # captures have no leak metrics
+        both = pd.concat(measured)
         st.plotly_chart(timeline.leak_timeline(both), width="stretch", key="runs_cmp_timeline")
     kinds = pd.DataFrame({r: found[r].kind.value_counts() for r in (a, b)}).fillna(0).astype(int)
     if not kinds.empty:
