@@ -35,6 +35,7 @@ class CheckedRun:
     def summary(self) -> dict:
         """The run's JSON summary with the keys scripts gate on: leak, divergence, findings."""
         return {**self.result.summary(), "fault": self.fault, "leak": self.oracle.summary(),
+                "entropy": self.oracle.mean_entropy(),
                 "divergence": divergence_summary(self.divergences),
                 "findings": [f.to_dict() for f in self.findings]}
 

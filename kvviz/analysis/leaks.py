@@ -25,6 +25,32 @@ def leak_over_time(con: duckdb.DuckDBPyConnection, run_id: str) -> pd.DataFrame:
                        "WHERE run_id = ? ORDER BY step, request_id", [run_id]).df()
 
 
+def entropy_by_position(con: duckdb.DuckDBPyConnection, run_id: str, layer: int | None = None) -> pd.DataFrame:
+    """request_id, position, entropy (nats), leak_rate: the mean over heads and over every layer (or
+    one), from the positional_entropy view, in position order."""
+    where = "" if layer is None else " AND layer = ?"
+    return con.execute("SELECT request_id, position, avg(entropy) AS entropy, avg(leak_rate) AS leak_rate "
+                       f"FROM positional_entropy WHERE run_id = ?{where} GROUP BY request_id, position "
+                       "ORDER BY request_id, position", [run_id] + ([] if layer is None else [layer])).df()
+
+
+def layer_count(con: duckdb.DuckDBPyConnection, run_id: str) -> int:
+    """Layers the oracle measured in this run (0 for a capture)."""
+    return int(con.execute("SELECT coalesce(max(layer) + 1, 0) FROM leak_metrics WHERE run_id = ?",
+                           [run_id]).fetchall()[0][0])
+
+
+def entropy_trend(df: pd.DataFrame) -> pd.DataFrame:
+    """Per request: entropy at its first and last position and the rank correlation of entropy with
+    position (+1: it only rises), what the seed's claim about long contexts is checked by."""
+    rows = []
+    for req, part in df.groupby("request_id"):
+        rho = part.position.corr(part.entropy, method="spearman") if len(part) > 2 else float("nan")
+        rows.append({"request_id": req, "first": part.entropy.iloc[0], "last": part.entropy.iloc[-1],
+                     "spearman": rho, "positions": len(part)})
+    return pd.DataFrame(rows)
+
+
 # Leaks of another request's or a dead block's tokens first; for duplicate positions, non-finite
 # weights and normalisation errors `mass` is a count or an error, not attention mass.
 KIND_ORDER = ("foreign", "stale", "cross_tenant", "non_finite", "normalisation", "duplicate")

@@ -61,7 +61,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 raise WorkloadError("--fail-on-leak needs the leak oracle, which reads attention weights that "
                                     "--compute fast does not compute; use --compute inspect")
             summary = Engine(m, wl.engine).run(wl, on_step=progress, on_wait=waiting).summary()
-            summary.update(fault=None, leak=None, divergence=None, findings=None, db=None)
+            summary.update(fault=None, leak=None, entropy=None, divergence=None, findings=None, db=None)
             note = "--compute fast runs are not judged or recorded (no attention weights); --compute inspect is"
         else:
             if wl.engine.compute == "fast":
@@ -148,6 +148,8 @@ def _print_run(s: dict) -> None:
           f"weights own/foreign/stale {lk['counts']['own']}/{lk['counts']['foreign']}/{lk['counts']['stale']}; "
           f"{dv['diverged_requests']} requests diverge from running alone (max |logit diff| "
           f"{dv['max_logit_diff']:.2e})")
+    print("positional entropy, nats (mean over queries, layers and heads): "
+          + ", ".join(f"{req} {h:.3f}" for req, h in s["entropy"].items()))
     for f in s["findings"][:20]:
         src = f" from {f['source_request']}" if f["source_request"] else ""
         print(f"  finding {f['kind']:13} {f['request']:>8} step {f['step']:3d} layer {f['layer']:2d} "

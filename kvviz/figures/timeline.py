@@ -40,3 +40,19 @@ def cache_timeline(df: pd.DataFrame) -> go.Figure:
                       legend={"orientation": "h"})
     fig.update_xaxes(title="message", row=2, col=1)
     return fig
+
+
+def entropy_by_position(df: pd.DataFrame) -> go.Figure:
+    """df: request_id, position, entropy, leak_rate. Positional entropy above, leak rate below, one
+    line per request: the seed expects entropy to rise with position while the leak rate stays 0."""
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08, row_heights=[0.65, 0.35],
+                        subplot_titles=("positional entropy (nats)", "leak rate"))
+    colours = request_colours(df.request_id)
+    for req, part in df.groupby("request_id"):
+        for row, col in ((1, "entropy"), (2, "leak_rate")):
+            fig.add_trace(go.Scatter(x=part.position, y=part[col], mode="lines", name=str(req),
+                                     legendgroup=str(req), showlegend=row == 1, line={"color": colours[req]}),
+                          row=row, col=1)
+    fig.update_layout(height=380, margin={"l": 10, "r": 10, "t": 40, "b": 10})
+    fig.update_xaxes(title="query position", row=2, col=1)
+    return fig

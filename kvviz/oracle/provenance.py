@@ -234,6 +234,17 @@ class ProvenanceOracle:
         for (req, src), (v, layer, head, pos) in worst.items():
             self.findings.append(Finding(kind, req, self.ctx.step, layer, head, pos, src, round(v, 6)))
 
+    def mean_entropy(self) -> dict[str, float]:
+        """Each request's positional entropy (nats), the mean over its queries, layers and heads."""
+        total: dict[str, float] = {}
+        count: dict[str, int] = {}
+        for s in self.steps:
+            _, layers, heads = s.sum_entropy.shape
+            for r, name in enumerate(s.requests):
+                total[name] = total.get(name, 0.0) + float(s.sum_entropy[r].sum())
+                count[name] = count.get(name, 0) + s.rows[r] * layers * heads
+        return {name: round(total[name] / count[name], 6) for name in total if count[name]}
+
     def summary(self) -> dict:
         """Run-level leak figures with the keys scripts gate on."""
         total_rows = sum(sum(s.rows) * s.max_foreign.shape[1] * s.max_foreign.shape[2] for s in self.steps)

@@ -2,7 +2,8 @@
 build, and the kvviz trace's tables all come from here, so the public trace format cannot drift from
 the database.
 
-Version 2 added token_text; a version 1 file is upgraded in place by the idempotent DDL.
+Version 2 added token_text, version 3 the positional_entropy view; older files are upgraded in place
+by the idempotent DDL.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-SCHEMA_VERSION = "2"
-UPGRADABLE = {"1"}  # versions whose files the idempotent DDL brings up to date
+SCHEMA_VERSION = "3"
+UPGRADABLE = {"1", "2"}  # versions whose files the idempotent DDL brings up to date
 
 _ARROW = {"VARCHAR": pa.string(), "JSON": pa.string(), "TIMESTAMP": pa.timestamp("us"), "BIGINT": pa.int64(),
           "INTEGER": pa.int32(), "DOUBLE": pa.float64(), "FLOAT": pa.float32(), "BOOLEAN": pa.bool_(),
@@ -133,6 +134,14 @@ epochs AS (SELECT *, sum(cleared) OVER (PARTITION BY run_id ORDER BY step) AS ep
 SELECT run_id, step, sum(stored - removed) OVER (PARTITION BY run_id, epoch ORDER BY step) AS cached_blocks,
        stored, removed
 FROM epochs;
+
+-- The seed's positional entropy (nats) of each request's queries per step, layer and head: the mean over
+-- the step's queries, placed at their mean position (exact for decode steps, which have one query).
+CREATE OR REPLACE VIEW positional_entropy AS
+SELECT m.run_id, m.request_id, m.step, w.start + (w.tokens - 1) / 2.0 AS position, m.layer, m.head,
+       m.sum_entropy / m.rows AS entropy, m.rows AS queries, m.leak_rows / m.rows AS leak_rate
+FROM leak_metrics m JOIN step_work w ON w.run_id = m.run_id AND w.step = m.step AND w.request_id = m.request_id
+WHERE m.rows > 0;
 
 CREATE OR REPLACE VIEW block_occupancy AS
 SELECT run_id, step, count(*) FILTER (state = 'used') AS used, count(*) FILTER (state = 'cached') AS cached,

@@ -47,6 +47,26 @@ def render(con, info: RunInfo, step: int, focus: Callable[[leaks.Focus, str | No
                    "no foreign attention; batch_variance: tiny logit differences from batching, no leak; identical: "
                    "the same logits.")
         st.dataframe(div, hide_index=True, width="stretch")
+    render_entropy(con, info)
+
+
+def render_entropy(con, info: RunInfo) -> None:
+    """The seed's section 2.3: under a correct mask, entropy tells whether the model uses the distant
+    history at all, and should rise with the length of the context while the leak rate stays 0."""
+    layers = leaks.layer_count(con, info.run_id)
+    if not layers:
+        return
+    st.subheader("Positional entropy")
+    layer = st.selectbox("layer", ["all", *range(layers)], key="insp_entropy_layer",
+                         format_func=lambda v: "mean of all layers" if v == "all" else f"layer {v}")
+    df = leaks.entropy_by_position(con, info.run_id, None if layer == "all" else layer)
+    st.plotly_chart(timeline.entropy_by_position(df), width="stretch", key="insp_entropy")
+    trend = leaks.entropy_trend(df)
+    st.caption("How spread each query's attention is over the keys it may see, in nats (the mean over heads), "
+               "by query position; a prefill chunk's queries sit at their mean position. The seed expects it to "
+               "rise with position while the leak rate stays 0. Per request: entropy at its first and last "
+               "position and the rank correlation with position (+1: it only rises).")
+    st.dataframe(trend.round(3), hide_index=True, width="stretch")
 
 
 def render_requests(con, info: RunInfo) -> None:

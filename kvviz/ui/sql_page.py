@@ -27,6 +27,10 @@ EXAMPLES = {
                                        "GROUP BY run_id, step ORDER BY run_id, step",
     "Block occupancy": "SELECT run_id, step, used, cached, free FROM block_occupancy ORDER BY run_id, step",
     "Findings by kind": "SELECT kind, count(*) AS n, max(mass) AS max_mass FROM findings GROUP BY kind",
+    "Positional entropy by position": "SELECT request_id, position, avg(entropy) AS entropy_nats, "
+                                      "avg(leak_rate) AS leak_rate\nFROM positional_entropy\n"
+                                      "WHERE run_id = (SELECT run_id FROM runs ORDER BY created_at DESC LIMIT 1)\n"
+                                      "GROUP BY request_id, position ORDER BY request_id, position",
 }
 MAX_ROWS = 10_000
 
