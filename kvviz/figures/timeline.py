@@ -9,20 +9,27 @@ from plotly.subplots import make_subplots
 from .palette import request_colours
 
 
+def _per_request_panels(df: pd.DataFrame, x: str, top: str, bottom: str, titles: tuple[str, str],
+                        row_heights: list[float] | None = None, mode: str = "lines") -> go.Figure:
+    """Two stacked panels sharing x, one line per request in each (the legend once)."""
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08, subplot_titles=titles,
+                        row_heights=row_heights)
+    colours = request_colours(df.request_id)
+    for req, part in df.groupby("request_id"):
+        for row, col in ((1, top), (2, bottom)):
+            fig.add_trace(go.Scatter(x=part[x], y=part[col], mode=mode, name=str(req), legendgroup=str(req),
+                                     showlegend=row == 1, line={"color": colours[req]}), row=row, col=1)
+    fig.update_layout(height=380, margin={"l": 10, "r": 10, "t": 40, "b": 10})
+    return fig
+
+
 def leak_timeline(df: pd.DataFrame, current: int | None = None) -> go.Figure:
     """df: step, request_id, leak_rate, max_foreign_mass. Max foreign mass above, leak rate below,
     one line per request."""
-    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08,
-                        subplot_titles=("max foreign mass", "leak rate (share of query rows x heads)"))
-    colours = request_colours(df.request_id)
-    for req, part in df.groupby("request_id"):
-        for row, col in ((1, "max_foreign_mass"), (2, "leak_rate")):
-            fig.add_trace(go.Scatter(x=part.step, y=part[col], mode="lines+markers", name=str(req),
-                                     legendgroup=str(req), showlegend=row == 1, line={"color": colours[req]}),
-                          row=row, col=1)
+    fig = _per_request_panels(df, "step", "max_foreign_mass", "leak_rate",
+                              ("max foreign mass", "leak rate (share of query rows x heads)"), mode="lines+markers")
     if current is not None:
         fig.add_vline(x=current, line={"color": "black", "width": 1, "dash": "dot"})
-    fig.update_layout(height=380, margin={"l": 10, "r": 10, "t": 40, "b": 10})
     fig.update_xaxes(title="step", row=2, col=1)
     return fig
 
@@ -45,14 +52,7 @@ def cache_timeline(df: pd.DataFrame) -> go.Figure:
 def entropy_by_position(df: pd.DataFrame) -> go.Figure:
     """df: request_id, position, entropy, leak_rate. Positional entropy above, leak rate below, one
     line per request: the seed expects entropy to rise with position while the leak rate stays 0."""
-    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08, row_heights=[0.65, 0.35],
-                        subplot_titles=("positional entropy (nats)", "leak rate"))
-    colours = request_colours(df.request_id)
-    for req, part in df.groupby("request_id"):
-        for row, col in ((1, "entropy"), (2, "leak_rate")):
-            fig.add_trace(go.Scatter(x=part.position, y=part[col], mode="lines", name=str(req),
-                                     legendgroup=str(req), showlegend=row == 1, line={"color": colours[req]}),
-                          row=row, col=1)
-    fig.update_layout(height=380, margin={"l": 10, "r": 10, "t": 40, "b": 10})
+    fig = _per_request_panels(df, "position", "entropy", "leak_rate", ("positional entropy (nats)", "leak rate"),
+                              row_heights=[0.65, 0.35])
     fig.update_xaxes(title="query position", row=2, col=1)
     return fig
