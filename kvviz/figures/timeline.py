@@ -20,6 +20,7 @@ def _per_request_panels(df: pd.DataFrame, x: str, top: str, bottom: str, titles:
             fig.add_trace(go.Scatter(x=part[x], y=part[col], mode=mode, name=str(req), legendgroup=str(req),
                                      showlegend=row == 1, line={"color": colours[req]}), row=row, col=1)
     fig.update_layout(height=380, margin={"l": 10, "r": 10, "t": 40, "b": 10})
+    fig.update_yaxes(range=[0, 1.05], row=2, col=1)  # a rate: never below 0, at most 1
     return fig
 
 

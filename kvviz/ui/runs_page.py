@@ -86,5 +86,9 @@ def _compare(a: str, b: str) -> None:
     if not kinds.empty:
         st.markdown("Findings by kind")
         st.dataframe(kinds, width="stretch")
-    st.markdown("Generated texts")
-    st.dataframe(pd.DataFrame(texts), width="stretch")
+    generated = pd.DataFrame(texts)
+    if generated.empty:
+        st.caption("Neither run generated text: a capture holds the cache's events, not the requests' outputs.")
+    else:
+        st.markdown("Generated texts")
+        st.dataframe(generated, width="stretch")
