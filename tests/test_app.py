@@ -320,3 +320,11 @@ def test_two_captures_compare_and_a_fault_that_never_struck_is_said(empty_db, ti
     assert any("the fault never struck" in c.value for c in at.caption)
     at = page("runs")
     assert "steps 999" in list(at.dataframe[0].value.fault_scope)  # said as words, not raw JSON
+
+
+def test_the_sql_pages_schema_shows_what_each_table_and_column_holds(with_runs):
+    """The declaration's notes reach the file as comments, and the schema list says them."""
+    at = page("sql")
+    text = " ".join(m.value for m in at.markdown)
+    assert "**runs** (table): One row per run" in text and "`status` varchar (running | complete | failed)" in text
+    assert "**positional_entropy** (view)" in text

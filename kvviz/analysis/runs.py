@@ -57,10 +57,6 @@ def scope_text(scope: dict) -> str:
     return "; ".join(parts) or "everywhere"
 
 
-def run_exists(con: duckdb.DuckDBPyConnection, run_id: str) -> bool:
-    return bool(con.execute("SELECT count(*) FROM runs WHERE run_id = ?", [run_id]).fetchone()[0])
-
-
 def run_info(con: duckdb.DuckDBPyConnection, run_id: str) -> RunInfo:
     row = con.execute("SELECT status, error, model, scenario, fault, engine, fault_scope FROM runs WHERE run_id = ?",
                       [run_id]).fetchone()
@@ -97,7 +93,7 @@ def run_tables(con: duckdb.DuckDBPyConnection) -> list[str]:
 def delete_run(store: RunStore, run_id: str) -> None:
     """Remove a run and every row that belongs to it, in one transaction."""
     with store.write() as con:
-        if not con.execute("SELECT count(*) FROM runs WHERE run_id = ?", [run_id]).fetchone()[0]:
+        if not store.has_run(con, run_id):
             raise StoreError(f"no run {run_id!r} in {store.path}")
         con.execute("BEGIN TRANSACTION")
         for table in run_tables(con):

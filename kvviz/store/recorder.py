@@ -136,7 +136,7 @@ class RunRecorder:
     def _insert(self, tables: dict[str, pa.Table]) -> None:
         with self.store.write() as con:
             con.execute("BEGIN TRANSACTION")
-            if not con.execute("SELECT count(*) FROM runs WHERE run_id = ?", [self.run_id]).fetchall()[0][0]:
+            if not self.store.has_run(con, self.run_id):
                 con.execute("ROLLBACK")  # deleted by someone while it recorded: write no orphan rows
                 raise StoreError(f"run {self.run_id} was deleted from {self.store.path} while it was recording; "
                                  "the rest of it was not written")

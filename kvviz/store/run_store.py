@@ -158,9 +158,13 @@ class RunStore:
             con.unregister("_kvviz_rows")
 
     @staticmethod
-    def require_run(con: duckdb.DuckDBPyConnection, run_id: str) -> None:
+    def has_run(con: duckdb.DuckDBPyConnection, run_id: str) -> bool:
+        return bool(con.execute("SELECT count(*) FROM runs WHERE run_id = ?", [run_id]).fetchall()[0][0])
+
+    @classmethod
+    def require_run(cls, con: duckdb.DuckDBPyConnection, run_id: str) -> None:
         """Refuse a run id this database does not hold, in the same words for every reader."""
-        if not con.execute("SELECT count(*) FROM runs WHERE run_id = ?", [run_id]).fetchall()[0][0]:
+        if not cls.has_run(con, run_id):
             raise StoreError(f"no run {run_id!r} in this database")
 
     # -- internals -----------------------------------------------------------------------------

@@ -46,11 +46,18 @@ class Table:
         return next(c for c in self.columns if c.name == name)
 
     def ddl(self) -> str:
+        """CREATE TABLE, and the notes as comments in the file (the SQL page's schema shows them)."""
         cols = ",\n".join(f"    {c.name} {c.sql}{' PRIMARY KEY' if c.name == self.key else ''}" for c in self.columns)
-        return f"-- {self.note}\nCREATE TABLE IF NOT EXISTS {self.name} (\n{cols}\n);"
+        comments = [f"COMMENT ON TABLE {self.name} IS {_quote(self.note)};"]
+        comments += [f"COMMENT ON COLUMN {self.name}.{c.name} IS {_quote(c.note)};" for c in self.columns if c.note]
+        return f"CREATE TABLE IF NOT EXISTS {self.name} (\n{cols}\n);\n" + "\n".join(comments)
 
     def trace_columns(self) -> list[str]:
         return [c.name for c in self.columns if c.in_trace and c.name != "run_id"]
+
+
+def _quote(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
 
 
 def _cols(spec: str) -> tuple[Column, ...]:

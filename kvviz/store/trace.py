@@ -153,7 +153,7 @@ def import_trace(path: str | Path, store: RunStore) -> str:
     """Validate and insert a trace in one transaction; returns the run id. A bad file changes nothing."""
     run_id, tables = read_trace(path)
     with store.write() as con:
-        if con.execute("SELECT count(*) FROM runs WHERE run_id = ?", [run_id]).fetchone()[0]:
+        if store.has_run(con, run_id):
             raise TraceError(f"{path}: run {run_id} is already in {store.path}")
         con.execute("BEGIN TRANSACTION")
         try:

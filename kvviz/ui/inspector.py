@@ -10,6 +10,7 @@ import streamlit as st
 
 from ..analysis import blocks, leaks, runs
 from ..analysis.runs import RunInfo
+from ..store import RunStore
 from . import inspect_attention, inspect_blocks, inspect_capture, inspect_leaks
 from .common import reader, runs_or_hint
 
@@ -122,7 +123,7 @@ def _toggle_play(steps: list[int]) -> None:
 
 def _step_views(info: RunInfo, playing: bool) -> None:
     with reader() as con:
-        if not runs.run_exists(con, info.run_id):  # this fragment reruns alone: the run may be gone since
+        if not RunStore.has_run(con, info.run_id):  # this fragment reruns alone: the run may be gone since
             st.warning(f"Run {info.run_id} is no longer in the store: another session or a script deleted it.",
                        icon=":material/delete:")
             return

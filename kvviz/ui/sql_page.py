@@ -87,11 +87,16 @@ def _result(df: pd.DataFrame, truncated: bool) -> None:
 def _schema() -> None:
     with st.expander("Schema: tables and views"):
         with reader() as con:
-            cols = con.execute("SELECT c.table_name, t.table_type, c.column_name, c.data_type FROM "
+            cols = con.execute("SELECT c.table_name, t.table_type, c.column_name, c.data_type, "
+                               "coalesce(dt.comment, '') AS note, coalesce(dc.comment, '') AS column_note FROM "
                                "information_schema.columns c JOIN information_schema.tables t USING (table_name) "
+                               "LEFT JOIN duckdb_tables() dt ON dt.table_name = c.table_name "
+                               "LEFT JOIN duckdb_columns() dc ON dc.table_name = c.table_name "
+                               "AND dc.column_name = c.column_name "
                                "WHERE t.table_schema = 'main' ORDER BY t.table_type, c.table_name, "
                                "c.ordinal_position").df()
-        for (table, kind), part in cols.groupby(["table_name", "table_type"], sort=False):
-            st.markdown(f"**{table}** ({'view' if kind == 'VIEW' else 'table'}): " +
-                        ", ".join(f"`{c}` {t.lower()}" for c, t in zip(part.column_name, part.data_type, strict=True)))
+        for (table, kind, note), part in cols.groupby(["table_name", "table_type", "note"], sort=False):
+            st.markdown(f"**{table}** ({'view' if kind == 'VIEW' else 'table'}){': ' + note if note else ''}  \n" +
+                        ", ".join(f"`{c}` {t.lower()}" + (f" ({n})" if n else "")
+                                  for c, t, n in zip(part.column_name, part.data_type, part.column_note, strict=True)))
 
