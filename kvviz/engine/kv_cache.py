@@ -73,6 +73,16 @@ class PoolSnapshot:
             return "used"
         return "cached" if self.hashes[block] is not None else "free"
 
+    def live_slots(self) -> int:
+        """Slots holding a computed token of a request that still holds the block: per block, the most
+        positions any holder has computed into it (a shared block counts once)."""
+        B, fill = self.block_size, {}
+        for req, table in self.page_tables.items():
+            n = self.num_computed.get(req, 0)
+            for i, b in enumerate(table):
+                fill[b] = max(fill.get(b, 0), min(B, max(0, n - i * B)))
+        return sum(fill.values())
+
 
 class InvariantError(AssertionError):
     """The pool's bookkeeping is inconsistent; the message lists every violation found."""

@@ -1,10 +1,12 @@
-"""The block pool: a clickable grid at one step, occupancy over time, and page tables."""
+"""The block pool: a clickable grid at one step, occupancy over time, page tables, and memory
+utilisation against a contiguous allocator."""
 
 from __future__ import annotations
 
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
+from plotly.subplots import make_subplots
 
 from .palette import LEAK, STATE_COLOURS, grid_columns, request_colours
 
@@ -70,6 +72,40 @@ def occupancy(grid: np.ndarray, steps: list[int], current: int | None = None, pe
     fig.update_layout(height=min(420, 160 + 4 * len(grid)), margin={"l": 10, "r": 10, "t": 30, "b": 10},
                       xaxis_title="step", yaxis_title=what)
     fig.update_yaxes(autorange="reversed")
+    return fig
+
+
+ALLOCATOR_COLOURS = {"paged": STATE_COLOURS["used"], "contiguous": "#e6ab02"}
+
+
+def memory_utilisation(frame: pd.DataFrame, article: dict[str, float], current: int | None = None) -> go.Figure:
+    """frame: step, allocator (paged | contiguous), utilisation, live, allocated, waiting (analysis.memory).
+    Above, the share of allocated slots holding tokens per step with the article's figures dotted; below,
+    the requests the contiguous allocator kept waiting for a region."""
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08, row_heights=[0.72, 0.28],
+                        subplot_titles=("allocated KV slots holding a token", "requests waiting (contiguous)"))
+    for name, part in frame.groupby("allocator", sort=False):
+        colour = ALLOCATOR_COLOURS[name]
+        fig.add_trace(go.Scatter(x=part.step, y=part.utilisation, name=name, mode="lines",
+                                 line={"color": colour, "shape": "hv"},
+                                 customdata=np.stack([part.live, part.allocated], axis=1),
+                                 hovertemplate=f"{name}, step %{{x}}: %{{y:.0%}} "
+                                               "(%{customdata[0]} of %{customdata[1]} slots)<extra></extra>"),
+                      row=1, col=1)
+        if name in article:
+            fig.add_hline(y=article[name], line={"color": colour, "width": 1, "dash": "dot"}, row=1, col=1,
+                          annotation_text=f"article: {name} {article[name]:.0%}", annotation_position="top left")
+        if part.waiting.notna().any():
+            fig.add_trace(go.Bar(x=part.step, y=part.waiting, name=f"{name}: waiting", marker_color=colour,
+                                 showlegend=False, hovertemplate="step %{x}: %{y} waiting<extra></extra>"),
+                          row=2, col=1)
+    if current is not None:
+        fig.add_vline(x=current, line={"color": "black", "width": 1, "dash": "dot"})
+    fig.update_yaxes(range=[0, 1.05], tickformat=".0%", row=1, col=1)
+    fig.update_yaxes(rangemode="tozero", row=2, col=1)
+    fig.update_xaxes(title_text="step", row=2, col=1)
+    fig.update_layout(height=420, margin={"l": 10, "r": 10, "t": 40, "b": 10},
+                      legend={"orientation": "h", "y": 1.12, "x": 1, "xanchor": "right"})
     return fig
 
 

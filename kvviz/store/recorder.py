@@ -74,7 +74,8 @@ class RunRecorder:
                 self._add("slot_writes", run_id=rid, step=s, request_id=req, position=start + k,
                           token=rec.tokens[req][k], slot=slot, block=slot // B,
                           lifetime=snap.lifetimes[slot // B])
-        self._add("steps", run_id=rid, step=s, seconds=rec.seconds, free_blocks=len(snap.free_queue))
+        self._add("steps", run_id=rid, step=s, seconds=rec.seconds, free_blocks=len(snap.free_queue),
+                  live_slots=snap.live_slots())
         for req, table in snap.page_tables.items():
             for i, b in enumerate(table):
                 self._add("page_tables", run_id=rid, step=s, request_id=req, logical_block=i, physical_block=b)

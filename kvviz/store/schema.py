@@ -2,8 +2,8 @@
 build, and the kvviz trace's tables all come from here, so the public trace format cannot drift from
 the database.
 
-Version 2 added token_text, version 3 the positional_entropy view; older files are upgraded in place
-by the idempotent DDL.
+Version 2 added token_text, version 3 the positional_entropy view, version 4 steps.live_slots and the
+kv_slot_utilisation view; older files are upgraded in place by the idempotent DDL.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-SCHEMA_VERSION = "3"
-UPGRADABLE = {"1", "2"}  # versions whose files the idempotent DDL brings up to date
+SCHEMA_VERSION = "4"
+UPGRADABLE = {"1", "2", "3"}  # versions whose files the idempotent DDL brings up to date
 
 _ARROW = {"VARCHAR": pa.string(), "JSON": pa.string(), "TIMESTAMP": pa.timestamp("us"), "BIGINT": pa.int64(),
           "INTEGER": pa.int32(), "DOUBLE": pa.float64(), "FLOAT": pa.float32(), "BOOLEAN": pa.bool_(),
@@ -26,6 +26,8 @@ class Column:
     sql: str  # DuckDB type; "X[]" is a list of X
     note: str = ""
     in_trace: bool = True  # part of the kvviz trace format (run_id never is: the manifest holds it)
+    added_in: str | None = None  # the schema version that added it to an existing table: older files and
+    # traces lack it (upgraded files hold null there; a trace without it imports with null)
 
     @property
     def arrow(self) -> pa.DataType:
@@ -50,7 +52,13 @@ class Table:
         cols = ",\n".join(f"    {c.name} {c.sql}{' PRIMARY KEY' if c.name == self.key else ''}" for c in self.columns)
         comments = [f"COMMENT ON TABLE {self.name} IS {_quote(self.note)};"]
         comments += [f"COMMENT ON COLUMN {self.name}.{c.name} IS {_quote(c.note)};" for c in self.columns if c.note]
-        return f"CREATE TABLE IF NOT EXISTS {self.name} (\n{cols}\n);\n" + "\n".join(comments)
+        added = [f"ALTER TABLE {self.name} ADD COLUMN IF NOT EXISTS {c.name} {c.sql};" for c in self.columns
+                 if c.added_in]
+        return f"CREATE TABLE IF NOT EXISTS {self.name} (\n{cols}\n);\n" + "\n".join(added + comments)
+
+    def required_in_trace(self) -> list[str]:
+        """Trace columns a trace must hold: every one but those added after traces were first written."""
+        return [c for c in self.trace_columns() if not self.column(c).added_in]
 
     def trace_columns(self) -> list[str]:
         return [c.name for c in self.columns if c.in_trace and c.name != "run_id"]
@@ -86,7 +94,11 @@ TABLES: dict[str, Table] = {t.name: t for t in (
         "cached_tokens INTEGER")),
     Table("token_text", "The text of each token id the run's requests hold (labels without the tokenizer).",
           _cols(RUN_ID + "token_id INTEGER, text VARCHAR")),
-    Table("steps", "One row per scheduler step.", _cols(RUN_ID + "step INTEGER, seconds DOUBLE, free_blocks INTEGER")),
+    Table("steps", "One row per scheduler step.", (
+        *_cols(RUN_ID + "step INTEGER, seconds DOUBLE, free_blocks INTEGER"),
+        Column("live_slots", "INTEGER", "slots holding a computed token of a request still holding the block (a "
+               "shared block counts once); allocated slots are (num_blocks - free_blocks) x block_size",
+               added_in="4"))),
     Table("slot_writes", "Slot provenance as a log: where each step wrote each request's K/V (replayed with the "
           "cow block_events it gives every slot's writer, position and token).", _cols(
               RUN_ID + "step INTEGER, request_id VARCHAR, position INTEGER, token INTEGER, slot INTEGER, "
@@ -149,6 +161,15 @@ SELECT m.run_id, m.request_id, m.step, w.start + (w.tokens - 1) / 2.0 AS positio
        m.sum_entropy / m.rows AS entropy, m.rows AS queries, m.leak_rows / m.rows AS leak_rate
 FROM leak_metrics m JOIN step_work w ON w.run_id = m.run_id AND w.step = m.step AND w.request_id = m.request_id
 WHERE m.rows > 0;
+
+-- The seed's memory utilisation, paged: the share of allocated KV slots (blocks with a reference) that
+-- hold a computed token after each step; null for steps recorded before schema 4.
+CREATE OR REPLACE VIEW kv_slot_utilisation AS
+SELECT s.run_id, s.step, s.live_slots,
+       (CAST(r.engine->>'num_blocks' AS INTEGER) - s.free_blocks) * CAST(r.engine->>'block_size' AS INTEGER)
+           AS allocated_slots,
+       s.live_slots / nullif(allocated_slots, 0) AS utilisation
+FROM steps s JOIN runs r ON r.run_id = s.run_id;
 
 CREATE OR REPLACE VIEW block_occupancy AS
 SELECT run_id, step, count(*) FILTER (state = 'used') AS used, count(*) FILTER (state = 'cached') AS cached,

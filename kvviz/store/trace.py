@@ -21,7 +21,8 @@ import pyarrow.parquet as pq
 from ..errors import CaptureError, StoreError
 from ..jsonio import parse_json
 from .run_store import RunStore
-from .schema import TRACE_TABLES as TABLES  # table -> required columns; run_id is the manifest's
+from .schema import TABLES as DECLARED
+from .schema import TRACE_TABLES as TABLES  # table -> its trace columns; run_id is the manifest's
 
 FORMAT, VERSION = "kvviz-trace", 1
 REQUIRED = ("runs", "requests", "steps")
@@ -133,12 +134,12 @@ def _table(z: zipfile.ZipFile, infos: dict, path: Path, name: str, entry: object
     except (pa.ArrowException, OSError) as e:  # pyarrow's text: "Could not open ... '<Buffer>': WHY. Either ..."
         why = str(e).split(": ", 1)[-1].split(". ")[0].rstrip(".")
         raise TraceError(f"{path}: table {name!r} is not readable Parquet ({why})") from None
-    missing = [c for c in TABLES[name] if c not in table.column_names]
+    missing = [c for c in DECLARED[name].required_in_trace() if c not in table.column_names]
     if missing:
         raise TraceError(f"{path}: table {name!r} lacks column {missing[0]!r}")
     if isinstance(entry.get("rows"), int) and entry["rows"] != table.num_rows:
         raise TraceError(f"{path}: table {name!r} has {table.num_rows} rows, the manifest says {entry['rows']}")
-    return table.select(TABLES[name])
+    return table.select([c for c in TABLES[name] if c in table.column_names])  # a newer column left out: null
 
 
 def _member(z: zipfile.ZipFile, name: str, path: Path) -> bytes:
