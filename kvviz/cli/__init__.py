@@ -108,13 +108,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="throughput against transformers generate and generate_batch")
     _add_model_device(bench)
-    bench.add_argument("--sizes", default="8,32", help="numbers of requests, comma-separated (default 8,32)")
+    bench.add_argument("--sizes", help="numbers of requests, comma-separated (default 8,32; --memory 32; "
+                                       "--sharing-sweep 8)")
     bench.add_argument("--new-tokens", type=int, default=64, help="tokens generated per request (default 64)")
     bench.add_argument("--repeat", type=int, default=1,
                        help="run every peer this many times, interleaved, and report medians (default 1)")
     bench.add_argument("--cases", help="only these cases, comma-separated: uniform, mixed, shared-system")
-    bench.add_argument("--sessions", type=int, metavar="N",
-                       help="instead: N sessions recording scenarios at once vs one after another (many users)")
+    what = bench.add_mutually_exclusive_group()
+    what.add_argument("--sessions", type=int, metavar="N",
+                      help="instead: N sessions recording scenarios at once vs one after another (many users)")
+    what.add_argument("--memory", action="store_true",
+                      help="instead: memory utilisation, the paged pool against a contiguous allocator")
+    what.add_argument("--sharing-sweep", action="store_true",
+                      help="instead: prefix caching on and off at each of --lengths tokens")
+    bench.add_argument("--lengths", default="128,512,2048",
+                       help="sequence lengths of --sharing-sweep, comma-separated (default 128,512,2048)")
     bench.add_argument("--out", metavar="FILE.md", help="also write the markdown table to this file")
     bench.set_defaults(func=cmd_bench)
     return p

@@ -1,5 +1,6 @@
 """The commands about the model itself rather than a workload: `fetch-model` to fill the cache ahead
-of time, and `bench` to measure throughput against transformers."""
+of time, and `bench` to measure throughput against transformers, memory utilisation and the sharing
+sweep."""
 
 from __future__ import annotations
 
@@ -22,16 +23,16 @@ def cmd_fetch_model(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    """Throughput against transformers' generate and generate_batch, as a markdown table."""
+    """Throughput against transformers' generate and generate_batch (or memory utilisation, the sharing
+    sweep, many sessions), as a markdown table."""
     from ..bench import CASES, report, run_bench
     from ..models import load_model
 
-    try:
-        sizes = [int(s) for s in args.sizes.split(",")]
-        if not sizes or min(sizes) < 1:
-            raise ValueError
-    except ValueError:
-        return fail(f"--sizes takes positive integers separated by commas, got {args.sizes!r}")
+    given = args.sizes or ("32" if args.memory else "8" if args.sharing_sweep else "8,32")
+    sizes = _positive_ints(given, "--sizes")
+    lengths = _positive_ints(args.lengths, "--lengths")
+    if sizes is None or lengths is None:
+        return 2
     if args.new_tokens < 1:
         return fail(f"--new-tokens must be >= 1, got {args.new_tokens}")
     if args.out and not Path(args.out).parent.is_dir():  # say so now, not after the whole benchmark
@@ -43,16 +44,45 @@ def cmd_bench(args: argparse.Namespace) -> int:
     only = {c.strip() for c in args.cases.split(",") if c.strip()} if args.cases else None
     if only and not any(case.startswith(o) for o in only for case in CASES):
         return fail(f"--cases {args.cases!r} matches no case; the cases are {', '.join(CASES)}")
+    if args.sharing_sweep:
+        from ..bench_sharing import NEW, PRIVATE
+
+        if min(lengths) <= PRIVATE + NEW:
+            return fail(f"--lengths: a sequence holds a shared prefix, {PRIVATE} private and {NEW} generated "
+                        f"tokens, so every length must exceed {PRIVATE + NEW}, got {args.lengths!r}")
     m = load_model(args.model, device=args.device)
+    if args.memory:
+        from ..bench_memory import memory_report, run_memory_bench
+
+        return _write(memory_report(m, run_memory_bench(m, sizes, progress=say)), args.out)
+    if args.sharing_sweep:
+        from ..bench_sharing import sweep, sweep_report
+
+        points = [p for n in sizes for p in sweep(m, tuple(lengths), n, args.repeat, progress=say)]
+        return _write(sweep_report(m, points, args.repeat), args.out)
     if args.sessions:
         from ..bench_sessions import run_sessions, sessions_report
 
-        text = sessions_report(m, run_sessions(m, args.sessions, args.repeat,
-                                               progress=lambda s: print(s, file=sys.stderr, flush=True)))
-        return _write(text, args.out)
-    results = run_bench(m, sizes, args.new_tokens, progress=lambda s: print(s, file=sys.stderr, flush=True),
-                        repeat=args.repeat, only=only)
+        return _write(sessions_report(m, run_sessions(m, args.sessions, args.repeat, progress=say)), args.out)
+    results = run_bench(m, sizes, args.new_tokens, progress=say, repeat=args.repeat, only=only)
     return _write(report(m, results, sizes, args.new_tokens, args.repeat), args.out)
+
+
+def say(line: str) -> None:
+    """Progress on stderr, so stdout holds only the table."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def _positive_ints(text: str, flag: str) -> list[int] | None:
+    """Comma-separated positive integers, or None after saying what is wrong."""
+    try:
+        values = [int(s) for s in text.split(",")]
+        if values and min(values) >= 1:
+            return values
+    except ValueError:
+        pass
+    fail(f"{flag} takes positive integers separated by commas, got {text!r}")
+    return None
 
 
 def _write(text: str, out: str | None) -> int:
