@@ -672,7 +672,7 @@ def test_live_run_reports_every_step(rec):
         assert all(s.tokens <= s.total for s in steps)
         for s in steps:
             assert len(s.blocks) == i.engine["num_blocks"] and list(s.blocks.block) == list(range(len(s.blocks)))
-            assert s.findings == 0 and s.max_foreign == 0
+            assert s.findings == 0 and s.metrics["max_foreign"] == 0 and s.metrics["leak_rate"] == 0
             stored = blocks.block_map(con, rid, s.step)
             for col in ("state", "refcount", "owners"):
                 assert list(s.blocks[col]) == list(stored[col]), (s.step, col)
@@ -685,8 +685,9 @@ def test_live_run_of_a_leak_counts_findings_as_it_goes(tmp_path):
                    on_step=seen.append)
     assert out.findings > 0 and out.max_foreign > 0 and set(out.texts) == {"A", "B"}
     assert [s.findings for s in seen] == sorted(s.findings for s in seen) and seen[-1].findings == out.findings
-    assert [s.max_foreign for s in seen] == sorted(s.max_foreign for s in seen)
-    assert seen[-1].max_foreign == pytest.approx(out.max_foreign, abs=1e-6) and seen[0].findings == 0
+    worst = [s.metrics["max_foreign"] for s in seen]
+    assert worst == sorted(worst) and worst == seen[-1].history["max_foreign"]
+    assert worst[-1] == pytest.approx(out.max_foreign, abs=1e-6) and seen[0].findings == 0
 
 
 def test_live_run_refuses_a_bad_workload_before_recording(rec):

@@ -18,6 +18,7 @@ from ..scenarios import scenario
 from ..store import RunStore
 from ..store.attention import AttentionSelection
 from ..workload import Workload
+from .run_metrics import LiveMetrics
 
 
 @dataclass
@@ -27,7 +28,8 @@ class LiveStep:
     total: int  # tokens the workload asks for (an upper bound: EOS may stop a request early)
     blocks: pd.DataFrame  # block, state, refcount, owners: what figures.blocks.block_map draws
     findings: int
-    max_foreign: float
+    metrics: dict[str, float | None]  # run_metrics.METRICS after this step (None: nothing to count yet)
+    history: dict[str, list[float | None]]  # each metric after every step so far (grows as the run goes)
 
 
 @dataclass
@@ -55,15 +57,15 @@ def run(store: RunStore, m: LoadedModel, workload: dict, fault: str | None = Non
     bad input before anything is recorded. on_wait hears how many runs are ahead on the model."""
     wl = Workload.from_dict(workload)
     total = sum(r.max_new_tokens for r in wl.requests)
-    done, worst = 0, 0.0
+    done, metrics = 0, LiveMetrics()
 
     def step(rec: StepRecord, oracle: ProvenanceOracle) -> None:
-        nonlocal done, worst
+        nonlocal done
         done += len(rec.sampled)
-        if oracle.steps:  # a running max: the step's own figure, not a rescan of every step so far
-            worst = max(worst, float(oracle.steps[-1].max_foreign.max()))
+        metrics.update(rec, oracle)  # running totals: the step's own figures, not a rescan of every step
         if on_step is not None:
-            on_step(LiveStep(rec.step, done, total, pool_frame(rec), len(oracle.findings), worst))
+            on_step(LiveStep(rec.step, done, total, pool_frame(rec), len(oracle.findings), metrics.values(),
+                             metrics.history))
 
     checked = record_run(store, m, wl, fault, scenario=scenario_name, scope=scope, selection=selection, on_step=step,
                          on_wait=on_wait)

@@ -65,6 +65,8 @@ class StepRecord:
     writes: dict[str, list[int]] = field(default_factory=dict)  # request -> slots its K/V went to, by position
     tokens: dict[str, list[int]] = field(default_factory=dict)  # request -> token ids computed, by position
     events: list[BlockEvent] = field(default_factory=list)
+    lookups: dict[str, tuple[int, int]] = field(default_factory=dict)  # admitted -> (tokens looked up in the
+    # prefix cache, tokens it served): what a prefix-cache hit rate counts
     snapshot: PoolSnapshot | None = None  # the pool after the step's frees
     seconds: float = 0.0
 
@@ -217,6 +219,7 @@ class Engine:
         for o in observers:
             o.end_step()
         allocs = dict(plan.work)
+        lookups = {sid: (len(kv.seqs[sid].token_ids), allocs[sid].start) for sid in plan.admitted}
         for sid in plan.admitted:
             if live[sid].cached_tokens < 0:
                 live[sid].cached_tokens = allocs[sid].start
@@ -242,7 +245,8 @@ class Engine:
         stats.preemptions += len(plan.preempted)
         writes = {w.seq_id: write_slots[inp.offsets[r]:inp.offsets[r] + len(w.token_ids)] for r, w in enumerate(work)}
         return StepRecord(step, {w.seq_id: (w.start, len(w.token_ids)) for w in work}, plan.admitted,
-                          plan.preempted, sampled, finished, writes, {w.seq_id: w.token_ids for w in work})
+                          plan.preempted, sampled, finished, writes, {w.seq_id: w.token_ids for w in work},
+                          lookups=lookups)
 
     # -- requests ------------------------------------------------------------------------------
     def check(self, workload: Workload) -> None:

@@ -1,6 +1,6 @@
 """Run: the real engine on a chosen model, a scenario or a custom workload, engine settings, an
-optional fault and recording options; live progress, block map and leak counters; the stored run
-opens in the inspector."""
+optional fault and recording options; live progress, the metrics to watch against the user's alert
+thresholds, and the block map; the stored run opens in the inspector."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pandas as pd
 import streamlit as st
 
 from ..analysis import live
+from ..analysis.run_metrics import METRICS
 from ..faults import FAULTS, Scope
 from ..figures import blocks as block_fig
 from ..scenarios import SCENARIOS
@@ -59,8 +60,9 @@ def render() -> None:
         st.dataframe(pd.DataFrame(sc.workload["requests"]), hide_index=True, width="stretch")
         requests, engine0 = None, sc.workload.get("engine", {})
     engine, fault, scope_text, selection, seed = _settings(sc, engine0)
+    limits = _thresholds()
     if st.button("Run", type="primary", icon=":material/play_arrow:", key="run_go", disabled=not name):
-        _run(name, sc, requests, engine, fault, scope_text, selection, seed)
+        _run(name, sc, requests, engine, fault, scope_text, selection, seed, limits)
 
 
 def _key(name: str, tag: str, default) -> str:
@@ -108,6 +110,30 @@ def _settings(sc, engine0: dict):
     return engine, None if fault == "none" else fault, scope_text, AttentionSelection(mode), int(seed)
 
 
+def _thresholds() -> dict[str, float]:
+    """Where each watched metric turns red, as the user set it (kept for the session, for every run)."""
+    with st.expander("Alert thresholds"):
+        st.caption("The metrics the seed says to watch in production, shown live as the run goes; one turns red "
+                   "when it crosses its threshold.")
+        c = st.columns(len(METRICS))
+        return {m.key: c[i].number_input(f"{m.label}: alert {m.alert_when}", 0.0, 1.0, step=0.01, format="%.3f",
+                                         key=_key("alert", m.key, m.default_limit), help=m.help)
+                for i, m in enumerate(METRICS.values())}
+
+
+def _show_metrics(values: dict, history: dict, limits: dict[str, float]) -> None:
+    """One tile per metric with its course so far, red with a warning once it crosses its threshold."""
+    for col, m in zip(st.columns(len(METRICS)), METRICS.values(), strict=True):
+        v, limit = values[m.key], limits[m.key]
+        shown = "n/a" if v is None else f"{v:.4f}" if m.key == "max_foreign" else f"{v:.1%}"
+        course = [x for x in history[m.key][-80:] if x is not None]
+        col.metric(m.label, shown, help=m.help, border=True, chart_data=course if len(course) > 1 else None)
+        if m.crossed(v, limit):
+            col.markdown(f":red-badge[:material/warning: {m.alert_when} {limit:g}]")
+        else:
+            col.markdown(f":green-badge[alert {m.alert_when} {limit:g}]")
+
+
 def _workload(m, sc, requests: pd.DataFrame | None, engine: dict, seed: int) -> dict:
     if sc is not None:
         wl = live.scenario_workload(sc.name, m)
@@ -122,7 +148,7 @@ def _workload(m, sc, requests: pd.DataFrame | None, engine: dict, seed: int) -> 
     return {"requests": rows, "engine": engine, "seed": seed}
 
 
-def _run(name, sc, requests, engine, fault, scope_text, selection, seed) -> None:
+def _run(name, sc, requests, engine, fault, scope_text, selection, seed, limits) -> None:
     m = load_model_or_error(name)
     if m is None:
         return
@@ -135,8 +161,9 @@ def _run(name, sc, requests, engine, fault, scope_text, selection, seed) -> None
 
     def on_step(s: live.LiveStep) -> None:
         bar.progress(min(1.0, s.tokens / max(1, s.total)), text=f"step {s.step}: {s.tokens} of at most {s.total} "
-                                                               "tokens generated")
-        counters.markdown(f"**findings so far:** {s.findings} · **max foreign mass:** {s.max_foreign:.4f}")
+                                                               f"tokens generated · findings so far: {s.findings}")
+        with counters.container():
+            _show_metrics(s.metrics, s.history, limits)
         if time.monotonic() - last[0] > 0.4:  # redraw the pool at most a few times a second
             last[0] = time.monotonic()
             pool.plotly_chart(block_fig.block_map(s.blocks, title=f"Pool after step {s.step}"), width="stretch",
