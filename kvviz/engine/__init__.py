@@ -6,12 +6,14 @@ Knows nothing of Streamlit or DuckDB; a recorder consumes its events and snapsho
 from .block_pool import Block, BlockPool, OutOfBlocks
 from .config import ConfigError, EngineConfig
 from .defences import Defences
-from .engine import Engine, EngineError, RequestResult, RunResult, StepRecord
+from .engine import Engine, EngineError
 from .events import BlockEvent
 from .kv_cache import Allocation, InvariantError, KVCacheManager, PoolSnapshot, Sequence
+from .loop import EngineLoop
+from .records import RequestResult, RunResult, RunStats, StepRecord
 
 __all__ = [
     "Allocation", "Block", "BlockEvent", "BlockPool", "ConfigError", "Defences", "Engine", "EngineConfig",
-    "EngineError", "InvariantError", "KVCacheManager", "OutOfBlocks", "PoolSnapshot", "RequestResult",
-    "RunResult", "Sequence", "StepRecord",
+    "EngineError", "EngineLoop", "InvariantError", "KVCacheManager", "OutOfBlocks", "PoolSnapshot", "RequestResult",
+    "RunResult", "RunStats", "Sequence", "StepRecord",
 ]
