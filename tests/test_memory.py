@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import io
 import random
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -233,3 +235,23 @@ def test_the_memory_bench_measures_both_allocators(tiny):
     assert 0.9 < r.paged_utilisation <= 1 and r.contiguous_utilisation < r.paged_utilisation
     assert r.capacity >= max(len(q.prompt_ids) + q.max_new_tokens for q in reqs)
     assert f"| exact-4 | 4 | {r.capacity} | {100 * r.paged_utilisation:.1f}% |" in memory_report(tiny, [r])
+
+
+def kvviz(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvviz", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_the_cli_benchmarks_print_their_tables_and_refuse_bad_flags():
+    p = kvviz("bench", "--model", "tiny-llama", "--memory", "--sizes", "4")
+    assert p.returncode == 0, p.stderr
+    assert "| chat-4 | 4 |" in p.stdout and "| exact-4 | 4 |" in p.stdout
+    p = kvviz("bench", "--model", "tiny-llama", "--sharing-sweep", "--sizes", "2", "--lengths", "96")
+    assert p.returncode == 0, p.stderr
+    assert "| 96 | 33% |" in p.stdout
+    bad = kvviz("bench", "--model", "tiny-llama", "--sharing-sweep", "--lengths", "64")
+    assert bad.returncode == 2 and "every length must exceed 64" in bad.stderr
+    bad = kvviz("bench", "--model", "tiny-llama", "--memory", "--sizes", "4,x")
+    assert bad.returncode == 2 and "--sizes takes positive integers" in bad.stderr
+    both = kvviz("bench", "--memory", "--sharing-sweep")
+    assert both.returncode == 2 and "not allowed with" in both.stderr

@@ -58,6 +58,7 @@ class LiveMetrics:
     leak_rows: float = 0.0
     judged_rows: int = 0
     max_foreign: float = 0.0
+    keep_history: bool = True  # a server that runs for days keeps only the totals
     history: dict[str, list[float | None]] = field(default_factory=lambda: {k: [] for k in METRICS})
 
     def update(self, rec: StepRecord, oracle: ProvenanceOracle | None = None) -> None:
@@ -73,8 +74,9 @@ class LiveMetrics:
             self.leak_rows += float(s.leak_rows.sum())
             self.judged_rows += sum(s.rows) * layers * heads
             self.max_foreign = max(self.max_foreign, float(s.max_foreign.max()))
-        for k, v in self.values().items():
-            self.history[k].append(v)
+        if self.keep_history:
+            for k, v in self.values().items():
+                self.history[k].append(v)
 
     def values(self) -> dict[str, float | None]:
         return {"hit_rate": self.served / self.looked_up if self.looked_up else None,

@@ -13,6 +13,7 @@ from .catalogue import cmd_audit, cmd_scenarios
 from .common import fail
 from .models import cmd_bench, cmd_fetch_model
 from .run import cmd_run
+from .serve import add_serve
 from .store import cmd_export, cmd_import, cmd_replay, cmd_sql
 
 MODEL_HELP = "smollm2 (default), tiny-llama, tiny-gpt2 or a path"
@@ -125,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="sequence lengths of --sharing-sweep, comma-separated (default 128,512,2048)")
     bench.add_argument("--out", metavar="FILE.md", help="also write the markdown table to this file")
     bench.set_defaults(func=cmd_bench)
+
+    add_serve(sub, _add_model_device)
     return p
 
 

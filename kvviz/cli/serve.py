@@ -1,0 +1,73 @@
+"""`kvviz serve`: the engine behind an OpenAI-compatible HTTP server (FastAPI on uvicorn), so real
+clients, load generators and timing audits can use it; the web stack loads only when it starts."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .common import fail
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM or Ctrl-C; requests in flight finish first."""
+    import uvicorn
+
+    from ..engine import EngineConfig
+    from ..models import load_model
+    from ..serve.app import ServeOptions, create_app
+    from ..serve.worker import EngineWorker
+
+    if not 0 < args.port < 65536:
+        return fail(f"--port must be 1-65535, got {args.port}")
+    if args.max_in_flight < 1:
+        return fail(f"--max-in-flight must be >= 1, got {args.max_in_flight}")
+    template = None
+    if args.chat_template:
+        path = Path(args.chat_template)
+        if not path.is_file():
+            return fail(f"--chat-template {path}: no such file")
+        template = path.read_text(encoding="utf-8")
+    config = EngineConfig(block_size=args.block_size, num_blocks=args.num_blocks,
+                          max_batch_tokens=args.max_batch_tokens, compute="inspect" if args.oracle else "fast",
+                          prefix_caching=args.cache_sharing != "off")
+    m = load_model(args.model, device=args.device)
+    worker = EngineWorker(m, config, args.max_in_flight, oracle=args.oracle)
+    options = ServeOptions(args.served_model_name or m.name, args.cache_sharing, chat_template=template)
+    app = create_app(worker, options, on_stop=lambda w: print(
+        f"kvviz: stopped after {w.stats.requests} request{'' if w.stats.requests == 1 else 's'}, "
+        f"{w.stats.generated_tokens} tokens generated",
+        file=sys.stderr, flush=True))
+    print(f"kvviz: serving {options.model_name} on http://{args.host}:{args.port}/v1 (cache sharing "
+          f"{args.cache_sharing}, {config.num_blocks} blocks of {config.block_size}"
+          + (", leak oracle on" if args.oracle else "") + ")", file=sys.stderr, flush=True)
+    try:  # SIGTERM or Ctrl-C: uvicorn stops listening, drains the requests in flight, then the app stops
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=30)
+    finally:
+        worker.close()
+    return 0
+
+
+def add_serve(sub, add_model_device) -> None:
+    """The serve subcommand's flags."""
+    from ..serve import SHARING
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the engine")
+    add_model_device(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--served-model-name", help="the name clients give as `model` (default: the model's name)")
+    p.add_argument("--cache-sharing", choices=SHARING, default="global",
+                   help="global: one prefix cache for everyone; per-user: namespaced by the request's `user` or "
+                        "API key (a request's cache_salt always wins); off: no prefix caching (default global)")
+    p.add_argument("--num-blocks", type=int, default=2048, help="KV blocks in the pool (default 2048)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
+    p.add_argument("--max-batch-tokens", type=int, default=2048, help="token budget per step (default 2048)")
+    p.add_argument("--max-in-flight", type=int, default=256,
+                   help="requests queued or running at once; more get HTTP 429 (default 256)")
+    p.add_argument("--oracle", action="store_true",
+                   help="run the leak oracle on every step (the inspect path: slower) and export its metrics")
+    p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template, for a model without one")
+    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=cmd_serve)

@@ -1,0 +1,122 @@
+"""The OpenAI request bodies kvviz serves, validated field by field, and the error body clients expect.
+
+Unknown fields are ignored, as OpenAI-compatible servers do (clients send options kvviz has no use
+for); fields kvviz cannot honour (n > 1, logprobs, tools) are refused with the field named.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class ApiError(Exception):
+    """An HTTP error with an OpenAI-style body: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=1, description="kvviz returns one choice")
+    user: str | None = None
+    cache_salt: str | None = Field(None, min_length=1)
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v):
+        stops = [v] if isinstance(v, str) else v or []
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError("up to 4 non-empty stop strings")
+        return stops
+
+    def limit(self, default: int) -> int:
+        return self.max_completion_tokens or self.max_tokens or default
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v):
+        if v is not None:
+            raise ValueError("kvviz does not return logprobs")
+        return v
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v):
+        if v:
+            raise ValueError("kvviz does not echo the prompt")
+        return v
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        """The content as text: a string, or the text parts of a list (other parts are refused)."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ApiError(400, "only text content parts are supported", param="messages")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatRequest(_Sampling):
+    messages: list[Message] = Field(min_length=1)
+    logprobs: bool = False
+    tools: list[dict[str, Any]] | None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v):
+        if v:
+            raise ValueError("kvviz does not return logprobs")
+        return v
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, v):
+        if v:
+            raise ValueError("kvviz does not call tools")
+        return v
+
+
+def validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """FastAPI's validation errors as one sentence and the offending field (OpenAI's `param`)."""
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    msg = first.get("msg", "invalid value").removeprefix("Value error, ")
+    return (f"{param}: {msg}" if param else msg), param

@@ -1,0 +1,255 @@
+"""`kvviz serve` through the official openai client: completions and chat, streamed and whole, each
+equal to the request run alone; cached tokens as vLLM reports them under each sharing policy;
+concurrent clients in one batch; errors as OpenAI's; metrics as Prometheus parses them; shutdown."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx2 as httpx  # the HTTP client the openai package itself uses
+import openai
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvviz.engine import Engine, EngineConfig
+from kvviz.models import load_model
+from kvviz.serve.app import ServeOptions, create_app
+from kvviz.serve.worker import EngineWorker
+from kvviz.workload import RequestSpec, Workload
+
+ROOT = Path(__file__).resolve().parent.parent
+TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+CONFIG = dict(block_size=4, num_blocks=256, max_batch_tokens=256)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny-llama")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """kvviz serve in this process, on a thread, on a free port."""
+
+    def __init__(self, model, sharing: str = "global", max_in_flight: int = 64, oracle: bool = False):
+        cfg = EngineConfig(**CONFIG, compute="inspect" if oracle else "fast", prefix_caching=sharing != "off")
+        self.worker = EngineWorker(model, cfg, max_in_flight, oracle=oracle)
+        app = create_app(self.worker, ServeOptions("tiny", sharing, chat_template=TEMPLATE))
+        self.url = f"http://127.0.0.1:{free_port()}"
+        host, port = self.url.removeprefix("http://").split(":")
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=int(port), log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.02)
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="key-1", max_retries=0)
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.worker.close()
+
+
+@pytest.fixture
+def server(tiny):
+    s = Server(tiny)
+    yield s
+    s.close()
+
+
+def alone(model, ids: list[int], n: int) -> str:
+    """What the engine generates for this request run by itself (greedy)."""
+    cfg = EngineConfig(**CONFIG, compute="fast")
+    res = Engine(model, cfg).run(Workload([RequestSpec("x", prompt_ids=ids, max_new_tokens=n)], cfg))
+    return res.requests[0].text
+
+
+def test_a_completion_whole_and_streamed_equals_the_request_alone(server, tiny):
+    prompt = "The colours are red orange yellow"
+    whole = server.client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+    ids = tiny.tokenizer(prompt).input_ids
+    assert whole.choices[0].text == alone(tiny, ids, 12) and whole.object == "text_completion"
+    assert whole.usage.prompt_tokens == len(ids) and whole.usage.completion_tokens == 12
+    assert whole.choices[0].finish_reason == "length"
+    chunks = list(server.client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+                                                   stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 12 and not chunks[-1].choices
+    by_ids = server.client.completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=0)
+    assert by_ids.choices[0].text == whole.choices[0].text
+
+
+def test_chat_whole_and_streamed(server, tiny):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    whole = server.client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)
+    ids = tiny.tokenizer.apply_chat_template(messages, chat_template=TEMPLATE, add_generation_prompt=True,
+                                             tokenize=True, return_dict=True)["input_ids"]
+    assert whole.choices[0].message.content == alone(tiny, list(ids), 10)
+    assert whole.choices[0].message.role == "assistant" and whole.usage.prompt_tokens == len(ids)
+    stream = list(server.client.chat.completions.create(model="tiny", messages=messages, max_tokens=10,
+                                                        temperature=0, stream=True))
+    assert stream[0].choices[0].delta.role == "assistant" and stream[0].object == "chat.completion.chunk"
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == whole.choices[0].message.content
+
+
+def test_a_repeated_prefix_reports_cached_tokens(server):
+    prompt = "abcdefghij" * 4  # 40 byte tokens: ten blocks of 4
+    first = server.client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
+    again = server.client.completions.create(model="tiny", prompt=prompt + "xyz", max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == 40  # every full block of the shared prefix
+
+
+def test_concurrent_clients_share_steps_and_each_equals_its_run_alone(server, tiny):
+    prompts = [f"request number {i} says" + " hello" * i for i in range(6)]
+    barrier = threading.Barrier(len(prompts))
+
+    def ask(p: str) -> str:
+        barrier.wait()
+        r = server.client.completions.create(model="tiny", prompt=p, max_tokens=16, temperature=0)
+        return r.choices[0].text
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        texts = list(pool.map(ask, prompts))
+    assert texts == [alone(tiny, tiny.tokenizer(p).input_ids, 16) for p in prompts]
+    assert server.worker.stats.peak_batch > 1  # they were batched together, not one after another
+
+
+def cached(client, prompt: str, **extra) -> int:
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, temperature=0, **extra)
+    return r.usage.prompt_tokens_details.cached_tokens
+
+
+@pytest.mark.parametrize("sharing", ["global", "per-user", "off"])
+def test_each_sharing_policy(tiny, sharing):
+    s = Server(tiny, sharing)
+    try:
+        prompt = "shared system prompt! " * 3
+        first = cached(s.client, prompt, user="alice")
+        bob = cached(s.client, prompt, user="bob")
+        alice = cached(s.client, prompt, user="alice")
+        salted = [cached(s.client, prompt + "?", user=u, extra_body={"cache_salt": "team"}) for u in ("alice", "bob")]
+    finally:
+        s.close()
+    assert first == 0
+    if sharing == "global":
+        assert bob > 0 and alice > 0
+    elif sharing == "per-user":  # isolation by user, and caching still works within a user
+        assert bob == 0 and alice > 0 and salted[0] == 0 and salted[1] > 0
+    else:
+        assert bob == alice == salted[0] == salted[1] == 0
+
+
+def test_bad_requests_get_openai_errors(server):
+    c = server.client
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model="tiny", prompt="x", max_tokens=0)
+    assert e.value.body["param"] == "max_tokens" and e.value.body["type"] == "invalid_request_error"
+    with pytest.raises(openai.NotFoundError) as e:
+        c.completions.create(model="gpt-9", prompt="x")
+    assert "this server serves 'tiny'" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model="tiny", prompt="x" * 100, max_tokens=1000)
+    assert "the pool holds 1024" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model="tiny", prompt="x", n=2)
+    assert e.value.body["param"] == "n"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="tiny", messages=[])
+    assert e.value.body["param"] == "messages"
+    raw = httpx.post(server.url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert raw.status_code == 400 and "error" in raw.json()
+    assert httpx.get(server.url + "/v1/nothing").json()["error"]["type"] == "not_found_error"
+    assert c.models.list().data[0].id == "tiny"
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+
+
+def test_a_full_server_says_429_and_a_client_that_leaves_frees_its_place(tiny):
+    s = Server(tiny, max_in_flight=1)
+    try:
+        stream = s.client.completions.create(model="tiny", prompt="hold on", max_tokens=900, temperature=0,
+                                             stream=True)
+        next(iter(stream))  # the first token is out: the request is running
+        with pytest.raises(openai.RateLimitError):
+            s.client.completions.create(model="tiny", prompt="me too", max_tokens=2)
+        stream.close()  # the client goes away
+        deadline = time.monotonic() + 10
+        while s.worker.in_flight() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert s.worker.in_flight() == 0 and s.worker.stats.generated_tokens < 900  # stopped, not run to the end
+        assert s.client.completions.create(model="tiny", prompt="now", max_tokens=2).usage.completion_tokens == 2
+    finally:
+        s.close()
+
+
+def scrape(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics").text
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def test_metrics_parse_and_equal_the_servers_own_figures(server):
+    usages = [server.client.completions.create(model="tiny", prompt="same prefix, said again " + tail,
+                                               max_tokens=3, temperature=0).usage for tail in ("a", "b", "c")]
+    m = scrape(server.url)
+    assert m["kvviz_prefix_cache_queries_total"] == sum(u.prompt_tokens for u in usages)
+    assert m["kvviz_prefix_cache_hits_total"] == sum(u.prompt_tokens_details.cached_tokens for u in usages) > 0
+    assert m["kvviz_prefix_cache_hit_ratio"] == pytest.approx(m["kvviz_prefix_cache_hits_total"]
+                                                              / m["kvviz_prefix_cache_queries_total"])
+    assert m["kvviz_requests_total"] == 3 and m["kvviz_generation_tokens_total"] == 9
+    assert m["kvviz_kv_block_utilisation"] == 0  # every request has finished: nothing held
+    assert "kvviz_leak_rate" not in m  # no oracle, no isolation metrics
+
+
+def test_the_oracle_exports_leak_metrics(tiny):
+    s = Server(tiny, oracle=True)
+    try:
+        s.client.completions.create(model="tiny", prompt="tenant one secret", max_tokens=4, user="a")
+        s.client.completions.create(model="tiny", prompt="tenant two secret", max_tokens=4, user="b")
+        m = scrape(s.url)
+    finally:
+        s.close()
+    assert m["kvviz_leak_rate"] == 0 and m["kvviz_foreign_attention_mass_max"] == 0  # correct isolation
+    assert m["kvviz_leak_findings_total"] == 0 and s.worker.oracle.steps == []  # totals kept, steps not
+
+
+def test_the_cli_serves_and_stops_cleanly_on_sigterm(tmp_path):
+    port = free_port()
+    p = subprocess.Popen([sys.executable, "-m", "kvviz", "serve", "--model", "tiny-llama", "--port", str(port)],
+                         cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0)
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(client.completions.create, model="tiny-llama", prompt="finish me", max_tokens=64)
+            time.sleep(0.3)
+            p.send_signal(signal.SIGTERM)
+            assert pending.result(timeout=60).usage.completion_tokens == 64  # in flight: finished, not dropped
+        assert p.wait(60) in (0, -signal.SIGTERM)  # uvicorn ends by the signal it was sent, after draining
+        assert "kvviz: stopped after 1 request, 64 tokens generated" in p.stderr.read()
+    finally:
+        p.kill()
+    bad = subprocess.run([sys.executable, "-m", "kvviz", "serve", "--port", "0"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and "--port must be 1-65535" in bad.stderr
