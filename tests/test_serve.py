@@ -20,6 +20,7 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvviz.engine import Engine, EngineConfig
+from kvviz.faults import defences_with
 from kvviz.models import load_model
 from kvviz.serve.app import ServeOptions, create_app
 from kvviz.serve.worker import EngineWorker
@@ -45,9 +46,11 @@ def free_port() -> int:
 class Server:
     """kvviz serve in this process, on a thread, on a free port."""
 
-    def __init__(self, model, sharing: str = "global", max_in_flight: int = 64, oracle: bool = False):
-        cfg = EngineConfig(**CONFIG, compute="inspect" if oracle else "fast", prefix_caching=sharing != "off")
-        self.worker = EngineWorker(model, cfg, max_in_flight, oracle=oracle)
+    def __init__(self, model, sharing: str = "global", max_in_flight: int = 64, oracle: bool = False,
+                 fault: str | None = None, isolation: str = "paged"):
+        cfg = EngineConfig(**CONFIG, isolation=isolation, compute="inspect" if oracle else "fast",
+                           prefix_caching=sharing != "off")
+        self.worker = EngineWorker(model, cfg, max_in_flight, oracle, defences_with(fault, cfg.block_size))
         app = create_app(self.worker, ServeOptions("tiny", sharing, chat_template=TEMPLATE))
         self.url = f"http://127.0.0.1:{free_port()}"
         host, port = self.url.removeprefix("http://").split(":")
@@ -215,16 +218,32 @@ def test_metrics_parse_and_equal_the_servers_own_figures(server):
     assert "kvviz_leak_rate" not in m  # no oracle, no isolation metrics
 
 
-def test_the_oracle_exports_leak_metrics(tiny):
-    s = Server(tiny, oracle=True)
+def two_tenants_at_once(s: Server) -> dict[str, float]:
+    barrier = threading.Barrier(2)
+
+    def ask(prompt: str, user: str) -> None:
+        barrier.wait()
+        s.client.completions.create(model="tiny", prompt=prompt, max_tokens=8, user=user)
+
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(ask, ("tenant one: the secret is red", "tenant two: the secret is blue"), ("a", "b")))
+    return scrape(s.url)
+
+
+@pytest.mark.parametrize("fault", [None, "global"])
+def test_the_oracle_exports_leak_metrics_and_sees_a_served_fault(tiny, fault):
+    s = Server(tiny, oracle=True, fault=fault, isolation="masked")
     try:
-        s.client.completions.create(model="tiny", prompt="tenant one secret", max_tokens=4, user="a")
-        s.client.completions.create(model="tiny", prompt="tenant two secret", max_tokens=4, user="b")
-        m = scrape(s.url)
+        m = two_tenants_at_once(s)
     finally:
         s.close()
-    assert m["kvviz_leak_rate"] == 0 and m["kvviz_foreign_attention_mass_max"] == 0  # correct isolation
-    assert m["kvviz_leak_findings_total"] == 0 and s.worker.oracle.steps == []  # totals kept, steps not
+    assert s.worker.stats.peak_batch == 2 and s.worker.oracle.steps == []  # batched; totals kept, steps not
+    if fault is None:  # the control: correct isolation, nothing foreign
+        assert m["kvviz_leak_rate"] == 0 and m["kvviz_foreign_attention_mass_max"] == 0
+        assert m["kvviz_leak_findings_total"] == 0
+    else:  # the mask lets each tenant read the other's tokens: the metrics say so
+        assert m["kvviz_leak_rate"] > 0 and m["kvviz_foreign_attention_mass_max"] > 0.01
+        assert m["kvviz_leak_findings_total"] > 0
 
 
 def test_the_cli_serves_and_stops_cleanly_on_sigterm(tmp_path):
@@ -253,3 +272,6 @@ def test_the_cli_serves_and_stops_cleanly_on_sigterm(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "kvviz", "serve", "--port", "0"], cwd=ROOT, capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2 and "--port must be 1-65535" in bad.stderr
+    bad = subprocess.run([sys.executable, "-m", "kvviz", "serve", "--fault", "boundary"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "breaks the masked mechanism" in bad.stderr

@@ -14,15 +14,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """Serve until SIGTERM or Ctrl-C; requests in flight finish first."""
     import uvicorn
 
+    from ..checked_run import check_fault
     from ..engine import EngineConfig
+    from ..faults import defences_with
     from ..models import load_model
     from ..serve.app import ServeOptions, create_app
     from ..serve.worker import EngineWorker
+    from ..workload import Workload
 
     if not 0 < args.port < 65536:
         return fail(f"--port must be 1-65535, got {args.port}")
     if args.max_in_flight < 1:
         return fail(f"--max-in-flight must be >= 1, got {args.max_in_flight}")
+    oracle = args.oracle or args.fault is not None  # a fault is served to be seen: the oracle judges it
     template = None
     if args.chat_template:
         path = Path(args.chat_template)
@@ -30,10 +34,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
             return fail(f"--chat-template {path}: no such file")
         template = path.read_text(encoding="utf-8")
     config = EngineConfig(block_size=args.block_size, num_blocks=args.num_blocks,
-                          max_batch_tokens=args.max_batch_tokens, compute="inspect" if args.oracle else "fast",
-                          prefix_caching=args.cache_sharing != "off")
+                          max_batch_tokens=args.max_batch_tokens, isolation=args.isolation,
+                          compute="inspect" if oracle else "fast", prefix_caching=args.cache_sharing != "off")
+    check_fault(args.fault, Workload([], config))
     m = load_model(args.model, device=args.device)
-    worker = EngineWorker(m, config, args.max_in_flight, oracle=args.oracle)
+    worker = EngineWorker(m, config, args.max_in_flight, oracle, defences_with(args.fault, config.block_size))
     options = ServeOptions(args.served_model_name or m.name, args.cache_sharing, chat_template=template)
     app = create_app(worker, options, on_stop=lambda w: print(
         f"kvviz: stopped after {w.stats.requests} request{'' if w.stats.requests == 1 else 's'}, "
@@ -41,7 +46,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         file=sys.stderr, flush=True))
     print(f"kvviz: serving {options.model_name} on http://{args.host}:{args.port}/v1 (cache sharing "
           f"{args.cache_sharing}, {config.num_blocks} blocks of {config.block_size}"
-          + (", leak oracle on" if args.oracle else "") + ")", file=sys.stderr, flush=True)
+          + (f", fault {args.fault} injected" if args.fault else "") + (", leak oracle on" if oracle else "") + ")",
+          file=sys.stderr, flush=True)
     try:  # SIGTERM or Ctrl-C: uvicorn stops listening, drains the requests in flight, then the app stops
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=30)
     finally:
@@ -66,6 +72,11 @@ def add_serve(sub, add_model_device) -> None:
     p.add_argument("--max-batch-tokens", type=int, default=2048, help="token budget per step (default 2048)")
     p.add_argument("--max-in-flight", type=int, default=256,
                    help="requests queued or running at once; more get HTTP 429 (default 256)")
+    p.add_argument("--isolation", choices=["paged", "masked"], default="paged",
+                   help="paged: each request reads its own slots through its page table; masked: every live slot on "
+                        "one key axis, isolated by the mask (default paged)")
+    p.add_argument("--fault", metavar="NAME", help="serve with a fault from the catalogue injected (docs/faults.md); "
+                                                   "turns the leak oracle on")
     p.add_argument("--oracle", action="store_true",
                    help="run the leak oracle on every step (the inspect path: slower) and export its metrics")
     p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template, for a model without one")

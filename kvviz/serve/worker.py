@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..analysis.run_metrics import LiveMetrics
-from ..engine import Engine, EngineConfig, EngineLoop
+from ..engine import Defences, Engine, EngineConfig, EngineLoop
 from ..engine.sampler import request_generator
 from ..ids import new_run_id
 from ..models import LoadedModel
@@ -86,8 +86,11 @@ class ServerStats:
 class EngineWorker:
     """Owns the loop thread. `submit` from any thread with a running asyncio loop; `close` stops it."""
 
-    def __init__(self, model: LoadedModel, config: EngineConfig, max_in_flight: int = 256, oracle: bool = False):
-        self.m, self.engine = model, Engine(model, config)
+    def __init__(self, model: LoadedModel, config: EngineConfig, max_in_flight: int = 256, oracle: bool = False,
+                 defences: Defences | None = None):
+        """oracle: run the leak oracle on every step (config.compute must be inspect); defences: the
+        engine's, a fault's to serve with a known isolation bug."""
+        self.m, self.engine = model, Engine(model, config, defences)
         self.max_in_flight = max_in_flight
         self.oracle = ProvenanceOracle() if oracle else None
         self.metrics, self.stats = LiveMetrics(keep_history=False), ServerStats()
