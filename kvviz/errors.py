@@ -28,3 +28,7 @@ class CaptureError(KvvizError):
 
 class SqlError(KvvizError):
     """A user's SQL query was refused or failed."""
+
+
+class AuditError(KvvizError):
+    """A timing audit cannot run: its settings are wrong or the server does not answer as an OpenAI API."""

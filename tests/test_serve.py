@@ -47,11 +47,12 @@ class Server:
     """kvviz serve in this process, on a thread, on a free port."""
 
     def __init__(self, model, sharing: str = "global", max_in_flight: int = 64, oracle: bool = False,
-                 fault: str | None = None, isolation: str = "paged"):
-        cfg = EngineConfig(**CONFIG, isolation=isolation, compute="inspect" if oracle else "fast",
+                 fault: str | None = None, isolation: str = "paged", config: dict | None = None):
+        cfg = EngineConfig(**(config or CONFIG), isolation=isolation, compute="inspect" if oracle else "fast",
                            prefix_caching=sharing != "off")
         self.worker = EngineWorker(model, cfg, max_in_flight, oracle, defences_with(fault, cfg.block_size))
-        app = create_app(self.worker, ServeOptions("tiny", sharing, chat_template=TEMPLATE))
+        self.model_name = "tiny"
+        app = create_app(self.worker, ServeOptions(self.model_name, sharing, chat_template=TEMPLATE))
         self.url = f"http://127.0.0.1:{free_port()}"
         host, port = self.url.removeprefix("http://").split(":")
         self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=int(port), log_level="warning"))

@@ -8,6 +8,7 @@ import sys
 
 from .. import __version__
 from ..errors import KvvizError
+from .audit_timing import add_audit_timing
 from .capture import cmd_capture_vllm
 from .catalogue import cmd_audit, cmd_scenarios
 from .common import fail
@@ -128,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(func=cmd_bench)
 
     add_serve(sub, _add_model_device)
+    add_audit_timing(sub, _add_db)
     return p
 
 

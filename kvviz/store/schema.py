@@ -2,8 +2,8 @@
 build, and the kvviz trace's tables all come from here, so the public trace format cannot drift from
 the database.
 
-Version 2 added token_text, version 3 the positional_entropy view, version 4 steps.live_slots and the
-kv_slot_utilisation view; older files are upgraded in place by the idempotent DDL.
+Version 2 added token_text, version 3 the positional_entropy view, version 4 steps.live_slots, the
+kv_slot_utilisation view and the timing audits; older files are upgraded in place by the idempotent DDL.
 """
 
 from __future__ import annotations
@@ -129,6 +129,19 @@ TABLES: dict[str, Table] = {t.name: t for t in (
     Table("findings", "What the oracles found.", _cols(
         RUN_ID + "kind VARCHAR, request_id VARCHAR, step INTEGER, layer INTEGER, head INTEGER, position INTEGER, "
         "source_request VARCHAR, mass DOUBLE")),
+    Table("timing_audits", "Timing audits of a server's prompt cache (kvviz audit-timing), one row per audit: "
+          "a one-sided KS test that hits reach their first token sooner than misses.", (
+              Column("audit_id", "VARCHAR"), Column("created_at", "TIMESTAMP"), Column("base_url", "VARCHAR"),
+              Column("model", "VARCHAR"),
+              Column("level", "VARCHAR", "who sent a hit's prompt first: global (another user and key) | per-user"),
+              Column("endpoint", "VARCHAR", "completions | chat"), Column("samples", "INTEGER", "per side"),
+              Column("prompt_tokens", "INTEGER"), Column("alpha", "DOUBLE"), Column("ks_statistic", "DOUBLE"),
+              Column("p_value", "DOUBLE"), Column("median_hit_ms", "DOUBLE"), Column("median_miss_ms", "DOUBLE"),
+              Column("hit_faster_than_all_misses", "BOOLEAN"),
+              Column("detected", "BOOLEAN", "p_value < alpha: the server shares its cache at this level")),
+          in_trace=False, key="audit_id"),
+    Table("timing_samples", "Each timed request of a timing audit: time to first token in milliseconds.", _cols(
+        "audit_id VARCHAR, kind VARCHAR, sample INTEGER, ttft_ms DOUBLE, cached_tokens INTEGER"), in_trace=False),
     Table("divergence", "Each request against itself run alone (the reference oracle).", _cols(
         RUN_ID + "request_id VARCHAR, first_divergent_step INTEGER, max_logit_diff DOUBLE, max_kl DOUBLE, "
         "classification VARCHAR")),

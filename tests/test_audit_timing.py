@@ -1,0 +1,131 @@
+"""The timing audit: the KS verdict on known timings, the protocol's hits and misses as the server
+reports them under each sharing policy, its records and refusals; on SmolLM2, the audit's verdict in
+both directions (global sharing detected, a per-user salt not detected across users yet detected
+within one, no caching detected at neither)."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvviz.audit_timing import AuditConfig, AuditResult, Sample, ks_test, record, run_audit
+from kvviz.errors import AuditError
+from kvviz.models import load_model
+from kvviz.store import RunStore
+from tests.test_serve import Server
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_ks_test_is_one_sided():
+    rng = random.Random(0)
+    slow = [100 + rng.random() for _ in range(30)]
+    fast = [10 + rng.random() for _ in range(30)]
+    d, p = ks_test(fast, slow)
+    assert d == 1 and p < 1e-8  # hits all faster: detected
+    d, p = ks_test(slow, fast)
+    assert p > 0.5  # hits all slower is not what the alternative says
+    same = [rng.random() for _ in range(30)]
+    assert ks_test(same, [x + 0.001 for x in same])[1] > 0.01
+
+
+def test_the_verdict_has_the_documented_keys():
+    r = AuditResult(AuditConfig("http://x/v1", "m", samples=2), [Sample("hit", 0, 5.0, 10), Sample("miss", 0, 9.0, 0),
+                                                                 Sample("hit", 1, 6.0, 10), Sample("miss", 1, 8.0, 0)])
+    r.ks_statistic, r.p_value = ks_test(r.times("hit"), r.times("miss"))
+    v = r.verdict()
+    assert list(v) == ["level", "samples", "ks_statistic", "p_value", "median_hit_ms", "median_miss_ms",
+                       "hit_faster_than_all_misses", "detected"]
+    assert v["samples"] == 2 and v["median_hit_ms"] == 5.5 and v["hit_faster_than_all_misses"] is True
+    assert v["detected"] is False  # two samples a side can never reach alpha 1e-8
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny-llama")
+
+
+@pytest.mark.parametrize(("sharing", "level", "hits_cached"), [
+    ("global", "global", True), ("per-user", "global", False), ("per-user", "per-user", True),
+    ("off", "per-user", False)])
+def test_the_protocols_hits_are_hits_only_where_the_cache_is_shared(tiny, sharing, level, hits_cached):
+    s = Server(tiny, sharing)
+    try:
+        r = run_audit(AuditConfig(s.url + "/v1", "tiny", level, samples=3, prompt_tokens=40), seed=1)
+    finally:
+        s.close()
+    hits = [x.cached_tokens for x in r.samples if x.kind == "hit"]
+    misses = [x.cached_tokens for x in r.samples if x.kind == "miss"]
+    assert len(hits) == len(misses) == 3 and misses == [0, 0, 0]  # a fresh nonce first: nothing shared
+    assert all(h > 0 for h in hits) if hits_cached else hits == [0, 0, 0]
+    assert [x.kind for x in r.samples[:4]] == ["miss", "hit", "hit", "miss"]  # interleaved, alternating
+
+
+def test_an_audit_is_recorded_with_its_timings(tiny, tmp_path):
+    s = Server(tiny)
+    try:
+        r = run_audit(AuditConfig(s.url + "/v1", "tiny", samples=3, prompt_tokens=40), seed=2)
+    finally:
+        s.close()
+    store = RunStore.open(tmp_path / "k.duckdb")
+    audit_id = record(store, r)
+    with store.read() as con:
+        level, samples, p, detected = con.execute("SELECT level, samples, p_value, detected FROM timing_audits "
+                                                  "WHERE audit_id = ?", [audit_id]).fetchone()
+        timings = con.execute("SELECT kind, ttft_ms FROM timing_samples WHERE audit_id = ? ORDER BY kind, sample",
+                              [audit_id]).fetchall()
+    assert (level, samples, p, detected) == ("global", 3, r.p_value, r.detected)
+    assert sorted(t for k, t in timings if k == "hit") == sorted(r.times("hit")) and len(timings) == 6
+
+
+def kvviz(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvviz", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=900)
+
+
+def test_bad_settings_and_unreachable_servers_are_refused(tiny, tmp_path):
+    db = str(tmp_path / "k.duckdb")
+    p = kvviz("audit-timing", "--base-url", "http://127.0.0.1:9/v1", "--model", "m", "--samples", "2", "--db", db)
+    assert p.returncode == 2 and "cannot reach http://127.0.0.1:9/v1" in p.stderr
+    p = kvviz("audit-timing", "--base-url", "http://x/v1", "--model", "m", "--level", "tenant", "--db", db)
+    assert p.returncode == 2 and "--level must be one of global, per-user" in p.stderr
+    p = kvviz("audit-timing", "--base-url", "localhost:8000", "--model", "m", "--db", db)
+    assert p.returncode == 2 and "--base-url must be an http(s) URL" in p.stderr
+    s = Server(tiny)
+    try:
+        with pytest.raises(AuditError, match="HTTP 404"):
+            run_audit(AuditConfig(s.url + "/v1", "not-served", samples=2, prompt_tokens=20))
+    finally:
+        s.close()
+
+
+SMOL = dict(block_size=16, num_blocks=256, max_batch_tokens=2048)
+
+
+def audit(url: str, level: str, db: Path) -> tuple[int, dict]:
+    p = kvviz("audit-timing", "--base-url", url + "/v1", "--model", "tiny", "--level", level, "--samples", "16",
+              "--prompt-tokens", "256", "--json", "--quiet", "--db", str(db))
+    assert p.returncode in (0, 1), p.stderr
+    return p.returncode, json.loads(p.stdout.splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sharing", ["global", "per-user", "off"])
+def test_the_audit_detects_sharing_exactly_where_it_is(sharing, tmp_path):
+    """16 samples a side: all hits faster than all misses gives p = 1/C(32,16) = 1.7e-9 < alpha 1e-8."""
+    expected = {"global": {"global": True}, "per-user": {"global": False, "per-user": True},
+                "off": {"global": False, "per-user": False}}[sharing]
+    s = Server(load_model("smollm2"), sharing, config=SMOL)
+    try:
+        verdicts = {level: audit(s.url, level, tmp_path / "k.duckdb") for level in expected}
+    finally:
+        s.close()
+    for level, (code, v) in verdicts.items():
+        assert v["detected"] is expected[level] and code == (1 if expected[level] else 0), (level, v)
+        if expected[level]:
+            assert v["median_hit_ms"] < v["median_miss_ms"] / 2
