@@ -129,3 +129,39 @@ def test_the_audit_detects_sharing_exactly_where_it_is(sharing, tmp_path):
         assert v["detected"] is expected[level] and code == (1 if expected[level] else 0), (level, v)
         if expected[level]:
             assert v["median_hit_ms"] < v["median_miss_ms"] / 2
+
+
+def test_the_audit_page_runs_an_audit_and_shows_it_beside_the_past(tmp_path, monkeypatch):
+    from streamlit.testing.v1 import AppTest
+
+    monkeypatch.setenv("KVVIZ_DB", str(tmp_path / "k.duckdb"))
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=300)
+    at.run()
+    at.switch_page("kvviz/ui/pages/audit.py").run()
+    at.selectbox(key="audit_model").set_value("tiny-llama").run()
+    at.number_input(key="audit_samples").set_value(3).run()
+    at.number_input(key="audit_words").set_value(40).run()
+    at.button(key="audit_go").click().run()
+    assert not at.exception and not at.error
+    assert any("Not detected" in s.value or "Detected" in s.value for s in [*at.success, *at.info, *at.error])
+    with RunStore.open(tmp_path / "k.duckdb").read() as con:
+        (audit_id,) = con.execute("SELECT audit_id FROM timing_audits").fetchone()
+        assert con.execute("SELECT count(*) FROM timing_samples").fetchone()[0] == 6
+    assert at.multiselect(key="audit_show").value == [audit_id]
+    assert f"audit_past_{audit_id}" in {el.key for el in at.get("plotly_chart")}
+    at.radio(key="audit_target").set_value("a server at a URL").run()
+    at.text_input(key="audit_url").input("http://127.0.0.1:9/v1").run()
+    at.text_input(key="audit_remote_model").input("m").run()
+    at.button(key="audit_go").click().run()
+    assert "cannot reach http://127.0.0.1:9/v1" in at.error[0].value  # said in one sentence, no traceback
+
+
+def test_the_figure_marks_the_ks_distance():
+    from kvviz.figures.audit import ttft_ecdf
+
+    hit, miss = [5.0, 6.0, 30.0, 7.0], [20.0, 25.0, 8.0, 40.0]
+    fig = ttft_ecdf(hit, miss)
+    assert [t.name for t in fig.data] == ["hit (4)", "miss (4)", "KS distance D = 0.75"]
+    assert ks_test(hit, miss)[0] == 0.75
+    segment = fig.data[2]
+    assert segment.x[0] == segment.x[1] == 7.0 and (segment.y[1] - segment.y[0]) == 0.75

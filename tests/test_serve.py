@@ -5,7 +5,6 @@ concurrent clients in one batch; errors as OpenAI's; metrics as Prometheus parse
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -16,14 +15,12 @@ from pathlib import Path
 import httpx2 as httpx  # the HTTP client the openai package itself uses
 import openai
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvviz.engine import Engine, EngineConfig
-from kvviz.faults import defences_with
 from kvviz.models import load_model
-from kvviz.serve.app import ServeOptions, create_app
-from kvviz.serve.worker import EngineWorker
+from kvviz.serve.app import ServeOptions
+from kvviz.serve.local import LocalServer, free_port
 from kvviz.workload import RequestSpec, Workload
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,35 +34,16 @@ def tiny():
     return load_model("tiny-llama")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """kvviz serve in this process, on a thread, on a free port."""
+class Server(LocalServer):
+    """kvviz serve in this process on the tiny model's settings, with an openai client."""
 
     def __init__(self, model, sharing: str = "global", max_in_flight: int = 64, oracle: bool = False,
                  fault: str | None = None, isolation: str = "paged", config: dict | None = None):
         cfg = EngineConfig(**(config or CONFIG), isolation=isolation, compute="inspect" if oracle else "fast",
                            prefix_caching=sharing != "off")
-        self.worker = EngineWorker(model, cfg, max_in_flight, oracle, defences_with(fault, cfg.block_size))
-        self.model_name = "tiny"
-        app = create_app(self.worker, ServeOptions(self.model_name, sharing, chat_template=TEMPLATE))
-        self.url = f"http://127.0.0.1:{free_port()}"
-        host, port = self.url.removeprefix("http://").split(":")
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=int(port), log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.02)
+        super().__init__(model, cfg, ServeOptions("tiny", sharing, chat_template=TEMPLATE), max_in_flight, oracle,
+                         fault)
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="key-1", max_retries=0)
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-        self.worker.close()
 
 
 @pytest.fixture

@@ -37,6 +37,7 @@ PAGES = {p.url: p for p in (
     PageSpec("runs", "Runs", ":material/list:"),
     PageSpec("upload", "Upload", ":material/upload:"),
     PageSpec("sql", "SQL", ":material/database:"),
+    PageSpec("audit", "Audit", ":material/timer:"),
 )}
 
 
@@ -45,7 +46,8 @@ PAGES = {p.url: p for p in (
 # selections cannot be set this way and are not listed.)
 KEPT_WIDGETS = {"run_model", "run_model_path", "run_source", "run_scenario", "sql_text", "sc_name", "sc_model",
                 "insp_view", "insp_upto", "insp_grid_scope", "insp_colour_by", "insp_layer", "insp_head",
-                "insp_request", "insp_step", "insp_block"}
+                "insp_request", "insp_step", "insp_block", "audit_target", "audit_model", "audit_sharing",
+                "audit_url", "audit_remote_model", "audit_level", "audit_samples", "audit_words", "audit_alpha"}
 KEPT_PREFIXES = ("run_bs_", "run_nb_", "run_mbt_", "run_iso_", "run_pc_", "run_fault_", "run_fs_", "run_fr_",
                  "run_fl_", "run_att_", "run_seed_")  # the Run page's settings, one set per scenario
 

@@ -1,0 +1,39 @@
+"""A timing audit drawn: the empirical distribution functions of hit and miss times to first token,
+with the KS distance marked where the hits' curve lies furthest above the misses'."""
+
+from __future__ import annotations
+
+import numpy as np
+import plotly.graph_objects as go
+
+HIT, MISS = "#2ca02c", "#d62728"
+
+
+def _ecdf(x: list[float]) -> tuple[np.ndarray, np.ndarray]:
+    xs = np.sort(np.asarray(x, dtype=float))
+    return xs, np.arange(1, len(xs) + 1) / len(xs)
+
+
+def ttft_ecdf(hit: list[float], miss: list[float], title: str = "") -> go.Figure:
+    """Two step curves (hit, miss); a black segment at the largest F_hit - F_miss, labelled D."""
+    fig = go.Figure()
+    for name, values, colour in (("hit", hit, HIT), ("miss", miss, MISS)):
+        if values:
+            xs, ys = _ecdf(values)
+            fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", line={"shape": "hv", "color": colour},
+                                     name=f"{name} ({len(values)})",
+                                     hovertemplate=f"{name}: %{{y:.0%}} within %{{x:.1f}} ms<extra></extra>"))
+    if hit and miss:
+        grid = np.sort(np.concatenate([hit, miss]))
+        f_hit = np.searchsorted(np.sort(hit), grid, side="right") / len(hit)
+        f_miss = np.searchsorted(np.sort(miss), grid, side="right") / len(miss)
+        i = int(np.argmax(f_hit - f_miss))
+        d = float(f_hit[i] - f_miss[i])
+        fig.add_trace(go.Scatter(x=[grid[i], grid[i]], y=[f_miss[i], f_hit[i]], mode="lines+markers",
+                                 line={"color": "black", "width": 2}, name=f"KS distance D = {d:.2f}",
+                                 hovertemplate=f"D = {d:.3f} at %{{x:.1f}} ms<extra></extra>"))
+    fig.update_layout(title=title or None, height=340, margin={"l": 10, "r": 10, "t": 40 if title else 10, "b": 10},
+                      xaxis={"title": "time to first token (ms)", "type": "log"},
+                      yaxis={"title": "share of requests", "tickformat": ".0%", "range": [0, 1.02]},
+                      legend={"orientation": "h", "y": -0.25})
+    return fig
