@@ -116,7 +116,9 @@ def _pct(x: float | None) -> str:
 
 def memory_report(m: LoadedModel, results: list[MemoryResult]) -> str:
     lines = [f"Model `{m.name}`, device {m.device}. Memory utilisation: allocated KV slots holding a token, "
-             "summed over every step; both allocators in the same slots.", "",
+             "summed over every step; both allocators in the same slots. chat-N: N instructions in the chat "
+             f"template, answers capped at {CHAT_CAP} tokens, stopping at EOS; exact-N: N random prompts of 32-256 "
+             "tokens generating a known 16-128 tokens each (a contiguous reservation is exact).", "",
              "| case | requests | slots | paged | contiguous | article (paged / contiguous) | steps paged | "
              "steps contiguous | fragmented steps | tokens generated |",
              "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]

@@ -109,8 +109,8 @@ def sweep_report(m: LoadedModel, points: list[SweepPoint], repeat: int = 1) -> s
     lines = [f"Model `{m.name}`, device {m.device}, `fast` compute, {points[0].requests if points else 0} requests "
              f"arriving together; each sequence is a shared prefix + {PRIVATE} private prompt tokens + {NEW} "
              f"generated." + runs, "",
-             "| length | shared share | tok/s cache on | tok/s cache off | throughput gained | article | "
-             "peak blocks on / off | memory saved | prefill computed on / off |",
+             "| sequence tokens | shared prefix | tok/s cache on | tok/s cache off | throughput gained | "
+             "article's gain | peak blocks on / off | memory saved | prefill computed on / off |",
              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for p in points:
         article = f"{ARTICLE[p.length]:.0%}" if p.length in ARTICLE else ""

@@ -248,7 +248,7 @@ def test_the_cli_benchmarks_print_their_tables_and_refuse_bad_flags():
     assert "| chat-4 | 4 |" in p.stdout and "| exact-4 | 4 |" in p.stdout
     p = kvviz("bench", "--model", "tiny-llama", "--sharing-sweep", "--sizes", "2", "--lengths", "96")
     assert p.returncode == 0, p.stderr
-    assert "| 96 | 33% |" in p.stdout
+    assert "| 96 | 33% |" in p.stdout and "article's gain" in p.stdout
     bad = kvviz("bench", "--model", "tiny-llama", "--sharing-sweep", "--lengths", "64")
     assert bad.returncode == 2 and "every length must exceed 64" in bad.stderr
     bad = kvviz("bench", "--model", "tiny-llama", "--memory", "--sizes", "4,x")

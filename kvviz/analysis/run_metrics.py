@@ -33,13 +33,15 @@ class Metric:
 
 METRICS = {m.key: m for m in (
     Metric("hit_rate", "prefix-cache hit rate", "prompt tokens served by the prefix cache, of those looked up at "
-           "admission", "below", 0.0),
+           "admission (a fork shares its parent's blocks without a lookup: not counted). The default threshold 0 "
+           "never alerts; raise it to be told when sharing stops", "below", 0.0),
     Metric("block_utilisation", "block utilisation", "blocks held by requests, of the pool (near 1: preemption)",
            "above", 0.95),
     Metric("slot_utilisation", "slot utilisation", "held KV slots that hold a token (low: fragmentation)", "below",
            0.8),
-    Metric("leak_rate", "leak rate", "queries whose foreign + stale attention passed the oracle's threshold, of "
-           "every query judged", "above", 0.0),
+    Metric("leak_rate", "leak rate", "query rows (per layer and head) whose foreign + stale attention passed the "
+           "oracle's threshold, of every row judged so far; the inspector's Leaks view shows it per step",
+           "above", 0.0),
     Metric("max_foreign", "max foreign mass", "the largest share of one query's attention on keys not its own",
            "above", 0.001),
 )}

@@ -4,6 +4,7 @@ clients, load generators and timing audits can use it; the web stack loads only 
 from __future__ import annotations
 
 import argparse
+import socket
 import sys
 from pathlib import Path
 
@@ -15,8 +16,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from ..checked_run import check_fault
-    from ..engine import EngineConfig
-    from ..faults import defences_with
+    from ..engine import ConfigError, EngineConfig
+    from ..errors import WorkloadError
+    from ..faults import FAULTS, defences_with
     from ..models import load_model
     from ..serve.app import ServeOptions, create_app
     from ..serve.worker import EngineWorker
@@ -33,10 +35,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if not path.is_file():
             return fail(f"--chat-template {path}: no such file")
         template = path.read_text(encoding="utf-8")
-    config = EngineConfig(block_size=args.block_size, num_blocks=args.num_blocks,
-                          max_batch_tokens=args.max_batch_tokens, isolation=args.isolation,
-                          compute="inspect" if oracle else "fast", prefix_caching=args.cache_sharing != "off")
-    check_fault(args.fault, Workload([], config))
+    needs = FAULTS[args.fault].isolation if args.fault in FAULTS else None
+    isolation = args.isolation or needs or "paged"  # a fault of the mask is served on the masked mechanism
+    try:
+        config = EngineConfig(block_size=args.block_size, num_blocks=args.num_blocks,
+                              max_batch_tokens=args.max_batch_tokens, isolation=isolation,
+                              compute="inspect" if oracle else "fast", prefix_caching=args.cache_sharing != "off")
+    except ConfigError as e:  # "num_blocks: must be ..." said as the flag that set it
+        field, _, why = str(e).partition(":")
+        return fail(f"--{field.replace('_', '-')}:{why}")
+    try:
+        check_fault(args.fault, Workload([], config))
+    except WorkloadError as e:
+        return fail(f"--fault {args.fault}: {e}".replace("this workload uses isolation", "--isolation is"))
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:  # bound now, before the model loads: a taken port is one sentence, not a traceback later
+        sock.bind((args.host, args.port))
+    except OSError as e:
+        sock.close()
+        return fail(f"--host {args.host} --port {args.port}: {e.strerror or e}")
     m = load_model(args.model, device=args.device)
     worker = EngineWorker(m, config, args.max_in_flight, oracle, defences_with(args.fault, config.block_size))
     options = ServeOptions(args.served_model_name or m.name, args.cache_sharing, chat_template=template)
@@ -48,10 +66,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
           f"{args.cache_sharing}, {config.num_blocks} blocks of {config.block_size}"
           + (f", fault {args.fault} injected" if args.fault else "") + (", leak oracle on" if oracle else "") + ")",
           file=sys.stderr, flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=30))
     try:  # SIGTERM or Ctrl-C: uvicorn stops listening, drains the requests in flight, then the app stops
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=30)
+        server.run(sockets=[sock])
     finally:
         worker.close()
+        sock.close()
     return 0
 
 
@@ -72,9 +92,9 @@ def add_serve(sub, add_model_device) -> None:
     p.add_argument("--max-batch-tokens", type=int, default=2048, help="token budget per step (default 2048)")
     p.add_argument("--max-in-flight", type=int, default=256,
                    help="requests queued or running at once; more get HTTP 429 (default 256)")
-    p.add_argument("--isolation", choices=["paged", "masked"], default="paged",
+    p.add_argument("--isolation", choices=["paged", "masked"],
                    help="paged: each request reads its own slots through its page table; masked: every live slot on "
-                        "one key axis, isolated by the mask (default paged)")
+                        "one key axis, isolated by the mask (default paged, or what --fault breaks)")
     p.add_argument("--fault", metavar="NAME", help="serve with a fault from the catalogue injected (docs/faults.md); "
                                                    "turns the leak oracle on")
     p.add_argument("--oracle", action="store_true",

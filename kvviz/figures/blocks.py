@@ -86,8 +86,8 @@ def memory_utilisation(frame: pd.DataFrame, article: dict[str, float], current: 
                         subplot_titles=("allocated KV slots holding a token", "requests waiting (contiguous)"))
     for name, part in frame.groupby("allocator", sort=False):
         colour = ALLOCATOR_COLOURS[name]
-        fig.add_trace(go.Scatter(x=part.step, y=part.utilisation, name=name, mode="lines",
-                                 line={"color": colour, "shape": "hv"},
+        fig.add_trace(go.Scatter(x=part.step, y=part.utilisation, name=name, mode="lines+markers",
+                                 line={"color": colour, "shape": "hv"}, marker={"size": 4},
                                  customdata=np.stack([part.live, part.allocated], axis=1),
                                  hovertemplate=f"{name}, step %{{x}}: %{{y:.0%}} "
                                                "(%{customdata[0]} of %{customdata[1]} slots)<extra></extra>"),

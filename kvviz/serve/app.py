@@ -132,7 +132,9 @@ def create_app(worker: EngineWorker, options: ServeOptions,
             worker.check(sub)
             rid, events = worker.submit(sub)
         except WorkloadError as e:
-            raise ApiError(400, str(e).replace("requests[0]", "this request"), param="max_tokens") from None
+            why = str(e).replace("requests[0]", "this request").replace("raise engine.num_blocks",
+                                                                         "the server's --num-blocks is too small")
+            raise ApiError(400, why, param="max_tokens") from None
         except QueueFull as e:
             raise ApiError(429, str(e), "rate_limit_error") from None
         except ShuttingDown as e:

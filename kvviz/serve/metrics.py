@@ -30,7 +30,8 @@ class _WorkerCollector(Collector):
                          "at admission, since the server started.", values["hit_rate"])
         yield from gauge("kv_block_utilisation", "KV blocks held by requests, of the pool, after the last step.",
                          values["block_utilisation"])
-        yield from gauge("kv_slot_utilisation", "Held KV slots that hold a token, after the last step.",
+        yield from gauge("kv_slot_utilisation", "Held KV slots that hold a token, after the last step (absent "
+                         "while no block is held).",
                          values["slot_utilisation"])
         yield from gauge("requests_in_flight", "Requests queued or running.", w.in_flight())
         yield from counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", m.looked_up)
@@ -44,7 +45,12 @@ class _WorkerCollector(Collector):
                              "threshold, of every query judged.", values["leak_rate"] or 0.0)
             yield from gauge("foreign_attention_mass_max", "The largest share of one query's attention on keys "
                              "not its own.", values["max_foreign"] or 0.0)
-            yield from counter("leak_findings", "Findings of the leak oracle.", w.findings)
+            findings = CounterMetricFamily("kvviz_leak_findings", "Findings of the leak oracle, by kind (foreign, "
+                                           "stale, cross_tenant, duplicate, normalisation, non_finite).",
+                                           labels=["kind"])
+            for kind, n in sorted(w.findings.items()):
+                findings.add_metric([kind], n)
+            yield findings
 
 
 def exposition(worker: EngineWorker) -> tuple[bytes, str]:

@@ -116,6 +116,9 @@ class ChatRequest(_Sampling):
 def validation_message(errors: list[dict]) -> tuple[str, str | None]:
     """FastAPI's validation errors as one sentence and the offending field (OpenAI's `param`)."""
     first = errors[0]
+    if first.get("type") == "json_invalid":
+        why = (first.get("ctx") or {}).get("error", "")
+        return f"the request body is not valid JSON{f' ({why})' if why else ''}", None
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
     msg = first.get("msg", "invalid value").removeprefix("Value error, ")

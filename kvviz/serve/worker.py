@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import torch
@@ -94,7 +94,7 @@ class EngineWorker:
         self.max_in_flight = max_in_flight
         self.oracle = ProvenanceOracle() if oracle else None
         self.metrics, self.stats = LiveMetrics(keep_history=False), ServerStats()
-        self.findings = 0
+        self.findings: Counter[str] = Counter()  # the leak oracle's findings so far, by kind
         self.error: str | None = None  # why the engine stopped, if it did
         self._lock = threading.Condition()
         self._pending: deque[tuple[str, Submission]] = deque()
@@ -185,7 +185,7 @@ class EngineWorker:
             return
         self.metrics.update(rec, self.oracle)
         if self.oracle is not None:  # a server runs for days: keep the running totals, not every step
-            self.findings += len(self.oracle.findings)
+            self.findings.update(f.kind for f in self.oracle.findings)
             self.oracle.steps.clear()
             self.oracle.findings.clear()
         self.stats.steps += 1

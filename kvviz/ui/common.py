@@ -49,7 +49,7 @@ KEPT_WIDGETS = {"run_model", "run_model_path", "run_source", "run_scenario", "sq
                 "insp_request", "insp_step", "insp_block", "audit_target", "audit_model", "audit_sharing",
                 "audit_url", "audit_remote_model", "audit_level", "audit_samples", "audit_words", "audit_alpha"}
 KEPT_PREFIXES = ("run_bs_", "run_nb_", "run_mbt_", "run_iso_", "run_pc_", "run_fault_", "run_fs_", "run_fr_",
-                 "run_fl_", "run_att_", "run_seed_")  # the Run page's settings, one set per scenario
+                 "run_fl_", "run_att_", "run_seed_", "run_alert_")  # the Run page's settings, one set per scenario
 
 
 def keep_widget_state() -> None:

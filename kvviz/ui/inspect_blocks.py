@@ -75,8 +75,10 @@ def _memory(con, info: RunInfo, step: int) -> None:
     c[1].metric("contiguous", "n/a" if contiguous is None else f"{contiguous:.0%}",
                 help="the same requests replayed on a first-fit contiguous allocator, each reserving its "
                      "prompt + max_new_tokens on arrival (the seed: about 60%)")
-    c[2].metric("steps to finish", f"{len(mem.contiguous.usage)}", delta=f"{len(mem.contiguous.usage) - len(mem.paged)}"
-                " vs paged", delta_color="inverse", help="contiguous: requests wait for a free region")
+    extra = len(mem.contiguous.usage) - len(mem.paged)
+    c[2].metric("steps to finish, contiguous", f"{len(mem.contiguous.usage)}",
+                delta=f"{extra} more than paged" if extra else None, delta_color="inverse",
+                help=f"paged: {len(mem.paged)}; contiguous requests wait for a free region")
     c[3].metric("fragmented steps", mem.contiguous.fragmented_steps,
                 help="steps where the first waiting request found no region although enough slots were free "
                      "in total")
@@ -84,7 +86,10 @@ def _memory(con, info: RunInfo, step: int) -> None:
     st.caption(f"Both in the same {mem.capacity} slots. Paged: the pool's own count after each step; a shared "
                "block counts once. Contiguous: a replay; each request advances as it did here once it has a "
                "region." + (f" Never placed (longer than the space): {', '.join(mem.contiguous.refused)}."
-                            if mem.contiguous.refused else ""))
+                            if mem.contiguous.refused else "")
+               + (f" Paged is low here because blocks of {info.block_size} tokens are large for these short "
+                  "sequences: most of each request's last block stays empty." if paged is not None and paged < 0.5
+                  else ""))
 
 
 def _block_story(con, info: RunInfo, step: int, n: int) -> None:

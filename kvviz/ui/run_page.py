@@ -131,7 +131,7 @@ def _show_metrics(values: dict, history: dict, limits: dict[str, float]) -> None
         if m.crossed(v, limit):
             col.markdown(f":red-badge[:material/warning: {m.alert_when} {limit:g}]")
         else:
-            col.markdown(f":green-badge[alert {m.alert_when} {limit:g}]")
+            col.markdown(f":green-badge[ok: alert {m.alert_when} {limit:g}]")
 
 
 def _workload(m, sc, requests: pd.DataFrame | None, engine: dict, seed: int) -> dict:
