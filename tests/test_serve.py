@@ -22,6 +22,7 @@ from kvviz.engine import Engine, EngineConfig
 from kvviz.models import load_model
 from kvviz.serve.app import ServeOptions
 from kvviz.serve.local import LocalServer, free_port
+from kvviz.store import RunStore
 from kvviz.workload import RequestSpec, Workload
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,11 +40,12 @@ class Server(LocalServer):
     """kvviz serve in this process on the tiny model's settings, with an openai client."""
 
     def __init__(self, model, sharing: str = "global", max_in_flight: int = 64, oracle: bool = False,
-                 fault: str | None = None, isolation: str = "paged", config: dict | None = None):
+                 fault: str | None = None, isolation: str = "paged", config: dict | None = None,
+                 record: RunStore | None = None):
         cfg = EngineConfig(**(config or CONFIG), isolation=isolation, compute="inspect" if oracle else "fast",
                            prefix_caching=sharing != "off")
         super().__init__(model, cfg, ServeOptions("tiny", sharing, chat_template=TEMPLATE), max_in_flight, oracle,
-                         fault)
+                         fault, record)
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="key-1", max_retries=0)
 
 
@@ -230,8 +232,10 @@ def test_the_oracle_exports_leak_metrics_and_sees_a_served_fault(tiny, fault):
 
 def test_the_cli_serves_and_stops_cleanly_on_sigterm(tmp_path):
     port = free_port()
+    db = tmp_path / "served.duckdb"
     p = subprocess.Popen([sys.executable, "-m", "kvviz", "serve", "--model", "tiny-llama", "--port", str(port),
-                          "--fault", "boundary"], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+                          "--fault", "boundary", "--record", "--db", str(db)], cwd=ROOT, stderr=subprocess.PIPE,
+                         text=True)
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120
@@ -252,6 +256,9 @@ def test_the_cli_serves_and_stops_cleanly_on_sigterm(tmp_path):
         said = p.stderr.read()
         assert "kvviz: stopped after 1 request, 64 tokens generated" in said
         assert "fault boundary injected, leak oracle on" in said  # a mask fault: served on the masked mechanism
+        with RunStore.open(db).read() as con:  # the recording was finished on the way out, not left running
+            status, fault, generated = con.execute("SELECT status, fault, generated_tokens FROM runs").fetchone()
+        assert (status, fault, generated) == ("complete", "boundary", 64)
     finally:
         p.kill()
     bad = subprocess.run([sys.executable, "-m", "kvviz", "serve", "--port", "0"], cwd=ROOT, capture_output=True,
@@ -269,3 +276,52 @@ def test_the_cli_serves_and_stops_cleanly_on_sigterm(tmp_path):
         bad = subprocess.run([sys.executable, "-m", "kvviz", "serve", "--port", str(taken.getsockname()[1])],
                              cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "Address already in use" in bad.stderr and "serving" not in bad.stderr
+
+
+def test_a_seed_repeats_a_sampled_reply_and_ignore_eos_runs_to_max_tokens(server):
+    ask = dict(model="tiny", prompt="eos please", max_tokens=600, temperature=1, seed=1)
+    first, again = server.client.completions.create(**ask), server.client.completions.create(**ask)
+    assert first.choices[0].text == again.choices[0].text and first.choices[0].finish_reason == "stop"
+    assert first.usage.completion_tokens < 600  # this seed samples EOS early ...
+    longer = server.client.completions.create(**ask, extra_body={"ignore_eos": True})
+    assert longer.usage.completion_tokens == 600 and longer.choices[0].finish_reason == "length"  # ... vLLM's flag
+
+
+def test_the_serve_bench_prints_its_table():
+    p = subprocess.run([sys.executable, "-m", "kvviz", "bench", "--model", "tiny-llama", "--serve", "--sizes", "2",
+                        "--cases", "uniform", "--new-tokens", "4"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr
+    row = next(line for line in p.stdout.splitlines() if line.startswith("| uniform-2 |"))
+    assert row.split("|")[2].strip() == "2"  # both clients measured
+
+
+@pytest.mark.parametrize("fault", [None, "global"])
+def test_served_traffic_is_recorded_as_one_run(tiny, tmp_path, fault):
+    from kvviz.analysis.memory import run_memory
+
+    store = RunStore.open(tmp_path / "k.duckdb")
+    s = Server(tiny, oracle=True, fault=fault, isolation="masked", record=store)
+    try:
+        two_tenants_at_once(s)
+        s.client.completions.create(model="tiny", prompt="and a third, alone", max_tokens=5, temperature=0)
+    finally:
+        s.close()
+    run_id = s.worker.recording.run_id
+    with store.read() as con:
+        status, scenario, findings, leak = con.execute("SELECT status, scenario, findings, leak_rate FROM runs "
+                                                       "WHERE run_id = ?", [run_id]).fetchone()
+        requests = con.execute("SELECT count(*), sum(len(output_ids)) FROM requests WHERE run_id = ?",
+                               [run_id]).fetchone()
+        steps = con.execute("SELECT count(*) FROM steps WHERE run_id = ?", [run_id]).fetchone()[0]
+        metric_steps = con.execute("SELECT count(DISTINCT step) FROM leak_metrics WHERE run_id = ?",
+                                   [run_id]).fetchone()[0]
+        stored = con.execute("SELECT count(*) FROM findings WHERE run_id = ?", [run_id]).fetchone()[0]
+        assert run_memory(con, run_id) is not None  # the Blocks view's comparison works on a served run
+    assert (status, scenario) == ("complete", "serve") and requests == (3, 21)
+    assert steps == metric_steps == s.worker.stats.steps  # every step, with the oracle's metrics
+    assert stored == findings == sum(s.worker.findings.values())
+    if fault is None:
+        assert findings == 0 and leak == 0
+    else:
+        assert findings > 0 and leak > 0

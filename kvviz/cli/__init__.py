@@ -110,8 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="throughput against transformers generate and generate_batch")
     _add_model_device(bench)
-    bench.add_argument("--sizes", help="numbers of requests, comma-separated (default 8,32; --memory 32; "
-                                       "--sharing-sweep 8)")
+    bench.add_argument("--sizes", help="numbers of requests, comma-separated (default 8,32; --memory and --serve "
+                                       "32; --sharing-sweep 8)")
     bench.add_argument("--new-tokens", type=int, default=64, help="tokens generated per request (default 64)")
     bench.add_argument("--repeat", type=int, default=1,
                        help="run every peer this many times, interleaved, and report medians (default 1)")
@@ -123,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="instead: memory utilisation, the paged pool against a contiguous allocator")
     what.add_argument("--sharing-sweep", action="store_true",
                       help="instead: prefix caching on and off at each of --lengths tokens")
+    what.add_argument("--serve", action="store_true",
+                      help="instead: kvviz serve under one streaming client per request against the fast path")
     bench.add_argument("--lengths", default="128,512,2048",
                        help="sequence lengths of --sharing-sweep, comma-separated (default 128,512,2048)")
     bench.add_argument("--out", metavar="FILE.md", help="also write the markdown table to this file")

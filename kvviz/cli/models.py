@@ -28,7 +28,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from ..bench import CASES, report, run_bench
     from ..models import load_model
 
-    given = args.sizes or ("32" if args.memory else "8" if args.sharing_sweep else "8,32")
+    given = args.sizes or ("32" if args.memory or args.serve else "8" if args.sharing_sweep else "8,32")
     sizes = _positive_ints(given, "--sizes")
     lengths = _positive_ints(args.lengths, "--lengths")
     if sizes is None or lengths is None:
@@ -55,6 +55,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from ..bench_memory import memory_report, run_memory_bench
 
         return _write(memory_report(m, run_memory_bench(m, sizes, progress=say)), args.out)
+    if args.serve:
+        from ..bench_serve import run_serve_bench, serve_report
+
+        results = run_serve_bench(m, args.model, args.device, sizes, args.new_tokens, only, progress=say)
+        return _write(serve_report(m, results, args.new_tokens), args.out)
     if args.sharing_sweep:
         from ..bench_sharing import sweep, sweep_report
 

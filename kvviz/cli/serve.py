@@ -18,7 +18,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ..checked_run import check_fault
     from ..engine import ConfigError, EngineConfig
     from ..errors import WorkloadError
-    from ..faults import FAULTS, defences_with
+    from ..faults import FAULTS
     from ..models import load_model
     from ..serve.app import ServeOptions, create_app
     from ..serve.worker import EngineWorker
@@ -28,7 +28,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return fail(f"--port must be 1-65535, got {args.port}")
     if args.max_in_flight < 1:
         return fail(f"--max-in-flight must be >= 1, got {args.max_in_flight}")
-    oracle = args.oracle or args.fault is not None  # a fault is served to be seen: the oracle judges it
+    oracle = args.oracle or args.record or args.fault is not None  # a fault is served to be seen, a recording judged
     template = None
     if args.chat_template:
         path = Path(args.chat_template)
@@ -56,7 +56,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         sock.close()
         return fail(f"--host {args.host} --port {args.port}: {e.strerror or e}")
     m = load_model(args.model, device=args.device)
-    worker = EngineWorker(m, config, args.max_in_flight, oracle, defences_with(args.fault, config.block_size))
+    worker = EngineWorker(m, config, args.max_in_flight, oracle, args.fault, args.store if args.record else None)
     options = ServeOptions(args.served_model_name or m.name, args.cache_sharing, chat_template=template)
     app = create_app(worker, options, on_stop=lambda w: print(
         f"kvviz: stopped after {w.stats.requests} request{'' if w.stats.requests == 1 else 's'}, "
@@ -64,7 +64,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         file=sys.stderr, flush=True))
     print(f"kvviz: serving {options.model_name} on http://{args.host}:{args.port}/v1 (cache sharing "
           f"{args.cache_sharing}, {config.num_blocks} blocks of {config.block_size}"
-          + (f", fault {args.fault} injected" if args.fault else "") + (", leak oracle on" if oracle else "") + ")",
+          + (f", fault {args.fault} injected" if args.fault else "") + (", leak oracle on" if oracle else "") + ")"
+          + (f"; recording into {args.store.path} as run {worker.recording.run_id}" if worker.recording else ""),
           file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=30))
     try:  # SIGTERM or Ctrl-C: uvicorn stops listening, drains the requests in flight, then the app stops
@@ -99,6 +100,10 @@ def add_serve(sub, add_model_device) -> None:
                                                    "turns the leak oracle on")
     p.add_argument("--oracle", action="store_true",
                    help="run the leak oracle on every step (the inspect path: slower) and export its metrics")
+    p.add_argument("--record", action="store_true",
+                   help="record the served traffic into the run store as one run (turns the leak oracle on; every "
+                        "step writes the whole pool: for a session, not for days)")
+    p.add_argument("--db", help="run store for --record (default $KVVIZ_DB, else runs/kvviz.duckdb)")
     p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template, for a model without one")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)

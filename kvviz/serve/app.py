@@ -127,7 +127,7 @@ def create_app(worker: EngineWorker, options: ServeOptions,
             raise ApiError(400, "the prompt is empty", param="prompt")
         key = request.headers.get("authorization", "").removeprefix("Bearer ").strip() or None
         sub = Submission(ids, limit, body.temperature, body.top_p, body.seed, salt(body, key, options.cache_sharing),
-                         tuple(body.stop or ()))
+                         tuple(body.stop or ()), body.ignore_eos)
         try:
             worker.check(sub)
             rid, events = worker.submit(sub)

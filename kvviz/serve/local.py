@@ -10,8 +10,8 @@ import time
 import uvicorn
 
 from ..engine import EngineConfig
-from ..faults import defences_with
 from ..models import LoadedModel
+from ..store import RunStore
 from .app import ServeOptions, create_app
 from .worker import EngineWorker
 
@@ -27,8 +27,8 @@ class LocalServer:
     context manager. `url` is the server's root; the OpenAI API is under url + "/v1"."""
 
     def __init__(self, model: LoadedModel, config: EngineConfig, options: ServeOptions, max_in_flight: int = 64,
-                 oracle: bool = False, fault: str | None = None):
-        self.worker = EngineWorker(model, config, max_in_flight, oracle, defences_with(fault, config.block_size))
+                 oracle: bool = False, fault: str | None = None, record: RunStore | None = None):
+        self.worker = EngineWorker(model, config, max_in_flight, oracle, fault, record)
         self.url = f"http://127.0.0.1:{free_port()}"
         self.server = uvicorn.Server(uvicorn.Config(create_app(self.worker, options), host="127.0.0.1",
                                                     port=int(self.url.rsplit(":", 1)[1]), log_level="warning"))

@@ -42,6 +42,7 @@ class _Sampling(BaseModel):
     n: int = Field(1, ge=1, le=1, description="kvviz returns one choice")
     user: str | None = None
     cache_salt: str | None = Field(None, min_length=1)
+    ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens (benchmarks)
 
     @field_validator("stop")
     @classmethod

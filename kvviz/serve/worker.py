@@ -16,12 +16,15 @@ from dataclasses import dataclass, field
 import torch
 
 from ..analysis.run_metrics import LiveMetrics
-from ..engine import Defences, Engine, EngineConfig, EngineLoop
+from ..engine import Engine, EngineConfig, EngineLoop
 from ..engine.sampler import request_generator
+from ..faults import defences_with
 from ..ids import new_run_id
 from ..models import LoadedModel
 from ..oracle import ProvenanceOracle
+from ..store import RunStore
 from ..workload import RequestSpec, Workload
+from .recording import ServedRecording
 
 
 class QueueFull(RuntimeError):
@@ -41,6 +44,7 @@ class Submission:
     seed: int | None = None
     salt: str | None = None  # the request's prefix-cache namespace (None: shared with every unsalted request)
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
 
 
 @dataclass(frozen=True)
@@ -87,12 +91,13 @@ class EngineWorker:
     """Owns the loop thread. `submit` from any thread with a running asyncio loop; `close` stops it."""
 
     def __init__(self, model: LoadedModel, config: EngineConfig, max_in_flight: int = 256, oracle: bool = False,
-                 defences: Defences | None = None):
-        """oracle: run the leak oracle on every step (config.compute must be inspect); defences: the
-        engine's, a fault's to serve with a known isolation bug."""
-        self.m, self.engine = model, Engine(model, config, defences)
+                 fault: str | None = None, record: RunStore | None = None):
+        """oracle: run the leak oracle on every step (config.compute must be inspect); fault: serve with
+        this catalogue fault injected; record: record the served traffic into this store as one run."""
+        self.m, self.engine = model, Engine(model, config, defences_with(fault, config.block_size))
         self.max_in_flight = max_in_flight
         self.oracle = ProvenanceOracle() if oracle else None
+        self.recording = ServedRecording(record, model, config, fault, self.oracle) if record is not None else None
         self.metrics, self.stats = LiveMetrics(keep_history=False), ServerStats()
         self.findings: Counter[str] = Counter()  # the leak oracle's findings so far, by kind
         self.error: str | None = None  # why the engine stopped, if it did
@@ -145,7 +150,13 @@ class EngineWorker:
     def _run(self) -> None:
         try:
             self._serve(self.engine.open(observers=[self.oracle] if self.oracle else []))
+            if self.recording is not None:
+                v = self.metrics.values()
+                self.recording.complete(self.stats.steps, self.stats.generated_tokens, v["max_foreign"],
+                                        v["leak_rate"])
         except Exception as e:  # noqa: BLE001 (every client must hear why, not hang)
+            if self.recording is not None:
+                self.recording.fail(e)
             with self._lock:
                 self.error = f"the engine stopped: {type(e).__name__}: {e}"
                 for f in self._flights.values():
@@ -170,12 +181,14 @@ class EngineWorker:
                 rid, sub = self._pending.popleft()
                 gen = request_generator(sub.seed, "", self.m.device) if sub.seed is not None else None
                 spec = RequestSpec(rid, prompt_ids=sub.prompt_ids, max_new_tokens=sub.max_tokens,
-                                   cache_salt=sub.salt, temperature=sub.temperature, top_p=sub.top_p)
+                                   cache_salt=sub.salt, temperature=sub.temperature, top_p=sub.top_p,
+                                   ignore_eos=sub.ignore_eos)
                 loop.add(spec, sub.prompt_ids, gen)
             for rid in self._cancelled:
                 loop.cancel(rid)
-                if self._flights.pop(rid, None) is not None:
-                    loop.forget(rid)
+                f = self._flights.pop(rid, None)
+                if f is not None:
+                    self._recorded(loop.forget(rid), f.sub)
             self._cancelled.clear()
         return loop.busy
 
@@ -184,10 +197,14 @@ class EngineWorker:
         if rec is None:
             return
         self.metrics.update(rec, self.oracle)
+        found = list(self.oracle.findings) if self.oracle is not None else []
+        if self.recording is not None:
+            self.recording.on_step(rec, found)  # it writes the oracle's steps and then drops them
         if self.oracle is not None:  # a server runs for days: keep the running totals, not every step
-            self.findings.update(f.kind for f in self.oracle.findings)
-            self.oracle.steps.clear()
+            self.findings.update(f.kind for f in found)
             self.oracle.findings.clear()
+            if self.recording is None:
+                self.oracle.steps.clear()
         self.stats.steps += 1
         self.stats.peak_batch = max(self.stats.peak_batch, len(rec.work))
         tok = self.m.tokenizer
@@ -217,9 +234,14 @@ class EngineWorker:
         result = loop.forget(rid)
         with self._lock:
             f = self._flights.pop(rid)
+        self._recorded(result, f.sub)
         reason = reason or ("stop" if result.finish_reason == "eos" else "length")
         cached = max(result.cached_tokens, 0)
         s = self.stats
         s.requests, s.prompt_tokens = s.requests + 1, s.prompt_tokens + len(result.prompt_ids)
         s.cached_tokens, s.generated_tokens = s.cached_tokens + cached, s.generated_tokens + len(f.output)
         f.put(Done(reason, len(result.prompt_ids), len(f.output), cached))
+
+    def _recorded(self, result, sub: Submission) -> None:
+        if self.recording is not None:
+            self.recording.on_request(result, sub.salt, sub.max_tokens, sub.temperature, sub.top_p, sub.ignore_eos)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import time
 from collections import defaultdict
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
@@ -20,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 
 from .. import __version__
-from ..engine import StepRecord
+from ..engine import RequestResult, StepRecord
 from ..engine.hashing import hash_to_u64
 from ..errors import StoreError
 from . import schema
@@ -30,6 +31,7 @@ from .run_store import RunStore
 if TYPE_CHECKING:
     from ..checked_run import CheckedRun
     from ..oracle import ProvenanceOracle
+    from ..oracle.provenance import Finding
 
 
 class RunRecorder:
@@ -46,6 +48,8 @@ class RunRecorder:
         self.flush_seconds, self._flushed_at = flush_seconds, time.monotonic()
         self.rows: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
         self._oracle_steps = self._pending = 0
+        self._labelled: set[int] = set()  # token ids whose text is recorded
+        self.drain_oracle = False  # a server: drop the oracle's steps once written (it runs for days)
         scope = None if fault_scope is None else json.dumps(fault_scope)
         row = [run_id, datetime.now(UTC).replace(tzinfo=None), model.name, model.fingerprint, scenario, fault, scope,
                workload.seed, json.dumps(workload.engine.to_dict()), json.dumps(workload.to_dict(), ensure_ascii=False),
@@ -95,6 +99,9 @@ class RunRecorder:
         from its arrays (a SmolLM2 step has 270 rows per request: no Python loop per row)."""
         new = self.oracle.steps[self._oracle_steps:] if self.oracle is not None else []
         self._oracle_steps += len(new)
+        if self.drain_oracle and new:
+            del self.oracle.steps[:self._oracle_steps]
+            self._oracle_steps = 0
         if not new:
             return None
         parts = []
@@ -158,29 +165,46 @@ class RunRecorder:
 
     def finish(self, run: CheckedRun, seconds: float | None = None) -> None:
         res, summary = run.result, run.summary()
+        specs = {s.id: s for s in run.workload.requests}
         for r in res.requests:
-            spec = next(s for s in run.workload.requests if s.id == r.id)
-            self._add("requests", run_id=self.run_id, request_id=r.id, tenant=spec.cache_salt, parent=spec.parent,
-                      prompt_ids=r.prompt_ids, output_ids=r.output_ids, text=r.text, arrival_step=r.arrival_step,
-                      first_token_step=r.first_token_step, finish_step=r.finish_step, finish_reason=r.finish_reason,
-                      cached_tokens=r.cached_tokens)
-        for tok in sorted({t for r in res.requests for t in (*r.prompt_ids, *r.output_ids)}):
-            self._add("token_text", run_id=self.run_id, token_id=tok, text=token_label(self.tokenizer, tok))
-        for f in run.findings:
-            self._add("findings", run_id=self.run_id, kind=f.kind, request_id=f.request, step=f.step, layer=f.layer,
-                      head=f.head, position=f.position, source_request=f.source_request, mass=f.mass)
+            self.add_request(r, specs[r.id].cache_salt, specs[r.id].parent)
+        self.add_findings(run.findings)
         for d in run.divergences:
             self._add("divergence", run_id=self.run_id, request_id=d.request,
                       first_divergent_step=d.first_divergent_step, max_logit_diff=d.max_logit_diff, max_kl=d.max_kl,
                       classification=d.classification)
+        st = res.stats
+        self.complete(st.steps, seconds if seconds is not None else st.seconds, st.generated_tokens,
+                      summary["leak"]["max_foreign_mass"], summary["leak"]["leak_rate"], len(run.findings))
+
+    def add_request(self, r: RequestResult, tenant: str | None, parent: str | None = None) -> None:
+        """A finished request and the text of the tokens it holds (each id labelled once per run)."""
+        self._add("requests", run_id=self.run_id, request_id=r.id, tenant=tenant, parent=parent,
+                  prompt_ids=r.prompt_ids, output_ids=r.output_ids, text=r.text, arrival_step=r.arrival_step,
+                  first_token_step=r.first_token_step, finish_step=r.finish_step, finish_reason=r.finish_reason,
+                  cached_tokens=r.cached_tokens)
+        for tok in sorted({*r.prompt_ids, *r.output_ids} - self._labelled):
+            self._add("token_text", run_id=self.run_id, token_id=tok, text=token_label(self.tokenizer, tok))
+            self._labelled.add(tok)
+
+    def add_findings(self, findings: Iterable[Finding]) -> None:
+        for f in findings:
+            self._add("findings", run_id=self.run_id, kind=f.kind, request_id=f.request, step=f.step, layer=f.layer,
+                      head=f.head, position=f.position, source_request=f.source_request, mass=f.mass)
+
+    def complete(self, steps: int, seconds: float, generated: int, max_foreign: float | None, leak_rate: float | None,
+                 findings: int, workload: dict | None = None) -> None:
+        """Write what is buffered and mark the run complete with its totals (and, for a run whose
+        requests arrived as it went, the workload they made)."""
         self.flush()
         self.wait()
-        st = res.stats
-        values = [st.steps, seconds if seconds is not None else st.seconds, st.generated_tokens,
-                  summary["leak"]["max_foreign_mass"], summary["leak"]["leak_rate"], len(run.findings), self.run_id]
+        values = [steps, seconds, generated, max_foreign, leak_rate, findings, self.run_id]
         with self.store.write() as con:
             con.execute("UPDATE runs SET status = 'complete', steps = ?, seconds = ?, generated_tokens = ?, "
                         "max_foreign_mass = ?, leak_rate = ?, findings = ? WHERE run_id = ?", values)
+            if workload is not None:
+                con.execute("UPDATE runs SET workload = ? WHERE run_id = ?",
+                            [json.dumps(workload, ensure_ascii=False), self.run_id])
 
     def fail(self, error: BaseException) -> None:
         """Keep what was recorded and mark the run failed with the reason."""
