@@ -232,8 +232,8 @@ def _stale_hash(kv) -> None:
     pool = kv.pool
 
     def evict(b, request):
-        b.hash = None  # the hash -> block entry is left behind: a later lookup hits new content
-        pool.event("evict", b, request)
+        old, b.hash = b.hash, None  # the hash -> block entry is left behind: a later lookup hits new content
+        pool.event("evict", b, request, hash=old)
     pool.evict = evict
 
 

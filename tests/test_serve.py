@@ -41,11 +41,11 @@ class Server(LocalServer):
 
     def __init__(self, model, sharing: str = "global", max_in_flight: int = 64, oracle: bool = False,
                  fault: str | None = None, isolation: str = "paged", config: dict | None = None,
-                 record: RunStore | None = None):
+                 record: RunStore | None = None, on_step=None):
         cfg = EngineConfig(**(config or CONFIG), isolation=isolation, compute="inspect" if oracle else "fast",
                            prefix_caching=sharing != "off")
         super().__init__(model, cfg, ServeOptions("tiny", sharing, chat_template=TEMPLATE), max_in_flight, oracle,
-                         fault, record)
+                         fault, record, on_step)
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="key-1", max_retries=0)
 
 

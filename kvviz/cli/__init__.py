@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--compute", choices=["inspect", "fast"], help="override the workload's compute path")
     run.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     run.add_argument("--json", action="store_true", help="print one JSON summary as the last line of stdout")
+    run.add_argument("--kv-events", metavar="FILE.jsonl",
+                     help="also write the KV events a vLLM server would publish for this run, as a capture file "
+                          "(python -m kvviz import reads it)")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     _add_db(run, "run store to record into")
     run.add_argument("--attention", choices=["default", "all", "none"], default="default",

@@ -8,9 +8,12 @@ import dataclasses
 import json
 import sys
 from collections.abc import Callable
+from contextlib import ExitStack
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from ..capture.emit import KVEventEmitter
     from ..engine import StepRecord
     from ..faults import Scope
     from ..models import LoadedModel
@@ -39,18 +42,24 @@ def cmd_run(args: argparse.Namespace) -> int:
     if fault is None and (args.fault_steps or args.fault_requests or args.fault_layers):
         raise WorkloadError("--fault-steps, --fault-requests and --fault-layers confine a fault: give --fault")
     given = Workload.from_file(args.workload) if args.workload else None  # a bad file is refused before loading
+    if args.kv_events and not Path(args.kv_events).resolve().parent.is_dir():
+        raise WorkloadError(f"--kv-events {args.kv_events}: no folder {Path(args.kv_events).parent}")
     m = load_model(args.model, device=args.device)
     wl = Workload.from_dict(sc.build(m.tokenizer)) if sc else given
     wl = _with_overrides(wl, args)
     total = sum(r.max_new_tokens for r in wl.requests)
-    with tqdm(total=total, unit="tok", desc="generating", file=sys.stderr, disable=args.quiet) as bar:
+    with tqdm(total=total, unit="tok", desc="generating", file=sys.stderr, disable=args.quiet) as bar, \
+            ExitStack() as stack:
         said: list[int | None] = [None]  # the place in line last printed, while waiting
+        emitter = _kv_events(args.kv_events, wl, stack)
 
         def progress(rec: StepRecord) -> None:
             if said[0] is not None:  # the rate counts from the run's turn on the model, not from the wait
                 said[0] = None
                 bar.reset(total)
             bar.update(len(rec.sampled))
+            if emitter is not None:
+                emitter.on_step(rec)
 
         def waiting(ahead: int) -> None:  # another run (this machine's app, another script) has the model
             if ahead != said[0]:
@@ -79,6 +88,18 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(f"{probe.request}'s last prompt token over the shared buffer (mean of layers and heads):")
             print(probe.table(m.tokenizer))
     return 1 if args.fail_on_leak and summary["findings"] else 0
+
+
+def _kv_events(path: str | None, wl: Workload, stack: ExitStack) -> KVEventEmitter | None:
+    """--kv-events FILE: what a vLLM server would have published for this run, as a capture file."""
+    if path is None:
+        return None
+    from ..capture.capture_file import CaptureWriter
+    from ..capture.emit import KVEventEmitter
+
+    writer = CaptureWriter(path, "kvviz run")
+    stack.callback(writer.close)
+    return KVEventEmitter(wl.engine.block_size, writer.add)
 
 
 def _recorded_run(args: argparse.Namespace, m: LoadedModel, wl: Workload, fault: str | None,

@@ -48,15 +48,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
         check_fault(args.fault, Workload([], config))
     except WorkloadError as e:
         return fail(f"--fault {args.fault}: {e}".replace("this workload uses isolation", "--isolation is"))
+    publisher = None
+    if args.kv_events:  # bound before the model loads, like the port: a bad endpoint is said at once
+        from ..capture.publisher import ZmqPublisher
+
+        publisher = ZmqPublisher(args.kv_events, args.kv_replay)
+    elif args.kv_replay:
+        return fail("--kv-replay needs --kv-events (the replay serves what the publisher sent)")
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:  # bound now, before the model loads: a taken port is one sentence, not a traceback later
         sock.bind((args.host, args.port))
     except OSError as e:
         sock.close()
+        if publisher is not None:
+            publisher.close()
         return fail(f"--host {args.host} --port {args.port}: {e.strerror or e}")
     m = load_model(args.model, device=args.device)
-    worker = EngineWorker(m, config, args.max_in_flight, oracle, args.fault, args.store if args.record else None)
+    emitter = None
+    if publisher is not None:
+        from ..capture.emit import KVEventEmitter
+
+        emitter = KVEventEmitter(config.block_size, publisher.send, args.kv_topic)
+    worker = EngineWorker(m, config, args.max_in_flight, oracle, args.fault, args.store if args.record else None,
+                          emitter.on_step if emitter else None)
     options = ServeOptions(args.served_model_name or m.name, args.cache_sharing, chat_template=template)
     app = create_app(worker, options, on_stop=lambda w: print(
         f"kvviz: stopped after {w.stats.requests} request{'' if w.stats.requests == 1 else 's'}, "
@@ -65,7 +80,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"kvviz: serving {options.model_name} on http://{args.host}:{args.port}/v1 (cache sharing "
           f"{args.cache_sharing}, {config.num_blocks} blocks of {config.block_size}"
           + (f", fault {args.fault} injected" if args.fault else "") + (", leak oracle on" if oracle else "") + ")"
-          + (f"; recording into {args.store.path} as run {worker.recording.run_id}" if worker.recording else ""),
+          + (f"; recording into {args.store.path} as run {worker.recording.run_id}" if worker.recording else "")
+          + (f"; KV events on {args.kv_events}" + (f", replay on {args.kv_replay}" if args.kv_replay else "")
+             if publisher else ""),
           file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=30))
     try:  # SIGTERM or Ctrl-C: uvicorn stops listening, drains the requests in flight, then the app stops
@@ -73,6 +90,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         worker.close()
         sock.close()
+        if publisher is not None:
+            publisher.close()
     return 0
 
 
@@ -100,6 +119,10 @@ def add_serve(sub, add_model_device) -> None:
                                                    "turns the leak oracle on")
     p.add_argument("--oracle", action="store_true",
                    help="run the leak oracle on every step (the inspect path: slower) and export its metrics")
+    p.add_argument("--kv-events", metavar="ENDPOINT",
+                   help="publish vLLM 0.33 KV-cache events over ZMQ here, e.g. tcp://*:5557 (capture-vllm follows it)")
+    p.add_argument("--kv-replay", metavar="ENDPOINT", help="and answer replay requests here, e.g. tcp://*:5558")
+    p.add_argument("--kv-topic", default="", help="the events' ZMQ topic (default empty, as vLLM's)")
     p.add_argument("--record", action="store_true",
                    help="record the served traffic into the run store as one run (turns the leak oracle on; every "
                         "step writes the whole pool: for a session, not for days)")

@@ -91,8 +91,8 @@ class BlockPool:
     def num_free(self) -> int:
         return len(self.free)
 
-    def event(self, kind: EventKind, b: Block, request: str | None, source: int | None = None) -> None:
-        self._emit(BlockEvent(kind, b.id, request, b.ref_cnt, source))
+    def event(self, kind: EventKind, b: Block, request: str | None, source: int | None = None, **detail) -> None:
+        self._emit(BlockEvent(kind, b.id, request, b.ref_cnt, source, **detail))
 
     def allocate(self, n: int, request: str) -> list[Block]:
         """Pop `n` blocks for new content, evicting cached ones from the head of the queue."""
@@ -110,10 +110,11 @@ class BlockPool:
 
     def evict(self, b: Block, request: str | None) -> None:
         """Forget a block's hash when it is reused; the map entry must go with it."""
-        if self.cached.get(b.hash) is b:
-            del self.cached[b.hash]
+        old = b.hash
+        if self.cached.get(old) is b:
+            del self.cached[old]
         b.hash = None
-        self.event("evict", b, request)
+        self.event("evict", b, request, hash=old)
 
     def acquire(self, blocks: Iterable[Block], request: str, kind: EventKind = "hit") -> None:
         """Add a reference to blocks that already hold content (prefix hits, forks)."""
@@ -131,10 +132,11 @@ class BlockPool:
                 (self.free.push_tail if b.hash is not None else self.free.push_head)(b)
             self.event(kind, b, request)
 
-    def cache(self, b: Block, h: BlockHash, request: str) -> None:
-        """Publish a full block under its hash, unless another block already holds that hash."""
+    def cache(self, b: Block, h: BlockHash, request: str, **detail) -> None:
+        """Publish a full block under its hash, unless another block already holds that hash (detail:
+        its parent's hash, tokens and salt, carried on the event)."""
         if h in self.cached:
             return
         b.hash = h
         self.cached[h] = b
-        self.event("cache", b, request)
+        self.event("cache", b, request, hash=h, **detail)

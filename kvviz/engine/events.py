@@ -24,3 +24,9 @@ class BlockEvent:
     request: str | None
     refcount: int
     source: int | None = None
+    # cache: the hash given, its parent's (None for a first block), the block's tokens and salt;
+    # evict: the hash taken away. What a KV-event publisher needs without reading the pool.
+    hash: bytes | None = None
+    parent_hash: bytes | None = None
+    token_ids: tuple[int, ...] = ()
+    salt: str | None = None

@@ -191,7 +191,9 @@ class KVCacheManager:
         seq.num_computed = end
         if self.enable_prefix_caching:
             for i in range(start // B, end // B):
-                self.pool.cache(self.pool.blocks[seq.block_table[i]], self.block_hash(seq, i), seq_id)
+                self.pool.cache(self.pool.blocks[seq.block_table[i]], self.block_hash(seq, i), seq_id,
+                                parent_hash=self.block_hash(seq, i - 1) if i else None,
+                                token_ids=tuple(seq.token_ids[i * B:(i + 1) * B]), salt=seq.salt)
 
     def fork(self, parent_id: str, child_id: str) -> Sequence:
         """A child of the same tenant sharing every block of its parent, partial last block included."""

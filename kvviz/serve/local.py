@@ -6,10 +6,11 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 import uvicorn
 
-from ..engine import EngineConfig
+from ..engine import EngineConfig, StepRecord
 from ..models import LoadedModel
 from ..store import RunStore
 from .app import ServeOptions, create_app
@@ -27,8 +28,9 @@ class LocalServer:
     context manager. `url` is the server's root; the OpenAI API is under url + "/v1"."""
 
     def __init__(self, model: LoadedModel, config: EngineConfig, options: ServeOptions, max_in_flight: int = 64,
-                 oracle: bool = False, fault: str | None = None, record: RunStore | None = None):
-        self.worker = EngineWorker(model, config, max_in_flight, oracle, fault, record)
+                 oracle: bool = False, fault: str | None = None, record: RunStore | None = None,
+                 on_step: Callable[[StepRecord], None] | None = None):
+        self.worker = EngineWorker(model, config, max_in_flight, oracle, fault, record, on_step)
         self.url = f"http://127.0.0.1:{free_port()}"
         self.server = uvicorn.Server(uvicorn.Config(create_app(self.worker, options), host="127.0.0.1",
                                                     port=int(self.url.rsplit(":", 1)[1]), log_level="warning"))

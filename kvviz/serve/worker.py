@@ -11,12 +11,13 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from ..analysis.run_metrics import LiveMetrics
-from ..engine import Engine, EngineConfig, EngineLoop
+from ..engine import Engine, EngineConfig, EngineLoop, StepRecord
 from ..engine.sampler import request_generator
 from ..faults import defences_with
 from ..ids import new_run_id
@@ -91,9 +92,12 @@ class EngineWorker:
     """Owns the loop thread. `submit` from any thread with a running asyncio loop; `close` stops it."""
 
     def __init__(self, model: LoadedModel, config: EngineConfig, max_in_flight: int = 256, oracle: bool = False,
-                 fault: str | None = None, record: RunStore | None = None):
+                 fault: str | None = None, record: RunStore | None = None,
+                 on_step: Callable[[StepRecord], None] | None = None):
         """oracle: run the leak oracle on every step (config.compute must be inspect); fault: serve with
-        this catalogue fault injected; record: record the served traffic into this store as one run."""
+        this catalogue fault injected; record: record the served traffic into this store as one run;
+        on_step: hears every step on the engine's thread (a KV-event publisher)."""
+        self.on_step = on_step
         self.m, self.engine = model, Engine(model, config, defences_with(fault, config.block_size))
         self.max_in_flight = max_in_flight
         self.oracle = ProvenanceOracle() if oracle else None
@@ -197,6 +201,8 @@ class EngineWorker:
         if rec is None:
             return
         self.metrics.update(rec, self.oracle)
+        if self.on_step is not None:
+            self.on_step(rec)
         found = list(self.oracle.findings) if self.oracle is not None else []
         if self.recording is not None:
             self.recording.on_step(rec, found)  # it writes the oracle's steps and then drops them
