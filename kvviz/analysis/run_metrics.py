@@ -65,8 +65,8 @@ class LiveMetrics:
 
     def update(self, rec: StepRecord, oracle: ProvenanceOracle | None = None) -> None:
         snap = rec.snapshot
-        for looked, hit in rec.lookups.values():
-            self.looked_up, self.served = self.looked_up + looked, self.served + hit
+        for lookup in rec.lookups.values():
+            self.looked_up, self.served = self.looked_up + lookup.tokens, self.served + lookup.hit_tokens
         self.num_blocks = len(snap.refcounts)
         self.used_blocks = self.num_blocks - len(snap.free_queue)
         self.live_slots, self.allocated_slots = snap.live_slots(), self.used_blocks * snap.block_size

@@ -15,7 +15,7 @@ from .common import fail
 from .models import cmd_bench, cmd_fetch_model
 from .run import cmd_run
 from .serve import add_serve
-from .store import cmd_export, cmd_import, cmd_replay, cmd_sql
+from .store import cmd_explain, cmd_export, cmd_import, cmd_replay, cmd_sql
 
 MODEL_HELP = "smollm2 (default), tiny-llama, tiny-gpt2 or a path"
 DEVICE_HELP = "auto (default), cpu, cuda or cuda:N"
@@ -103,6 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument("file")
     _add_db(imp)
     imp.set_defaults(func=cmd_import)
+
+    expl = sub.add_parser("explain", help="why each prefix-cache lookup of a run (or capture) stopped where it did")
+    expl.add_argument("run_id")
+    expl.add_argument("--request", metavar="ID", help="only this request (a capture's: chain-HASH)")
+    expl.add_argument("--json", action="store_true", help="one JSON object as the last line")
+    _add_db(expl)
+    expl.set_defaults(func=cmd_explain)
 
     scen = sub.add_parser("scenarios", help="list the replayable scenarios")
     scen.set_defaults(func=cmd_scenarios)

@@ -86,3 +86,28 @@ def cmd_import(args: argparse.Namespace) -> int:
 
     print(import_file(args.file, args.store))
     return 0
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    """Why each lookup of a run (or each stored chain of a capture) stopped where it did."""
+    from ..analysis.explain import explain_run
+
+    with args.store.read() as con:
+        args.store.require_run(con, args.run_id)
+        found = explain_run(con, args.run_id)
+    if args.request is not None:
+        found = [e for e in found if e.request == args.request]
+        if not found:
+            return fail(f"run {args.run_id} has no lookup of request {args.request!r}", "explain")
+    if args.json:
+        print(json.dumps({"run_id": args.run_id, "lookups": [
+            {"request": e.request, "step": e.step, "hit_tokens": e.hit_tokens, "stop_block": e.stop_block,
+             "stop_token": e.stop_token, "reason": e.reason, "evidence": e.evidence} for e in found]}))
+        return 0
+    rows = [(e.request, str(e.step), str(e.hit_tokens), str(e.stop_block), e.reason,
+             ", ".join(f"{k} {v}" for k, v in e.evidence.items())) for e in found]
+    head = ("request", "step", "hit tokens", "stopped at block", "reason", "evidence")
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
+    for r in (head, *rows):
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip())
+    return 0

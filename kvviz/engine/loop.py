@@ -19,7 +19,7 @@ from .attention import KVTensors, StepBatch
 from .kv_cache import KVCacheManager
 from .observer import AttentionObserver, StepContext
 from .plan import ScheduledWork, build_step
-from .records import RequestResult, RunStats, StepRecord
+from .records import Lookup, RequestResult, RunStats, StepRecord
 from .sampler import request_generator, sample
 from .scheduler import Scheduler
 
@@ -133,7 +133,8 @@ class EngineLoop:
         for o in observers:
             o.end_step()
         allocs = dict(plan.work)
-        lookups = {sid: (len(kv.seqs[sid].token_ids), allocs[sid].start) for sid in plan.admitted}
+        lookups = {sid: Lookup(len(kv.seqs[sid].token_ids), allocs[sid].start, kv.seqs[sid].salt)
+                   for sid in plan.admitted}
         for sid in plan.admitted:
             if live[sid].cached_tokens < 0:
                 live[sid].cached_tokens = allocs[sid].start

@@ -11,6 +11,15 @@ from .events import BlockEvent
 from .kv_cache import PoolSnapshot
 
 
+@dataclass(frozen=True)
+class Lookup:
+    """A request's prefix-cache lookup at admission: what a hit rate counts and a miss is explained by."""
+
+    tokens: int  # prompt tokens looked up
+    hit_tokens: int  # served by the cache
+    salt: str | None
+
+
 @dataclass
 class RequestResult:
     id: str
@@ -47,8 +56,7 @@ class StepRecord:
     writes: dict[str, list[int]] = field(default_factory=dict)  # request -> slots its K/V went to, by position
     tokens: dict[str, list[int]] = field(default_factory=dict)  # request -> token ids computed, by position
     events: list[BlockEvent] = field(default_factory=list)
-    lookups: dict[str, tuple[int, int]] = field(default_factory=dict)  # admitted -> (tokens looked up in the
-    # prefix cache, tokens it served): what a prefix-cache hit rate counts
+    lookups: dict[str, Lookup] = field(default_factory=dict)  # each admitted request's prefix-cache lookup
     snapshot: PoolSnapshot | None = None  # the pool after the step's frees
     seconds: float = 0.0
 

@@ -88,7 +88,12 @@ class RunRecorder:
                       lifetime=life, state=snap.state(b))
         for i, e in enumerate(rec.events):
             self._add("block_events", run_id=rid, step=s, seq=i, kind=e.kind, block=e.block, request_id=e.request,
-                      refcount=e.refcount, source=e.source)
+                      refcount=e.refcount, source=e.source, hash=None if e.hash is None else hash_to_u64(e.hash),
+                      parent_hash=None if e.parent_hash is None else hash_to_u64(e.parent_hash),
+                      token_ids=list(e.token_ids) if e.kind == "cache" else None, salt=e.salt)
+        for req, lookup in rec.lookups.items():
+            self._add("cache_lookups", run_id=rid, step=s, request_id=req, salt=lookup.salt, tokens=lookup.tokens,
+                      hit_tokens=lookup.hit_tokens)
         self._pending += 1
         # Each flush opens, writes and closes (checkpoints) the file: at most one every flush_seconds.
         if self._pending >= self.flush_every and time.monotonic() - self._flushed_at >= self.flush_seconds:

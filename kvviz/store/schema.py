@@ -3,7 +3,8 @@ build, and the kvviz trace's tables all come from here, so the public trace form
 the database.
 
 Version 2 added token_text, version 3 the positional_entropy view, version 4 steps.live_slots, the
-kv_slot_utilisation view and the timing audits; older files are upgraded in place by the idempotent DDL.
+kv_slot_utilisation view, the timing audits, cache_lookups and the cache detail of block_events; older
+files are upgraded in place by the idempotent DDL.
 """
 
 from __future__ import annotations
@@ -111,9 +112,16 @@ TABLES: dict[str, Table] = {t.name: t for t in (
     Table("blocks", "Every block after each step. state: free | cached (free, hash kept) | used.", _cols(
         RUN_ID + "step INTEGER, block INTEGER, refcount INTEGER, hash UBIGINT, lifetime INTEGER, state VARCHAR")),
     Table("block_events", "Every change to a block, in order within the step. kind: allocate | hit | share | free "
-          "| preempt | cow (block is the copy of source) | cache | evict.", _cols(
-              RUN_ID + "step INTEGER, seq INTEGER, kind VARCHAR, block INTEGER, request_id VARCHAR, refcount INTEGER, "
-              "source INTEGER")),
+          "| preempt | cow (block is the copy of source) | cache | evict.", (
+              *_cols(RUN_ID + "step INTEGER, seq INTEGER, kind VARCHAR, block INTEGER, request_id VARCHAR, "
+                     "refcount INTEGER, source INTEGER"),
+              Column("hash", "UBIGINT", "cache: the hash given; evict: the hash taken away", added_in="4"),
+              Column("parent_hash", "UBIGINT", "cache: the hash of the block before it in its chain", added_in="4"),
+              Column("token_ids", "INTEGER[]", "cache: the block's tokens", added_in="4"),
+              Column("salt", "VARCHAR", "cache: the salt of the request that cached it", added_in="4"))),
+    Table("cache_lookups", "Each prefix-cache lookup at a request's admission (a re-admission after preemption "
+          "too): the prompt tokens looked up and the tokens the cache served.", _cols(
+              RUN_ID + "step INTEGER, request_id VARCHAR, salt VARCHAR, tokens INTEGER, hit_tokens INTEGER")),
     Table("leak_metrics", "The provenance oracle per (step, request, layer, head), reduced over the queries.", _cols(
         RUN_ID + "step INTEGER, request_id VARCHAR, layer INTEGER, head INTEGER, max_foreign DOUBLE, "
         "sum_foreign DOUBLE, leak_rows INTEGER, rows INTEGER, sum_entropy DOUBLE")),

@@ -1,0 +1,220 @@
+"""Why did a request miss? For every prefix-cache lookup, how many tokens hit, at which block and
+token the lookup stopped, and why, with the evidence (the question of LMCache #3659 and vLLM RFC
+#43711 that no tool answers).
+
+One history serves engine runs and captures alike: blocks stored (hash, parent, tokens, salt) and
+removed, in order. Engine runs record it in block_events and their lookups in cache_lookups; a
+capture's kv_events are the same history, and each stored chain segment is a lookup that stopped
+where the segment begins. Reasons, checked in this order:
+
+- partial_block: every full block the lookup could use was served; the rest of the prompt is in a
+  block that is not full (or ends the prompt, whose last token is always computed);
+- preempted: a re-admission after the request lost its blocks to preemption;
+- evicted: the same block (same tokens, same salt) was cached and evicted before the lookup;
+- namespace: the same tokens are cached under another salt;
+- diverged: a cached chain under this salt shares the blocks before and differs inside this one (at
+  which token, with both tokens), sharing at least one token;
+- cold: nothing with these tokens was cached before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+
+import duckdb
+
+from ..store import StoreError
+
+ROOT = b"kvviz/explain-root"
+
+
+def _digest(parent: bytes, tokens: tuple[int, ...]) -> bytes:
+    """A name for a token prefix: chained like block hashes, over tokens only (any engine's capture)."""
+    return hashlib.blake2b(parent + json.dumps(tokens).encode(), digest_size=16).digest()
+
+
+@dataclass(frozen=True)
+class CacheEvent:
+    t: int  # step (engine run) or message (capture)
+    kind: str  # store | remove
+    hash: int
+    parent: int | None = None
+    tokens: tuple[int, ...] = ()
+    salt: str | None = None
+
+
+@dataclass(frozen=True)
+class Lookup:
+    request: str
+    t: int
+    tokens: tuple[int, ...]
+    salt: str | None
+    hit_tokens: int
+    preempted_at: int | None = None  # a re-admission: the step the request was preempted
+    whole_prompt: bool = True  # False for a capture's chain segment: the prompt went on past its blocks
+
+
+@dataclass(frozen=True)
+class Explanation:
+    request: str
+    step: int
+    hit_tokens: int
+    stop_block: int
+    stop_token: int
+    reason: str
+    evidence: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class _Life:
+    stored: int
+    removed: int | None = None
+
+    def alive(self, t: int) -> bool:
+        """Cached when a lookup at t ran: stored in an earlier step, not removed up to t (evictions in
+        t's own step come from allocations before or at the lookup)."""
+        return self.stored < t and (self.removed is None or self.removed > t)
+
+
+class CacheHistory:
+    """Every stored block's token prefix and salt, and when it lived."""
+
+    def __init__(self, events: list[CacheEvent], block_size: int):
+        self.block_size = block_size
+        self._prefix: dict[int, tuple[bytes, str | None]] = {}  # hash -> (prefix digest, chain salt)
+        self._block: dict[int, tuple[int | None, tuple[int, ...]]] = {}  # hash -> (parent, its tokens)
+        self.lives: dict[tuple[str | None, bytes], list[_Life]] = {}
+        self.salts: dict[bytes, set[str | None]] = {}
+        self.children: dict[tuple[str | None, bytes], dict[tuple[int, ...], bytes]] = {}
+        self.depth: dict[int, int] = {}  # hash -> blocks in its chain up to and including it
+        for e in events:
+            if e.kind == "store":
+                self._store(e)
+            elif e.hash in self._prefix:
+                life = self.lives[(self._prefix[e.hash][1], self._prefix[e.hash][0])][-1]
+                if life.removed is None:
+                    life.removed = e.t
+
+    def _store(self, e: CacheEvent) -> None:
+        if e.parent is None:
+            parent, salt, depth = ROOT, e.salt, 0
+        elif e.parent in self._prefix:
+            (parent, salt), depth = self._prefix[e.parent], self.depth[e.parent]
+        else:
+            return  # its chain began before the capture did: its tokens are unknown
+        d = _digest(parent, e.tokens)
+        self._prefix[e.hash], self.depth[e.hash] = (d, salt), depth + 1
+        self._block[e.hash] = (e.parent, e.tokens)
+        self.lives.setdefault((salt, d), []).append(_Life(e.t))
+        self.salts.setdefault(d, set()).add(salt)
+        self.children.setdefault((salt, parent), {})[e.tokens] = d
+
+    def known(self, h: int) -> bool:
+        return h in self._prefix
+
+    def salt_of(self, h: int) -> str | None:
+        return self._prefix[h][1]
+
+    def tokens_of(self, h: int | None) -> tuple[int, ...]:
+        """The token prefix a stored block ends (walked up its chain)."""
+        parts = []
+        while h is not None:
+            h, tokens = self._block[h]
+            parts.append(tokens)
+        return tuple(t for part in reversed(parts) for t in part)
+
+    def _alive(self, salt: str | None, d: bytes, t: int) -> bool:
+        return any(life.alive(t) for life in self.lives.get((salt, d), ()))
+
+    def explain(self, lookup: Lookup) -> Explanation:
+        B, T, s, t = self.block_size, lookup.tokens, lookup.salt, lookup.t
+        k = lookup.hit_tokens // B
+        usable = (len(T) - 1) // B  # the last token is always computed
+        ex = lambda reason, **evidence: Explanation(lookup.request, t, lookup.hit_tokens, k, k * B,  # noqa: E731
+                                                    reason, evidence)
+        if lookup.whole_prompt and k >= usable:
+            return ex("partial_block", tokens_after=len(T) - lookup.hit_tokens)
+        if lookup.preempted_at is not None:
+            return ex("preempted", preempted_at=lookup.preempted_at)
+        parent = ROOT
+        for j in range(k):
+            parent = _digest(parent, tuple(T[j * B:(j + 1) * B]))
+        block = tuple(T[k * B:(k + 1) * B])
+        d = _digest(parent, block)
+        past = [life for life in self.lives.get((s, d), ()) if life.stored < t]
+        if past and not any(life.alive(t) for life in past):
+            last = past[-1]
+            return ex("evicted", stored_at=last.stored, removed_at=last.removed, before=t - last.removed)
+        if past:
+            return ex("unexplained", note="this block was cached when the lookup ran")
+        others = sorted((o for o in self.salts.get(d, ()) if o != s and self._alive(o, d, t)), key=str)
+        if others:
+            return ex("namespace", cached_under=others[0])
+        siblings = [(tokens, sd) for tokens, sd in self.children.get((s, parent), {}).items()
+                    if self._alive(s, sd, t)]
+        theirs = max((tokens for tokens, _ in siblings), key=lambda o: _common(o, block), default=None)
+        if theirs is not None and k * B + _common(theirs, block) > 0:  # nothing in common is not a divergence
+            at = _common(theirs, block)
+            return ex("diverged", shared_tokens=k * B + at, ours=block[at], theirs=theirs[at])
+        return ex("cold")
+
+
+def _common(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def explain_run(con: duckdb.DuckDBPyConnection, run_id: str) -> list[Explanation]:
+    """Every lookup of an engine run, or every stored chain segment of a capture, explained."""
+    head = con.execute("SELECT engine FROM runs WHERE run_id = ?", [run_id]).fetchone()
+    if head is None:
+        raise StoreError(f"no run {run_id!r}")
+    if con.execute("SELECT count(*) FROM kv_events WHERE run_id = ?", [run_id]).fetchone()[0]:
+        return _explain_capture(con, run_id)
+    B = int(json.loads(head[0] or "{}").get("block_size", 16))
+    events = [CacheEvent(step, "store" if kind == "cache" else "remove", h, parent, tuple(tokens or ()), salt)
+              for step, kind, h, parent, tokens, salt in con.execute(
+                  "SELECT step, kind, hash, parent_hash, token_ids, salt FROM block_events WHERE run_id = ? AND "
+                  "kind IN ('cache', 'evict') AND hash IS NOT NULL ORDER BY step, seq", [run_id]).fetchall()]
+    if not events and not con.execute("SELECT count(*) FROM cache_lookups WHERE run_id = ?", [run_id]).fetchone()[0]:
+        raise StoreError(f"run {run_id} has no cache lookups to explain (recorded before kvviz recorded them, or a "
+                         "run without the prefix cache's history)")
+    history = CacheHistory(events, B)
+    tokens = {r: (p or []) + (o or []) for r, p, o in con.execute(
+        "SELECT request_id, prompt_ids, output_ids FROM requests WHERE run_id = ?", [run_id]).fetchall()}
+    preempted = con.execute("SELECT DISTINCT request_id, step FROM block_events WHERE run_id = ? AND "
+                            "kind = 'preempt' ORDER BY step", [run_id]).fetchall()
+    out = []
+    for step, req, salt, n, hit in con.execute("SELECT step, request_id, salt, tokens, hit_tokens FROM cache_lookups "
+                                               "WHERE run_id = ? ORDER BY step, request_id", [run_id]).fetchall():
+        before = [s for r, s in preempted if r == req and s < step]
+        out.append(history.explain(Lookup(req, step, tuple(tokens.get(req, [])[:n]), salt, hit,
+                                          before[-1] if before else None)))
+    return out
+
+
+def _explain_capture(con: duckdb.DuckDBPyConnection, run_id: str) -> list[Explanation]:
+    rows = con.execute("SELECT step, kind, block_hash, parent_hash, token_ids, salt, block_index, block_size "
+                       "FROM kv_events WHERE run_id = ? AND kind IN ('BlockStored', 'BlockRemoved') "
+                       "ORDER BY step, seq, rowid", [run_id]).fetchall()
+    B = next((size for *_, size in rows if size), 16)
+    events = [CacheEvent(step, "store" if kind == "BlockStored" else "remove", h, parent, tuple(tokens or ()), salt)
+              for step, kind, h, parent, tokens, salt, _, _ in rows]
+    history = CacheHistory(events, B)
+    out, seen = [], {}
+    for e, (*_, index, _) in zip(events, rows, strict=True):
+        if e.kind == "store":
+            seen[e.hash] = seen.get(e.hash, 0) + 1  # stored again after an eviction: its n-th life
+        if e.kind == "store" and index == 0 and history.known(e.hash):  # a request's new blocks begin here
+            prefix, n = history.tokens_of(e.parent), seen[e.hash]
+            name = f"chain-{e.hash:016x}" + (f"#{n}" if n > 1 else "")
+            out.append(history.explain(Lookup(name, e.t, prefix + e.tokens, history.salt_of(e.hash), len(prefix),
+                                              whole_prompt=False)))
+    return out

@@ -1,0 +1,126 @@
+"""Why did it miss: engine workloads built to miss for each reason are explained with exactly that
+reason and evidence, and the capture of the same run (run --kv-events) gives the same answers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvviz.analysis.explain import explain_run
+from kvviz.store import RunStore
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT = list(range(100, 124))  # six blocks of 4
+
+
+def kvviz(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvviz", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+
+
+def run(tmp_path: Path, requests: list[dict], num_blocks: int = 16, budget: int = 64) -> tuple[RunStore, str, str]:
+    """Record the workload with its KV events, import the capture; (store, run id, capture id)."""
+    w, db, events = tmp_path / "w.json", tmp_path / "k.duckdb", tmp_path / "e.jsonl"
+    w.write_text(json.dumps({"requests": requests, "engine": {"block_size": 4, "num_blocks": num_blocks,
+                                                               "max_batch_tokens": budget}}))
+    p = kvviz("run", "--workload", str(w), "--model", "tiny-llama", "--db", str(db), "--kv-events", str(events),
+              "--json", "--quiet")
+    assert p.returncode == 0, p.stderr
+    run_id = json.loads(p.stdout.splitlines()[-1])["run_id"]
+    p = kvviz("import", str(events), "--db", str(db))
+    assert p.returncode == 0, p.stderr
+    return RunStore.open(db), run_id, p.stdout.split()[-1]
+
+
+@pytest.fixture(scope="module")
+def misses(tmp_path_factory):
+    """A (t1) caches the prompt; G (t1) finds all of it; B (t2) the same tokens under another salt; D
+    (t1) changes the prompt at token 10; traffic C0-C7 evicts A's blocks before E (t1, 18 shared
+    tokens) and F (t1, the same prompt) arrive."""
+    reqs = [{"id": "A", "prompt_ids": PROMPT, "max_new_tokens": 6, "cache_salt": "t1"},
+            {"id": "G", "prompt_ids": PROMPT, "max_new_tokens": 2, "cache_salt": "t1", "arrival_step": 1},
+            {"id": "B", "prompt_ids": PROMPT, "max_new_tokens": 6, "cache_salt": "t2", "arrival_step": 2},
+            {"id": "D", "prompt_ids": PROMPT[:10] + [7] * 14, "max_new_tokens": 3, "cache_salt": "t1",
+             "arrival_step": 3},
+            {"id": "E", "prompt_ids": PROMPT[:18] + [5, 5, 5], "max_new_tokens": 3, "cache_salt": "t1",
+             "arrival_step": 8},
+            {"id": "F", "prompt_ids": PROMPT, "max_new_tokens": 3, "cache_salt": "t1", "arrival_step": 40}]
+    reqs += [{"id": f"C{i}", "prompt_ids": [30 + i] * 20, "max_new_tokens": 4, "arrival_step": 4 + 2 * i}
+             for i in range(8)]
+    store, run_id, capture_id = run(tmp_path_factory.mktemp("misses"), reqs)
+    with store.read() as con:
+        first: dict = {}
+        for e in explain_run(con, run_id):  # each request's first lookup (a preempted one has more)
+            first.setdefault(e.request, e)
+        return store, run_id, capture_id, first
+
+
+def test_each_reason_with_its_evidence(misses):
+    *_, got = misses
+    assert (got["A"].reason, got["A"].hit_tokens) == ("cold", 0)
+    assert (got["G"].reason, got["G"].hit_tokens, got["G"].evidence) == ("partial_block", 20, {"tokens_after": 4})
+    assert (got["B"].reason, got["B"].evidence) == ("namespace", {"cached_under": "t1"})
+    assert (got["D"].reason, got["D"].hit_tokens, got["D"].stop_block) == ("diverged", 8, 2)
+    assert got["D"].evidence == {"shared_tokens": 10, "ours": 7, "theirs": 110}
+    for r in ("E", "F"):
+        e = got[r]
+        assert e.reason == "evicted" and e.evidence["removed_at"] < e.step, (r, e)
+        assert e.evidence["before"] == e.step - e.evidence["removed_at"]
+    assert got["E"].hit_tokens == 0 or got["E"].stop_block * 4 == got["E"].hit_tokens
+    assert all(got[f"C{i}"].reason == "cold" for i in range(8))  # unrelated prompts: nothing in common
+
+
+def test_a_preempted_request_is_explained_as_preempted(tmp_path):
+    reqs = [{"id": "P", "prompt_ids": list(range(100, 112)), "max_new_tokens": 14},
+            {"id": "Q", "prompt_ids": list(range(150, 162)), "max_new_tokens": 14}]
+    store, run_id, _ = run(tmp_path, reqs, num_blocks=10)
+    with store.read() as con:
+        got = explain_run(con, run_id)
+        preempted = con.execute("SELECT DISTINCT request_id, step FROM block_events WHERE run_id = ? AND "
+                                "kind = 'preempt' ORDER BY step", [run_id]).fetchall()
+    assert preempted, "the pool was meant to be too small for both"
+    victim, at = preempted[0]
+    again = [e for e in got if e.request == victim][1:]
+    assert again and again[0].reason == "preempted" and again[0].evidence == {"preempted_at": at}
+
+
+def test_the_capture_of_the_run_gives_the_same_answers(misses):
+    store, run_id, capture_id, got = misses
+    with store.read() as con:
+        from_capture = {e.request: e for e in explain_run(con, capture_id)}
+        cached = con.execute("SELECT request_id, hash FROM block_events WHERE run_id = ? AND kind = 'cache' "
+                             "ORDER BY step, seq", [run_id]).fetchall()
+    first_stored, times = {}, {}  # request -> the capture's name for the chain its first new block began
+    for req, h in cached:
+        times[h] = times.get(h, 0) + 1
+        first_stored.setdefault(req, f"chain-{h:016x}" + (f"#{times[h]}" if times[h] > 1 else ""))
+    compared = 0
+    for req, e in got.items():
+        if e.reason == "partial_block" or req not in first_stored:
+            continue  # stored nothing new: the capture never sees this lookup
+        c = from_capture[first_stored[req]]
+        assert (c.reason, c.hit_tokens, c.stop_block) == (e.reason, e.hit_tokens, e.stop_block), req
+        if e.reason in ("namespace", "diverged"):
+            assert c.evidence == e.evidence
+        compared += 1
+    assert compared >= 12
+
+
+def test_the_cli_explains_as_a_table_or_json(misses):
+    store, run_id, capture_id, _ = misses
+    p = kvviz("explain", run_id, "--db", str(store.path), "--request", "D", "--json")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout.splitlines()[-1])
+    assert out["run_id"] == run_id and [x["reason"] for x in out["lookups"]] == ["diverged"]
+    assert set(out["lookups"][0]) == {"request", "step", "hit_tokens", "stop_block", "stop_token", "reason",
+                                      "evidence"}
+    p = kvviz("explain", capture_id, "--db", str(store.path))
+    assert p.returncode == 0 and "namespace" in p.stdout and "chain-" in p.stdout
+    p = kvviz("explain", run_id, "--db", str(store.path), "--request", "nobody")
+    assert p.returncode == 2 and "no lookup of request 'nobody'" in p.stderr
+    p = kvviz("explain", "no-such-run", "--db", str(store.path))
+    assert p.returncode == 2 and "no-such-run" in p.stderr
