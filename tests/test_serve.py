@@ -207,7 +207,8 @@ def two_tenants_at_once(s: Server) -> dict[str, float]:
 
     def ask(prompt: str, user: str) -> None:
         barrier.wait()
-        s.client.completions.create(model="tiny", prompt=prompt, max_tokens=8, user=user)
+        s.client.completions.create(model="tiny", prompt=prompt, max_tokens=48, user=user, temperature=0,
+                                    extra_body={"ignore_eos": True})  # long enough to overlap under load
 
     with ThreadPoolExecutor(2) as pool:
         list(pool.map(ask, ("tenant one: the secret is red", "tenant two: the secret is blue"), ("a", "b")))
@@ -318,7 +319,7 @@ def test_served_traffic_is_recorded_as_one_run(tiny, tmp_path, fault):
                                    [run_id]).fetchone()[0]
         stored = con.execute("SELECT count(*) FROM findings WHERE run_id = ?", [run_id]).fetchone()[0]
         assert run_memory(con, run_id) is not None  # the Blocks view's comparison works on a served run
-    assert (status, scenario) == ("complete", "serve") and requests == (3, 21)
+    assert (status, scenario) == ("complete", "serve") and requests == (3, 48 + 48 + 5)
     assert steps == metric_steps == s.worker.stats.steps  # every step, with the oracle's metrics
     assert stored == findings == sum(s.worker.findings.values())
     if fault is None:

@@ -10,7 +10,7 @@ from collections import deque
 
 import zmq
 
-from .zmq_capture import EndpointError
+from .zmq_capture import EndpointError, open_socket
 
 END = (-1).to_bytes(8, "big", signed=True)
 
@@ -20,13 +20,13 @@ class ZmqPublisher:
 
     def __init__(self, endpoint: str, replay: str | None = None, buffer: int = 10_000):
         self.ctx = zmq.Context()
-        self.pub = self._bind(zmq.PUB, endpoint, "--kv-events")
+        self.pub = open_socket(self.ctx, zmq.PUB, endpoint, "--kv-events", bind=True)
         self.buffer: deque[tuple[int, bytes, bytes]] = deque(maxlen=buffer)
         self._lock, self._stop = threading.Lock(), threading.Event()
         self._replay = None
         if replay is not None:
             try:
-                router = self._bind(zmq.ROUTER, replay, "--kv-replay")
+                router = open_socket(self.ctx, zmq.ROUTER, replay, "--kv-replay", bind=True)
             except EndpointError:
                 self.pub.close()
                 self.ctx.term()
@@ -34,16 +34,6 @@ class ZmqPublisher:
             self._replay = threading.Thread(target=self._serve_replay, args=(router,), name="kvviz-kv-replay",
                                             daemon=True)
             self._replay.start()
-
-    def _bind(self, kind: int, endpoint: str, flag: str) -> zmq.Socket:
-        sock = self.ctx.socket(kind)
-        sock.setsockopt(zmq.LINGER, 0)
-        try:
-            sock.bind(endpoint)
-        except zmq.ZMQError as e:
-            sock.close()
-            raise EndpointError(f"{flag} {endpoint!r}: {e} (expected e.g. tcp://*:5557)") from None
-        return sock
 
     def send(self, seq: int, topic: bytes, payload: bytes) -> None:
         with self._lock:

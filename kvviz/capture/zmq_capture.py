@@ -22,14 +22,15 @@ class EndpointError(CaptureError):
     """An endpoint ZMQ cannot connect to (a malformed address): said before anything is written."""
 
 
-def _connect(ctx: zmq.Context, kind: int, endpoint: str, flag: str) -> zmq.Socket:
+def open_socket(ctx: zmq.Context, kind: int, endpoint: str, flag: str, bind: bool = False) -> zmq.Socket:
+    """A socket connected (or bound) to the endpoint; a malformed one is an EndpointError naming the flag."""
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     try:
-        sock.connect(endpoint)
+        sock.bind(endpoint) if bind else sock.connect(endpoint)
     except zmq.ZMQError as e:
         sock.close()
-        raise EndpointError(f"{flag} {endpoint!r}: {e} (expected e.g. tcp://host:5557)") from None
+        raise EndpointError(f"{flag} {endpoint!r}: {e} (expected e.g. tcp://{'*' if bind else 'host'}:5557)") from None
     return sock
 
 
@@ -39,11 +40,11 @@ def capture(endpoint: str, out: str, duration: float | None = None, replay: str 
     ctx = zmq.Context()
     socks: list[zmq.Socket] = []
     try:
-        sub = _connect(ctx, zmq.SUB, endpoint, "--endpoint")
+        sub = open_socket(ctx, zmq.SUB, endpoint, "--endpoint")
         socks.append(sub)
         sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
         if replay:
-            socks.append(_connect(ctx, zmq.DEALER, replay, "--replay"))
+            socks.append(open_socket(ctx, zmq.DEALER, replay, "--replay"))
         writer = CaptureWriter(out, endpoint)
         try:
             replayed = _replay(socks[1], writer) if replay else set()

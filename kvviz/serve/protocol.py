@@ -23,6 +23,15 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
+def _refused(message: str):
+    """A validator refusing any value but the default (a feature kvviz does not serve)."""
+    def check(cls, v):
+        if v:
+            raise ValueError(message)
+        return v
+    return classmethod(check)
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -61,19 +70,8 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     logprobs: int | None = None
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v):
-        if v is not None:
-            raise ValueError("kvviz does not return logprobs")
-        return v
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v):
-        if v:
-            raise ValueError("kvviz does not echo the prompt")
-        return v
+    _no_logprobs = field_validator("logprobs")(_refused("kvviz does not return logprobs"))
+    _no_echo = field_validator("echo")(_refused("kvviz does not echo the prompt"))
 
 
 class Message(BaseModel):
@@ -99,19 +97,8 @@ class ChatRequest(_Sampling):
     logprobs: bool = False
     tools: list[dict[str, Any]] | None = None
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v):
-        if v:
-            raise ValueError("kvviz does not return logprobs")
-        return v
-
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, v):
-        if v:
-            raise ValueError("kvviz does not call tools")
-        return v
+    _no_logprobs = field_validator("logprobs")(_refused("kvviz does not return logprobs"))
+    _no_tools = field_validator("tools")(_refused("kvviz does not call tools"))
 
 
 def validation_message(errors: list[dict]) -> tuple[str, str | None]:
