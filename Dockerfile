@@ -1,5 +1,6 @@
 # kvviz in a container: the app on port 8501, with the default model fetched and converted at
-# build time so the first run starts in seconds.
+# build time so the first run starts in seconds. The same image serves the OpenAI API on 8000:
+#   docker run -p 8000:8000 kvviz python -m kvviz serve --host 0.0.0.0
 FROM python:3.11-slim
 
 ENV PIP_NO_CACHE_DIR=1 \
@@ -14,7 +15,7 @@ RUN pip install -r requirements.txt
 COPY . .
 RUN python -m kvviz fetch-model smollm2
 
-EXPOSE 8501
+EXPOSE 8501 8000
 HEALTHCHECK --interval=30s --timeout=5s CMD python -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8501/_stcore/health')"
 CMD ["streamlit", "run", "app.py", "--server.address=0.0.0.0", "--server.port=8501", \
      "--server.headless=true", "--browser.gatherUsageStats=false"]
