@@ -11,6 +11,7 @@ server that salts its cache per user is detected at the per-user level and not a
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 import time
@@ -46,23 +47,39 @@ class AuditConfig:
     endpoint: str = "completions"
     api_key: str = "kvviz-audit"  # the victim's key; the attacker's is this with "-other" at global level
     timeout: float = 120.0
+    target: str | None = None  # what was audited, in words (a kvviz server the app started: its model and policy)
 
     def __post_init__(self) -> None:
         if self.level not in LEVELS:
-            raise AuditError(f"--level must be one of {', '.join(LEVELS)}, got {self.level!r}")
+            raise AuditError(f"level must be one of {', '.join(LEVELS)}, got {self.level!r}")
         if self.endpoint not in ENDPOINTS:
-            raise AuditError(f"--endpoint must be one of {', '.join(ENDPOINTS)}, got {self.endpoint!r}")
-        if self.samples < 2:
-            raise AuditError(f"--samples must be >= 2, got {self.samples}")
+            raise AuditError(f"endpoint must be one of {', '.join(ENDPOINTS)}, got {self.endpoint!r}")
         if self.prompt_tokens < 16:
-            raise AuditError(f"--prompt-tokens must be >= 16, got {self.prompt_tokens}")
+            raise AuditError(f"prompt length must be >= 16 words, got {self.prompt_tokens}")
         if self.interval < 0:
-            raise AuditError(f"--interval must be >= 0, got {self.interval}")
+            raise AuditError(f"interval must be >= 0 seconds, got {self.interval}")
         if not 0 < self.alpha < 1:
-            raise AuditError(f"--alpha must be between 0 and 1, got {self.alpha}")
+            raise AuditError(f"alpha must be between 0 and 1, got {self.alpha}")
+        if self.samples < 2 or smallest_p(self.samples) >= self.alpha:  # it could never say "detected"
+            raise AuditError(f"{self.samples} samples a side cannot reach alpha {self.alpha:g}: even every hit "
+                             f"faster than every miss gives p = {smallest_p(max(self.samples, 1)):.2g}; use at "
+                             f"least {fewest_samples(self.alpha)} samples (or a larger alpha)")
         if not self.base_url.startswith(("http://", "https://")):
-            raise AuditError(f"--base-url must be an http(s) URL such as http://127.0.0.1:8000/v1, "
+            raise AuditError(f"the base URL must be an http(s) URL such as http://127.0.0.1:8000/v1, "
                              f"got {self.base_url!r}")
+
+
+def smallest_p(n: int) -> float:
+    """The one-sided KS p-value of complete separation with n samples a side: 1 / C(2n, n)."""
+    return 1 / math.comb(2 * n, n)
+
+
+def fewest_samples(alpha: float) -> int:
+    """The fewest samples a side with which complete separation is significant at alpha."""
+    n = 2
+    while smallest_p(n) >= alpha:
+        n += 1
+    return n
 
 
 @dataclass(frozen=True)
@@ -183,7 +200,8 @@ def record(store: RunStore, result: AuditResult) -> str:
 
     audit_id, cfg, v = new_run_id(), result.config, result.verdict()
     head = {"audit_id": [audit_id], "created_at": [datetime.now(UTC).replace(tzinfo=None)],
-            "base_url": [cfg.base_url], "model": [cfg.model], "level": [cfg.level], "endpoint": [cfg.endpoint],
+            "base_url": [cfg.base_url], "target": [cfg.target], "model": [cfg.model], "level": [cfg.level],
+            "endpoint": [cfg.endpoint],
             "samples": [v["samples"]], "prompt_tokens": [cfg.prompt_tokens], "alpha": [cfg.alpha],
             "ks_statistic": [result.ks_statistic], "p_value": [result.p_value], "median_hit_ms": [v["median_hit_ms"]],
             "median_miss_ms": [v["median_miss_ms"]],

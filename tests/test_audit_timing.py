@@ -35,14 +35,15 @@ def test_the_ks_test_is_one_sided():
 
 
 def test_the_verdict_has_the_documented_keys():
-    r = AuditResult(AuditConfig("http://x/v1", "m", samples=2), [Sample("hit", 0, 5.0, 10), Sample("miss", 0, 9.0, 0),
-                                                                 Sample("hit", 1, 6.0, 10), Sample("miss", 1, 8.0, 0)])
+    samples = [Sample("hit", 0, 5.0, 10), Sample("miss", 0, 9.0, 0), Sample("hit", 1, 6.0, 10),
+               Sample("miss", 1, 8.0, 0)]
+    r = AuditResult(AuditConfig("http://x/v1", "m", samples=2, alpha=0.5), samples)
     r.ks_statistic, r.p_value = ks_test(r.times("hit"), r.times("miss"))
     v = r.verdict()
     assert list(v) == ["level", "samples", "ks_statistic", "p_value", "median_hit_ms", "median_miss_ms",
                        "hit_faster_than_all_misses", "detected"]
     assert v["samples"] == 2 and v["median_hit_ms"] == 5.5 and v["hit_faster_than_all_misses"] is True
-    assert v["detected"] is False  # two samples a side can never reach alpha 1e-8
+    assert v["p_value"] == pytest.approx(1 / 6) and v["detected"] is True  # complete separation: p = 1/C(4, 2)
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +57,7 @@ def tiny():
 def test_the_protocols_hits_are_hits_only_where_the_cache_is_shared(tiny, sharing, level, hits_cached):
     s = Server(tiny, sharing)
     try:
-        r = run_audit(AuditConfig(s.url + "/v1", "tiny", level, samples=3, prompt_tokens=40), seed=1)
+        r = run_audit(AuditConfig(s.url + "/v1", "tiny", level, samples=3, prompt_tokens=40, alpha=0.5), seed=1)
     finally:
         s.close()
     hits = [x.cached_tokens for x in r.samples if x.kind == "hit"]
@@ -69,7 +70,7 @@ def test_the_protocols_hits_are_hits_only_where_the_cache_is_shared(tiny, sharin
 def test_an_audit_is_recorded_with_its_timings(tiny, tmp_path):
     s = Server(tiny)
     try:
-        r = run_audit(AuditConfig(s.url + "/v1", "tiny", samples=3, prompt_tokens=40), seed=2)
+        r = run_audit(AuditConfig(s.url + "/v1", "tiny", samples=3, prompt_tokens=40, alpha=0.5), seed=2)
     finally:
         s.close()
     store = RunStore.open(tmp_path / "k.duckdb")
@@ -90,16 +91,19 @@ def kvviz(*args: str) -> subprocess.CompletedProcess:
 
 def test_bad_settings_and_unreachable_servers_are_refused(tiny, tmp_path):
     db = str(tmp_path / "k.duckdb")
-    p = kvviz("audit-timing", "--base-url", "http://127.0.0.1:9/v1", "--model", "m", "--samples", "2", "--db", db)
+    p = kvviz("audit-timing", "--base-url", "http://127.0.0.1:9/v1", "--model", "m", "--samples", "20", "--db", db)
     assert p.returncode == 2 and "cannot reach http://127.0.0.1:9/v1" in p.stderr
     p = kvviz("audit-timing", "--base-url", "http://x/v1", "--model", "m", "--level", "tenant", "--db", db)
-    assert p.returncode == 2 and "--level must be one of global, per-user" in p.stderr
+    assert p.returncode == 2 and "level must be one of global, per-user" in p.stderr
+    p = kvviz("audit-timing", "--base-url", "http://x/v1", "--model", "m", "--samples", "8", "--db", db)
+    assert p.returncode == 2 and "8 samples a side cannot reach alpha 1e-08" in p.stderr
+    assert "use at least 15 samples" in p.stderr  # an audit that could never say "detected" is refused
     p = kvviz("audit-timing", "--base-url", "localhost:8000", "--model", "m", "--db", db)
-    assert p.returncode == 2 and "--base-url must be an http(s) URL" in p.stderr
+    assert p.returncode == 2 and "the base URL must be an http(s) URL" in p.stderr
     s = Server(tiny)
     try:
         with pytest.raises(AuditError, match="HTTP 404"):
-            run_audit(AuditConfig(s.url + "/v1", "not-served", samples=2, prompt_tokens=20))
+            run_audit(AuditConfig(s.url + "/v1", "not-served", samples=2, prompt_tokens=20, alpha=0.5))
     finally:
         s.close()
 
@@ -141,6 +145,7 @@ def test_the_audit_page_runs_an_audit_and_shows_it_beside_the_past(tmp_path, mon
     at.selectbox(key="audit_model").set_value("tiny-llama").run()
     at.number_input(key="audit_samples").set_value(3).run()
     at.number_input(key="audit_words").set_value(40).run()
+    at.number_input(key="audit_alpha").set_value(0.5).run()
     at.button(key="audit_go").click().run()
     assert not at.exception and not at.error
     assert any("Not detected" in s.value or "Detected" in s.value for s in [*at.success, *at.info, *at.error])

@@ -320,6 +320,10 @@ def test_served_traffic_is_recorded_as_one_run(tiny, tmp_path, fault):
         stored = con.execute("SELECT count(*) FROM findings WHERE run_id = ?", [run_id]).fetchone()[0]
         assert run_memory(con, run_id) is not None  # the Blocks view's comparison works on a served run
     assert (status, scenario) == ("complete", "serve") and requests == (3, 48 + 48 + 5)
+    with store.read() as con:  # each request arrived at the step it joined, the third after the others
+        arrivals = [a for (a,) in con.execute("SELECT arrival_step FROM requests WHERE run_id = ? ORDER BY "
+                                              "arrival_step", [run_id]).fetchall()]
+    assert arrivals[-1] > arrivals[0] and arrivals[-1] >= 48
     assert steps == metric_steps == s.worker.stats.steps  # every step, with the oracle's metrics
     assert stored == findings == sum(s.worker.findings.values())
     if fault is None:

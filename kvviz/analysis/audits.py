@@ -21,7 +21,8 @@ LOCAL_ENGINE = EngineConfig(block_size=16, num_blocks=1024, max_batch_tokens=204
 
 def list_audits(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
     """Newest first."""
-    return con.execute("SELECT audit_id, created_at, base_url, model, level, samples, prompt_tokens, "
+    return con.execute("SELECT audit_id, created_at, coalesce(target, base_url) AS target, model, level, samples, "
+                       "prompt_tokens AS prompt_words, "
                        "round(median_hit_ms, 1) AS median_hit_ms, round(median_miss_ms, 1) AS median_miss_ms, "
                        "round(ks_statistic, 3) AS ks_statistic, p_value, detected FROM timing_audits "
                        "ORDER BY created_at DESC").df()
@@ -52,5 +53,6 @@ def audit_local(store: RunStore, m: LoadedModel, sharing: str, cfg: AuditConfig,
     audit and stopped after it (cfg's base_url and model are filled in)."""
     config = EngineConfig(**{**LOCAL_ENGINE.to_dict(), "prefix_caching": sharing != "off"})
     with LocalServer(m, config, ServeOptions(m.name, sharing)) as server:
-        local = replace(cfg, base_url=server.url + "/v1", model=m.name)
+        local = replace(cfg, base_url=server.url + "/v1", model=m.name,
+                        target=f"kvviz serve on {m.name}, cache sharing {sharing}")
         return audit_url(store, local, progress)

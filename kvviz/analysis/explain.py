@@ -152,16 +152,17 @@ class CacheHistory:
             return ex("evicted", stored_at=last.stored, removed_at=last.removed, before=t - last.removed)
         if past:
             return ex("unexplained", note="this block was cached when the lookup ran")
-        others = sorted((o for o in self.salts.get(d, ()) if o != s and self._alive(o, d, t)), key=str)
+        others = sorted((o for o in self.salts.get(d, ()) if o != s and self._alive(o, d, t)),
+                        key=lambda o: (o is None, str(o)))
         if others:
-            return ex("namespace", cached_under=others[0])
+            return ex("namespace", cached_under=others[0] if others[0] is not None else "(no salt)")
         siblings = [(tokens, sd) for tokens, sd in self.children.get((s, parent), {}).items()
                     if self._alive(s, sd, t)]
         theirs = max((tokens for tokens, _ in siblings), key=lambda o: _common(o, block), default=None)
         if theirs is not None and k * B + _common(theirs, block) > 0:  # nothing in common is not a divergence
             at = _common(theirs, block)
             return ex("diverged", shared_tokens=k * B + at, ours=block[at], theirs=theirs[at])
-        return ex("cold")
+        return ex("cold", new_from_token=k * B)  # the tokens from here were never cached (under any salt)
 
 
 def _common(a: tuple[int, ...], b: tuple[int, ...]) -> int:

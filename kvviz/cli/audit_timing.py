@@ -16,7 +16,7 @@ def cmd_audit_timing(args: argparse.Namespace) -> int:
     cfg = AuditConfig(args.base_url.rstrip("/"), args.model, args.level, args.samples, args.prompt_tokens,
                       args.interval, args.alpha, args.endpoint, args.api_key)
     store = args.store
-    with tqdm(total=2 * cfg.samples, unit="sample", desc=f"auditing ({cfg.level})", file=sys.stderr,
+    with tqdm(total=2 * cfg.samples, unit="request", desc=f"auditing ({cfg.level})", file=sys.stderr,
               disable=args.quiet) as bar:
         result = run_audit(cfg, progress=lambda s: bar.update(1))
     verdict = result.verdict()
@@ -27,7 +27,7 @@ def cmd_audit_timing(args: argparse.Namespace) -> int:
         says = ("DETECTED: hits reach their first token sooner; this server shares its prompt cache "
                 + ("across users" if cfg.level == "global" else "within a user"))
         print(f"timing audit {audit_id} of {cfg.base_url} ({cfg.model}), level {cfg.level}, "
-              f"{verdict['samples']} hits and {verdict['samples']} misses of ~{cfg.prompt_tokens} tokens")
+              f"{verdict['samples']} hits and {verdict['samples']} misses of {cfg.prompt_tokens} words")
         print(f"  median TTFT      hit {verdict['median_hit_ms']:.1f} ms   miss {verdict['median_miss_ms']:.1f} ms")
         print(f"  KS statistic     {verdict['ks_statistic']:.3f}   p-value {verdict['p_value']:.3g} "
               f"(alpha {cfg.alpha:g})")

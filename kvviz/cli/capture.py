@@ -17,7 +17,8 @@ def cmd_capture_vllm(args: argparse.Namespace) -> int:
 
     def progress(w: CaptureWriter) -> None:
         gaps = f", {len(w.gaps)} gaps in sequence numbers" if w.gaps else ""
-        print(f"\rkvviz: {w.count} messages, last seq {w.last}{gaps}", end="", file=sys.stderr, flush=True)
+        said = f"{w.count} message{'' if w.count == 1 else 's'}"
+        print(f"\rkvviz: {said}, last seq {w.last}{gaps}", end="", file=sys.stderr, flush=True)
 
     try:
         w = capture(args.endpoint, args.out, duration=args.duration, replay=args.replay, topic=args.topic,

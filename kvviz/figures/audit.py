@@ -33,7 +33,7 @@ def ttft_ecdf(hit: list[float], miss: list[float], title: str = "") -> go.Figure
                                  line={"color": "black", "width": 2}, name=f"KS distance D = {d:.2f}",
                                  hovertemplate=f"D = {d:.3f} at %{{x:.1f}} ms<extra></extra>"))
     fig.update_layout(title=title or None, height=340, margin={"l": 10, "r": 10, "t": 40 if title else 10, "b": 10},
-                      xaxis={"title": "time to first token (ms)", "type": "log"},
+                      xaxis={"title": "time to first token (ms)", "rangemode": "tozero"},
                       yaxis={"title": "share of requests", "tickformat": ".0%", "range": [0, 1.02]},
                       legend={"orientation": "h", "y": -0.25})
     return fig

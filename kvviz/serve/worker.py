@@ -185,8 +185,8 @@ class EngineWorker:
                 rid, sub = self._pending.popleft()
                 gen = request_generator(sub.seed, "", self.m.device) if sub.seed is not None else None
                 spec = RequestSpec(rid, prompt_ids=sub.prompt_ids, max_new_tokens=sub.max_tokens,
-                                   cache_salt=sub.salt, temperature=sub.temperature, top_p=sub.top_p,
-                                   ignore_eos=sub.ignore_eos)
+                                   arrival_step=loop.step, cache_salt=sub.salt, temperature=sub.temperature,
+                                   top_p=sub.top_p, ignore_eos=sub.ignore_eos)
                 loop.add(spec, sub.prompt_ids, gen)
             for rid in self._cancelled:
                 loop.cancel(rid)

@@ -77,7 +77,8 @@ def _memory(con, info: RunInfo, step: int) -> None:
                      "prompt + max_new_tokens on arrival (the seed: about 60%)")
     extra = len(mem.contiguous.usage) - len(mem.paged)
     c[2].metric("steps to finish, contiguous", f"{len(mem.contiguous.usage)}",
-                delta=f"{extra} more than paged" if extra else None, delta_color="inverse",
+                delta=f"{abs(extra)} {'more' if extra > 0 else 'fewer'} than paged" if extra else None,
+                delta_color="inverse",
                 help=f"paged: {len(mem.paged)}; contiguous requests wait for a free region")
     c[3].metric("fragmented steps", mem.contiguous.fragmented_steps,
                 help="steps where the first waiting request found no region although enough slots were free "
