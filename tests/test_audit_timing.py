@@ -147,8 +147,9 @@ def test_the_audit_page_runs_an_audit_and_shows_it_beside_the_past(tmp_path, mon
     at.number_input(key="audit_words").set_value(40).run()
     at.number_input(key="audit_alpha").set_value(0.5).run()
     at.button(key="audit_go").click().run()
-    assert not at.exception and not at.error
-    assert any("Not detected" in s.value or "Detected" in s.value for s in [*at.success, *at.info, *at.error])
+    assert not at.exception  # the verdict is red when sharing across users is detected: timing decides which
+    said = [s.value for s in [*at.success, *at.info, *at.error]]
+    assert len(said) == 1 and ("Not detected" in said[0] or "Detected" in said[0])
     with RunStore.open(tmp_path / "k.duckdb").read() as con:
         (audit_id,) = con.execute("SELECT audit_id FROM timing_audits").fetchone()
         assert con.execute("SELECT count(*) FROM timing_samples").fetchone()[0] == 6
