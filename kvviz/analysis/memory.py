@@ -71,7 +71,6 @@ class FirstFit:
     """A line of `capacity` slots handed out as contiguous regions, lowest free address first."""
 
     def __init__(self, capacity: int):
-        self.capacity = capacity
         self.holes: list[tuple[int, int]] = [(0, capacity)] if capacity else []  # (start, length), sorted
 
     @property

@@ -33,11 +33,6 @@ class KVEventEmitter:
             self.sink(self.seq, self.topic, msgpack.packb([self.clock(), events, None]))
             self.seq += 1
 
-    def clear(self) -> None:
-        """The cache was reset (a server's reset_prefix_cache): AllBlocksCleared."""
-        self.sink(self.seq, self.topic, msgpack.packb([self.clock(), [{"type": "AllBlocksCleared"}], None]))
-        self.seq += 1
-
     def batch(self, events: list[BlockEvent]) -> list[dict]:
         out: list[dict] = []
         for e in events:

@@ -82,7 +82,6 @@ class _Flight:
 class ServerStats:
     requests: int = 0
     prompt_tokens: int = 0
-    cached_tokens: int = 0
     generated_tokens: int = 0
     steps: int = 0
     peak_batch: int = 0  # most requests computed in one step
@@ -242,11 +241,10 @@ class EngineWorker:
             f = self._flights.pop(rid)
         self._recorded(result, f.sub)
         reason = reason or ("stop" if result.finish_reason == "eos" else "length")
-        cached = max(result.cached_tokens, 0)
         s = self.stats
         s.requests, s.prompt_tokens = s.requests + 1, s.prompt_tokens + len(result.prompt_ids)
-        s.cached_tokens, s.generated_tokens = s.cached_tokens + cached, s.generated_tokens + len(f.output)
-        f.put(Done(reason, len(result.prompt_ids), len(f.output), cached))
+        s.generated_tokens += len(f.output)
+        f.put(Done(reason, len(result.prompt_ids), len(f.output), max(result.cached_tokens, 0)))
 
     def _recorded(self, result, sub: Submission) -> None:
         if self.recording is not None:
