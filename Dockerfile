@@ -10,7 +10,8 @@ ENV PIP_NO_CACHE_DIR=1 \
 
 WORKDIR /app
 COPY requirements.txt .
-RUN pip install -r requirements.txt
+# The runtime only: what requirements.txt lists under "# Tests" (pytest, a browser driver, pyspark) stays out.
+RUN sed '/^# Tests/,$d' requirements.txt > /tmp/runtime.txt && pip install -r /tmp/runtime.txt
 
 COPY . .
 RUN python -m kvviz fetch-model smollm2

@@ -14,10 +14,10 @@ import msgpack
 import pytest
 import zmq
 
-from kvviz.capture.capture_file import CaptureWriter, read_capture
+from kvviz.capture.capture_file import CaptureWriter, Message, read_capture
 from kvviz.capture.events import CaptureError, decode_batch
 from kvviz.capture.import_vllm import import_capture
-from kvviz.capture.zmq_capture import capture
+from kvviz.capture.zmq_capture import Endpoint, FleetCapture
 from kvviz.store import RunStore
 
 BIG = (1 << 63) + 12345  # unsigned 64-bit hashes above 2^63 occur
@@ -39,26 +39,25 @@ def test_current_map_encoding_with_u64_and_bytes_hashes():
     digest = bytes(range(32))
     evs = decode_batch(batch(stored_map([BIG, digest], None, [1, 2, 3, 4], salt="tenant-a"),
                              {"type": "BlockRemoved", "block_hashes": [BIG], "medium": "GPU"},
-                             {"type": "AllBlocksCleared"}), seq=7)
+                             {"type": "AllBlocksCleared"}), "m").events
     stored, removed, cleared = evs
-    assert stored.block_hashes == (BIG, int.from_bytes(digest[-8:], "big"))
-    assert stored.token_ids == (1, 2, 3, 4) and stored.block_size == 2 and stored.salts == ("tenant-a", None)
-    assert (removed.kind, removed.block_hashes, cleared.kind, stored.seq) == ("BlockRemoved", (BIG,),
-                                                                             "AllBlocksCleared", 7)
+    assert stored.block_hashes == [BIG, int.from_bytes(digest[-8:], "big")]
+    assert stored.token_ids == [1, 2, 3, 4] and stored.block_size == 2 and stored.salts == ["tenant-a", None]
+    assert (removed.kind, removed.block_hashes, cleared.kind) == ("BlockRemoved", [BIG], "AllBlocksCleared")
 
 
 def test_legacy_array_encoding_and_signed_hashes():
     legacy = ["BlockStored", [-5, 9], 3, [1, 2, 3, 4], 2, None, "GPU"]  # a release before lora_name existed
-    stored, removed = decode_batch(batch(legacy, ["BlockRemoved", [9], "GPU"]), seq=0)
-    assert stored.block_hashes == ((-5) & ((1 << 64) - 1), 9) and stored.parent_hash == 3
-    assert stored.medium == "GPU" and stored.lora_name is None and removed.block_hashes == (9,)
-    assert decode_batch(msgpack.packb({"ts": 2.0, "events": [legacy], "data_parallel_rank": 1}), 1)[0].rank == 1
+    stored, removed = decode_batch(batch(legacy, ["BlockRemoved", [9], "GPU"]), "m").events
+    assert stored.block_hashes == [(-5) & ((1 << 64) - 1), 9] and stored.parent_hash == 3
+    assert stored.medium == "GPU" and stored.lora_name is None and removed.block_hashes == [9]
+    assert decode_batch(msgpack.packb({"ts": 2.0, "events": [legacy], "data_parallel_rank": 1}), "m").rank == 1
 
 
 def write_capture(path, payloads, start=0):
-    w = CaptureWriter(path, "tcp://test")
+    w = CaptureWriter(path, {"replica-0": "tcp://test"})
     for i, p in enumerate(payloads):
-        w.add(start + i, b"kv-events", p)
+        w.add(Message("replica-0", 0, start + i, "kv-events", p))
     w.close()
     return path
 
@@ -78,11 +77,25 @@ def test_import_builds_the_prefix_tree_occupancy_and_cross_salt_findings(tmp_pat
     assert tree[:3] == [(11, None, [1, 2]), (12, 11, [3, 4]), (21, 12, [5, 6])]
     occupancy = con.execute("SELECT step, cached_blocks FROM kv_cache_blocks WHERE run_id = ? ORDER BY step",
                             [run_id]).fetchall()
-    assert occupancy == [(0, 2), (1, 3), (2, 4), (3, 2)]
+    assert occupancy == [(0, 2), (1, 3), (2, 3), (3, 1)], "hash 11 stored again is the same block (a repeat)"
+    repeats = con.execute("SELECT step, block_hash FROM kv_events WHERE run_id = ? AND repeat", [run_id]).fetchall()
+    assert repeats == [(2, 11)]
     f = con.execute("SELECT kind, request_id, source_request, step FROM findings WHERE run_id = ?",
                     [run_id]).fetchall()
     assert f == [("cross_tenant", "tenant-b", "tenant-a", 2)]
     assert con.execute("SELECT status, model, steps FROM runs").fetchone() == ("complete", "vllm capture", 4)
+
+
+def capture(endpoint, out, duration=None, replay=None, topic="", should_stop=lambda: False):
+    """One replica captured into a JSONL file; its final state (counts, gaps)."""
+    fleet = FleetCapture([Endpoint("replica-0", endpoint, replay)], topic=topic)
+    sink = CaptureWriter(out, {"replica-0": endpoint})
+    try:
+        fleet.run(sink, duration=duration, should_stop=should_stop)
+    finally:
+        fleet.close()
+        sink.close()
+    return fleet.states["replica-0"]
 
 
 def free_port() -> int:
@@ -154,10 +167,10 @@ def test_capture_over_a_real_zmq_socket_with_replay_and_a_gap(tmp_path):
     out = tmp_path / "cap.jsonl"
     w = capture(f"tcp://127.0.0.1:{pub_port}", str(out), duration=4, replay=f"tcp://127.0.0.1:{replay_port}")
     pub.join(10)
-    seqs = [s for s, _ in read_capture(out)]
+    seqs = [m.seq for _, m in read_capture(out)]
     assert seqs[:3] == [0, 1, 2], "the replay endpoint's history comes first"
     assert len(seqs) == len(set(seqs)), "a batch both replayed and received live is written once"
-    assert 17 not in seqs and (17, 17) in w.gaps
+    assert 17 not in seqs and [17, 17] in w.gaps
     assert len(seqs) >= 10
     run_id = import_capture(out, RunStore.open(tmp_path / "k.duckdb"))
     con = duckdb.connect(str(tmp_path / "k.duckdb"), read_only=True)
@@ -181,28 +194,30 @@ def sglang_batch(events, rank=0, ts=2.5):
 def test_sglang_positional_frames_of_every_release_decode():
     oldest = sglang_batch([["BlockStored", [H1, H2], None, [11, 12], 1, None],  # before medium: 6 items
                            ["BlockRemoved", [H2]], ["AllBlocksCleared"]], rank=None)
-    stored, removed, cleared = decode_batch(oldest, seq=3)
-    assert (stored.rank, stored.ts, stored.kind, removed.kind, cleared.kind) == (None, 2.5, "BlockStored",
+    b = decode_batch(oldest, "m")
+    stored, removed, cleared = b.events
+    assert (b.rank, b.ts, stored.kind, removed.kind, cleared.kind) == (None, 2.5, "BlockStored",
                                                                                   "BlockRemoved", "AllBlocksCleared")
-    assert stored.block_hashes == (H1 & U64, H2 & U64) and stored.parent_hash is None
-    assert stored.token_ids == (11, 12) and stored.block_size == 1 and stored.medium is None
-    assert removed.block_hashes == (U64,) and stored.salts == (None, None) and stored.lora_name is None
+    assert stored.block_hashes == [H1 & U64, H2 & U64] and stored.parent_hash is None
+    assert stored.token_ids == [11, 12] and stored.block_size == 1 and stored.medium is None
+    assert removed.block_hashes == [U64] and stored.salts is None and stored.lora_name is None
 
     tiered = sglang_batch([["BlockStored", [H3], H2, [13], 1, None, "GPU"],
                            ["BlockStored", [H3 + 1, H3 + 2], H3, [14, 15, 16, 17], 2, None, "CPU_PINNED"],
                            ["BlockRemoved", [H3], "CPU_PINNED"]], rank=1)
-    gpu, host, removed = decode_batch(tiered, seq=4)
-    assert (gpu.parent_hash, gpu.medium, gpu.rank, host.medium, removed.medium) == (U64, "GPU", 1, "CPU_PINNED",
+    b = decode_batch(tiered, "m")
+    gpu, host, removed = b.events
+    assert (gpu.parent_hash, gpu.medium, b.rank, host.medium, removed.medium) == (U64, "GPU", 1, "CPU_PINNED",
                                                                                      "CPU_PINNED")
-    assert host.block_size == 2 and host.token_ids == (14, 15, 16, 17) and host.parent_hash == H3
+    assert host.block_size == 2 and host.token_ids == [14, 15, 16, 17] and host.parent_hash == H3
 
     salted = sglang_batch([["BlockStored", [H1, H2], None, [11, 12], 1, None, "GPU", {"cache_salt": "tenant-a"}]])
-    (ev,) = decode_batch(salted, seq=5)
-    assert ev.salts == ("tenant-a", "tenant-a"), "the salt map names every block of the event"
+    (ev,) = decode_batch(salted, "m").events
+    assert ev.salts == ["tenant-a", "tenant-a"], "the salt map names every block of the event"
     assert ev.lora_name is None and ev.medium == "GPU", "the 8th item is SGLang's metadata, not vLLM's lora_name"
 
     bigram = sglang_batch([["BlockStored", [H3], None, [[21, 22], [22, 23]], 2, None, "GPU"]])  # EAGLE bigram keys
-    assert decode_batch(bigram, seq=6)[0].token_ids == (21, 22)
+    assert decode_batch(bigram, "m").events[0].token_ids == [21, 22]
 
 
 def test_sglang_tagged_map_frames_decode():
@@ -215,11 +230,13 @@ def test_sglang_tagged_map_frames_decode():
         {"type": "BlockRemoved", "block_hashes": [H1]},
         {"type": "AllBlocksCleared"},
     ], rank=3)
-    salted, plain, removed, removed_no_medium, cleared = decode_batch(payload, seq=9)
-    assert salted.salts == ("tenant-b", "tenant-b") and salted.medium == "GPU" and salted.rank == 3
-    assert plain.salts == (None,) and plain.medium is None and plain.parent_hash == H2 & U64
-    assert removed.block_hashes == (H3, U64) and removed_no_medium.medium is None
-    assert cleared.kind == "AllBlocksCleared" and cleared.block_hashes == ()
+    b = decode_batch(payload, "m")
+    salted, plain, removed, removed_no_medium, cleared = b.events
+    assert salted.salts == ["tenant-b", "tenant-b"] and salted.medium == "GPU" and b.rank == 3
+    assert salted.session_id == "s-1"
+    assert plain.salts is None and plain.medium is None and plain.parent_hash == H2 & U64
+    assert removed.block_hashes == [H3, U64] and removed_no_medium.medium is None
+    assert cleared.kind == "AllBlocksCleared" and cleared.block_hashes == []
 
 
 def sglang_radix_capture(tmp_path):
@@ -289,9 +306,9 @@ def test_sglang_capture_over_a_real_zmq_socket_with_replay_and_a_gap(tmp_path):
     w = capture(f"tcp://127.0.0.1:{pub_port}", str(out), duration=4, replay=f"tcp://127.0.0.1:{replay_port}",
                 topic="kv@pod-0@model")
     pub.join(10)
-    seqs = [s for s, _ in read_capture(out)]
+    seqs = [m.seq for _, m in read_capture(out)]
     assert seqs[:3] == [0, 1, 2], "SGLang's replay (seq, payload) frames come first"
-    assert len(seqs) == len(set(seqs)) and 17 not in seqs and (17, 17) in w.gaps
+    assert len(seqs) == len(set(seqs)) and 17 not in seqs and [17, 17] in w.gaps
     assert SGLangPublisher.BARRIER in seqs and len(seqs) >= 30
     topics = [json.loads(line)["topic"] for line in out.read_text().splitlines()[1:]]
     assert topics[:3] == ["", "", ""] and topics[3].startswith("kv@pod-0@model\x00sgl-kv-epoch=")
@@ -326,8 +343,14 @@ BAD = {
                     "not a msgpack event batch"),
     "wrong token count": (lambda t: bad_line(t, json.dumps({"seq": 1, "payload": base64.b64encode(
         batch(stored_map([1, 2], None, [1, 2, 3]))).decode()})), "block_size x 2 tokens"),
-    "unknown event": (lambda t: bad_line(t, json.dumps({"seq": 1, "payload": base64.b64encode(
-        batch({"type": "BlockTeleported", "block_hashes": [1]})).decode()})), "unknown event type"),
+    "cut off": (lambda t: (t / "c.jsonl").write_text('{"format": "kvviz-vllm-capture", "version": 2}\n{"seq": 1, "pay')
+                and t / "c.jsonl", "line 2 is cut off"),
+    "bad token": (lambda t: bad_line(t, json.dumps({"seq": 1, "payload": base64.b64encode(
+        batch(stored_map([1], None, [1, "x"]))).decode()})), r"line 3 \(seq 1\) event 0: token_ids must be"),
+    "token past int32": (lambda t: bad_line(t, json.dumps({"seq": 1, "payload": base64.b64encode(
+        batch(stored_map([1], None, [1, 1 << 40]))).decode()})), "token_ids must be a list of ints"),
+    "bad group": (lambda t: bad_line(t, json.dumps({"seq": 1, "payload": base64.b64encode(
+        batch({"type": "BlockRemoved", "block_hashes": [1], "group_idx": "x"})).decode()})), "group_idx must be"),
     "float hash": (lambda t: bad_line(t, json.dumps({"seq": 1, "payload": base64.b64encode(
         batch({"type": "BlockRemoved", "block_hashes": [1.5]})).decode()})), "must be an int"),
 }

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvviz.analysis.uploads import import_file
-from kvviz.capture.capture_file import CaptureWriter
+from kvviz.capture.capture_file import CaptureWriter, Message
 from kvviz.cli import main
 from kvviz.engine import Engine
 from kvviz.errors import KvvizError, WorkloadError
@@ -54,10 +54,10 @@ def valid_trace() -> bytes:
 def valid_capture() -> bytes:
     ev = {"type": "BlockStored", "block_hashes": [11, 12], "parent_block_hash": None, "token_ids": [1, 2, 3, 4],
           "block_size": 2, "medium": "GPU", "extra_keys": [["tenant-a"], None]}
-    w = CaptureWriter(WORK / "valid.jsonl", "tcp://test")
+    w = CaptureWriter(WORK / "valid.jsonl", {"replica-0": "tcp://test"})
     for seq, events in enumerate([[ev], [{"type": "BlockRemoved", "block_hashes": [12]}], [{"type":
                                                                                             "AllBlocksCleared"}]]):
-        w.add(seq, b"kv-events", msgpack.packb([1.0 + seq, events, 0]))
+        w.add(Message("replica-0", 0, seq, "kv-events", msgpack.packb([1.0 + seq, events, 0])))
     w.close()
     return (WORK / "valid.jsonl").read_bytes()
 
@@ -84,7 +84,7 @@ def imported_whole_or_refused(data: bytes, suffix: str) -> None:
     with store.read() as con:
         assert con.execute("SELECT count(*) FROM runs WHERE run_id = ?", [run_id]).fetchone()[0] == 1
     with store.write() as con:  # keep the target small: remove what the example added
-        for t in (*TRACE_TABLES, "kv_events"):
+        for t in (*TRACE_TABLES, "kv_event_rows"):
             con.execute(f"DELETE FROM {t} WHERE run_id = ?", [run_id])
 
 

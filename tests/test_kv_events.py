@@ -16,12 +16,12 @@ import msgpack
 import pytest
 
 from kvviz.capture.emit import KVEventEmitter
-from kvviz.capture.zmq_capture import capture
 from kvviz.engine.events import BlockEvent
 from kvviz.engine.hashing import hash_to_u64
 from kvviz.models import load_model
 from kvviz.serve.local import free_port
 from kvviz.store import RunStore
+from tests.test_capture import capture
 from tests.test_serve import Server
 
 ROOT = Path(__file__).resolve().parent.parent

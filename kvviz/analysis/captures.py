@@ -1,34 +1,61 @@
-"""An imported vLLM/SGLang KV-event capture: the prefix tree and the cache over time."""
+"""An imported vLLM/SGLang KV-event capture: the prefix tree and the cache over time, per replica
+(the same hash on two replicas is two blocks)."""
 
 from __future__ import annotations
 
 import duckdb
 import pandas as pd
 
+MAX_BARS = 1500  # messages per chart before they are summed into buckets: a browser draws 1,500 bars fast
 
-def prefix_tree(con: duckdb.DuckDBPyConnection, run_id: str, max_nodes: int = 3000) -> pd.DataFrame:
-    """One row per stored block hash: its parent, depth in its chain, its salts (more than one: shared
-    across tenants), LoRA, when it was first
-    stored and when it left the cache for good (its BlockRemoved or an AllBlocksCleared at or after
-    its last store; null while it is still cached at the end), and its tokens; the first `max_nodes` stored."""
+
+def replicas(con: duckdb.DuckDBPyConnection, run_id: str) -> list[str]:
+    return [r for (r,) in con.execute("SELECT DISTINCT coalesce(replica, 'replica-0') AS r FROM kv_events "
+                                      "WHERE run_id = ? ORDER BY r", [run_id]).fetchall()]
+
+
+def prefix_tree(con: duckdb.DuckDBPyConnection, run_id: str, max_nodes: int = 3000,
+                replica: str | None = None) -> pd.DataFrame:
+    """One row per stored block hash (of one replica, or all): its parent, its salts (more than one:
+    shared across tenants), LoRA, when it was first stored and when it left the cache for good (its
+    BlockRemoved or an AllBlocksCleared at or after its last store; null while it is still cached at
+    the end), and its tokens; the first `max_nodes` stored."""
     return con.execute(
         "WITH ev AS (SELECT step, kind, block_hash, parent_hash, salt, lora_name, token_ids FROM kv_events "
-        "WHERE run_id = ?), "
+        "WHERE run_id = $run AND ($replica IS NULL OR coalesce(replica, 'replica-0') = $replica)), "
         "stored AS (SELECT block_hash, any_value(parent_hash) AS parent_hash, min(step) AS stored_step, "
         "max(step) AS last_stored, string_agg(DISTINCT coalesce(salt, '(no salt)'), ', ' ORDER BY "
         "coalesce(salt, '(no salt)')) AS salt, count(DISTINCT coalesce(salt, '')) AS salts, "
         "any_value(lora_name) AS lora_name, "
-        "any_value(token_ids) AS token_ids FROM ev WHERE kind = 'BlockStored' GROUP BY block_hash), "
+        "any_value(token_ids) AS token_ids FROM ev WHERE kind = 'BlockStored' GROUP BY block_hash "
+        "ORDER BY stored_step, block_hash LIMIT $max), "
         "removed AS (SELECT s.block_hash, min(e.step) AS removed_step FROM stored s JOIN ev e ON e.kind = "
         "'BlockRemoved' AND e.block_hash = s.block_hash AND e.step >= s.last_stored GROUP BY s.block_hash), "
         "cleared AS (SELECT s.block_hash, min(e.step) AS cleared_step FROM stored s JOIN ev e "
         "ON e.kind = 'AllBlocksCleared' AND e.step >= s.last_stored GROUP BY s.block_hash) "
         "SELECT s.* EXCLUDE (last_stored), least(r.removed_step, c.cleared_step) AS removed_step FROM stored s "
         "LEFT JOIN removed r USING (block_hash) LEFT JOIN cleared c USING (block_hash) "
-        "ORDER BY stored_step, block_hash LIMIT ?", [run_id, max_nodes]).df()
+        "ORDER BY stored_step, block_hash", {"run": run_id, "replica": replica, "max": max_nodes}).df()
 
 
-def cache_over_time(con: duckdb.DuckDBPyConnection, run_id: str) -> pd.DataFrame:
-    """step, cached_blocks, stored, removed (the kv_cache_blocks view)."""
-    return con.execute("SELECT step, cached_blocks, stored, removed FROM kv_cache_blocks WHERE run_id = ? "
-                       "ORDER BY step", [run_id]).df()
+def stored_blocks(con: duckdb.DuckDBPyConnection, run_id: str, replica: str | None = None,
+                  until: int | None = None) -> int:
+    """How many distinct blocks (replica and hash) were stored by message `until`: what a capped tree
+    leaves out."""
+    return con.execute("SELECT count(DISTINCT (coalesce(replica, 'replica-0'), block_hash)) FROM kv_events "
+                       "WHERE run_id = $run AND kind = 'BlockStored' AND "
+                       "($replica IS NULL OR coalesce(replica, 'replica-0') = $replica) AND "
+                       "($until IS NULL OR step <= $until)",
+                       {"run": run_id, "replica": replica, "until": until}).fetchone()[0]
+
+
+def cache_over_time(con: duckdb.DuckDBPyConnection, run_id: str, max_bars: int = MAX_BARS) -> pd.DataFrame:
+    """step, replica, cached_blocks (the replica's count after that message), stored, removed. Past
+    `max_bars` messages, messages are summed into equal buckets: step is a bucket's first message,
+    cached_blocks its last count, stored and removed its sums."""
+    last = con.execute("SELECT max(step) FROM kv_cache_blocks WHERE run_id = ?", [run_id]).fetchone()[0]
+    width = max(1, -(-((last or 0) + 1) // max_bars))
+    return con.execute(
+        "SELECT $width * (step // $width) AS step, replica, arg_max(cached_blocks, step) AS cached_blocks, "
+        "sum(stored) AS stored, sum(removed) AS removed FROM kv_cache_blocks WHERE run_id = $run "
+        "GROUP BY ALL ORDER BY step, replica", {"run": run_id, "width": width}).df()

@@ -204,7 +204,7 @@ def explain_run(con: duckdb.DuckDBPyConnection, run_id: str) -> list[Explanation
 def _explain_capture(con: duckdb.DuckDBPyConnection, run_id: str) -> list[Explanation]:
     rows = con.execute("SELECT step, kind, block_hash, parent_hash, token_ids, salt, block_index, block_size "
                        "FROM kv_events WHERE run_id = ? AND kind IN ('BlockStored', 'BlockRemoved') "
-                       "ORDER BY step, seq, rowid", [run_id]).fetchall()
+                       "ORDER BY step, coalesce(event_index, 0), block_index", [run_id]).fetchall()
     B = next((size for *_, size in rows if size), 16)
     events = [CacheEvent(step, "store" if kind == "BlockStored" else "remove", h, parent, tuple(tokens or ()), salt)
               for step, kind, h, parent, tokens, salt, _, _ in rows]

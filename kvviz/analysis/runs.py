@@ -98,4 +98,5 @@ def delete_run(store: RunStore, run_id: str) -> None:
         con.execute("BEGIN TRANSACTION")
         for table in run_tables(con):
             con.execute(f"DELETE FROM {table} WHERE run_id = ?", [run_id])
+        store.refresh_captures(con)  # a dataset registered in place leaves kv_events (its files stay)
         con.execute("COMMIT")

@@ -1,5 +1,11 @@
-"""The capture file: a JSON header line, then one JSON line per ZMQ message (sequence number, topic
-and the msgpack payload in base64), exactly as received, so import can decode it later."""
+"""The JSONL capture: a JSON header line, then one JSON line per ZMQ message exactly as received
+(replica, publisher restart count, sequence number, topic, capture clock and the msgpack payload in
+base64), so import can decode it later.
+
+Version 2 names the replicas in the header and each message's replica on its line; version 1 (one
+endpoint, no replica or restart) is still read: its messages belong to replica-0, and a sequence
+number that goes back counts as a publisher restart.
+"""
 
 from __future__ import annotations
 
@@ -7,37 +13,51 @@ import base64
 import binascii
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
 from ..jsonio import parse_json
 from .events import CaptureError
 
-FORMAT, VERSION = "kvviz-vllm-capture", 1
+FORMAT, VERSION = "kvviz-vllm-capture", 2
+READABLE = (1, 2)
 MAX_LINE = 64 << 20
+DEFAULT_REPLICA = "replica-0"
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One KV-event batch as a publisher sent it, and where it came from."""
+    replica: str
+    restart: int  # how many times this replica's publisher had restarted (its seq went back) before it
+    seq: int
+    topic: str
+    payload: bytes
+    received: float | None = None  # the capture's clock (seconds since the epoch)
 
 
 class CaptureWriter:
-    def __init__(self, path: str | Path, endpoint: str):
-        self.f = open(path, "w", encoding="utf-8")
-        self.f.write(json.dumps({"format": FORMAT, "version": VERSION, "endpoint": endpoint}) + "\n")
-        self.count, self.gaps, self.last = 0, [], None
+    """Messages appended as lines; a replica list in the header says what was captured."""
 
-    def add(self, seq: int, topic: bytes, payload: bytes) -> None:
-        if self.last is not None and seq > self.last + 1:
-            self.gaps.append((self.last + 1, seq - 1))
-        self.last = seq if self.last is None else max(self.last, seq)
-        self.f.write(json.dumps({"seq": seq, "topic": topic.decode("utf-8", "replace"),
-                                 "payload": base64.b64encode(payload).decode()}) + "\n")
+    def __init__(self, path: str | Path, replicas: dict[str, str]):
+        self.f = open(path, "w", encoding="utf-8")
+        self.f.write(json.dumps({"format": FORMAT, "version": VERSION, "replicas": replicas}) + "\n")
+        self.count = 0
+
+    def add(self, m: Message, batch: object = None) -> None:
+        """Append a message as received (the decoded batch, if given, is not needed: import decodes)."""
+        self.f.write(json.dumps({"replica": m.replica, "restart": m.restart, "seq": m.seq, "topic": m.topic,
+                                 "received": m.received, "payload": base64.b64encode(m.payload).decode()}) + "\n")
         self.count += 1
 
     def close(self) -> None:
         self.f.close()
 
 
-def read_capture(path: str | Path) -> Iterator[tuple[int, bytes]]:
-    """(sequence number, payload) per message; CaptureError names the line that is wrong. Read as
-    bytes line by line, so another encoding or an endless line is a refusal, not a traceback."""
+def read_capture(path: str | Path) -> Iterator[tuple[str, Message]]:
+    """(where, message) per line, `where` naming the file and line; CaptureError names a line that is
+    wrong. Read as bytes line by line, so another encoding or an endless line is a refusal."""
     path = Path(path)
     try:
         f = open(path, "rb")
@@ -50,18 +70,36 @@ def read_capture(path: str | Path) -> Iterator[tuple[int, bytes]]:
         header = parse_json(next(lines, (1, b"null"))[1], f"{path}: line 1", CaptureError, one_line=True)
         if not isinstance(header, dict) or header.get("format") != FORMAT:
             raise CaptureError(f"{path}: not a kvviz vLLM capture (line 1 must name format {FORMAT!r})")
-        if header.get("version") != VERSION:
+        if header.get("version") not in READABLE:
             raise CaptureError(f"{path}: capture version {header.get('version')!r} is not supported")
+        last: dict[str, tuple[int, int]] = {}  # replica -> (restart, seq), for files that do not say restarts
         for n, line in lines:
-            rec = parse_json(line, f"{path}: line {n}", CaptureError, one_line=True)
-            seq, payload = (rec.get("seq"), rec.get("payload")) if isinstance(rec, dict) else (None, None)
-            if not isinstance(seq, int) or isinstance(seq, bool) or not isinstance(payload, str):
-                raise CaptureError(f"{path}: line {n} is not a captured message "
-                                   '({"seq": integer, "payload": base64 text})')
+            where = f"{path}: line {n}"
             try:
-                yield seq, base64.b64decode(payload, validate=True)
+                rec = parse_json(line, where, CaptureError, one_line=True)
+            except CaptureError as e:
+                if not line.endswith(b"\n") and "not valid JSON" in str(e):
+                    raise CaptureError(f"{where} is cut off (the capture ended in the middle of it)") from None
+                raise
+            if not isinstance(rec, dict):
+                rec = {}
+            seq, payload, replica = rec.get("seq"), rec.get("payload"), rec.get("replica", DEFAULT_REPLICA)
+            restart, topic, received = rec.get("restart"), rec.get("topic", ""), rec.get("received")
+            if (not isinstance(seq, int) or isinstance(seq, bool) or not isinstance(payload, str)
+                    or not isinstance(replica, str) or not replica or not isinstance(topic, str)
+                    or not (received is None or isinstance(received, int | float))
+                    or not (restart is None or isinstance(restart, int) and restart >= 0)):
+                raise CaptureError(f"{where} is not a captured message "
+                                   '({"seq": integer, "payload": base64 text, "replica": name, ...})')
+            if restart is None:
+                before = last.get(replica)
+                restart = 0 if before is None else before[0] + (seq < before[1])
+            last[replica] = (restart, seq)
+            try:
+                data = base64.b64decode(payload, validate=True)
             except (binascii.Error, ValueError):
-                raise CaptureError(f"{path}: line {n}: the payload is not base64") from None
+                raise CaptureError(f"{where}: the payload is not base64") from None
+            yield where, Message(replica, restart, seq, topic, data, received)
 
 
 def _lines(f: BinaryIO, path: Path) -> Iterator[tuple[int, bytes]]:

@@ -1,70 +1,252 @@
 """A vLLM/SGLang KV-event capture becomes a run: the prefix tree (hash chains with their tokens,
 salts and LoRA names), blocks stored and evicted per step, cache occupancy over time, and a
-cross-tenant finding wherever one block hash is stored under two salts. The events carry no
-physical block ids and no attention weights, so the run has neither."""
+cross-tenant finding wherever one block hash is stored under two salts on one replica and KV group.
+The events carry no physical block ids and no attention weights, so the run has neither.
+
+Import streams: messages are decoded and inserted a chunk at a time inside one transaction, so
+memory is bounded by the chunk whatever the capture's length, and a bad message anywhere rolls
+everything back (nothing half-imported).
+"""
 
 from __future__ import annotations
 
+import gc
 import json
-from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 
+import duckdb
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
 from .. import __version__
 from ..ids import new_run_id
+from ..jsonio import parse_json
 from ..store import RunStore
-from ..store.schema import arrow_table
-from .capture_file import read_capture
+from ..store.schema import DATASET_COLUMNS
+from .capture_file import DEFAULT_REPLICA, Message, read_capture
+from .dataset import MANIFEST, check_files, dataset_files
 from .events import CaptureError, decode_batch
+from .rows import EventRows
+
+CHUNK_ROWS = 100_000
+Progress = Callable[[int, int], None]  # (bytes read, bytes in all)
+EVENT_COLUMNS = DATASET_COLUMNS
+
+CROSS_TENANT = """
+INSERT INTO findings (run_id, kind, request_id, step, position, source_request)
+WITH firsts AS (
+    SELECT replica, group_idx, block_hash, coalesce(salt, '(no salt)') AS salt,
+           min([step, event_index, block_index]) AS first_at
+    FROM kv_events WHERE run_id = $run AND kind = 'BlockStored' GROUP BY ALL),
+ordered AS (
+    SELECT *, min(salt) OVER (PARTITION BY replica, group_idx, block_hash ORDER BY first_at
+                              ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS earlier
+    FROM firsts)
+SELECT $run, 'cross_tenant', salt, first_at[1], first_at[3], earlier FROM ordered WHERE earlier IS NOT NULL
+ORDER BY first_at
+"""
 
 
-def import_capture(path: str | Path, store: RunStore) -> str:
-    """Decode every message first (a bad capture changes nothing), then insert in one transaction."""
+def import_capture(path: str | Path, store: RunStore, progress: Progress | None = None) -> str:
+    """Import a JSONL capture as a new run and return its id; CaptureError names the line that is wrong."""
     path = Path(path)
-    messages = list(read_capture(path))
-    if not messages:
-        raise CaptureError(f"{path}: the capture holds no messages")
+    messages = _tracked(read_capture(path), path, progress)
+    return _import(path, store, _rows(messages), {"capture": path.name})
+
+
+def import_dataset(path: str | Path, store: RunStore, progress: Progress | None = None,
+                   in_place: bool = False) -> str:
+    """Import a capture dataset folder (or one of its Parquet files) as a new run, a file at a time
+    and a row group at a time, verifying every page's checksum: a damaged file is refused naming it,
+    and nothing is imported. Steps are renumbered densely (one part alone skips other replicas')."""
+    path = Path(path)
+    files = dataset_files(path)
     try:
-        events = [(step, ev) for step, (seq, payload) in enumerate(messages) for ev in decode_batch(payload, seq)]
+        check_files(files)
     except CaptureError as e:
         raise CaptureError(f"{path}: {e}") from None
+    hive = ["replica=" in f.parent.name for f in files]
+    if any(hive) and not all(hive):
+        raise CaptureError(f"{path}: some files lie in replica=NAME folders and some do not; import one layout")
+    steps = np.unique(np.concatenate([_read(f, ["step"]).column("step").to_numpy() for f in files]))
+    if in_place:
+        return _register(path, store, files, all(hive), steps, progress)
+
+    def chunks() -> Iterator[pa.Table]:
+        for f in _each(files, progress):
+            replica = f.parent.name.partition("=")[2] if all(hive) else DEFAULT_REPLICA
+            for table in _batches(f):
+                dense = pa.array(np.searchsorted(steps, table.column("step").to_numpy()))
+                yield (table.set_column(table.schema.get_field_index("step"), "step", dense)
+                       .append_column("replica", pa.array([replica] * table.num_rows, pa.string())))
+
+    return _import(path, store, chunks(), {"capture": path.name, "files": len(files)}, steps=len(steps))
+
+
+def _register(path: Path, store: RunStore, files: list[Path], hive: bool, steps: np.ndarray,
+              progress: Progress | None) -> str:
+    """--in-place: a whole capture's folder stays where it is and kv_events reads it; every page is
+    checked once now (its checksum), and nothing is copied."""
+    manifest = path / MANIFEST
+    if not path.is_dir() or not hive or not manifest.is_file():
+        raise CaptureError(f"{path}: --in-place takes a whole capture dataset folder (with {MANIFEST} and "
+                           "replica=NAME folders); import a part or another layout without --in-place")
+    said = parse_json(manifest.read_bytes(), str(manifest), CaptureError)
+    if not isinstance(said, dict) or not said.get("complete"):
+        raise CaptureError(f"{path}: the capture is still being written (or was killed); wait for it to stop, or "
+                           "import a copy without --in-place")
+    if steps[0] != 0 or steps[-1] + 1 != len(steps):
+        raise CaptureError(f"{path}: messages are missing from the dataset (its steps run from {steps[0]} to "
+                           f"{steps[-1]} with {len(steps)} there); import it without --in-place")
+    for f in _each(files, progress):
+        for _ in _batches(f):
+            pass
+    return _import(path.resolve(), store, (), {"capture": path.name, "files": len(files), "in_place": True},
+                   steps=len(steps), source=str(path.resolve()))
+
+
+def _each(files: list[Path], progress: Progress | None) -> Iterator[Path]:
+    """The files, saying before each how many of their bytes are behind."""
+    sizes = [f.stat().st_size for f in files]
+    for i, f in enumerate(files):
+        if progress is not None:
+            progress(sum(sizes[:i]), sum(sizes))
+        yield f
+
+
+def _read(f: Path, columns: list[str] | None = None) -> pa.Table:
+    try:
+        return pq.ParquetFile(f, page_checksum_verification=True).read(columns=columns)
+    except (OSError, pa.ArrowException) as e:
+        raise CaptureError(f"{f}: damaged ({str(e).splitlines()[0]})") from None
+
+
+def _batches(f: Path) -> Iterator[pa.Table]:
+    """A file's rows a row group at a time, every page's checksum verified."""
+    try:
+        pf = pq.ParquetFile(f, page_checksum_verification=True)
+        for i in range(pf.num_row_groups):
+            yield pf.read_row_group(i)
+    except (OSError, pa.ArrowException) as e:
+        raise CaptureError(f"{f}: damaged ({str(e).splitlines()[0]})") from None
+
+
+def _tracked(messages: Iterator[tuple[str, Message]], path: Path, progress: Progress | None
+             ) -> Iterator[tuple[str, Message]]:
+    if progress is None:
+        yield from messages
+        return
+    total, done = max(path.stat().st_size, 1), 0
+    for i, item in enumerate(messages):
+        done += len(item[1].payload) * 4 // 3 + 80  # the line's size, near enough
+        if i % 4096 == 0:
+            progress(min(done, total), total)
+        yield item
+    progress(total, total)
+
+
+def _rows(messages: Iterable[tuple[str, Message]]) -> Iterator[pa.Table]:
+    """Decoded messages as row tables of about CHUNK_ROWS rows."""
+    rows, step = EventRows(), 0
+    for step, (where, m) in enumerate(messages):
+        where = f"{where} (seq {m.seq})"
+        rows.add(decode_batch(m.payload, where), step=step, replica=m.replica, restart=m.restart, seq=m.seq,
+                 where=where, received=m.received, topic=m.topic)
+        if len(rows) >= CHUNK_ROWS:
+            yield rows.take()
+    if len(rows):
+        yield rows.take()
+
+
+def _import(path: Path, store: RunStore, chunks: Iterable[pa.Table], workload: dict,
+            steps: int | None = None, source: str | None = None) -> str:
+    """Insert every chunk (and, given `steps`, that many steps rather than each chunk's), then the
+    findings and totals. Each chunk commits on its own, so memory stays bounded (DuckDB keeps a
+    transaction's rows in memory until it commits); the run says `running` until the end, and a
+    failure deletes everything of it: a bad line anywhere imports nothing."""
     run_id = new_run_id()
-    cols: dict[str, list] = defaultdict(list)
-    salts_of: dict[int, set] = defaultdict(set)
-    findings: dict[str, list] = defaultdict(list)
-    for step, ev in events:
-        hashes = ev.block_hashes or (None,)
-        for i, h in enumerate(hashes):
-            salt = ev.salts[i] if i < len(ev.salts) else None
-            parent = ev.parent_hash if i == 0 else ev.block_hashes[i - 1]
-            size = ev.block_size or 0
-            for k, v in dict(run_id=run_id, step=step, seq=ev.seq, ts=ev.ts, rank=ev.rank, kind=ev.kind,
-                             block_hash=h, parent_hash=parent if ev.kind == "BlockStored" else None, block_index=i,
-                             token_ids=list(ev.token_ids[i * size:(i + 1) * size]) if size else None,
-                             block_size=ev.block_size, lora_name=ev.lora_name, medium=ev.medium, salt=salt).items():
-                cols[k].append(v)
-            if ev.kind == "BlockStored":
-                if salts_of[h] and salt not in salts_of[h]:
-                    for k, v in dict(run_id=run_id, kind="cross_tenant", request_id=str(salt), step=step, layer=None,
-                                     head=None, position=i, source_request=str(sorted(map(str, salts_of[h]))[0]),
-                                     mass=None).items():
-                        findings[k].append(v)
-                salts_of[h].add(salt)
-    steps = {"run_id": [run_id] * len(messages), "step": list(range(len(messages))),
-             "seconds": [0.0] * len(messages), "free_blocks": [None] * len(messages)}
     with store.write() as con:
-        con.execute("BEGIN TRANSACTION")
+        con.execute("SET memory_limit = '512MB'")  # a long capture spills to disk instead of growing
+        con.execute("INSERT INTO runs (run_id, created_at, status, model, scenario, workload, engine, "
+                    "kvviz_version) VALUES (?, ?, 'running', 'vllm capture', ?, ?, '{}', ?)",
+                    [run_id, datetime.now(UTC).replace(tzinfo=None), f"capture {path.name}", json.dumps(workload),
+                     __version__])
         try:
-            con.execute("INSERT INTO runs (run_id, created_at, status, model, scenario, workload, engine, "
-                        "kvviz_version, steps, findings) VALUES (?, ?, 'complete', 'vllm capture', 'import', ?, '{}', "
-                        "?, ?, ?)", [run_id, datetime.now(UTC).replace(tzinfo=None),
-                                     json.dumps({"capture": path.name}), __version__, len(messages),
-                                     len(findings["kind"])])
-            for table, data in (("kv_events", cols), ("steps", steps), ("findings", findings)):
-                if data and data.get("run_id"):
-                    store.insert(con, table, arrow_table(table, data))
+            if source is not None:  # registered in place: kv_events reads the files
+                con.execute("INSERT INTO capture_sources VALUES (?, ?, ?)", [run_id, source, workload["files"]])
+                RunStore.refresh_captures(con)
+            inserted = _insert_chunks(con, run_id, chunks, steps is None)
+            if steps is not None:
+                con.execute("INSERT INTO steps (run_id, step, seconds) SELECT ?, range, 0.0 FROM range(?)",
+                            [run_id, steps])
+            steps = inserted if steps is None else steps
+            if not steps:
+                raise CaptureError(f"{path}: the capture holds no messages")
+            con.execute("BEGIN TRANSACTION")
+            con.execute(CROSS_TENANT, {"run": run_id})
+            con.execute("UPDATE runs SET status = 'complete', steps = ?, findings = (SELECT count(*) FROM findings "
+                        "WHERE run_id = ?) WHERE run_id = ?", [steps, run_id, run_id])
             con.execute("COMMIT")
-        except Exception:
-            con.execute("ROLLBACK")
+        except BaseException:
+            _discard(con, run_id)
             raise
     return run_id
+
+
+def _discard(con: duckdb.DuckDBPyConnection, run_id: str) -> None:
+    """Everything of a failed import, in one transaction."""
+    try:
+        con.execute("ROLLBACK")
+    except duckdb.Error:
+        pass  # no transaction was open
+    con.execute("BEGIN TRANSACTION")
+    for table in ("kv_event_rows", "capture_sources", "steps", "findings", "runs"):
+        con.execute(f"DELETE FROM {table} WHERE run_id = ?", [run_id])
+    RunStore.refresh_captures(con)
+    con.execute("COMMIT")
+
+
+def _insert_chunks(con: duckdb.DuckDBPyConnection, run_id: str, chunks: Iterable[pa.Table], with_steps: bool) -> int:
+    """Append every chunk's events and its messages' steps; returns the number of steps. DuckDB
+    inserts one chunk on a worker thread while Python decodes the next (the insert releases the GIL),
+    and the cyclic garbage collector is off meanwhile: decoding makes millions of acyclic objects
+    that would set it off again and again (5x slower)."""
+    steps = 0
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with ThreadPoolExecutor(1, thread_name_prefix="kvviz-import") as pool:
+            pending: Future | None = None
+            for table in chunks:
+                first, steps = steps, max(steps, pc.max(table.column("step")).as_py() + 1)
+                if pending is not None:
+                    pending.result()
+                pending = pool.submit(_insert_chunk, con, run_id, table, first, steps if with_steps else first)
+            if pending is not None:
+                pending.result()
+    finally:
+        if was_enabled:
+            gc.enable()
+    return steps
+
+
+def _insert_chunk(con: duckdb.DuckDBPyConnection, run_id: str, table: pa.Table, first: int, end: int) -> None:
+    """One chunk's events and steps, committed together."""
+    events = table.filter(pc.is_valid(table.column("kind"))).select(EVENT_COLUMNS)
+    con.register("_kvviz_events", events)
+    try:
+        con.execute("BEGIN TRANSACTION")
+        con.execute(f"INSERT INTO kv_event_rows (run_id, {', '.join(EVENT_COLUMNS)}) "
+                    f"SELECT ?, {', '.join(EVENT_COLUMNS)} FROM _kvviz_events", [run_id])
+        con.execute("INSERT INTO steps (run_id, step, seconds) SELECT ?, range, 0.0 FROM range(?, ?)",
+                    [run_id, first, end])
+        con.execute("COMMIT")
+    finally:
+        con.unregister("_kvviz_events")
+
+

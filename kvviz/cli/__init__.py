@@ -91,16 +91,27 @@ def build_parser() -> argparse.ArgumentParser:
     _add_db(exp)
     exp.set_defaults(func=cmd_export)
 
-    cap = sub.add_parser("capture-vllm", help="record vLLM/SGLang KV-cache events from a ZMQ publisher")
-    cap.add_argument("--endpoint", required=True, help="the publisher, e.g. tcp://HOST:5557")
-    cap.add_argument("--replay", help="the replay endpoint, e.g. tcp://HOST:5558, to fetch buffered history first")
+    cap = sub.add_parser("capture-vllm", help="record vLLM/SGLang KV-cache events from the ZMQ publishers of a fleet")
+    cap.add_argument("--endpoint", required=True, action="append", metavar="[NAME=]URL",
+                     help="a replica's publisher, e.g. pod-a=tcp://HOST:5557; repeat it for every replica "
+                          "(default names replica-0, replica-1, ...)")
+    cap.add_argument("--replay", action="append", metavar="[NAME=]URL",
+                     help="a replica's replay endpoint, e.g. pod-a=tcp://HOST:5558 (paired by name, or by order "
+                          "when unnamed): its buffered history is fetched first and again after a restart")
     cap.add_argument("--topic", default="", help="topic to subscribe to (default: all)")
-    cap.add_argument("--duration", type=float, help="stop after this many seconds (default: Ctrl-C)")
-    cap.add_argument("--out", required=True, help="capture file to write")
+    cap.add_argument("--duration", type=float, help="stop after this many seconds (default: Ctrl-C or SIGTERM)")
+    cap.add_argument("--out", required=True,
+                     help="a new folder for the Parquet dataset (DIR/replica=NAME/part-NNNNN.parquet), or FILE.jsonl")
+    cap.add_argument("--rotate-rows", type=int, default=1_000_000,
+                     help="rows per Parquet part before the next one starts (default 1,000,000)")
     cap.set_defaults(func=cmd_capture_vllm)
 
-    imp = sub.add_parser("import", help="import a kvviz trace or a vLLM KV-event capture into the run store")
-    imp.add_argument("file")
+    imp = sub.add_parser("import", help="import a kvviz trace or a vLLM/SGLang KV-event capture into the run store")
+    imp.add_argument("file", metavar="PATH", help="a kvviz trace (.zip), a capture (.jsonl), a capture dataset "
+                                                 "folder or one of its .parquet parts")
+    imp.add_argument("--in-place", action="store_true",
+                     help="a capture dataset folder: register it where it lies (kv_events reads its files; nothing "
+                          "is copied, and moving it later marks the run failed)")
     _add_db(imp)
     imp.set_defaults(func=cmd_import)
 
@@ -133,10 +144,17 @@ def build_parser() -> argparse.ArgumentParser:
                       help="instead: memory utilisation, the paged pool against a contiguous allocator")
     what.add_argument("--sharing-sweep", action="store_true",
                       help="instead: prefix caching on and off at each of --lengths tokens")
+    what.add_argument("--capture-import", action="store_true",
+                      help="instead: import speed and peak memory of synthetic captures of --sizes block events "
+                           "(default 1000000), JSONL and Parquet dataset")
+    what.add_argument("--capture-live", action="store_true",
+                      help="instead: can one capture-vllm process keep up with two publishers at 10,000 batches/s "
+                           "each (for --duration seconds)?")
     what.add_argument("--serve", action="store_true",
                       help="instead: kvviz serve under one streaming client per request against the fast path")
     bench.add_argument("--lengths", default="128,512,2048",
                        help="sequence lengths of --sharing-sweep, comma-separated (default 128,512,2048)")
+    bench.add_argument("--duration", type=float, default=60.0, help="seconds of --capture-live (default 60)")
     bench.add_argument("--out", metavar="FILE.md", help="also write the markdown table to this file")
     bench.set_defaults(func=cmd_bench)
 

@@ -1,34 +1,134 @@
-"""`kvviz capture-vllm`: the one command that talks to a live server (a ZMQ KV-event publisher),
-kept apart so zmq loads only when a capture starts."""
+"""`kvviz capture-vllm`: the one command that talks to live servers (the ZMQ KV-event publishers of
+a fleet), kept apart so zmq loads only when a capture starts."""
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from typing import TYPE_CHECKING
 
+from ..errors import CaptureError
+
 if TYPE_CHECKING:
-    from ..capture.capture_file import CaptureWriter
+    from ..capture.zmq_capture import Endpoint, ReplicaState
+
+
+def parse_sources(endpoints: list[str], replays: list[str] | None) -> list[Endpoint]:
+    """--endpoint [NAME=]URL (repeatable) and --replay [NAME=]URL paired by name, or by order when
+    unnamed; names default to replica-0, replica-1, ..."""
+    from ..capture.dataset import check_name
+    from ..capture.zmq_capture import Endpoint
+
+    def split(value: str, flag: str, i: int) -> tuple[str | None, str]:
+        name, sep, url = value.partition("=")
+        if not sep or "://" in name:
+            return None, value
+        if not url:
+            raise CaptureError(f"{flag} {value!r}: no address after {name}=")
+        return check_name(name, flag), url
+
+    named = [split(v, "--endpoint", i) for i, v in enumerate(endpoints)]
+    names = [n or f"replica-{i}" for i, (n, _) in enumerate(named)]
+    if dup := next((n for n in names if names.count(n) > 1), None):
+        raise CaptureError(f"--endpoint: replica name {dup!r} is given twice")
+    urls = [u for _, u in named]
+    if dup := next((u for u in urls if urls.count(u) > 1), None):
+        raise CaptureError(f"--endpoint: {dup} is given twice")
+    replay_of: dict[str, str] = {}
+    for i, v in enumerate(replays or []):
+        name, url = split(v, "--replay", i)
+        if name is None:
+            if i >= len(names):
+                raise CaptureError(f"--replay {v!r}: more replay endpoints than --endpoint")
+            name = names[i]
+        if name not in names:
+            raise CaptureError(f"--replay {v!r}: no --endpoint is named {name!r} (known: {', '.join(names)})")
+        if name in replay_of:
+            raise CaptureError(f"--replay: replica {name!r} has two replay endpoints")
+        replay_of[name] = url
+    return [Endpoint(n, u, replay_of.get(n)) for n, u in zip(names, urls, strict=True)]
+
+
+def progress_lines(states: dict[str, ReplicaState]) -> list[str]:
+    lines = []
+    for name, st in states.items():
+        said = [f"{st.count} message{'' if st.count == 1 else 's'}"]
+        if st.last is not None:
+            said.append(f"last seq {st.last}")
+        if st.restarts:
+            said.append(f"{st.restarts} restart{'' if st.restarts == 1 else 's'}")
+        if st.gaps:
+            said.append(f"{st.lost} lost in {len(st.gaps)} gap{'' if len(st.gaps) == 1 else 's'}")
+        if st.invalid:
+            said.append(f"{st.invalid} not KV-event batches")
+        if not st.connected:
+            said.append("not connected")
+        lines.append(f"kvviz: {name}: " + ", ".join(said))
+    return lines
 
 
 def cmd_capture_vllm(args: argparse.Namespace) -> int:
-    """Subscribe to vLLM's KV-event publisher and write a capture; stop on Ctrl-C or --duration."""
-    from ..capture.zmq_capture import capture
+    """Subscribe to every publisher and write one capture; stop on Ctrl-C, SIGTERM or --duration."""
+    from pathlib import Path
 
-    def progress(w: CaptureWriter) -> None:
-        gaps = f", {len(w.gaps)} gaps in sequence numbers" if w.gaps else ""
-        said = f"{w.count} message{'' if w.count == 1 else 's'}"
-        print(f"\rkvviz: {said}, last seq {w.last}{gaps}", end="", file=sys.stderr, flush=True)
+    from ..capture.capture_file import CaptureWriter
+    from ..capture.dataset import DatasetWriter
+    from ..capture.zmq_capture import FleetCapture
 
+    sources = parse_sources(args.endpoint, args.replay)
+    replicas = {s.name: s.endpoint for s in sources}
+    out = Path(args.out)
+    fleet = FleetCapture(sources, topic=args.topic, say=lambda line: say(line))  # a bad address: said first
     try:
-        w = capture(args.endpoint, args.out, duration=args.duration, replay=args.replay, topic=args.topic,
-                    progress=progress)
+        if args.rotate_rows < 1:
+            raise CaptureError("--rotate-rows must be at least 1")
+        if out.suffix.lower() == ".jsonl":
+            if not out.parent.is_dir():
+                raise CaptureError(f"--out {out}: no folder {out.parent}")
+            sink = CaptureWriter(out, replicas)
+        else:
+            sink = DatasetWriter(out, replicas, rotate_rows=args.rotate_rows)
+    except BaseException:
+        fleet.close()
+        raise
+    tty = sys.stderr.isatty()
+    drawn = 0
+
+    def say(line: str) -> None:
+        nonlocal drawn
+        print(f"kvviz: {line}", file=sys.stderr, flush=True)
+        drawn = 0
+
+    def progress(states: dict[str, ReplicaState]) -> None:
+        nonlocal drawn
+        lines = progress_lines(states)
+        if tty:  # redraw the block in place
+            print("\033[F" * drawn + "\n".join(f"\033[K{line}" for line in lines), file=sys.stderr, flush=True)
+            drawn = len(lines)
+        else:
+            print("\n".join(lines), file=sys.stderr, flush=True)
+
+    stop = False
+
+    def on_term(*_: object) -> None:
+        nonlocal stop
+        stop = True
+
+    old = signal.signal(signal.SIGTERM, on_term)
+    try:
+        fleet.run(sink, duration=args.duration, should_stop=lambda: stop, progress=progress,
+                  every=0.5 if tty else 10.0)
     except KeyboardInterrupt:
-        print("", file=sys.stderr)
-        print(f"kvviz: stopped; capture written to {args.out}", file=sys.stderr)
-        return 0
-    print("", file=sys.stderr)
-    for lo, hi in w.gaps:
-        print(f"kvviz: lost messages {lo}..{hi} (a gap in sequence numbers)", file=sys.stderr)
-    print(f"{args.out}: {w.count} messages")
+        pass
+    finally:
+        fleet.close()
+        signal.signal(signal.SIGTERM, old)
+        sink.close()
+    for line in progress_lines(fleet.states):
+        print(line, file=sys.stderr)
+    for st in fleet.states.values():
+        for lo, hi in st.gaps:
+            print(f"kvviz: {st.source.name}: lost messages {lo}..{hi} (a gap in sequence numbers)", file=sys.stderr)
+    print(f"{args.out}: {sink.count} messages from {len(sources)} replica{'' if len(sources) == 1 else 's'}")
     return 0

@@ -50,6 +50,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if min(lengths) <= PRIVATE + NEW:
             return fail(f"--lengths: a sequence holds a shared prefix, {PRIVATE} private and {NEW} generated "
                         f"tokens, so every length must exceed {PRIVATE + NEW}, got {args.lengths!r}")
+    if args.capture_live:
+        from ..bench_capture import live_report, run_live_bench
+
+        return _write(live_report(run_live_bench(duration=args.duration, progress=say)), args.out)
+    if args.capture_import:
+        from ..bench_capture import capture_report, run_capture_bench
+
+        events = _positive_ints(args.sizes or "1000000", "--sizes")
+        if events is None:
+            return 2
+        return _write(capture_report(run_capture_bench(events, progress=say)), args.out)
     m = load_model(args.model, device=args.device)
     if args.memory:
         from ..bench_memory import memory_report, run_memory_bench

@@ -94,12 +94,13 @@ def _kv_events(path: str | None, wl: Workload, stack: ExitStack) -> KVEventEmitt
     """--kv-events FILE: what a vLLM server would have published for this run, as a capture file."""
     if path is None:
         return None
-    from ..capture.capture_file import CaptureWriter
+    from ..capture.capture_file import DEFAULT_REPLICA, CaptureWriter, Message
     from ..capture.emit import KVEventEmitter
 
-    writer = CaptureWriter(path, "kvviz run")
+    writer = CaptureWriter(path, {DEFAULT_REPLICA: "kvviz run"})
     stack.callback(writer.close)
-    return KVEventEmitter(wl.engine.block_size, writer.add)
+    return KVEventEmitter(wl.engine.block_size, lambda seq, topic, payload: writer.add(
+        Message(DEFAULT_REPLICA, 0, seq, topic.decode(), payload)))
 
 
 def _recorded_run(args: argparse.Namespace, m: LoadedModel, wl: Workload, fault: str | None,

@@ -84,7 +84,23 @@ def cmd_import(args: argparse.Namespace) -> int:
     is refused whole, with the reason."""
     from ..analysis.uploads import import_file
 
-    print(import_file(args.file, args.store))
+    tty = sys.stderr.isatty()
+
+    def progress(done: int, total: int) -> None:
+        if tty:
+            print(f"\rkvviz: importing {args.file}: {100 * done // total}%", end="", file=sys.stderr, flush=True)
+
+    run_id = import_file(args.file, args.store, progress, args.in_place)
+    if tty:
+        print("", file=sys.stderr)
+    with args.store.read() as con:
+        events, messages, replicas, findings = con.execute(
+            "SELECT (SELECT count(*) FROM kv_events WHERE run_id = $r), steps, (SELECT count(DISTINCT replica) "
+            "FROM kv_events WHERE run_id = $r), findings FROM runs WHERE run_id = $r", {"r": run_id}).fetchone()
+    if events:
+        print(f"kvviz: imported {events:,} block events from {messages:,} messages of {replicas} "
+              f"replica{'' if replicas == 1 else 's'}; {findings or 0} cross-tenant findings", file=sys.stderr)
+    print(run_id)
     return 0
 
 

@@ -65,7 +65,8 @@ def prefix_tree(nodes: pd.DataFrame, token_text=lambda ids: str(list(ids)[:8])) 
                                                 part.token_ids, part.shared, strict=True)],
             hovertemplate="%{text}<extra></extra>"))
     fig.update_layout(height=min(900, 200 + 6 * max(1, int(laid.row.max() or 0))), plot_bgcolor="white",
-                      margin={"l": 10, "r": 10, "t": 30, "b": 10}, legend={"orientation": "h"},
-                      xaxis_title="block in chain (depth)")
+                      margin={"l": 10, "r": 10, "t": 30, "b": 10},
+                      legend={"orientation": "h", "y": 1.02, "yanchor": "bottom"},  # off the depth axis
+                      xaxis_title="block in chain (depth)", xaxis={"dtick": 1, "rangemode": "tozero"})
     fig.update_yaxes(visible=False)
     return fig

@@ -35,15 +35,23 @@ def leak_timeline(df: pd.DataFrame, current: int | None = None) -> go.Figure:
     return fig
 
 
-def cache_timeline(df: pd.DataFrame) -> go.Figure:
-    """df: step, cached_blocks, stored, removed (a KV-event capture): blocks cached after each
-    message above, blocks stored and evicted per message below."""
+def cache_timeline(df: pd.DataFrame, current: int | None = None) -> go.Figure:
+    """df: step, replica, cached_blocks, stored, removed (a KV-event capture, per replica): blocks
+    cached on each replica above, blocks stored and removed over all replicas below; a dotted line at
+    the message shown."""
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08, row_heights=[0.6, 0.4],
-                        subplot_titles=("cached blocks", "stored (up) and removed (down) per message"))
-    fig.add_trace(go.Scatter(x=df.step, y=df.cached_blocks, name="cached blocks", line={"color": "#4c78a8"}),
-                  row=1, col=1)
-    fig.add_trace(go.Bar(x=df.step, y=df.stored, name="stored", marker_color="#54a24b"), row=2, col=1)
-    fig.add_trace(go.Bar(x=df.step, y=-df.removed, name="removed (evicted)", marker_color="#e45756"), row=2, col=1)
+                        subplot_titles=("cached blocks", "stored (up) and removed (down)"))
+    several = df.replica.nunique() > 1
+    colours = request_colours(df.replica) if several else {r: "#4c78a8" for r in df.replica.unique()}
+    for replica, part in df.groupby("replica", sort=True):
+        fig.add_trace(go.Scatter(x=part.step, y=part.cached_blocks, name=replica if several else "cached blocks",
+                                 line={"color": colours[replica], "shape": "hv"}), row=1, col=1)
+    total = df.groupby("step", as_index=False)[["stored", "removed"]].sum()
+    fig.add_trace(go.Bar(x=total.step, y=total.stored, name="stored", marker_color="#54a24b"), row=2, col=1)
+    fig.add_trace(go.Bar(x=total.step, y=-total.removed, name="removed (evicted)", marker_color="#e45756"),
+                  row=2, col=1)
+    if current is not None:
+        fig.add_vline(x=current, line={"dash": "dot", "color": "#888"})
     fig.update_layout(height=380, barmode="relative", margin={"l": 10, "r": 10, "t": 40, "b": 10},
                       legend={"orientation": "h"})
     fig.update_xaxes(title="message", row=2, col=1)

@@ -28,8 +28,7 @@ from . import schema
 
 DEFAULT_DB = Path("runs") / "kvviz.duckdb"
 LOCK_WAIT_S = 15.0  # how long to wait for another process's writer to let go of the file
-SANDBOX = {
-    "enable_external_access": False,
+READER = {  # read-only connections; the first one of an instance also turns off host files (_connect_reader)
     "autoinstall_known_extensions": False,
     "autoload_known_extensions": False,
     "allow_community_extensions": False,
@@ -129,16 +128,16 @@ class RunStore:
             with self._gate.read():
                 con = self._wait_out_lock(self._connect_reader)
                 found = _version(con)
-                if found == schema.SCHEMA_VERSION:
+                if found == schema.SCHEMA_VERSION and not (attempt == 0 and schema.datasets_gone(con)):
                     try:
                         yield con
                     finally:
                         con.close()
                     return
                 con.close()
-            if attempt or not (found is None or found in schema.UPGRADABLE):
+            if found != schema.SCHEMA_VERSION and (attempt or not (found is None or found in schema.UPGRADABLE)):
                 raise self._wrong_version(found)
-            with self.write():  # upgrades in place
+            with self.write():  # upgrades in place, or drops a dataset that has gone from kv_events
                 pass
 
     @staticmethod
@@ -187,23 +186,39 @@ class RunStore:
         check on every connection: another process may have replaced the file)."""
         found = _version(con)
         if found is None or found in schema.UPGRADABLE:
+            schema.rename_old_tables(con)
             con.execute(schema.ddl())
+            schema.refresh_capture_view(con)
             con.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", [schema.SCHEMA_VERSION])
         elif found != schema.SCHEMA_VERSION:
             raise self._wrong_version(found)
+        elif schema.datasets_gone(con):
+            schema.refresh_capture_view(con)
 
     def _wrong_version(self, found: str | None) -> StoreError:
         return StoreError(f"{self.path} has schema version {found}; this kvviz reads version {schema.SCHEMA_VERSION}")
 
     def _connect_reader(self) -> duckdb.DuckDBPyConnection:
+        """The first reader of a DuckDB instance sandboxes it for every later one: no host files but the
+        capture datasets registered in place, then the configuration locked (user SQL cannot undo it)."""
         with self._reader_setup:
             try:
-                con = duckdb.connect(str(self.path), read_only=True, config=SANDBOX)
+                con = duckdb.connect(str(self.path), read_only=True, config=READER)
             except duckdb.Error as e:
                 raise StoreError(f"cannot open {self.path} read-only: {_first_line(e)}") from None
             if not con.execute("SELECT current_setting('lock_configuration')").fetchone()[0]:
+                dirs = schema.capture_dirs(con)
+                if dirs:
+                    con.execute("SET allowed_directories = [" + ", ".join("'" + d.replace("'", "''") + "'"
+                                                                          for d in dirs) + "]")
+                con.execute("SET enable_external_access = false")
                 con.execute("SET lock_configuration = true")  # the instance stays locked for later readers
         return con
+
+    @staticmethod
+    def refresh_captures(con: duckdb.DuckDBPyConnection) -> None:
+        """After a dataset is registered in place or a run deleted: kv_events covers what is there."""
+        schema.refresh_capture_view(con)
 
     def _wait_out_lock(self, connect: Callable[[], T]) -> T:
         """Connect, waiting while another process holds the file (a recorder flushes for milliseconds)."""

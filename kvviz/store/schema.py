@@ -10,11 +10,12 @@ files are upgraded in place by the idempotent DDL.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import pyarrow as pa
 
-SCHEMA_VERSION = "4"
-UPGRADABLE = {"1", "2", "3"}  # versions whose files the idempotent DDL brings up to date
+SCHEMA_VERSION = "5"
+UPGRADABLE = {"1", "2", "3", "4"}  # versions whose files the idempotent DDL brings up to date
 
 _ARROW = {"VARCHAR": pa.string(), "JSON": pa.string(), "TIMESTAMP": pa.timestamp("us"), "BIGINT": pa.int64(),
           "INTEGER": pa.int32(), "DOUBLE": pa.float64(), "FLOAT": pa.float32(), "BOOLEAN": pa.bool_(),
@@ -129,11 +130,32 @@ TABLES: dict[str, Table] = {t.name: t for t in (
           "2 stale); head -1 is the mean over heads.", _cols(
               RUN_ID + "step INTEGER, layer INTEGER, head INTEGER, request_id VARCHAR, position INTEGER, "
               "key_slots INTEGER[], weights FLOAT[], key_classes UTINYINT[]")),
-    Table("kv_events", "KV-cache events imported from a vLLM/SGLang capture, one row per block hash (the prefix "
-          "tree is block_hash -> parent_hash; no physical block ids).", _cols(
-              RUN_ID + "step INTEGER, seq BIGINT, ts DOUBLE, rank INTEGER, kind VARCHAR, block_hash UBIGINT, "
-              "parent_hash UBIGINT, block_index INTEGER, token_ids INTEGER[], block_size INTEGER, lora_name VARCHAR, "
-              "medium VARCHAR, salt VARCHAR"), in_trace=False),
+    Table("kv_event_rows", "KV-cache events imported (copied) from a vLLM/SGLang capture, one row per block of each "
+          "event (the prefix tree is block_hash -> parent_hash within a replica and KV group; no physical block "
+          "ids). Query the view kv_events: these rows and every capture dataset registered in place.", (
+              *_cols(RUN_ID + "step INTEGER, seq BIGINT, ts DOUBLE, rank INTEGER, kind VARCHAR, block_hash UBIGINT, "
+                     "parent_hash UBIGINT, block_index INTEGER, token_ids INTEGER[], block_size INTEGER, "
+                     "lora_name VARCHAR, medium VARCHAR, salt VARCHAR"),
+              Column("replica", "VARCHAR", "the publisher it came from (capture-vllm --endpoint NAME=...)",
+                     added_in="5"),
+              Column("restart", "INTEGER", "how many times the replica's publisher had restarted before it",
+                     added_in="5"),
+              Column("received", "DOUBLE", "when the capture received it (seconds since the epoch)", added_in="5"),
+              Column("event_index", "INTEGER", "the event's place in its batch", added_in="5"),
+              Column("lora_id", "BIGINT", added_in="5"),
+              Column("group_idx", "INTEGER", "the KV-cache group: the same hash in two groups is two blocks",
+                     added_in="5"),
+              Column("spec_kind", "VARCHAR", "kv_cache_spec_kind, e.g. full_attention", added_in="5"),
+              Column("sliding_window", "INTEGER", "kv_cache_spec_sliding_window", added_in="5"),
+              Column("locality", "VARCHAR", "LOCAL | REMOTE", added_in="5"),
+              Column("session_id", "VARCHAR", added_in="5"),
+              Column("lookahead_token_ids", "INTEGER[]", "tokens past the block that entered its hash",
+                     added_in="5"),
+              Column("repeat", "BOOLEAN", "changes nothing in the cache as tracked on this replica, group and medium: "
+                     "a BlockStored of a cached hash (a hit reported by kv_cache_report_mode=full) or a BlockRemoved "
+                     "of one not cached", added_in="5")), in_trace=False),
+    Table("capture_sources", "Capture datasets registered in place (import --in-place): the view kv_events reads "
+          "their Parquet files where they lie.", _cols(RUN_ID + "path VARCHAR, files INTEGER"), in_trace=False),
     Table("findings", "What the oracles found.", _cols(
         RUN_ID + "kind VARCHAR, request_id VARCHAR, step INTEGER, layer INTEGER, head INTEGER, position INTEGER, "
         "source_request VARCHAR, mass DOUBLE")),
@@ -157,6 +179,9 @@ TABLES: dict[str, Table] = {t.name: t for t in (
 )}
 
 VIEWS = """
+-- Until capture datasets are registered in place (refresh_capture_view), the copied rows alone.
+CREATE OR REPLACE VIEW kv_events AS SELECT * FROM kv_event_rows;
+
 CREATE OR REPLACE VIEW leak_rate_per_step AS
 SELECT run_id, step, request_id, sum(leak_rows) / sum(rows) AS leak_rate, max(max_foreign) AS max_foreign_mass
 FROM leak_metrics GROUP BY run_id, step, request_id;
@@ -165,15 +190,21 @@ CREATE OR REPLACE VIEW top_leaking_heads AS
 SELECT run_id, layer, head, max(max_foreign) AS max_foreign_mass, sum(leak_rows) AS leak_rows
 FROM leak_metrics GROUP BY run_id, layer, head;
 
--- Blocks cached after each captured message: stored minus removed, back to zero at AllBlocksCleared.
+-- Blocks cached on each replica after each captured message that touched it: stored minus removed,
+-- back to zero at the replica's AllBlocksCleared or publisher restart; a repeated store is a hit, not a
+-- block, and a removal of a block not cached (again, or cached before the capture began) removes nothing.
 CREATE OR REPLACE VIEW kv_cache_blocks AS
 WITH per_step AS (
-    SELECT run_id, step, count(*) FILTER (kind = 'BlockStored') AS stored,
-           count(*) FILTER (kind = 'BlockRemoved') AS removed, count(*) FILTER (kind = 'AllBlocksCleared') AS cleared
-    FROM kv_events GROUP BY run_id, step),
-epochs AS (SELECT *, sum(cleared) OVER (PARTITION BY run_id ORDER BY step) AS epoch FROM per_step)
-SELECT run_id, step, sum(stored - removed) OVER (PARTITION BY run_id, epoch ORDER BY step) AS cached_blocks,
-       stored, removed
+    SELECT run_id, coalesce(replica, 'replica-0') AS replica, step, any_value(coalesce(restart, 0)) AS restart,
+           count(*) FILTER (kind = 'BlockStored' AND NOT coalesce(repeat, false)) AS stored,
+           count(*) FILTER (kind = 'BlockStored' AND repeat) AS repeated,
+           count(*) FILTER (kind = 'BlockRemoved' AND NOT coalesce(repeat, false)) AS removed,
+           count(*) FILTER (kind = 'AllBlocksCleared') AS cleared
+    FROM kv_events WHERE kind IS NOT NULL GROUP BY ALL),
+epochs AS (SELECT *, sum(cleared) OVER (PARTITION BY run_id, replica, restart ORDER BY step) AS epoch FROM per_step)
+SELECT run_id, replica, restart, step,
+       sum(stored - removed) OVER (PARTITION BY run_id, replica, restart, epoch ORDER BY step) AS cached_blocks,
+       stored, removed, repeated
 FROM epochs;
 
 -- The seed's positional entropy (nats) of each request's queries per step, layer and head: the mean over
@@ -199,12 +230,60 @@ SELECT run_id, step, count(*) FILTER (state = 'used') AS used, count(*) FILTER (
 FROM blocks GROUP BY run_id, step;
 """
 
+RENAMED = {"kv_events": "kv_event_rows"}  # tables an upgrade renames (old name -> new), before the DDL runs
+DATASET_COLUMNS = [c.name for c in TABLES["kv_event_rows"].columns if c.name != "run_id"]
+
+
+def rename_old_tables(con) -> None:
+    """Version 4 kept captures in the table kv_events, now the view over kv_event_rows and datasets."""
+    for old, new in RENAMED.items():
+        if con.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = ? AND table_type = "
+                       "'BASE TABLE'", [old]).fetchone()[0]:
+            con.execute(f"ALTER TABLE {old} RENAME TO {new}")
+
+
+def refresh_capture_view(con) -> None:
+    """kv_events: the copied rows, and the files of every dataset registered in place that is still
+    there; a run whose dataset has gone is marked failed, saying where it was."""
+    sources = con.execute("SELECT run_id, path FROM capture_sources ORDER BY run_id").fetchall()
+    for run, path in sources:
+        if not Path(path).is_dir():
+            con.execute("UPDATE runs SET status = 'failed', error = ? WHERE run_id = ?",
+                        [f"its capture dataset is no longer at {path} (import it again)", run])
+            con.execute("DELETE FROM capture_sources WHERE run_id = ?", [run])
+    cols = ", ".join(DATASET_COLUMNS)
+    parts = ["SELECT * FROM kv_event_rows"] + [
+        f"SELECT {_quote(run)} AS run_id, {cols} FROM read_parquet({_quote(str(Path(path) / 'replica=*/*.parquet'))},"
+        " hive_partitioning = true, hive_types = {'replica': VARCHAR}) WHERE kind IS NOT NULL"
+        for run, path in sources if Path(path).is_dir()]
+    con.execute("CREATE OR REPLACE VIEW kv_events AS " + "\nUNION ALL BY NAME\n".join(parts))
+
+
+def datasets_gone(con) -> bool:
+    """Has a dataset registered in place been moved or deleted (kv_events would fail to read it)?"""
+    return any(not Path(d).is_dir() for d in capture_dirs(con))
+
+
+def capture_dirs(con) -> list[str]:
+    """The folders readers may read: the datasets registered in place (nothing else)."""
+    if not con.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = 'capture_sources'"
+                       ).fetchone()[0]:
+        return []
+    return [str(Path(p)) + "/" for (p,) in con.execute("SELECT path FROM capture_sources").fetchall()]
+
+
 TRACE_TABLES: dict[str, list[str]] = {t.name: t.trace_columns() for t in TABLES.values() if t.in_trace}
+
+
+# Rows from before a column existed, given what it means for them (run on upgrade; idempotent).
+BACKFILL = """
+UPDATE kv_event_rows SET replica = 'replica-0', restart = 0 WHERE replica IS NULL;
+"""
 
 
 def ddl() -> str:
     """The whole schema as one idempotent script: creating a new file or upgrading an old one."""
-    return "\n\n".join(t.ddl() for t in TABLES.values()) + "\n" + VIEWS
+    return "\n\n".join(t.ddl() for t in TABLES.values()) + "\n" + BACKFILL + VIEWS
 
 
 def conform(table: str, rows: pa.Table) -> pa.Table:

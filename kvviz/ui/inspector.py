@@ -45,7 +45,8 @@ def _choose_run(listing) -> str:
     if current not in ids:
         current = ids[0]
     st.session_state["insp_run"] = current
-    labels = {r.run_id: f"{r.run_id} · {r.scenario or 'workload'} · fault {r.fault or 'none'} · {r.status}"
+    labels = {r.run_id: f"{r.run_id} · {r.scenario or 'workload'}"
+              + ("" if r.model == "vllm capture" else f" · fault {r.fault or 'none'}") + f" · {r.status}"
               for r in listing.itertuples()}
 
     def chosen() -> None:

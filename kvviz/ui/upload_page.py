@@ -18,7 +18,9 @@ def render() -> None:
         "`python -m kvviz export` or by your server without kvviz (see docs/trace-format.md);\n"
         "- a **vLLM or SGLang KV-event capture** (`.jsonl`) written by `python -m kvviz capture-vllm --endpoint "
         "tcp://HOST:5557 --out capture.jsonl`: it becomes the prefix tree, cache occupancy over time, evictions and "
-        "cross-tenant findings.")
+        "cross-tenant findings.\n\n"
+        "A fleet's **capture dataset** (a folder of Parquet, `capture-vllm --out DIR`) stays where it is: import "
+        "it from a shell on this machine with `python -m kvviz import DIR`, then open it in the inspector.")
     up = st.file_uploader("Trace or capture", type=["zip", "jsonl"], key="upload_file")
     if up is None:
         st.caption(f"Uploads are kept in `{_folder()}`; runs go to `{db_path()}`.")
@@ -26,8 +28,10 @@ def render() -> None:
     if st.button(f"Import {up.name}", type="primary", key="upload_go", icon=":material/upload:"):
         with st.spinner(f"Validating and importing {up.name}..."):
             saved = save_upload(up.name, up.getvalue(), _folder())
+            bar = st.progress(0.0, text=f"Importing {up.name}")
             try:
-                run_id = import_file(saved, store())
+                run_id = import_file(saved, store(), lambda done, total: bar.progress(
+                    done / total, text=f"Importing {up.name}: {done >> 20} of {total >> 20} MiB"))
             except KvvizError as e:  # said here, not by the app: with the name the user gave the file
                 st.error(f"Not imported: {str(e).replace(str(saved), up.name)}. Nothing was added to the "
                          "database.", icon=":material/error:")

@@ -1,0 +1,150 @@
+"""`python -m kvviz bench --capture-import`: how fast captures import and how much memory that takes,
+for the JSONL capture and the Parquet dataset of one synthetic two-replica fleet
+(kvviz/capture/synthetic.py: 16-token blocks, shared tenant prefixes, one-hash removals as vLLM
+sends them), each import in a fresh process so its peak RSS is its own. Writing the dataset is timed
+too: it is what `capture-vllm --out DIR` does per message besides receiving it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from .capture.capture_file import CaptureWriter
+from .capture.dataset import DatasetWriter
+from .capture.events import decode_batch
+from .capture.synthetic import fleet_messages
+
+CHILD = """
+import json, resource, sys, time
+from kvviz.analysis.uploads import import_file
+from kvviz.store import RunStore
+t = time.perf_counter()
+import_file(sys.argv[1], RunStore.open(sys.argv[2]))
+peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+print(json.dumps({"seconds": time.perf_counter() - t, "peak_mb": peak_mb}))
+"""
+
+
+@dataclass(frozen=True)
+class ImportResult:
+    events: int
+    messages: int
+    form: str  # jsonl | dataset
+    seconds: float
+    peak_mb: float
+    written_per_s: float  # messages per second written into this form (decoding included for the dataset)
+
+
+def run_capture_bench(sizes: list[int], progress: Callable[[str], None] = lambda s: None) -> list[ImportResult]:
+    out = []
+    with tempfile.TemporaryDirectory(prefix="kvviz-bench-capture-") as tmp:
+        for n in sizes:
+            msgs = list(fleet_messages(n))
+            replicas = {m.replica: "synthetic" for m in msgs[:8]}
+            paths = {"jsonl": Path(tmp) / f"{n}.jsonl", "dataset": Path(tmp) / f"{n}-ds"}
+            for form, path in paths.items():
+                w = CaptureWriter(path, replicas) if form == "jsonl" else DatasetWriter(path, replicas)
+                t = time.perf_counter()
+                for m in msgs:
+                    w.add(m, decode_batch(m.payload, "bench") if form == "dataset" else None)
+                w.close()
+                rate = len(msgs) / (time.perf_counter() - t)
+                progress(f"importing {n:,} events from the {form} ({len(msgs):,} messages)")
+                p = subprocess.run([sys.executable, "-c", CHILD, str(path), str(Path(tmp) / f"{n}-{form}.duckdb")],
+                                   capture_output=True, text=True, cwd=Path(__file__).parent.parent)
+                if p.returncode:
+                    raise RuntimeError(f"importing the {form} failed: {p.stderr.strip()[-2000:]}")
+                got = json.loads(p.stdout.strip().splitlines()[-1])
+                out.append(ImportResult(n, len(msgs), form, got["seconds"], got["peak_mb"], rate))
+            del msgs
+    return out
+
+
+def capture_report(results: list[ImportResult]) -> str:
+    lines = ["| block events | messages | from | import s | events/s | peak RSS MB | written msgs/s |",
+             "|---:|---:|---|---:|---:|---:|---:|"]
+    for r in results:
+        lines.append(f"| {r.events:,} | {r.messages:,} | {r.form} | {r.seconds:.1f} | {r.events / r.seconds:,.0f} "
+                     f"| {r.peak_mb:,.0f} | {r.written_per_s:,.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+PUBLISHER = """
+import sys, time, zmq
+sys.path.insert(0, sys.argv[4])
+from kvviz.capture.synthetic import step_batches
+endpoint, rate, duration = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+ctx = zmq.Context()
+pub = ctx.socket(zmq.PUB)
+pub.setsockopt(zmq.SNDHWM, 0)
+pub.bind(endpoint)
+payloads = step_batches(4096, seed=hash(endpoint) & 0xFFFF)
+time.sleep(1.0)  # the subscriber connects
+start, seq = time.perf_counter(), 0
+while seq < rate * duration:
+    due = int((time.perf_counter() - start) * rate) + 1  # batches that should have gone out by now
+    while seq < min(due, rate * duration):
+        pub.send_multipart([b"kv-events", seq.to_bytes(8, "big"), payloads[seq % len(payloads)]])
+        seq += 1
+    time.sleep(0.0005)
+print(seq, time.perf_counter() - start, flush=True)
+time.sleep(1.0)
+"""
+
+
+@dataclass(frozen=True)
+class LiveResult:
+    replicas: int
+    rate: int  # batches per second per publisher
+    seconds: float
+    sent: int
+    written: int
+    lost: int
+    capture_cpu_s: float  # the capture process's CPU time while it ran
+
+
+def run_live_bench(replicas: int = 2, rate: int = 10_000, duration: float = 60.0,
+                   progress: Callable[[str], None] = lambda s: None) -> LiveResult:
+    """Publishers in their own processes at `rate` batches a second each, one FleetCapture writing a
+    dataset in this process: does it keep up, with no gaps?"""
+    import os
+    import socket
+
+    from .capture.zmq_capture import Endpoint, FleetCapture
+
+    def port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    root = str(Path(__file__).parent.parent)
+    sources = [Endpoint(f"replica-{i}", f"tcp://127.0.0.1:{port()}") for i in range(replicas)]
+    pubs = [subprocess.Popen([sys.executable, "-c", PUBLISHER, s.endpoint.replace("127.0.0.1", "*"), str(rate),
+                              str(duration), root], stdout=subprocess.PIPE, text=True) for s in sources]
+    with tempfile.TemporaryDirectory(prefix="kvviz-bench-live-") as tmp:
+        fleet = FleetCapture(sources)
+        sink = DatasetWriter(Path(tmp) / "ds", {s.name: s.endpoint for s in sources})
+        progress(f"capturing {replicas} publishers at {rate:,} batches/s each for {duration:g} s")
+        cpu = os.times()
+        try:
+            fleet.run(sink, duration=duration + 4)
+        finally:
+            fleet.close()
+            sink.close()
+        used = (os.times().user - cpu.user) + (os.times().system - cpu.system)
+    sent = sum(int(p.communicate(timeout=30)[0].split()[0]) for p in pubs)
+    states = fleet.states.values()
+    return LiveResult(replicas, rate, duration, sent, sum(s.count for s in states), sum(s.lost for s in states), used)
+
+
+def live_report(r: LiveResult) -> str:
+    return ("| publishers | batches/s each | seconds | sent | written | lost | capture CPU |\n"
+            "|---:|---:|---:|---:|---:|---:|---:|\n"
+            f"| {r.replicas} | {r.rate:,} | {r.seconds:g} | {r.sent:,} | {r.written:,} | {r.lost:,} "
+            f"| {r.capture_cpu_s / (r.seconds + 4):.0%} of a core |\n")

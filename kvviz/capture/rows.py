@@ -1,0 +1,191 @@
+"""Captured messages as block-event rows in Arrow columns: one row per block of every event (one row
+for an event without blocks, and one for a batch without events, so every message keeps a row).
+
+Rows are built in three levels so Python touches each message and event once and each block only
+in list operations: message fields (step, replica, seq, ts, payload ...) and event fields (kind,
+medium, group ...) are kept once and spread over their rows by Arrow `take`; tokens stay one flat
+list until they become a list column. The same builder feeds the import (into DuckDB) and the
+capture dataset (into Parquet), so both hold the same rows.
+
+`repeat` marks an event that changes nothing in the cache as tracked on its replica, KV group and
+medium: a BlockStored of a hash already cached (with kv_cache_report_mode="full" vLLM re-reports
+reused blocks: a hit, not a second block), or a BlockRemoved of a hash not cached (removed before,
+or cached before the capture began). `salt` is the tenant of the block: vLLM names the salt among
+the extra keys of a chain's first block only, so the blocks after it, in the same event or in a
+later one continuing a cached chain, carry the salt of the block they follow.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from ..errors import CaptureError
+from .events import Batch
+
+INT_LIST = pa.list_(pa.int32())
+MESSAGE_FIELDS = (("step", pa.int64()), ("replica", pa.string()), ("restart", pa.int32()), ("seq", pa.int64()),
+                  ("ts", pa.float64()), ("received", pa.float64()), ("rank", pa.int32()), ("topic", pa.string()),
+                  ("payload", pa.binary()))
+EVENT_FIELDS = (("event_index", pa.int32()), ("kind", pa.string()), ("block_size", pa.int32()),
+                ("lora_id", pa.int64()), ("lora_name", pa.string()), ("medium", pa.string()),
+                ("group_idx", pa.int32()), ("spec_kind", pa.string()), ("sliding_window", pa.int32()),
+                ("locality", pa.string()), ("session_id", pa.string()), ("lookahead_token_ids", INT_LIST))
+BLOCK_FIELDS = (("block_index", pa.int32()), ("block_hash", pa.uint64()), ("parent_hash", pa.uint64()),
+                ("salt", pa.string()), ("repeat", pa.bool_()))
+ROW_SCHEMA = pa.schema([*MESSAGE_FIELDS, *EVENT_FIELDS[:2], *BLOCK_FIELDS, ("token_ids", INT_LIST),
+                        *EVENT_FIELDS[2:]])
+
+
+_GONE = object()
+_NO_EVENT = (0,) + (None,) * (len(EVENT_FIELDS) - 1)
+
+
+def _columns(rows: list[tuple], width: int) -> list[tuple]:
+    """Tuples as columns (zip in C); no rows is `width` empty columns."""
+    return list(zip(*rows, strict=True)) if rows else [()] * width
+
+
+class EventRows:
+    """Append decoded batches; `take()` returns the rows so far as one Arrow table and starts again.
+    The cache state that decides repeats lives across takes."""
+
+    def __init__(self) -> None:
+        self._live: dict[tuple, dict[int, str | None]] = {}  # (replica, group, medium) -> hash -> salt
+        self._restart: dict[str, int] = {}
+        self._clear()
+
+    def _clear(self) -> None:
+        self._messages: list[tuple] = []  # MESSAGE_FIELDS, one tuple per message
+        self._where: list[str] = []
+        self._events: list[tuple] = []  # EVENT_FIELDS, one tuple per event
+        self._event_msg: list[int] = []  # the message of each event
+        self._event_rows: list[int] = []  # the rows of each event
+        self._hashes: list[int | None] = []  # one per row (so are repeats)
+        self._repeats: list[bool | None] = []
+        self._parents: list[int | None] = []  # one per BlockStored row (so are salts)
+        self._salts: list[str | None] = []
+        self._tokens: list = []
+        self.rows = 0
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def forget(self, replica: str) -> None:
+        """A replica's publisher restarted: what it had cached is gone."""
+        for key in [k for k in self._live if k[0] == replica]:
+            del self._live[key]
+
+    def add(self, batch: Batch, *, step: int, replica: str, restart: int, seq: int, where: str,
+            received: float | None = None, topic: str | None = None, payload: bytes | None = None) -> None:
+        """One decoded message; `where` names it in errors (a file and line, a replica and seq)."""
+        if self._restart.setdefault(replica, restart) != restart:
+            self._restart[replica] = restart
+            self.forget(replica)
+        m = len(self._where)
+        self._messages.append((step, replica, restart, seq, batch.ts, received, batch.rank, topic, payload))
+        self._where.append(where)
+        events, event_msg, event_rows, hashes_out = self._events, self._event_msg, self._event_rows, self._hashes
+        if not batch.events:  # a batch with nothing in it still happened: one row without a kind
+            events.append(_NO_EVENT)
+            event_msg.append(m)
+            event_rows.append(1)
+            hashes_out.append(None)
+            self._repeats.append(None)
+            self.rows += 1
+            return
+        for i, e in enumerate(batch.events):
+            hashes, kind = e.block_hashes, e.kind
+            n = len(hashes) or 1
+            events.append((i, kind, e.block_size, e.lora_id, e.lora_name, e.medium, e.group_idx, e.spec_kind,
+                           e.sliding_window, e.locality, e.session_id, e.lookahead_token_ids))
+            event_msg.append(m)
+            event_rows.append(n)
+            self.rows += n
+            if not hashes:
+                hashes_out.append(None)
+                self._repeats.append(None)
+                if kind == "AllBlocksCleared":
+                    self.forget(replica)
+                continue
+            hashes_out.extend(hashes)
+            live = self._live.get((replica, e.group_idx, e.medium))
+            if live is None:
+                live = self._live[(replica, e.group_idx, e.medium)] = {}
+            if kind == "BlockStored":
+                self._parents.append(e.parent_hash)
+                self._parents.extend(hashes[:-1])
+                salts = list(e.salts) if e.salts else [None] * n
+                if salts[0] is None:
+                    salts[0] = live.get(e.parent_hash)
+                for i in range(1, n):
+                    if salts[i] is None:
+                        salts[i] = salts[i - 1]
+                self._salts.extend(salts)
+                self._repeats.extend([h in live for h in hashes])
+                live.update(zip(hashes, salts, strict=True))
+                self._tokens.extend(e.token_ids)
+            elif kind == "BlockRemoved":
+                self._repeats.extend([live.pop(h, _GONE) is _GONE for h in hashes])
+            else:
+                self._repeats.extend([None] * n)
+
+    def take(self) -> pa.Table:
+        """The rows added since the last take, as a table of ROW_SCHEMA. A token that is not a 32-bit
+        int is a CaptureError naming its message."""
+        counts = np.asarray(self._event_rows, dtype=np.int64)
+        event_of_row = np.repeat(np.arange(len(counts)), counts)
+        event_start = np.concatenate(([0], np.cumsum(counts)[:-1]))
+        message_of_row = np.asarray(self._event_msg, dtype=np.int64)[event_of_row]
+        first_of_message = np.ones(len(event_of_row), dtype=bool)
+        first_of_message[1:] = message_of_row[1:] != message_of_row[:-1]
+        cols: dict[str, pa.Array] = {}
+        for (name, typ), values in zip(MESSAGE_FIELDS, _columns(self._messages, len(MESSAGE_FIELDS)), strict=True):
+            cols[name] = pa.array(values, type=typ).take(message_of_row)
+        cols["payload"] = pc.if_else(first_of_message, cols["payload"], pa.scalar(None, pa.binary()))
+        event_cols = {name: pa.array(values, type=typ) for (name, typ), values in
+                      zip(EVENT_FIELDS, _columns(self._events, len(EVENT_FIELDS)), strict=True)}
+        for name, _ in EVENT_FIELDS:
+            cols[name] = event_cols[name].take(event_of_row)
+        stored = pc.fill_null(pc.equal(cols["kind"], "BlockStored"), False)
+        cols["block_hash"] = pa.array(self._hashes, type=pa.uint64())
+        no_hash = pc.is_null(cols["block_hash"]).to_numpy(zero_copy_only=False)
+        cols["block_index"] = pa.array((np.arange(len(event_of_row)) - event_start[event_of_row]).astype(np.int32),
+                                       mask=no_hash)
+        stored_np = stored.to_numpy(zero_copy_only=False)
+        nth_stored = pa.array(np.cumsum(stored_np) - 1, mask=~stored_np)  # the row's place among stored rows
+        for name, typ, values in (("parent_hash", pa.uint64(), self._parents), ("salt", pa.string(), self._salts)):
+            cols[name] = pa.array(values, type=typ).take(nth_stored)
+        cols["repeat"] = pa.array(self._repeats, type=pa.bool_())
+        cols["token_ids"] = self._token_column(stored, cols["block_size"], event_cols)
+        table = pa.table({name: cols[name] for name in ROW_SCHEMA.names}, schema=ROW_SCHEMA)
+        self._clear()
+        return table
+
+    def _token_column(self, stored: pa.Array, block_size: pa.Array, event_cols: dict[str, pa.Array]) -> pa.Array:
+        lengths = pc.if_else(stored, block_size, 0).to_numpy(zero_copy_only=False).astype(np.int32)
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
+        np.cumsum(lengths, out=offsets[1:])
+        try:
+            values = pa.array(self._tokens, type=pa.int32())
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError):
+            raise CaptureError(self._bad_tokens(event_cols)) from None
+        return pa.ListArray.from_arrays(pa.array(offsets), values, mask=pc.invert(stored))
+
+    def _bad_tokens(self, event_cols: dict[str, pa.Array]) -> str:
+        """Where the first token that is not a 32-bit int is (only on the error path, so it may be slow)."""
+        start = 0
+        kinds, sizes = event_cols["kind"].to_pylist(), event_cols["block_size"].to_pylist()
+        for e, (kind, size, rows) in enumerate(zip(kinds, sizes, self._event_rows, strict=True)):
+            if kind != "BlockStored":
+                continue
+            chunk = self._tokens[start:start + size * rows]
+            start += size * rows
+            bad = next((t for t in chunk if not isinstance(t, int) or isinstance(t, bool)
+                        or not -(1 << 31) <= t < (1 << 31)), None)
+            if bad is not None or any(isinstance(t, bool) for t in chunk):
+                where = self._where[self._event_msg[e]]
+                return (f"{where} event {event_cols['event_index'][e].as_py()}: token_ids must be a list of ints "
+                        f"(or SGLang [token, next] pairs), found {bad!r:.40}")
+        return "token_ids must be a list of ints"
