@@ -20,14 +20,17 @@ from .capture.dataset import DatasetWriter
 from .capture.events import decode_batch
 from .capture.synthetic import fleet_messages
 
+# Peak RSS is the child's VmHWM: getrusage's ru_maxrss survives exec on Linux, so it would count the
+# parent (which holds the synthetic messages) as well.
 CHILD = """
-import json, resource, sys, time
+import json, sys, time
 from kvviz.analysis.uploads import import_file
 from kvviz.store import RunStore
 t = time.perf_counter()
 import_file(sys.argv[1], RunStore.open(sys.argv[2]))
-peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-print(json.dumps({"seconds": time.perf_counter() - t, "peak_mb": peak_mb}))
+seconds = time.perf_counter() - t
+hwm = next(line for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+print(json.dumps({"seconds": seconds, "peak_mb": int(hwm.split()[1]) / 1024}))
 """
 
 

@@ -236,6 +236,31 @@ def test_an_uploaded_capture_opens_with_the_views_it_supports(empty_db, tmp_path
     assert list(at.dataframe[0].value.kind) == ["cross_tenant"]
 
 
+def test_a_fleet_capture_shows_one_replicas_tree_at_a_time_and_a_cache_line_each(empty_db, tmp_path):
+    from kvviz.analysis.uploads import import_file
+
+    from .test_fleet_capture import full_mode_messages, interleaved, write_dataset
+
+    msgs = interleaved(full_mode_messages("pod-a", 20), full_mode_messages("pod-b", 10) * 2)
+    run_id = import_file(write_dataset(tmp_path / "ds", msgs).folder, RunStore.open(empty_db))
+    at = page("inspector", run_id=run_id)
+    at.session_state["insp_step"] = int(at.select_slider(key="insp_step").options[-1])
+    at.run()
+    assert at.selectbox(key="insp_replica").options == ["pod-a", "pod-b"] and not at.exception
+    nodes = {}
+    for replica in ("pod-a", "pod-b"):
+        at.selectbox(key="insp_replica").set_value(replica).run()
+        nodes[replica] = sum(len(values(t["x"])) for t in charts(at)["insp_tree"]["data"][1:])
+        assert any(f"on {replica}" in c.value for c in at.caption)
+    with RunStore.open(empty_db).read() as con:
+        for replica, n in nodes.items():
+            assert n == con.execute("SELECT count(DISTINCT block_hash) FROM kv_events WHERE run_id = ? AND "
+                                    "replica = ? AND kind = 'BlockStored'", [run_id, replica]).fetchone()[0]
+    at.segmented_control(key="insp_view").set_value("Cache over time").run()
+    lines = [t["name"] for t in charts(at)["insp_cache"]["data"] if t["type"] == "scatter"]
+    assert lines == ["pod-a", "pod-b"] and any("2 replicas, one line each" in c.value for c in at.caption)
+
+
 def test_inspector_plays_through_the_steps_and_stops_at_the_end(with_runs):
     _, faulty, _ = with_runs
     at = page("inspector", run_id=faulty)
