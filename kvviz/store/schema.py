@@ -224,6 +224,77 @@ SELECT s.run_id, s.step, s.live_slots,
        s.live_slots / nullif(allocated_slots, 0) AS utilisation
 FROM steps s JOIN runs r ON r.run_id = s.run_id;
 
+-- Each life of a cached block, from the store that cached it to the removal (or reset) that ended it:
+-- captures per replica, KV group and medium (ts in the publisher's seconds; hits are the stores
+-- kv_cache_report_mode=full repeats), engine runs per block hash (steps; hits are the prefix hits on
+-- the block). idle: from the last hit (or the store) to the end; null ends are still cached.
+CREATE OR REPLACE VIEW block_lifetimes AS
+WITH ev AS (
+    SELECT run_id, coalesce(replica, 'replica-0') AS replica, coalesce(restart, 0) AS restart, group_idx, medium,
+           block_hash, kind, step, ts, coalesce(repeat, false) AS rep,
+           sum(CASE WHEN kind = 'BlockStored' AND NOT coalesce(repeat, false) THEN 1 ELSE 0 END) OVER (
+               PARTITION BY run_id, replica, restart, group_idx, medium, block_hash
+               ORDER BY step, coalesce(event_index, 0), block_index) AS life
+    FROM kv_events WHERE kind IN ('BlockStored', 'BlockRemoved')),
+lives AS (
+    SELECT run_id, replica, restart, group_idx, medium, block_hash, life,
+           min(step) FILTER (kind = 'BlockStored' AND NOT rep) AS stored_step,
+           min(ts) FILTER (kind = 'BlockStored' AND NOT rep) AS stored_ts,
+           min(step) FILTER (kind = 'BlockRemoved' AND NOT rep) AS removed_step,
+           min(ts) FILTER (kind = 'BlockRemoved' AND NOT rep) AS removed_ts,
+           count(*) FILTER (kind = 'BlockStored' AND rep) AS hits,
+           max(step) FILTER (kind = 'BlockStored' AND rep) AS last_hit_step,
+           max(ts) FILTER (kind = 'BlockStored' AND rep) AS last_hit_ts
+    FROM ev WHERE life > 0 GROUP BY ALL),
+clears AS (
+    SELECT run_id, coalesce(replica, 'replica-0') AS replica, coalesce(restart, 0) AS restart, step, ts
+    FROM kv_events WHERE kind = 'AllBlocksCleared'),
+capture AS (
+    SELECT l.* EXCLUDE (removed_step, removed_ts, restart),
+           CASE WHEN c.step IS NOT NULL AND (l.removed_step IS NULL OR c.step < l.removed_step) THEN c.step
+                ELSE l.removed_step END AS removed_step,
+           CASE WHEN c.step IS NOT NULL AND (l.removed_step IS NULL OR c.step < l.removed_step) THEN c.ts
+                ELSE l.removed_ts END AS removed_ts
+    FROM lives l ASOF LEFT JOIN clears c
+      ON l.run_id = c.run_id AND l.replica = c.replica AND l.restart = c.restart AND c.step >= l.stored_step),
+engine_lives AS (
+    SELECT run_id, hash AS block_hash, block, step AS stored_step,
+           lead(step) OVER (PARTITION BY run_id, hash ORDER BY step, seq) AS next_step,
+           lead(kind) OVER (PARTITION BY run_id, hash ORDER BY step, seq) AS next_kind, kind
+    FROM block_events WHERE kind IN ('cache', 'evict') AND hash IS NOT NULL),
+engine AS (
+    SELECT l.run_id, NULL AS replica, NULL AS group_idx, NULL AS medium, l.block_hash,
+           row_number() OVER (PARTITION BY l.run_id, l.block_hash ORDER BY l.stored_step) AS life,
+           l.stored_step, NULL AS stored_ts, count(h.step) AS hits, max(h.step) AS last_hit_step,
+           NULL AS last_hit_ts,
+           CASE WHEN l.next_kind = 'evict' THEN l.next_step END AS removed_step, NULL AS removed_ts
+    FROM engine_lives l
+    LEFT JOIN block_events h ON h.run_id = l.run_id AND h.kind = 'hit' AND h.block = l.block
+         AND h.step >= l.stored_step AND (l.next_kind IS DISTINCT FROM 'evict' OR h.step < l.next_step)
+    WHERE l.kind = 'cache'
+    GROUP BY l.run_id, l.block_hash, l.block, l.stored_step, l.next_kind, l.next_step)
+SELECT run_id, replica, group_idx, medium, block_hash, life, stored_step, removed_step,
+       removed_step - stored_step AS lifetime_steps, removed_ts - stored_ts AS lifetime_s, hits, last_hit_step,
+       removed_step - coalesce(last_hit_step, stored_step) AS idle_steps,
+       removed_ts - coalesce(last_hit_ts, stored_ts) AS idle_s
+FROM (SELECT run_id, replica, group_idx, medium, block_hash, life, stored_step, stored_ts, removed_step,
+             removed_ts, hits, last_hit_step, last_hit_ts FROM capture
+      UNION ALL BY NAME
+      SELECT * FROM engine);
+
+-- Prefix-cache hits per interval: engine runs per step from their lookups (prompt tokens looked up,
+-- tokens the cache served); captures per replica and minute of the publisher's clock from their stores
+-- (a store that repeats a cached block is a hit, reported only under kv_cache_report_mode=full).
+CREATE OR REPLACE VIEW hit_rate_per_interval AS
+SELECT run_id, NULL AS replica, 'step' AS unit, step AS interval_start, count(*) AS lookups,
+       sum(tokens) AS tokens, sum(hit_tokens) AS hit_tokens, sum(hit_tokens) / nullif(sum(tokens), 0) AS hit_rate
+FROM cache_lookups GROUP BY run_id, step
+UNION ALL
+SELECT run_id, coalesce(replica, 'replica-0'), 'minute', floor(ts / 60) * 60, NULL,
+       sum(block_size), coalesce(sum(block_size) FILTER (repeat), 0),
+       coalesce(sum(block_size) FILTER (repeat), 0) / nullif(sum(block_size), 0)
+FROM kv_events WHERE kind = 'BlockStored' GROUP BY ALL;
+
 CREATE OR REPLACE VIEW block_occupancy AS
 SELECT run_id, step, count(*) FILTER (state = 'used') AS used, count(*) FILTER (state = 'cached') AS cached,
        count(*) FILTER (state = 'free') AS free

@@ -1,5 +1,5 @@
-"""The inspector: one run at one step, as a block map, attention, leaks and requests (or, for an
-imported KV-event capture, its prefix tree and cache over time)."""
+"""The inspector: one run at one step, as a block map, attention, leaks, its prefix cache and
+requests (or, for an imported KV-event capture, its prefix tree and cache over time)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import streamlit as st
 from ..analysis import blocks, leaks, runs
 from ..analysis.runs import RunInfo
 from ..store import RunStore
-from . import inspect_attention, inspect_blocks, inspect_capture, inspect_leaks
+from . import inspect_attention, inspect_blocks, inspect_cache, inspect_capture, inspect_leaks
 from .common import reader, runs_or_hint
 
-ENGINE_VIEWS = ("Blocks", "Attention", "Leaks", "Requests")
+ENGINE_VIEWS = ("Blocks", "Attention", "Leaks", "Cache", "Requests")
 CAPTURE_VIEWS = ("Prefix tree", "Cache over time", "Findings")
 TICK_S = 0.8  # play: seconds per step
 FOLLOW_S = 2.0  # a run being recorded: seconds between looks for new steps
@@ -164,5 +164,7 @@ def _step_views(info: RunInfo, playing: bool) -> None:
             inspect_attention.render(con, info, step)
         elif view == "Leaks":
             inspect_leaks.render(con, info, step, focus)
+        elif view == "Cache":
+            inspect_cache.render(con, info, step)
         else:
             inspect_leaks.render_requests(con, info)

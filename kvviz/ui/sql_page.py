@@ -21,10 +21,12 @@ EXAMPLES = {
     "Block churn per step": "SELECT run_id, step, count(*) FILTER (kind = 'allocate') AS allocated,\n"
                             "       count(*) FILTER (kind = 'free') AS freed, count(*) FILTER (kind = 'evict') AS "
                             "evicted\nFROM block_events GROUP BY run_id, step ORDER BY run_id, step",
-    "Prefix-cache hit rate over time": "SELECT run_id, step, count(*) FILTER (kind = 'hit') AS hits,\n"
-                                       "       count(*) FILTER (kind IN ('hit', 'allocate')) AS blocks_taken,\n"
-                                       "       hits / nullif(blocks_taken, 0) AS hit_rate\nFROM block_events "
-                                       "GROUP BY run_id, step ORDER BY run_id, step",
+    "Prefix-cache hit rate over time": "SELECT run_id, replica, unit, interval_start, tokens, hit_tokens, hit_rate\n"
+                                       "FROM hit_rate_per_interval ORDER BY run_id, replica, interval_start",
+    "Block lifetimes and idle time before eviction": (
+        "SELECT run_id, count(*) AS lives, avg(lifetime_steps) AS mean_lifetime_steps,\n"
+        "       avg(idle_steps) AS mean_idle_steps, avg(lifetime_s) AS mean_lifetime_s, sum(hits) AS hits\n"
+        "FROM block_lifetimes WHERE removed_step IS NOT NULL GROUP BY run_id"),
     "Block occupancy": "SELECT run_id, step, used, cached, free FROM block_occupancy ORDER BY run_id, step",
     "Findings by kind": "SELECT kind, count(*) AS n, max(mass) AS max_mass FROM findings GROUP BY kind",
     "Positional entropy by position": "SELECT request_id, position, avg(entropy) AS entropy_nats, "

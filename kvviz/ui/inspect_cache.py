@@ -1,0 +1,40 @@
+"""The inspector's Cache view of an engine run: why each prefix-cache lookup stopped where it did,
+the hit rate over steps, and how long cached blocks lived before eviction."""
+
+from __future__ import annotations
+
+import pandas as pd
+import streamlit as st
+
+from ..analysis import cache_stats
+from ..analysis.explain import explain_run
+from ..analysis.runs import RunInfo
+from ..figures import cache as cache_fig
+
+
+def render(con, info: RunInfo, step: int) -> None:
+    found = explain_run(con, info.run_id)
+    if not found:
+        st.info("This run recorded no prefix-cache lookups (it was recorded before kvviz kept them).",
+                icon=":material/info:")
+        return
+    rates = cache_stats.hit_rates(con, info.run_id)
+    lives = cache_stats.lifetimes(con, info.run_id)
+    looked, served = int(rates.tokens.sum()), int(rates.hit_tokens.sum())
+    evicted = lives[lives.removed_step.notna()]
+    c = st.columns(4)
+    c[0].metric("lookups", len(found))
+    c[1].metric("hit rate (tokens)", f"{served / looked:.0%}" if looked else "-", help=f"{served} of {looked}")
+    c[2].metric("blocks cached", len(lives), help="lives: a block cached again after an eviction counts again")
+    c[3].metric("evicted", len(evicted))
+    st.plotly_chart(cache_fig.hit_rate(rates, current=step), width="stretch", key="insp_hits")
+    table = pd.DataFrame([{"request": e.request, "step": e.step, "hit tokens": e.hit_tokens,
+                           "stopped at block": e.stop_block, "reason": e.reason,
+                           "evidence": ", ".join(f"{k} {v}" for k, v in e.evidence.items())} for e in found])
+    st.caption("Each lookup (a request's admission, and a re-admission after preemption), up to the step "
+               "shown; reasons as `python -m kvviz explain` gives them.")
+    st.dataframe(table[table.step <= step], hide_index=True, width="stretch", key="insp_lookups")
+    if len(evicted):
+        st.plotly_chart(cache_fig.lifetimes(lives), width="stretch", key="insp_lives")
+    else:
+        st.caption("No block was evicted in this run, so there are no lifetimes to draw.")

@@ -1,0 +1,118 @@
+"""The cache SQL views: block_lifetimes (each life of a cached block: when stored, hit, removed) and
+hit_rate_per_interval, on a capture worked out by hand and on an engine run against its own events
+and its capture."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvviz.analysis.uploads import import_file
+from kvviz.capture.capture_file import CaptureWriter, Message
+from kvviz.store import RunStore
+from tests.test_capture import batch, stored_map
+from tests.test_explain import misses  # noqa: F401 (a fixture)
+
+A, B, C = 11, 12, 13
+
+
+def test_lives_hits_and_idle_time_of_a_capture_by_hand(tmp_path):
+    removed = {"type": "BlockRemoved", "medium": "GPU"}
+    timeline = [  # (ts, events)
+        (0.0, [stored_map([A], None, [1, 2])]),
+        (30.0, [stored_map([A], None, [1, 2])]),  # a repeat: a hit (kv_cache_report_mode=full)
+        (100.0, [removed | {"block_hashes": [A]}]),
+        (120.0, [stored_map([A], None, [1, 2])]),  # a second life
+        (200.0, [{"type": "AllBlocksCleared"}]),  # ends it
+        (210.0, [stored_map([B], None, [3, 4])]),  # still cached at the end
+        (220.0, [removed | {"block_hashes": [C]}]),  # never cached: no life
+    ]
+    w = CaptureWriter(tmp_path / "c.jsonl", {"replica-0": "x"})
+    for seq, (ts, events) in enumerate(timeline):
+        w.add(Message("replica-0", 0, seq, "kv", batch(*events, ts=ts)))
+    w.close()
+    store = RunStore.open(tmp_path / "k.duckdb")
+    run = import_file(tmp_path / "c.jsonl", store)
+    with store.read() as con:
+        lives = con.execute("SELECT block_hash, life, stored_step, removed_step, lifetime_s, hits, last_hit_step, "
+                            "idle_s FROM block_lifetimes WHERE run_id = ? ORDER BY block_hash, life", [run]).fetchall()
+        rates = con.execute("SELECT interval_start, tokens, hit_tokens, hit_rate FROM hit_rate_per_interval "
+                            "WHERE run_id = ? ORDER BY interval_start", [run]).fetchall()
+    assert lives == [(A, 1, 0, 2, 100.0, 1, 1, 70.0), (A, 2, 3, 4, 80.0, 0, None, 80.0),
+                     (B, 1, 5, None, None, 0, None, None)]
+    assert rates == [(0.0, 4, 2, 0.5), (120.0, 2, 0, 0.0), (180.0, 2, 0, 0.0)]
+
+
+def test_an_engine_runs_lives_and_hits_agree_with_its_events_and_its_capture(misses):  # noqa: F811
+    store, run_id, capture_id, first = misses
+    with store.read() as con:
+        events = con.execute("SELECT step, kind, block, hash FROM block_events WHERE run_id = ? ORDER BY step, seq",
+                             [run_id]).fetchall()
+        lives = con.execute("SELECT block_hash, life, stored_step, removed_step, hits FROM block_lifetimes "
+                            "WHERE run_id = ? ORDER BY block_hash, life", [run_id]).fetchall()
+        captured = con.execute("SELECT block_hash, life, removed_step IS NULL FROM block_lifetimes WHERE run_id = ? "
+                               "ORDER BY block_hash, life", [capture_id]).fetchall()
+        served = con.execute("SELECT sum(hit_tokens), sum(tokens) FROM hit_rate_per_interval WHERE run_id = ?",
+                             [run_id]).fetchone()
+        looked_up = con.execute("SELECT sum(hit_tokens), sum(tokens) FROM cache_lookups WHERE run_id = ?",
+                                [run_id]).fetchone()
+    expected, open_life = [], {}  # the lives replayed from the engine's own block events
+    for step, kind, block, h in events:
+        if kind == "cache":
+            open_life[h] = [h, sum(1 for e in expected if e[0] == h) + 1, step, None, 0, block]
+            expected.append(open_life[h])
+        elif kind == "evict" and h in open_life:
+            open_life.pop(h)[3] = step
+        elif kind == "hit":
+            for life in open_life.values():
+                if life[5] == block:
+                    life[4] += 1
+    assert lives == sorted(tuple(e[:5]) for e in expected)
+    assert any(e[3] is not None for e in expected) and any(e[4] > 0 for e in expected), "evictions and hits"
+    assert captured == [(h, life, removed is None) for h, life, _, removed, _ in lives], \
+        "the capture has the same lives, each evicted or not alike"
+    assert served == looked_up and served[0] > 0
+
+
+@pytest.mark.parametrize("view", ["block_lifetimes", "hit_rate_per_interval"])
+def test_the_sql_page_offers_the_cache_views(view):
+    from kvviz.ui.sql_page import EXAMPLES
+
+    assert any(view in sql for sql in EXAMPLES.values())
+
+
+def test_the_cache_figures_draw_what_they_are_given():
+    import pandas as pd
+
+    from kvviz.figures import cache as cache_fig
+
+    rates = pd.DataFrame({"interval_start": [0, 3], "tokens": [24, 24], "hit_tokens": [0, 16],
+                          "hit_rate": [0.0, 16 / 24]})
+    fig = cache_fig.hit_rate(rates, current=3)
+    by_name = {t.name: t for t in fig.data}
+    assert list(by_name["served from the cache"].y) == [0, 16] and list(by_name["computed (missed)"].y) == [24, 8]
+    assert list(by_name["hit rate so far"].y) == [0.0, 16 / 48]
+    lives = pd.DataFrame({"lifetime_steps": [5, None, 7], "idle_steps": [2, None, 1]})
+    hist = cache_fig.lifetimes(lives)
+    assert [list(t.x) for t in hist.data] == [[5, 7], [2, 1]], "lives still cached at the end are left out"
+
+
+def test_the_inspectors_cache_view_shows_each_lookups_reason_up_to_the_step(misses, monkeypatch):  # noqa: F811
+    from tests.test_app import charts, page
+
+    store, run_id, _, first = misses
+    monkeypatch.setenv("KVVIZ_DB", str(store.path))
+    at = page("inspector", run_id=run_id)
+    at.segmented_control(key="insp_view").set_value("Cache").run()
+    assert not at.exception
+    last = int(at.select_slider(key="insp_step").options[-1])
+    at.session_state["insp_step"] = last
+    at.run()
+    table = at.dataframe[0].value
+    firsts = table.drop_duplicates("request")  # a preempted request looks up again when it is re-admitted
+    assert dict(zip(firsts.request, firsts.reason, strict=True)) == {r: e.reason for r, e in first.items()}
+    assert "preempted" in set(table.reason)
+    assert {"insp_hits", "insp_lives"} <= set(charts(at))
+    at.session_state["insp_step"] = 2
+    at.run()
+    early = at.dataframe[0].value
+    assert set(early.step) <= {0, 1, 2} and len(early) < len(table)
