@@ -261,6 +261,23 @@ def test_a_fleet_capture_shows_one_replicas_tree_at_a_time_and_a_cache_line_each
     assert lines == ["pod-a", "pod-b"] and any("2 replicas, one line each" in c.value for c in at.caption)
 
 
+def test_a_capture_whose_dataset_moved_says_so_and_keeps_to_the_capture_views(empty_db, tmp_path):
+    from kvviz.analysis.uploads import import_file
+
+    from .test_fleet_capture import full_mode_messages, write_dataset
+
+    folder = write_dataset(tmp_path / "ds", full_mode_messages("pod-a", 12)).folder
+    run_id = import_file(folder, RunStore.open(empty_db), in_place=True)
+    folder.rename(tmp_path / "elsewhere")
+    at = page("inspector", run_id=run_id)
+    assert not at.exception
+    assert any("no longer at" in e.value for e in at.error)
+    assert at.segmented_control(key="insp_view").options == ["Prefix tree", "Cache over time", "Findings"]
+    for view in ("Prefix tree", "Cache over time", "Findings"):
+        at.segmented_control(key="insp_view").set_value(view).run()
+        assert not at.exception and any("can be read" in i.value for i in at.info), view
+
+
 def test_inspector_plays_through_the_steps_and_stops_at_the_end(with_runs):
     _, faulty, _ = with_runs
     at = page("inspector", run_id=faulty)

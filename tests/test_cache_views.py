@@ -116,3 +116,14 @@ def test_the_inspectors_cache_view_shows_each_lookups_reason_up_to_the_step(miss
     at.run()
     early = at.dataframe[0].value
     assert set(early.step) <= {0, 1, 2} and len(early) < len(table)
+
+
+def test_the_cache_chart_spans_the_run_and_its_rate_axis_reads_in_percent():
+    import pandas as pd
+
+    from kvviz.figures import cache as cache_fig
+
+    one = pd.DataFrame({"interval_start": [0], "tokens": [8], "hit_tokens": [0], "hit_rate": [0.0]})
+    fig = cache_fig.hit_rate(one, current=0, steps=(0, 5))
+    assert list(fig.layout.xaxis.range) == [-0.5, 5.5], "one lookup at step 0 still shows the run's steps"
+    assert fig.layout.yaxis2.tickformat == ".0%" and fig.layout.yaxis2.dtick == 0.25

@@ -327,10 +327,12 @@ def test_a_version_4_capture_is_upgraded_with_its_rows_on_replica_0(tmp_path):
     for c in TABLES["kv_event_rows"].columns:
         if c.added_in == "5":
             con.execute(f"ALTER TABLE kv_events DROP COLUMN {c.name}")
+    con.execute("ALTER TABLE timing_audits DROP COLUMN target")  # version 4 files from before it was added
     con.execute("UPDATE meta SET value = '4' WHERE key = 'schema_version'")
     con.close()
     with RunStore.open(db).read() as con:
         assert con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0] == SCHEMA_VERSION
+        assert con.execute("SELECT count(*) FROM timing_audits WHERE target IS NULL").fetchone()[0] == 0
         assert con.execute("SELECT DISTINCT replica, restart FROM kv_events WHERE run_id = ?", [run]).fetchall() == [
             ("replica-0", 0)]
         assert con.execute("SELECT count(*) FROM kv_events WHERE repeat IS NOT NULL").fetchone()[0] == 0

@@ -34,6 +34,7 @@ from .events import CaptureError, decode_batch
 from .rows import EventRows
 
 CHUNK_ROWS = 100_000
+CAPTURE_MODEL = "vllm capture"  # what an imported capture's run says its model was
 Progress = Callable[[int, int], None]  # (bytes read, bytes in all)
 EVENT_COLUMNS = DATASET_COLUMNS
 
@@ -173,9 +174,9 @@ def _import(path: Path, store: RunStore, chunks: Iterable[pa.Table], workload: d
     with store.write() as con:
         con.execute("SET memory_limit = '512MB'")  # a long capture spills to disk instead of growing
         con.execute("INSERT INTO runs (run_id, created_at, status, model, scenario, workload, engine, "
-                    "kvviz_version) VALUES (?, ?, 'running', 'vllm capture', ?, ?, '{}', ?)",
-                    [run_id, datetime.now(UTC).replace(tzinfo=None), f"capture {path.name}", json.dumps(workload),
-                     __version__])
+                    "kvviz_version) VALUES (?, ?, 'running', ?, ?, ?, '{}', ?)",
+                    [run_id, datetime.now(UTC).replace(tzinfo=None), CAPTURE_MODEL, f"capture {path.name}",
+                     json.dumps(workload), __version__])
         try:
             if source is not None:  # registered in place: kv_events reads the files
                 con.execute("INSERT INTO capture_sources VALUES (?, ?, ?)", [run_id, source, workload["files"]])

@@ -10,9 +10,10 @@ from plotly.subplots import make_subplots
 HIT, MISS = "#54a24b", "#bab0ac"
 
 
-def hit_rate(df: pd.DataFrame, current: int | None = None) -> go.Figure:
+def hit_rate(df: pd.DataFrame, current: int | None = None, steps: tuple[int, int] | None = None) -> go.Figure:
     """df: interval_start, tokens, hit_tokens, hit_rate (one row per step that looked something up):
-    the prompt tokens looked up, split into served (hit) and computed (miss), and the running hit rate."""
+    the prompt tokens looked up, split into served (hit) and computed (miss), and the running hit rate;
+    the x axis spans `steps` (the run's first and last), whatever step is marked."""
     fig = make_subplots(specs=[[{"secondary_y": True}]])
     fig.add_trace(go.Bar(x=df.interval_start, y=df.hit_tokens, name="served from the cache", marker_color=HIT))
     fig.add_trace(go.Bar(x=df.interval_start, y=df.tokens - df.hit_tokens, name="computed (missed)",
@@ -24,9 +25,9 @@ def hit_rate(df: pd.DataFrame, current: int | None = None) -> go.Figure:
         fig.add_vline(x=current, line={"dash": "dot", "color": "#888"})
     fig.update_layout(barmode="stack", height=320, margin={"l": 10, "r": 10, "t": 30, "b": 10},
                       legend={"orientation": "h"})
-    fig.update_xaxes(title="step")
+    fig.update_xaxes(title="step", range=None if steps is None else [steps[0] - 0.5, steps[1] + 0.5])
     fig.update_yaxes(title="prompt tokens looked up", secondary_y=False)
-    fig.update_yaxes(title="hit rate", range=[0, 1], secondary_y=True)
+    fig.update_yaxes(title="hit rate", range=[0, 1], tickformat=".0%", dtick=0.25, secondary_y=True)
     return fig
 
 

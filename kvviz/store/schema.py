@@ -162,7 +162,8 @@ TABLES: dict[str, Table] = {t.name: t for t in (
     Table("timing_audits", "Timing audits of a server's prompt cache (kvviz audit-timing), one row per audit: "
           "a one-sided KS test that hits reach their first token sooner than misses.", (
               Column("audit_id", "VARCHAR"), Column("created_at", "TIMESTAMP"), Column("base_url", "VARCHAR"),
-              Column("target", "VARCHAR", "what was audited, in words (a server the app started: model, policy)"),
+              Column("target", "VARCHAR", "what was audited, in words (a server the app started: model, policy)",
+                     added_in="4"),  # files from before it was added to version 4 lack it too
               Column("model", "VARCHAR"),
               Column("level", "VARCHAR", "who sent a hit's prompt first: global (another user and key) | per-user"),
               Column("endpoint", "VARCHAR", "completions | chat"), Column("samples", "INTEGER", "per side"),

@@ -9,11 +9,15 @@ import streamlit as st
 from ..analysis import cache_stats
 from ..analysis.explain import explain_run
 from ..analysis.runs import RunInfo
+from ..errors import StoreError
 from ..figures import cache as cache_fig
 
 
 def render(con, info: RunInfo, step: int) -> None:
-    found = explain_run(con, info.run_id)
+    try:
+        found = explain_run(con, info.run_id)
+    except StoreError:
+        found = []
     if not found:
         st.info("This run recorded no prefix-cache lookups (it was recorded before kvviz kept them).",
                 icon=":material/info:")
@@ -27,10 +31,13 @@ def render(con, info: RunInfo, step: int) -> None:
     c[1].metric("hit rate (tokens)", f"{served / looked:.0%}" if looked else "-", help=f"{served} of {looked}")
     c[2].metric("blocks cached", len(lives), help="lives: a block cached again after an eviction counts again")
     c[3].metric("evicted", len(evicted))
-    st.plotly_chart(cache_fig.hit_rate(rates, current=step), width="stretch", key="insp_hits")
+    st.caption("The tiles count the whole run; the chart marks the step shown, and the table lists the lookups "
+               "up to it.")
+    st.plotly_chart(cache_fig.hit_rate(rates, current=step, steps=(info.steps[0], info.steps[-1])), width="stretch",
+                    key="insp_hits")
     table = pd.DataFrame([{"request": e.request, "step": e.step, "hit tokens": e.hit_tokens,
                            "stopped at block": e.stop_block, "reason": e.reason,
-                           "evidence": ", ".join(f"{k} {v}" for k, v in e.evidence.items())} for e in found])
+                           "evidence": ", ".join(_evidence(k, v) for k, v in e.evidence.items())} for e in found])
     st.caption("Each lookup (a request's admission, and a re-admission after preemption), up to the step "
                "shown; reasons as `python -m kvviz explain` gives them.")
     st.dataframe(table[table.step <= step], hide_index=True, width="stretch", key="insp_lookups")
@@ -38,3 +45,10 @@ def render(con, info: RunInfo, step: int) -> None:
         st.plotly_chart(cache_fig.lifetimes(lives), width="stretch", key="insp_lives")
     else:
         st.caption("No block was evicted in this run, so there are no lifetimes to draw.")
+
+
+def _evidence(key: str, value: object) -> str:
+    """One piece of evidence as a reader says it (explain's keys are terse for JSON)."""
+    if key == "before":
+        return f"{value} steps before this lookup"
+    return f"{key.replace('_', ' ')} {value}"

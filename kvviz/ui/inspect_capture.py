@@ -16,6 +16,10 @@ def render(con, info: RunInfo, view: str, step: int) -> None:
             "evictions. The events carry no physical block ids and no attention weights, so the block map and "
             "the heatmaps are not available for it.", icon=":material/info:")
     names = captures.replicas(con, info.run_id)
+    if not names:
+        st.info("None of this capture's events can be read: it stored nothing, or (see above) its dataset is "
+                "no longer where it was registered.", icon=":material/info:")
+        return
     if view == "Prefix tree":
         replica = None
         if len(names) > 1:  # the same hash on two replicas is two blocks: one replica's tree at a time

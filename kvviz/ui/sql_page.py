@@ -21,8 +21,11 @@ EXAMPLES = {
     "Block churn per step": "SELECT run_id, step, count(*) FILTER (kind = 'allocate') AS allocated,\n"
                             "       count(*) FILTER (kind = 'free') AS freed, count(*) FILTER (kind = 'evict') AS "
                             "evicted\nFROM block_events GROUP BY run_id, step ORDER BY run_id, step",
-    "Prefix-cache hit rate over time": "SELECT run_id, replica, unit, interval_start, tokens, hit_tokens, hit_rate\n"
-                                       "FROM hit_rate_per_interval ORDER BY run_id, replica, interval_start",
+    "Prefix-cache hit rate per step (runs)": "SELECT run_id, interval_start AS step, hit_rate, tokens, hit_tokens\n"
+                                             "FROM hit_rate_per_interval WHERE unit = 'step' ORDER BY run_id, step",
+    "Prefix-cache hit rate per minute (captures)": (
+        "SELECT run_id, replica, to_timestamp(interval_start) AS minute, hit_rate, tokens, hit_tokens\n"
+        "FROM hit_rate_per_interval WHERE unit = 'minute' ORDER BY run_id, replica, minute"),
     "Block lifetimes and idle time before eviction": (
         "SELECT run_id, count(*) AS lives, avg(lifetime_steps) AS mean_lifetime_steps,\n"
         "       avg(idle_steps) AS mean_idle_steps, avg(lifetime_s) AS mean_lifetime_s, sum(hits) AS hits\n"
@@ -77,8 +80,11 @@ def _result(df: pd.DataFrame, truncated: bool) -> None:
         with st.expander("Quick chart", expanded=True):
             c = st.columns(4)
             columns = list(df.columns)
-            x = c[0].selectbox("x", columns, key="sql_x", index=columns.index("step") if "step" in columns else 0)
-            y = c[1].selectbox("y", [n for n in numeric if n != x] or numeric, key="sql_y")
+            axis = next((columns.index(n) for n in ("step", "interval_start", "position") if n in columns), 0)
+            x = c[0].selectbox("x", columns, key="sql_x", index=axis)
+            ys = [n for n in numeric if n != x] or numeric
+            y = c[1].selectbox("y", ys, key="sql_y", index=next(  # a measure, not an identifier
+                (i for i, n in enumerate(ys) if not n.endswith(("hash", "_id", "_start"))), 0))
             others = [n for n in df.columns if n not in (x, y) and not pd.api.types.is_numeric_dtype(df[n])]
             colour = c[2].selectbox("colour", [None, *others], key="sql_colour")
             kind = c[3].radio("chart", ("line", "bar", "scatter"), horizontal=True, key="sql_kind")

@@ -31,11 +31,13 @@ def render() -> None:
             bar = st.progress(0.0, text=f"Importing {up.name}")
             try:
                 run_id = import_file(saved, store(), lambda done, total: bar.progress(
-                    done / total, text=f"Importing {up.name}: {done >> 20} of {total >> 20} MiB"))
+                    done / total, text=f"Importing {up.name}: {done / 2**20:.1f} of {total / 2**20:.1f} MiB"))
             except KvvizError as e:  # said here, not by the app: with the name the user gave the file
+                bar.empty()
                 st.error(f"Not imported: {str(e).replace(str(saved), up.name)}. Nothing was added to the "
                          "database.", icon=":material/error:")
                 return
+            bar.empty()
         st.session_state["upload_run"] = run_id
         st.success(f"Imported {up.name} as run {run_id}.", icon=":material/check_circle:")
     run_id = st.session_state.get("upload_run")
