@@ -522,7 +522,7 @@ def test_prefix_tree_and_cache_over_time_of_an_imported_capture(rec):
         assert tree.stored_step.to_dict() == {big: 0, big + 1: 0, big + 2: 1, big + 3: 2}
         assert len(captures.prefix_tree(con, rec.capture, max_nodes=2)) == 2
         cache = captures.cache_over_time(con, rec.capture)
-        assert set(cache.replica) == {"replica-0"}
+        assert set(cache.series) == {"replica-0"}
         cache = cache[["step", "cached_blocks", "stored", "removed"]]
         assert [tuple(map(int, r)) for r in cache.itertuples(index=False)] == [
             (0, 2, 2, 0), (1, 3, 1, 0), (2, 4, 1, 0), (3, 4, 0, 0), (4, 3, 0, 1)], "big stored again is a repeat"

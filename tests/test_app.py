@@ -258,7 +258,7 @@ def test_a_fleet_capture_shows_one_replicas_tree_at_a_time_and_a_cache_line_each
                                     "replica = ? AND kind = 'BlockStored'", [run_id, replica]).fetchone()[0]
     at.segmented_control(key="insp_view").set_value("Cache over time").run()
     lines = [t["name"] for t in charts(at)["insp_cache"]["data"] if t["type"] == "scatter"]
-    assert lines == ["pod-a", "pod-b"] and any("2 replicas, one line each" in c.value for c in at.caption)
+    assert lines == ["pod-a", "pod-b"] and any("2 lines: each replica on its own" in c.value for c in at.caption)
 
 
 def test_a_capture_whose_dataset_moved_says_so_and_keeps_to_the_capture_views(empty_db, tmp_path):

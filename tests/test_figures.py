@@ -232,7 +232,7 @@ def test_leak_timeline_has_a_line_per_request_and_panel(recorded):
 
 
 def test_cache_timeline():
-    df = pd.DataFrame({"step": [0, 1, 2], "replica": "replica-0", "cached_blocks": [2, 3, 1], "stored": [2, 1, 0],
+    df = pd.DataFrame({"step": [0, 1, 2], "series": "replica-0", "cached_blocks": [2, 3, 1], "stored": [2, 1, 0],
                        "removed": [0, 0, 2]})
     fig = timeline.cache_timeline(df, current=1)
     by_name = {t.name: t for t in fig.data}
@@ -242,7 +242,7 @@ def test_cache_timeline():
 
 
 def test_cache_timeline_draws_a_line_per_replica_and_sums_their_stores():
-    df = pd.DataFrame({"step": [0, 0, 1], "replica": ["pod-a", "pod-b", "pod-b"], "cached_blocks": [2, 1, 4],
+    df = pd.DataFrame({"step": [0, 0, 1], "series": ["pod-a", "pod-b", "pod-b"], "cached_blocks": [2, 1, 4],
                        "stored": [2, 1, 3], "removed": [0, 0, 0]})
     by_name = {t.name: t for t in timeline.cache_timeline(df).data}
     assert list(by_name["pod-a"].y) == [2] and list(by_name["pod-b"].y) == [1, 4]

@@ -305,7 +305,7 @@ def test_cache_over_time_per_replica_in_buckets_keeps_each_replicas_last_count(t
         assert captures.stored_blocks(con, run, "pod-b") == len(tree) < captures.stored_blocks(con, run)
     assert set(buckets.step) <= set(range(0, 60, 10)) and buckets.step.nunique() == 6, "60 messages in 6 buckets"
     for replica in ("pod-a", "pod-b"):
-        w, b = whole[whole.replica == replica], buckets[buckets.replica == replica]
+        w, b = whole[whole.series == replica], buckets[buckets.series == replica]
         assert b.cached_blocks.iloc[-1] == w.cached_blocks.iloc[-1]
         assert b.stored.sum() == w.stored.sum() and b.removed.sum() == w.removed.sum()
 
@@ -411,3 +411,39 @@ def test_in_place_refuses_what_it_cannot_keep_reading(tmp_path, how, said):
     with pytest.raises(CaptureError, match=said):
         import_file(target, store, in_place=True)
     assert not store.exists() or store.read().__enter__().execute("SELECT count(*) FROM runs").fetchone()[0] == 0
+
+
+def test_occupancy_per_tier_and_kv_group_and_one_groups_tree(tmp_path):
+    """A block offloaded from GPU to CPU moves tier (stored on CPU, removed from GPU); the same hash in two KV
+    groups is two blocks; a clear empties every tier and group of its replica. Counts worked out by hand."""
+    from kvviz.analysis import captures
+
+    def store(h, medium="GPU", group=None):
+        ev = stored_map([h], None, [h, h]) | {"medium": medium}
+        return ev if group is None else ev | {"group_idx": group}
+
+    def remove(h, medium="GPU", group=None):
+        ev = {"type": "BlockRemoved", "block_hashes": [h], "medium": medium}
+        return ev if group is None else ev | {"group_idx": group}
+
+    steps = [[store(1, group=0), store(2, group=0), store(1, group=1)],  # hash 1 in two groups: two blocks
+             [store(2, "CPU", 0), remove(2, "GPU", 0)],  # 2 offloaded to the CPU tier
+             [store(3, group=1)],
+             [{"type": "AllBlocksCleared"}],
+             [store(4, group=0)]]
+    msgs = [Message("pod-a", 0, i, "kv", batch(*evs, ts=float(i))) for i, evs in enumerate(steps)]
+    store_ = RunStore.open(tmp_path / "k.duckdb")
+    run = import_file(write_dataset(tmp_path / "ds", msgs).folder, store_)
+    with store_.read() as con:
+        got = con.execute("SELECT step, medium, group_idx, cached_blocks FROM kv_cache_occupancy WHERE run_id = ? "
+                          "ORDER BY step, medium, group_idx", [run]).fetchall()
+        over_time = captures.cache_over_time(con, run)
+        assert captures.groups(con, run) == [0, 1]
+        tree = captures.prefix_tree(con, run, group=1)
+        media = dict(zip(captures.prefix_tree(con, run, group=0).block_hash, captures.prefix_tree(
+            con, run, group=0).media, strict=True))
+    assert got == [(0, "GPU", 0, 2), (0, "GPU", 1, 1), (1, "CPU", 0, 1), (1, "GPU", 0, 1), (2, "GPU", 1, 2),
+                   (3, "CPU", 0, 0), (3, "GPU", 0, 0), (3, "GPU", 1, 0), (4, "GPU", 0, 1)]
+    assert set(over_time.series) == {"pod-a CPU group 0", "pod-a GPU group 0", "pod-a GPU group 1"}
+    assert sorted(tree.block_hash) == [1, 3], "group 1's own tree"
+    assert media[2] == "CPU, GPU" and media[1] == "GPU"

@@ -14,20 +14,29 @@ def replicas(con: duckdb.DuckDBPyConnection, run_id: str) -> list[str]:
                                       "WHERE run_id = ? ORDER BY r", [run_id]).fetchall()]
 
 
+def groups(con: duckdb.DuckDBPyConnection, run_id: str, replica: str | None = None) -> list[int | None]:
+    """The KV groups of a capture (of one replica): a hybrid model hashes each group apart."""
+    return [g for (g,) in con.execute(
+        "SELECT DISTINCT group_idx FROM kv_events WHERE run_id = $run AND kind = 'BlockStored' AND "
+        "($replica IS NULL OR coalesce(replica, 'replica-0') = $replica) ORDER BY group_idx NULLS FIRST",
+        {"run": run_id, "replica": replica}).fetchall()]
+
+
 def prefix_tree(con: duckdb.DuckDBPyConnection, run_id: str, max_nodes: int = 3000,
-                replica: str | None = None) -> pd.DataFrame:
-    """One row per stored block hash (of one replica, or all): its parent, its salts (more than one:
-    shared across tenants), LoRA, when it was first stored and when it left the cache for good (its
-    BlockRemoved or an AllBlocksCleared at or after its last store; null while it is still cached at
-    the end), and its tokens; the first `max_nodes` stored.
+                replica: str | None = None, group: int | None = None) -> pd.DataFrame:
+    """One row per stored block hash (of one replica and KV group, or all): its parent, its salts
+    (more than one: shared across tenants), LoRA, the tiers (media) it was stored on, when it was first
+    stored and when it left the cache for good (its BlockRemoved or an AllBlocksCleared at or after its
+    last store; null while it is still cached at the end), and its tokens; the first `max_nodes` stored.
 
     The first blocks are found among the earliest stores (a top-N over the capture, not a grouping of
     all of it: 0.4 s rather than 2 s on 10 million events), widening the search when repeats crowd
     them out."""
     def first(window: int | None) -> pd.DataFrame:
         return con.execute(
-            "WITH ev AS (SELECT step, kind, block_hash, parent_hash, salt, lora_name, token_ids FROM kv_events "
-            "WHERE run_id = $run AND ($replica IS NULL OR coalesce(replica, 'replica-0') = $replica)), "
+            "WITH ev AS (SELECT step, kind, block_hash, parent_hash, salt, lora_name, medium, token_ids FROM kv_events "
+            "WHERE run_id = $run AND ($replica IS NULL OR coalesce(replica, 'replica-0') = $replica) "
+            "AND ($group IS NULL OR group_idx = $group)), "
             "earliest AS (SELECT block_hash, step FROM ev WHERE kind = 'BlockStored' ORDER BY step, block_hash "
             "LIMIT coalesce($window, 9223372036854775807)), "
             "chosen AS (SELECT block_hash FROM earliest GROUP BY block_hash ORDER BY min(step), block_hash "
@@ -35,7 +44,8 @@ def prefix_tree(con: duckdb.DuckDBPyConnection, run_id: str, max_nodes: int = 30
             "stored AS (SELECT block_hash, any_value(parent_hash) AS parent_hash, min(step) AS stored_step, "
             "max(step) AS last_stored, string_agg(DISTINCT coalesce(salt, '(no salt)'), ', ' ORDER BY "
             "coalesce(salt, '(no salt)')) AS salt, count(DISTINCT coalesce(salt, '')) AS salts, "
-            "any_value(lora_name) AS lora_name, any_value(token_ids) AS token_ids FROM ev "
+            "any_value(lora_name) AS lora_name, string_agg(DISTINCT medium, ', ' ORDER BY medium) AS media, "
+            "any_value(token_ids) AS token_ids FROM ev "
             "SEMI JOIN chosen USING (block_hash) WHERE kind = 'BlockStored' GROUP BY block_hash), "
             "removed AS (SELECT s.block_hash, min(e.step) AS removed_step FROM stored s JOIN ev e ON e.kind = "
             "'BlockRemoved' AND e.block_hash = s.block_hash AND e.step >= s.last_stored GROUP BY s.block_hash), "
@@ -44,32 +54,41 @@ def prefix_tree(con: duckdb.DuckDBPyConnection, run_id: str, max_nodes: int = 30
             "SELECT s.* EXCLUDE (last_stored), least(r.removed_step, c.cleared_step) AS removed_step FROM stored s "
             "LEFT JOIN removed r USING (block_hash) LEFT JOIN cleared c USING (block_hash) "
             "ORDER BY stored_step, block_hash",
-            {"run": run_id, "replica": replica, "max": max_nodes, "window": window}).df()
+            {"run": run_id, "replica": replica, "group": group, "max": max_nodes, "window": window}).df()
 
     tree = first(20 * max_nodes)
-    if len(tree) < max_nodes and len(tree) < stored_blocks(con, run_id, replica):
+    if len(tree) < max_nodes and len(tree) < stored_blocks(con, run_id, replica, group=group):
         tree = first(None)
     return tree
 
 
 def stored_blocks(con: duckdb.DuckDBPyConnection, run_id: str, replica: str | None = None,
-                  until: int | None = None) -> int:
-    """How many distinct blocks (replica and hash) were stored by message `until`: what a capped tree
-    leaves out."""
-    return con.execute("SELECT count(DISTINCT (coalesce(replica, 'replica-0'), block_hash)) FROM kv_events "
+                  until: int | None = None, group: int | None = None) -> int:
+    """How many distinct blocks (replica, KV group and hash) were stored by message `until`: what a
+    capped tree leaves out."""
+    return con.execute("SELECT count(DISTINCT (coalesce(replica, 'replica-0'), group_idx, block_hash)) FROM kv_events "
                        "WHERE run_id = $run AND kind = 'BlockStored' AND "
                        "($replica IS NULL OR coalesce(replica, 'replica-0') = $replica) AND "
-                       "($until IS NULL OR step <= $until)",
-                       {"run": run_id, "replica": replica, "until": until}).fetchone()[0]
+                       "($until IS NULL OR step <= $until) AND ($group IS NULL OR group_idx = $group)",
+                       {"run": run_id, "replica": replica, "until": until, "group": group}).fetchone()[0]
 
 
 def cache_over_time(con: duckdb.DuckDBPyConnection, run_id: str, max_bars: int = MAX_BARS) -> pd.DataFrame:
-    """step, replica, cached_blocks (the replica's count after that message), stored, removed. Past
+    """step, series, cached_blocks (that series' count after the message), stored, removed: a series
+    per replica, split by tier (medium) and KV group where the capture has more than one. Past
     `max_bars` messages, messages are summed into equal buckets: step is a bucket's first message,
     cached_blocks its last count, stored and removed its sums."""
-    last = con.execute("SELECT max(step) FROM kv_cache_blocks WHERE run_id = ?", [run_id]).fetchone()[0]
+    last = con.execute("SELECT max(step) FROM kv_cache_occupancy WHERE run_id = ?", [run_id]).fetchone()[0]
     width = max(1, -(-((last or 0) + 1) // max_bars))
-    return con.execute(
-        "SELECT $width * (step // $width) AS step, replica, arg_max(cached_blocks, step) AS cached_blocks, "
-        "sum(stored) AS stored, sum(removed) AS removed FROM kv_cache_blocks WHERE run_id = $run "
-        "GROUP BY ALL ORDER BY step, replica", {"run": run_id, "width": width}).df()
+    df = con.execute(
+        "SELECT $width * (step // $width) AS step, replica, medium, group_idx, "
+        "arg_max(cached_blocks, step) AS cached_blocks, sum(stored) AS stored, sum(removed) AS removed "
+        "FROM kv_cache_occupancy WHERE run_id = $run GROUP BY ALL ORDER BY step, replica, medium, group_idx",
+        {"run": run_id, "width": width}).df()
+    media, groups = df.medium.nunique(dropna=False) > 1, df.group_idx.nunique(dropna=False) > 1
+    series = df.replica.astype(str)
+    if media:
+        series += " " + df.medium.fillna("(no medium)").astype(str)
+    if groups:
+        series += " group " + df.group_idx.astype("Int64").astype(str).replace("<NA>", "-")
+    return df.assign(series=series)[["step", "series", "cached_blocks", "stored", "removed"]]

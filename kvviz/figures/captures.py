@@ -39,7 +39,8 @@ def tree_layout(nodes: pd.DataFrame) -> pd.DataFrame:
 
 def prefix_tree(nodes: pd.DataFrame, token_text=lambda ids: str(list(ids)[:8])) -> go.Figure:
     """nodes: block_hash, parent_hash, salt, lora_name, stored_step, removed_step, token_ids (and
-    salts: how many; a hash stored under several is outlined in red). Colour: salt; hollow: evicted."""
+    salts: how many, a hash stored under several is outlined in red; media: the tiers that held it).
+    Colour: salt; hollow: evicted."""
     laid = tree_layout(nodes)
     pos = dict(zip(laid.block_hash, zip(laid.depth, laid.row, strict=True), strict=True))
     ex, ey = [], []
@@ -59,10 +60,11 @@ def prefix_tree(nodes: pd.DataFrame, token_text=lambda ids: str(list(ids)[:8])) 
                     "line": {"width": [3 if s else 2 for s in part.shared],
                              "color": [LEAK if s else colours[salt] for s in part.shared]}},
             text=[f"{h:016x}<br>stored at {s}" + (f", removed at {int(r)}" if pd.notna(r) else "") +
-                  (f"<br>LoRA {lo}" if lo else "") + (" <b>shared across salts</b>" if sh else "") +
-                  f"<br>{token_text(t) if t is not None else ''}"
-                  for h, s, r, lo, t, sh in zip(part.block_hash, part.stored_step, part.removed_step, part.lora_name,
-                                                part.token_ids, part.shared, strict=True)],
+                  (f"<br>on {m}" if isinstance(m, str) else "") + (f"<br>LoRA {lo}" if lo else "") +
+                  (" <b>shared across salts</b>" if sh else "") + f"<br>{token_text(t) if t is not None else ''}"
+                  for h, s, r, m, lo, t, sh in zip(part.block_hash, part.stored_step, part.removed_step,
+                                                   part.get("media", pd.Series(None, index=part.index)),
+                                                   part.lora_name, part.token_ids, part.shared, strict=True)],
             hovertemplate="%{text}<extra></extra>"))
     fig.update_layout(height=min(900, 200 + 6 * max(1, int(laid.row.max() or 0))), plot_bgcolor="white",
                       margin={"l": 10, "r": 10, "t": 30, "b": 10},

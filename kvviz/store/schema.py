@@ -208,6 +208,37 @@ SELECT run_id, replica, restart, step,
        stored, removed, repeated
 FROM epochs;
 
+-- Blocks cached per replica, KV group and medium (tier) after each message that changed them: a block moved
+-- to another tier is stored there and removed here (an offload, not a loss); an AllBlocksCleared empties
+-- every group and tier of its replica, a restart starts the count again.
+CREATE OR REPLACE VIEW kv_cache_occupancy AS
+WITH ev AS (
+    SELECT run_id, coalesce(replica, 'replica-0') AS replica, coalesce(restart, 0) AS restart, group_idx, medium,
+           step, kind, coalesce(repeat, false) AS rep
+    FROM kv_events WHERE kind IS NOT NULL),
+parts AS (SELECT DISTINCT run_id, replica, restart, group_idx, medium FROM ev
+          WHERE kind IN ('BlockStored', 'BlockRemoved')),
+clears AS (
+    SELECT *, row_number() OVER (PARTITION BY run_id, replica, restart ORDER BY step) AS epoch
+    FROM (SELECT DISTINCT run_id, replica, restart, step FROM ev WHERE kind = 'AllBlocksCleared')),
+changes AS (
+    SELECT run_id, replica, restart, group_idx, medium, step,
+           count(*) FILTER (kind = 'BlockStored' AND NOT rep) AS stored,
+           count(*) FILTER (kind = 'BlockRemoved' AND NOT rep) AS removed
+    FROM ev WHERE kind IN ('BlockStored', 'BlockRemoved') GROUP BY ALL
+    UNION ALL  -- a clear is a change of every part of its replica, down to nothing
+    SELECT p.run_id, p.replica, p.restart, p.group_idx, p.medium, c.step, 0, 0
+    FROM parts p JOIN clears c USING (run_id, replica, restart)),
+merged AS (SELECT run_id, replica, restart, group_idx, medium, step, sum(stored) AS stored,
+                  sum(removed) AS removed FROM changes GROUP BY ALL),
+epoched AS (
+    SELECT m.*, coalesce(c.epoch, 0) AS epoch FROM merged m ASOF LEFT JOIN clears c
+        ON m.run_id = c.run_id AND m.replica = c.replica AND m.restart = c.restart AND c.step <= m.step)
+SELECT run_id, replica, group_idx, medium, restart, step, stored, removed,
+       sum(stored - removed) OVER (PARTITION BY run_id, replica, restart, group_idx, medium, epoch
+                                   ORDER BY step) AS cached_blocks
+FROM epoched;
+
 -- The seed's positional entropy (nats) of each request's queries per step, layer and head: the mean over
 -- the step's queries, placed at their mean position (exact for decode steps, which have one query).
 CREATE OR REPLACE VIEW positional_entropy AS

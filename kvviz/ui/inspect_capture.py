@@ -21,25 +21,31 @@ def render(con, info: RunInfo, view: str, step: int) -> None:
                 "no longer where it was registered.", icon=":material/info:")
         return
     if view == "Prefix tree":
-        replica = None
+        replica, group = None, None
         if len(names) > 1:  # the same hash on two replicas is two blocks: one replica's tree at a time
             replica = st.selectbox(f"Replica ({len(names)} in this capture)", names, key="insp_replica")
-        nodes = captures.prefix_tree(con, info.run_id, replica=replica)
+        kv_groups = captures.groups(con, info.run_id, replica)
+        if len(kv_groups) > 1:  # and in two KV groups of a hybrid model
+            group = st.selectbox(f"KV group ({len(kv_groups)} here)", kv_groups, key="insp_group")
+        nodes = captures.prefix_tree(con, info.run_id, replica=replica, group=group)
         if nodes.empty:
             st.info("The capture stored no blocks.")
             return
         nodes = nodes[nodes.stored_step <= step]
         nodes = nodes.assign(removed_step=nodes.removed_step.where(nodes.removed_step <= step))  # not yet removed
         st.plotly_chart(tree_fig.prefix_tree(nodes), width="stretch", key="insp_tree")
-        total = captures.stored_blocks(con, info.run_id, replica, step)
+        total = captures.stored_blocks(con, info.run_id, replica, step, group)
         shown = f"{len(nodes):,} blocks" if total == len(nodes) else f"the first {len(nodes):,} of {total:,} blocks"
         st.caption(f"{shown} stored up to message {step}" + (f" on {replica}" if replica else "") +
+                   (f", KV group {group}" if group is not None else "") +
                    "; hollow: removed (evicted) by then. Colour: cache salt (tenant).")
     elif view == "Cache over time":
         cache = captures.cache_over_time(con, info.run_id)
         st.plotly_chart(timeline.cache_timeline(cache, current=step), width="stretch", key="insp_cache")
         width = int(cache.step.drop_duplicates().diff().max()) if cache.step.nunique() > 1 else 1
-        st.caption((f"{len(names)} replicas, one line each. " if len(names) > 1 else "") +
+        lines = cache.series.nunique()
+        st.caption((f"{lines} lines: each replica" + (", tier and KV group" if lines > len(names) else "") +
+                    " on its own. " if lines > 1 else "") +
                    (f"Each bar sums {width:,} messages. " if width > 1 else "") +
                    "A store of a block already cached (a hit) and a removal of one not cached change nothing.")
     else:
