@@ -124,3 +124,25 @@ def test_the_cli_explains_as_a_table_or_json(misses):
     assert p.returncode == 2 and "no lookup of request 'nobody'" in p.stderr
     p = kvviz("explain", "no-such-run", "--db", str(store.path))
     assert p.returncode == 2 and "no-such-run" in p.stderr
+
+
+def test_a_captures_lookups_are_named_by_session_and_repeats_are_not_lookups(tmp_path):
+    """SGLang and vLLM name a request's session: a conversation's turns are its lookups, one after another;
+    a store the server repeats for a hit (kv_cache_report_mode=full) is not a new lookup."""
+    from kvviz.analysis.uploads import import_file
+    from kvviz.capture.capture_file import CaptureWriter, Message
+    from tests.test_capture import batch, stored_map
+
+    turns = [stored_map([1, 2], None, [10, 11, 12, 13]) | {"session_id": "conv-7"},
+             stored_map([1], None, [10, 11]),  # a repeat: block 1 is cached
+             stored_map([3], 2, [14, 15]) | {"session_id": "conv-7"},  # the second turn continues the chain
+             stored_map([4], None, [20, 21])]  # no session: named by its first block
+    w = CaptureWriter(tmp_path / "c.jsonl", {"replica-0": "x"})
+    for seq, ev in enumerate(turns):
+        w.add(Message("replica-0", 0, seq, "kv", batch(ev)))
+    w.close()
+    store = RunStore.open(tmp_path / "k.duckdb")
+    run = import_file(tmp_path / "c.jsonl", store)
+    with store.read() as con:
+        found = [(e.request, e.step, e.hit_tokens) for e in explain_run(con, run)]
+    assert found == [("conv-7", 0, 0), ("conv-7", 2, 4), ("chain-0000000000000004", 3, 0)]

@@ -202,20 +202,24 @@ def explain_run(con: duckdb.DuckDBPyConnection, run_id: str) -> list[Explanation
 
 
 def _explain_capture(con: duckdb.DuckDBPyConnection, run_id: str) -> list[Explanation]:
-    rows = con.execute("SELECT step, kind, block_hash, parent_hash, token_ids, salt, block_index, block_size "
-                       "FROM kv_events WHERE run_id = ? AND kind IN ('BlockStored', 'BlockRemoved') "
-                       "ORDER BY step, coalesce(event_index, 0), block_index", [run_id]).fetchall()
+    """Each stored chain segment is a lookup, named by its session where the server says one (a
+    conversation's turns, one after another) or by its first block. Repeats change nothing in the
+    cache (a re-reported hit, a removal of a block not cached) and are left out."""
+    rows = con.execute("SELECT step, kind, block_hash, parent_hash, token_ids, salt, session_id, block_index, "
+                       "block_size FROM kv_events WHERE run_id = ? AND kind IN ('BlockStored', 'BlockRemoved') "
+                       "AND NOT coalesce(repeat, false) ORDER BY step, coalesce(event_index, 0), block_index",
+                       [run_id]).fetchall()
     B = next((size for *_, size in rows if size), 16)
     events = [CacheEvent(step, "store" if kind == "BlockStored" else "remove", h, parent, tuple(tokens or ()), salt)
-              for step, kind, h, parent, tokens, salt, _, _ in rows]
+              for step, kind, h, parent, tokens, salt, *_ in rows]
     history = CacheHistory(events, B)
     out, seen = [], {}
-    for e, (*_, index, _) in zip(events, rows, strict=True):
+    for e, (*_, session, index, _) in zip(events, rows, strict=True):
         if e.kind == "store":
             seen[e.hash] = seen.get(e.hash, 0) + 1  # stored again after an eviction: its n-th life
         if e.kind == "store" and index == 0 and history.known(e.hash):  # a request's new blocks begin here
             prefix, n = history.tokens_of(e.parent), seen[e.hash]
-            name = f"chain-{e.hash:016x}" + (f"#{n}" if n > 1 else "")
+            name = session or f"chain-{e.hash:016x}" + (f"#{n}" if n > 1 else "")
             out.append(history.explain(Lookup(name, e.t, prefix + e.tokens, history.salt_of(e.hash), len(prefix),
                                               whole_prompt=False)))
     return out

@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     expl = sub.add_parser("explain", help="why each prefix-cache lookup of a run (or capture) stopped where it did")
     expl.add_argument("run_id")
-    expl.add_argument("--request", metavar="ID", help="only this request (a capture's: chain-HASH)")
+    expl.add_argument("--request", metavar="ID", help="only this request (a capture's: its session id, or chain-HASH)")
     expl.add_argument("--json", action="store_true", help="one JSON object as the last line")
     _add_db(expl)
     expl.set_defaults(func=cmd_explain)
