@@ -19,6 +19,7 @@ where the segment begins. Reasons, checked in this order:
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
@@ -92,6 +93,7 @@ class CacheHistory:
         self.salts: dict[bytes, set[str | None]] = {}
         self.children: dict[tuple[str | None, bytes], dict[tuple[int, ...], bytes]] = {}
         self.depth: dict[int, int] = {}  # hash -> blocks in its chain up to and including it
+        self._sorted: dict[tuple[str | None, bytes], list] = {}  # children in token order, made when first asked
         for e in events:
             if e.kind == "store":
                 self._store(e)
@@ -156,13 +158,35 @@ class CacheHistory:
                         key=lambda o: (o is None, str(o)))
         if others:
             return ex("namespace", cached_under=others[0] if others[0] is not None else "(no salt)")
-        siblings = [(tokens, sd) for tokens, sd in self.children.get((s, parent), {}).items()
-                    if self._alive(s, sd, t)]
-        theirs = max((tokens for tokens, _ in siblings), key=lambda o: _common(o, block), default=None)
+        theirs = self._closest_sibling(s, parent, block, t)
         if theirs is not None and k * B + _common(theirs, block) > 0:  # nothing in common is not a divergence
             at = _common(theirs, block)
             return ex("diverged", shared_tokens=k * B + at, ours=block[at], theirs=theirs[at])
         return ex("cold", new_from_token=k * B)  # the tokens from here were never cached (under any salt)
+
+
+    def _closest_sibling(self, salt: str | None, parent: bytes, block: tuple[int, ...], t: int
+                         ) -> tuple[int, ...] | None:
+        """The cached sibling block sharing the most leading tokens with `block` at t. In sorted order
+        the shared length falls away from where `block` would go, so the nearest cached sibling on
+        each side is the best of its side: two liveness checks where a busy root has thousands of
+        children (ties go to the sibling cached first)."""
+        kids = self._sorted.get((salt, parent))
+        if kids is None:
+            order = self.children.get((salt, parent), {})
+            kids = self._sorted[(salt, parent)] = sorted((tokens, i, sd) for i, (tokens, sd) in enumerate(
+                order.items()))
+        at = bisect.bisect_left(kids, (block,))
+        best = None
+        for side in (range(at - 1, -1, -1), range(at, len(kids))):
+            for j in side:
+                tokens, order, sd = kids[j]
+                if self._alive(salt, sd, t):
+                    key = (_common(tokens, block), -order)
+                    if best is None or key > best[0]:
+                        best = (key, tokens)
+                    break
+        return None if best is None else best[1]
 
 
 def _common(a: tuple[int, ...], b: tuple[int, ...]) -> int:
