@@ -278,6 +278,22 @@ def test_a_capture_whose_dataset_moved_says_so_and_keeps_to_the_capture_views(em
         assert not at.exception and any("can be read" in i.value for i in at.info), view
 
 
+def test_a_long_capture_steps_through_a_plain_range_not_a_list_of_every_message(empty_db, tmp_path):
+    from kvviz.analysis.uploads import import_file
+    from kvviz.ui.inspector import MANY_STEPS
+
+    from .test_fleet_capture import full_mode_messages, write_dataset
+
+    msgs = full_mode_messages("pod-a", MANY_STEPS + 100)
+    run_id = import_file(write_dataset(tmp_path / "ds", msgs, rotate_rows=10_000).folder, RunStore.open(empty_db))
+    at = page("inspector", run_id=run_id)
+    assert not at.exception and not at.select_slider
+    slider = at.slider(key="insp_step")
+    assert (slider.label, slider.min, slider.max) == ("Message", 0, MANY_STEPS + 99)
+    slider.set_value(50).run()
+    assert not at.exception and any("up to message 50" in c.value for c in at.caption)
+
+
 def test_inspector_plays_through_the_steps_and_stops_at_the_end(with_runs):
     _, faulty, _ = with_runs
     at = page("inspector", run_id=faulty)

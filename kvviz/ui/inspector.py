@@ -18,6 +18,7 @@ ENGINE_VIEWS = ("Blocks", "Attention", "Leaks", "Cache", "Requests")
 CAPTURE_VIEWS = ("Prefix tree", "Cache over time", "Findings")
 TICK_S = 0.8  # play: seconds per step
 FOLLOW_S = 2.0  # a run being recorded: seconds between looks for new steps
+MANY_STEPS = 2000  # past this, the step slider is a plain range: a list of every step would go to the browser
 
 
 def render() -> None:
@@ -143,7 +144,9 @@ def _step_views(info: RunInfo, playing: bool) -> None:
             st.rerun(scope="app")
     left, right = st.columns([6, 1])
     with left:
-        if len(steps) > 1:
+        if len(steps) > MANY_STEPS and steps[-1] - steps[0] + 1 == len(steps):  # a long capture: a number range,
+            st.slider("Message" if info.has_kv_events else "Step", steps[0], steps[-1], key="insp_step")  # not a list
+        elif len(steps) > 1:
             st.select_slider("Step", steps, key="insp_step")
         else:
             st.caption(f"step {steps[0]} (the only step)")
