@@ -3,9 +3,9 @@ salts and LoRA names), blocks stored and evicted per step, cache occupancy over 
 cross-tenant finding wherever one block hash is stored under two salts on one replica and KV group.
 The events carry no physical block ids and no attention weights, so the run has neither.
 
-Import streams: messages are decoded and inserted a chunk at a time inside one transaction, so
-memory is bounded by the chunk whatever the capture's length, and a bad message anywhere rolls
-everything back (nothing half-imported).
+Import streams: messages are decoded and inserted a chunk at a time, each chunk committed, so memory
+is bounded by the chunk whatever the capture's length; the run says `running` until the end, and a
+bad message anywhere deletes all of it (nothing half-imported).
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ from .rows import EventRows
 CHUNK_ROWS = 100_000
 CAPTURE_MODEL = "vllm capture"  # what an imported capture's run says its model was
 Progress = Callable[[int, int], None]  # (bytes read, bytes in all)
-EVENT_COLUMNS = DATASET_COLUMNS
 
 CROSS_TENANT = """
 INSERT INTO findings (run_id, kind, request_id, step, position, source_request)
@@ -86,7 +85,7 @@ def import_dataset(path: str | Path, store: RunStore, progress: Progress | None 
                 yield (table.set_column(table.schema.get_field_index("step"), "step", dense)
                        .append_column("replica", pa.array([replica] * table.num_rows, pa.string())))
 
-    return _import(path, store, chunks(), {"capture": path.name, "files": len(files)}, steps=len(steps))
+    return _import(path, store, chunks(), {"capture": path.name, "files": len(files)})
 
 
 def _register(path: Path, store: RunStore, files: list[Path], hive: bool, steps: np.ndarray,
@@ -120,19 +119,19 @@ def _each(files: list[Path], progress: Progress | None) -> Iterator[Path]:
         yield f
 
 
-def _read(f: Path, columns: list[str] | None = None) -> pa.Table:
-    try:
-        return pq.ParquetFile(f, page_checksum_verification=True).read(columns=columns)
-    except (OSError, pa.ArrowException) as e:
-        raise CaptureError(f"{f}: damaged ({str(e).splitlines()[0]})") from None
+def _read(f: Path, columns: list[str]) -> pa.Table:
+    return next(_batches(f, columns, whole=True))
 
 
-def _batches(f: Path) -> Iterator[pa.Table]:
-    """A file's rows a row group at a time, every page's checksum verified."""
+def _batches(f: Path, columns: list[str] | None = None, whole: bool = False) -> Iterator[pa.Table]:
+    """A file's rows a row group at a time (or all at once), every page's checksum verified."""
     try:
         pf = pq.ParquetFile(f, page_checksum_verification=True)
+        if whole:
+            yield pf.read(columns=columns)
+            return
         for i in range(pf.num_row_groups):
-            yield pf.read_row_group(i)
+            yield pf.read_row_group(i, columns=columns)
     except (OSError, pa.ArrowException) as e:
         raise CaptureError(f"{f}: damaged ({str(e).splitlines()[0]})") from None
 
@@ -166,8 +165,8 @@ def _rows(messages: Iterable[tuple[str, Message]]) -> Iterator[pa.Table]:
 
 def _import(path: Path, store: RunStore, chunks: Iterable[pa.Table], workload: dict,
             steps: int | None = None, source: str | None = None) -> str:
-    """Insert every chunk (and, given `steps`, that many steps rather than each chunk's), then the
-    findings and totals. Each chunk commits on its own, so memory stays bounded (DuckDB keeps a
+    """Insert every chunk, then the steps (given, or up to the last chunk's), the findings and totals.
+    Each chunk commits on its own, so memory stays bounded (DuckDB keeps a
     transaction's rows in memory until it commits); the run says `running` until the end, and a
     failure deletes everything of it: a bad line anywhere imports nothing."""
     run_id = new_run_id()
@@ -181,14 +180,12 @@ def _import(path: Path, store: RunStore, chunks: Iterable[pa.Table], workload: d
             if source is not None:  # registered in place: kv_events reads the files
                 con.execute("INSERT INTO capture_sources VALUES (?, ?, ?)", [run_id, source, workload["files"]])
                 RunStore.refresh_captures(con)
-            inserted = _insert_chunks(con, run_id, chunks, steps is None)
-            if steps is not None:
-                con.execute("INSERT INTO steps (run_id, step, seconds) SELECT ?, range, 0.0 FROM range(?)",
-                            [run_id, steps])
+            inserted = _insert_chunks(con, run_id, chunks)
             steps = inserted if steps is None else steps
             if not steps:
                 raise CaptureError(f"{path}: the capture holds no messages")
             con.execute("BEGIN TRANSACTION")
+            con.execute("INSERT INTO steps (run_id, step, seconds) SELECT ?, range, 0.0 FROM range(?)", [run_id, steps])
             con.execute(CROSS_TENANT, {"run": run_id})
             con.execute("UPDATE runs SET status = 'complete', steps = ?, findings = (SELECT count(*) FROM findings "
                         "WHERE run_id = ?) WHERE run_id = ?", [steps, run_id, run_id])
@@ -212,8 +209,8 @@ def _discard(con: duckdb.DuckDBPyConnection, run_id: str) -> None:
     con.execute("COMMIT")
 
 
-def _insert_chunks(con: duckdb.DuckDBPyConnection, run_id: str, chunks: Iterable[pa.Table], with_steps: bool) -> int:
-    """Append every chunk's events and its messages' steps; returns the number of steps. DuckDB
+def _insert_chunks(con: duckdb.DuckDBPyConnection, run_id: str, chunks: Iterable[pa.Table]) -> int:
+    """Append every chunk's events; returns the number of messages (steps are dense). DuckDB
     inserts one chunk on a worker thread while Python decodes the next (the insert releases the GIL),
     and the cyclic garbage collector is off meanwhile: decoding makes millions of acyclic objects
     that would set it off again and again (5x slower)."""
@@ -224,10 +221,10 @@ def _insert_chunks(con: duckdb.DuckDBPyConnection, run_id: str, chunks: Iterable
         with ThreadPoolExecutor(1, thread_name_prefix="kvviz-import") as pool:
             pending: Future | None = None
             for table in chunks:
-                first, steps = steps, max(steps, pc.max(table.column("step")).as_py() + 1)
+                steps = max(steps, pc.max(table.column("step")).as_py() + 1)
                 if pending is not None:
                     pending.result()
-                pending = pool.submit(_insert_chunk, con, run_id, table, first, steps if with_steps else first)
+                pending = pool.submit(_insert_chunk, con, run_id, table)
             if pending is not None:
                 pending.result()
     finally:
@@ -236,17 +233,13 @@ def _insert_chunks(con: duckdb.DuckDBPyConnection, run_id: str, chunks: Iterable
     return steps
 
 
-def _insert_chunk(con: duckdb.DuckDBPyConnection, run_id: str, table: pa.Table, first: int, end: int) -> None:
-    """One chunk's events and steps, committed together."""
-    events = table.filter(pc.is_valid(table.column("kind"))).select(EVENT_COLUMNS)
+def _insert_chunk(con: duckdb.DuckDBPyConnection, run_id: str, table: pa.Table) -> None:
+    """One chunk's events (a message without events is only a step)."""
+    events = table.filter(pc.is_valid(table.column("kind"))).select(DATASET_COLUMNS)
     con.register("_kvviz_events", events)
     try:
-        con.execute("BEGIN TRANSACTION")
-        con.execute(f"INSERT INTO kv_event_rows (run_id, {', '.join(EVENT_COLUMNS)}) "
-                    f"SELECT ?, {', '.join(EVENT_COLUMNS)} FROM _kvviz_events", [run_id])
-        con.execute("INSERT INTO steps (run_id, step, seconds) SELECT ?, range, 0.0 FROM range(?, ?)",
-                    [run_id, first, end])
-        con.execute("COMMIT")
+        con.execute(f"INSERT INTO kv_event_rows (run_id, {', '.join(DATASET_COLUMNS)}) "
+                    f"SELECT ?, {', '.join(DATASET_COLUMNS)} FROM _kvviz_events", [run_id])
     finally:
         con.unregister("_kvviz_events")
 

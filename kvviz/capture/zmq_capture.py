@@ -61,6 +61,15 @@ class ReplicaState:
     def lost(self) -> int:
         return sum(hi - lo + 1 for lo, hi in self.gaps)
 
+    def missing(self, seq: int) -> bool:
+        return any(lo <= seq <= hi for lo, hi in self.gaps)
+
+    def advance(self, seq: int) -> None:
+        """A sequence number past the last: what it skipped is a gap."""
+        if self.last is not None and seq > self.last + 1:
+            self.gaps.append([self.last + 1, seq - 1])
+        self.last = seq
+
     def fill(self, seq: int) -> None:
         """A replayed message: its sequence number is no longer missing."""
         for i, (lo, hi) in enumerate(self.gaps):
@@ -173,15 +182,13 @@ class FleetCapture:
             if seq == -1:
                 st.replaying = None
                 continue
-            if st.last is not None and seq <= st.last and not any(lo <= seq <= hi for lo, hi in st.gaps):
+            if st.last is not None and seq <= st.last and not st.missing(seq):
                 continue  # already written
             st.fill(seq)
             self._write(st, seq, frames[1] if len(frames) == 4 else b"", frames[-1])
             st.replayed.add(seq)
             if st.last is None or seq > st.last:
-                if st.last is not None and seq > st.last + 1:
-                    st.gaps.append([st.last + 1, seq - 1])
-                st.last = seq
+                st.advance(seq)
 
     def _drain(self, sock: zmq.Socket, st: ReplicaState) -> None:
         for _ in range(1000):  # then let the other sockets have a turn
@@ -195,16 +202,13 @@ class FleetCapture:
             if seq in st.replayed:  # published while the replay ran: already written once
                 st.replayed.discard(seq)
                 continue
-            if st.last is not None and seq <= st.last:
-                if any(lo <= seq <= hi for lo, hi in st.gaps):
-                    st.fill(seq)  # late, but not lost
-                else:
-                    self._restarted(st, seq)
-            elif st.last is not None and seq > st.last + 1:
-                st.gaps.append([st.last + 1, seq - 1])
             if st.last is None or seq > st.last:
-                st.last = seq
+                st.advance(seq)
                 st.replayed.clear()  # live is past what the replay wrote: no more duplicates to expect
+            elif st.missing(seq):
+                st.fill(seq)  # late, but not lost
+            else:
+                self._restarted(st, seq)
             self._write(st, seq, frames[0], frames[2])
 
     def _restarted(self, st: ReplicaState, seq: int) -> None:

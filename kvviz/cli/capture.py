@@ -68,6 +68,26 @@ def progress_lines(states: dict[str, ReplicaState]) -> list[str]:
     return lines
 
 
+class _Lines:
+    """Notes and the per-replica progress block on stderr: on a terminal the block is redrawn in place
+    and a note starts a new one below it; elsewhere each block is printed in turn."""
+
+    def __init__(self, tty: bool):
+        self.tty, self.drawn = tty, 0
+
+    def say(self, line: str) -> None:
+        print(f"kvviz: {line}", file=sys.stderr, flush=True)
+        self.drawn = 0
+
+    def progress(self, states: dict[str, ReplicaState]) -> None:
+        lines = progress_lines(states)
+        if self.tty:
+            print("\033[F" * self.drawn + "\n".join(f"\033[K{line}" for line in lines), file=sys.stderr, flush=True)
+            self.drawn = len(lines)
+        else:
+            print("\n".join(lines), file=sys.stderr, flush=True)
+
+
 def cmd_capture_vllm(args: argparse.Namespace) -> int:
     """Subscribe to every publisher and write one capture; stop on Ctrl-C, SIGTERM or --duration."""
     from pathlib import Path
@@ -77,38 +97,20 @@ def cmd_capture_vllm(args: argparse.Namespace) -> int:
     from ..capture.zmq_capture import FleetCapture
 
     sources = parse_sources(args.endpoint, args.replay)
-    replicas = {s.name: s.endpoint for s in sources}
+    if args.rotate_rows < 1:
+        raise CaptureError("--rotate-rows must be at least 1")
     out = Path(args.out)
-    fleet = FleetCapture(sources, topic=args.topic, say=lambda line: say(line))  # a bad address: said first
+    if out.suffix.lower() == ".jsonl" and not out.parent.is_dir():
+        raise CaptureError(f"--out {out}: no folder {out.parent}")
+    lines = _Lines(sys.stderr.isatty())
+    fleet = FleetCapture(sources, topic=args.topic, say=lines.say)  # a bad address: said before a file is made
+    replicas = {s.name: s.endpoint for s in sources}
     try:
-        if args.rotate_rows < 1:
-            raise CaptureError("--rotate-rows must be at least 1")
-        if out.suffix.lower() == ".jsonl":
-            if not out.parent.is_dir():
-                raise CaptureError(f"--out {out}: no folder {out.parent}")
-            sink = CaptureWriter(out, replicas)
-        else:
-            sink = DatasetWriter(out, replicas, rotate_rows=args.rotate_rows)
+        sink = (CaptureWriter(out, replicas) if out.suffix.lower() == ".jsonl" else
+                DatasetWriter(out, replicas, rotate_rows=args.rotate_rows))
     except BaseException:
         fleet.close()
         raise
-    tty = sys.stderr.isatty()
-    drawn = 0
-
-    def say(line: str) -> None:
-        nonlocal drawn
-        print(f"kvviz: {line}", file=sys.stderr, flush=True)
-        drawn = 0
-
-    def progress(states: dict[str, ReplicaState]) -> None:
-        nonlocal drawn
-        lines = progress_lines(states)
-        if tty:  # redraw the block in place
-            print("\033[F" * drawn + "\n".join(f"\033[K{line}" for line in lines), file=sys.stderr, flush=True)
-            drawn = len(lines)
-        else:
-            print("\n".join(lines), file=sys.stderr, flush=True)
-
     stop = False
 
     def on_term(*_: object) -> None:
@@ -117,8 +119,8 @@ def cmd_capture_vllm(args: argparse.Namespace) -> int:
 
     old = signal.signal(signal.SIGTERM, on_term)
     try:
-        fleet.run(sink, duration=args.duration, should_stop=lambda: stop, progress=progress,
-                  every=0.5 if tty else 10.0)
+        fleet.run(sink, duration=args.duration, should_stop=lambda: stop, progress=lines.progress,
+                  every=0.5 if lines.tty else 10.0)
     except KeyboardInterrupt:
         pass
     finally:
