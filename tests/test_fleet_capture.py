@@ -8,18 +8,24 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import duckdb
 import msgpack
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
 from kvviz.analysis.uploads import import_file
+from kvviz.capture import import_vllm
 from kvviz.capture.capture_file import CaptureWriter, Message
 from kvviz.capture.dataset import DatasetWriter
 from kvviz.capture.events import CaptureError, decode_batch
+from kvviz.capture.rows import EventRows
 from kvviz.capture.zmq_capture import Endpoint, FleetCapture
 from kvviz.cli.capture import parse_sources
 from kvviz.store import RunStore
@@ -447,3 +453,49 @@ def test_occupancy_per_tier_and_kv_group_and_one_groups_tree(tmp_path):
     assert set(over_time.series) == {"pod-a CPU group 0", "pod-a GPU group 0", "pod-a GPU group 1"}
     assert sorted(tree.block_hash) == [1, 3], "group 1's own tree"
     assert media[2] == "CPU, GPU" and media[1] == "GPU"
+
+
+def test_a_long_import_lets_other_readers_in_between_its_turns(tmp_path):
+    """While an import waits for its next chunk, another session of the app (a reader in this process)
+    and another process read the store and see the run as running with the rows so far; the import
+    then finishes complete. With a writer held for the whole import both would wait it out."""
+    db = tmp_path / "k.duckdb"
+    store = RunStore.open(db)
+    rows = EventRows()
+    for step, m in enumerate(full_mode_messages("pod-a", 40)):
+        rows.add(decode_batch(m.payload, "t"), step=step, replica=m.replica, restart=0, seq=m.seq, where="t")
+    table = rows.take()
+    halves = [table.slice(0, 20), table.slice(20)]
+    first_in, go_on, seen = threading.Event(), threading.Event(), {}
+
+    def chunks() -> Iterator[pa.Table]:
+        yield halves[0]
+        first_in.set()
+        assert go_on.wait(60), "the readers never got in"
+        yield halves[1]
+
+    def read_meanwhile() -> None:
+        first_in.wait(60)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # the first chunk's insert may still be finishing
+            with store.read() as con:
+                seen["here"] = con.execute("SELECT r.status, count(e.run_id) FROM runs r LEFT JOIN kv_events e "
+                                           "USING (run_id) GROUP BY ALL").fetchall()
+            if seen["here"][0][1]:
+                break
+        seen["there"] = subprocess.run(
+            [sys.executable, "-m", "kvviz", "sql", "--db", str(db), "--format", "csv",
+             "SELECT status, (SELECT count(*) FROM kv_events) AS n FROM runs"],
+            capture_output=True, text=True, timeout=120, cwd=ROOT)
+        go_on.set()
+
+    reader = threading.Thread(target=read_meanwhile)
+    reader.start()
+    run_id = import_vllm._import(tmp_path / "c.jsonl", store, chunks(), {"capture": "c.jsonl"}, hold_s=0.0)
+    reader.join()
+    first = halves[0].filter(pc.is_valid(halves[0].column("kind"))).num_rows
+    assert seen["here"] == [("running", first)]
+    assert seen["there"].returncode == 0, seen["there"].stderr
+    assert seen["there"].stdout.split() == ["status,n", f"running,{first}"]
+    with store.read() as con:
+        assert con.execute("SELECT status, steps FROM runs WHERE run_id = ?", [run_id]).fetchall() == [("complete", 40)]

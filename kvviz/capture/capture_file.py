@@ -15,7 +15,9 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Annotated, BinaryIO
+
+import msgspec
 
 from ..jsonio import parse_json
 from .events import CaptureError
@@ -76,30 +78,54 @@ def read_capture(path: str | Path) -> Iterator[tuple[str, Message]]:
         for n, line in lines:
             where = f"{path}: line {n}"
             try:
-                rec = parse_json(line, where, CaptureError, one_line=True)
-            except CaptureError as e:
-                if not line.endswith(b"\n") and "not valid JSON" in str(e):
-                    raise CaptureError(f"{where} is cut off (the capture ended in the middle of it)") from None
-                raise
-            if not isinstance(rec, dict):
-                rec = {}
-            seq, payload, replica = rec.get("seq"), rec.get("payload"), rec.get("replica", DEFAULT_REPLICA)
-            restart, topic, received = rec.get("restart"), rec.get("topic", ""), rec.get("received")
-            if (not isinstance(seq, int) or isinstance(seq, bool) or not isinstance(payload, str)
-                    or not isinstance(replica, str) or not replica or not isinstance(topic, str)
-                    or not (received is None or isinstance(received, int | float))
-                    or not (restart is None or isinstance(restart, int) and restart >= 0)):
-                raise CaptureError(f"{where} is not a captured message "
-                                   '({"seq": integer, "payload": base64 text, "replica": name, ...})')
+                rec = _LINE.decode(line)
+            except msgspec.MsgspecError:  # parsed again to say what is wrong
+                rec = _line(line, where)
+            restart = rec.restart
             if restart is None:
-                before = last.get(replica)
-                restart = 0 if before is None else before[0] + (seq < before[1])
-            last[replica] = (restart, seq)
-            try:
-                data = base64.b64decode(payload, validate=True)
-            except (binascii.Error, ValueError):
-                raise CaptureError(f"{where}: the payload is not base64") from None
-            yield where, Message(replica, restart, seq, topic, data, received)
+                before = last.get(rec.replica)
+                restart = 0 if before is None else before[0] + (rec.seq < before[1])
+            last[rec.replica] = (restart, rec.seq)
+            yield where, Message(rec.replica, restart, rec.seq, rec.topic, rec.payload, rec.received)
+
+
+class _Line(msgspec.Struct):
+    """A captured message's line, decoded in C (the payload's base64 too)."""
+    seq: int
+    payload: bytes
+    replica: Annotated[str, msgspec.Meta(min_length=1)] = DEFAULT_REPLICA
+    restart: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    topic: str = ""
+    received: float | None = None
+
+
+_LINE = msgspec.json.Decoder(_Line)
+
+
+def _line(line: bytes, where: str) -> _Line:
+    """A line the fast decoder refused, parsed again by hand: this names what is wrong, or accepts
+    what JSON allows and msgspec does not (a NaN clock)."""
+    try:
+        rec = parse_json(line, where, CaptureError, one_line=True)
+    except CaptureError as e:
+        if not line.endswith(b"\n") and "not valid JSON" in str(e):
+            raise CaptureError(f"{where} is cut off (the capture ended in the middle of it)") from None
+        raise
+    if not isinstance(rec, dict):
+        rec = {}
+    seq, payload, replica = rec.get("seq"), rec.get("payload"), rec.get("replica", DEFAULT_REPLICA)
+    restart, topic, received = rec.get("restart"), rec.get("topic", ""), rec.get("received")
+    if (not isinstance(seq, int) or isinstance(seq, bool) or not isinstance(payload, str)
+            or not isinstance(replica, str) or not replica or not isinstance(topic, str)
+            or not (received is None or isinstance(received, int | float))
+            or not (restart is None or isinstance(restart, int) and restart >= 0)):
+        raise CaptureError(f"{where} is not a captured message "
+                           '({"seq": integer, "payload": base64 text, "replica": name, ...})')
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise CaptureError(f"{where}: the payload is not base64") from None
+    return _Line(seq, data, replica, restart, topic, received)
 
 
 def _lines(f: BinaryIO, path: Path) -> Iterator[tuple[int, bytes]]:

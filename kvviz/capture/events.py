@@ -22,6 +22,7 @@ from typing import NamedTuple
 import msgpack
 
 from ..errors import CaptureError
+from . import vllm_layout
 
 _M64 = (1 << 64) - 1
 STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
@@ -65,7 +66,17 @@ def to_u64(h: object, where: str) -> int:
     raise CaptureError(f"{where}: a block hash must be an int or at least 8 bytes, got {type(h).__name__}")
 
 
-def decode_batch(payload: bytes, where: str) -> Batch:
+def decode_batch(payload: bytes, where: str) -> Batch | vllm_layout.Batch:
+    """The batch's events: decoded in C when the batch is in vLLM's current layout (almost all are),
+    else by `decode_any_layout`, which also says what is wrong."""
+    try:
+        return vllm_layout.DECODER.decode(payload)
+    except vllm_layout.NOT_THIS_LAYOUT:
+        return decode_any_layout(payload, where)
+
+
+def decode_any_layout(payload: bytes, where: str) -> Batch:
+    """Every layout vLLM and SGLang have published, in Python; CaptureError names what is wrong."""
     try:
         batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
     except msgpack.ExtraData:
@@ -137,7 +148,7 @@ def _event(e: object, where: str) -> KVEvent:
     if cache_salt.__class__ is str:  # SGLang names the salt of every block in the event
         salts = [cache_salt] * len(hashes)
     elif extra.__class__ is list:  # vLLM puts it among a block's extra keys
-        salts = [_salt(x) for x in extra[:len(hashes)]] + [None] * (len(hashes) - len(extra))
+        salts = [vllm_layout.salt_of(x) for x in extra[:len(hashes)]] + [None] * (len(hashes) - len(extra))
     else:
         salts = None
     lookahead = e.get("lookahead_token_ids")
@@ -164,12 +175,3 @@ def _int(e: dict, key: str, where: str) -> int | None:
     if v is None or (isinstance(v, int) and not isinstance(v, bool) and -(1 << 63) <= v < (1 << 63)):
         return v
     raise CaptureError(f"{where}: {key} must be an int or nil, got {v!r:.40}")
-
-
-def _salt(keys: object) -> str | None:
-    """The first string among a block's extra keys: the cache salt (or LoRA name) that namespaces it."""
-    if isinstance(keys, str):
-        return keys
-    if isinstance(keys, list | tuple):
-        return next((k for k in keys if isinstance(k, str)), None)
-    return None

@@ -4,7 +4,8 @@ cross-tenant finding wherever one block hash is stored under two salts on one re
 The events carry no physical block ids and no attention weights, so the run has neither.
 
 Import streams: messages are decoded and inserted a chunk at a time, each chunk committed, so memory
-is bounded by the chunk whatever the capture's length; the run says `running` until the end, and a
+is bounded by the chunk whatever the capture's length; the writer is given up every second, so the
+app's other users read while a long capture imports; the run says `running` until the end, and a
 bad message anywhere deletes all of it (nothing half-imported).
 """
 
@@ -27,6 +28,7 @@ from .. import __version__
 from ..ids import new_run_id
 from ..jsonio import parse_json
 from ..store import RunStore
+from ..store.run_store import TURN_S, WriterTurns
 from ..store.schema import DATASET_COLUMNS
 from .capture_file import DEFAULT_REPLICA, Message, read_capture
 from .dataset import MANIFEST, check_files, dataset_files
@@ -164,36 +166,47 @@ def _rows(messages: Iterable[tuple[str, Message]]) -> Iterator[pa.Table]:
 
 
 def _import(path: Path, store: RunStore, chunks: Iterable[pa.Table], workload: dict,
-            steps: int | None = None, source: str | None = None) -> str:
+            steps: int | None = None, source: str | None = None, hold_s: float = TURN_S) -> str:
     """Insert every chunk, then the steps (given, or up to the last chunk's), the findings and totals.
     Each chunk commits on its own, so memory stays bounded (DuckDB keeps a
     transaction's rows in memory until it commits); the run says `running` until the end, and a
     failure deletes everything of it: a bad line anywhere imports nothing."""
     run_id = new_run_id()
     with store.write() as con:
-        con.execute("SET memory_limit = '512MB'")  # a long capture spills to disk instead of growing
         con.execute("INSERT INTO runs (run_id, created_at, status, model, scenario, workload, engine, "
                     "kvviz_version) VALUES (?, ?, 'running', ?, ?, ?, '{}', ?)",
                     [run_id, datetime.now(UTC).replace(tzinfo=None), CAPTURE_MODEL, f"capture {path.name}",
                      json.dumps(workload), __version__])
-        try:
+    try:
+        with store.in_turns(_limits, hold_s) as turns:
             if source is not None:  # registered in place: kv_events reads the files
+                con = turns.con()
                 con.execute("INSERT INTO capture_sources VALUES (?, ?, ?)", [run_id, source, workload["files"]])
                 RunStore.refresh_captures(con)
-            inserted = _insert_chunks(con, run_id, chunks)
-            steps = inserted if steps is None else steps
-            if not steps:
-                raise CaptureError(f"{path}: the capture holds no messages")
+            inserted = _insert_chunks(turns, run_id, chunks)
+        steps = inserted if steps is None else steps
+        if not steps:
+            raise CaptureError(f"{path}: the capture holds no messages")
+        with store.write() as con:
+            _limits(con)
             con.execute("BEGIN TRANSACTION")
             con.execute("INSERT INTO steps (run_id, step, seconds) SELECT ?, range, 0.0 FROM range(?)", [run_id, steps])
             con.execute(CROSS_TENANT, {"run": run_id})
             con.execute("UPDATE runs SET status = 'complete', steps = ?, findings = (SELECT count(*) FROM findings "
                         "WHERE run_id = ?) WHERE run_id = ?", [steps, run_id, run_id])
             con.execute("COMMIT")
-        except BaseException:
+    except BaseException:
+        with store.write() as con:
             _discard(con, run_id)
-            raise
+        raise
     return run_id
+
+
+def _limits(con: duckdb.DuckDBPyConnection) -> None:
+    """A long capture spills to disk instead of growing, and DuckDB inserts on one core while Python
+    decodes on the other."""
+    con.execute("SET memory_limit = '512MB'")
+    con.execute("SET threads = 1")
 
 
 def _discard(con: duckdb.DuckDBPyConnection, run_id: str) -> None:
@@ -209,11 +222,11 @@ def _discard(con: duckdb.DuckDBPyConnection, run_id: str) -> None:
     con.execute("COMMIT")
 
 
-def _insert_chunks(con: duckdb.DuckDBPyConnection, run_id: str, chunks: Iterable[pa.Table]) -> int:
-    """Append every chunk's events; returns the number of messages (steps are dense). DuckDB
-    inserts one chunk on a worker thread while Python decodes the next (the insert releases the GIL),
-    and the cyclic garbage collector is off meanwhile: decoding makes millions of acyclic objects
-    that would set it off again and again (5x slower)."""
+def _insert_chunks(turns: WriterTurns, run_id: str, chunks: Iterable[pa.Table]) -> int:
+    """Append every chunk's events, in the writer's turns; returns the number of messages (steps are
+    dense). DuckDB inserts one chunk on a worker thread while Python decodes the next (the insert
+    releases the GIL), and the cyclic garbage collector is off meanwhile: decoding makes millions of
+    acyclic objects that would set it off again and again (5x slower)."""
     steps = 0
     was_enabled = gc.isenabled()
     gc.disable()
@@ -224,7 +237,7 @@ def _insert_chunks(con: duckdb.DuckDBPyConnection, run_id: str, chunks: Iterable
                 steps = max(steps, pc.max(table.column("step")).as_py() + 1)
                 if pending is not None:
                     pending.result()
-                pending = pool.submit(_insert_chunk, con, run_id, table)
+                pending = pool.submit(_insert_chunk, turns, run_id, table)
             if pending is not None:
                 pending.result()
     finally:
@@ -233,14 +246,16 @@ def _insert_chunks(con: duckdb.DuckDBPyConnection, run_id: str, chunks: Iterable
     return steps
 
 
-def _insert_chunk(con: duckdb.DuckDBPyConnection, run_id: str, table: pa.Table) -> None:
-    """One chunk's events (a message without events is only a step)."""
+def _insert_chunk(turns: WriterTurns, run_id: str, table: pa.Table) -> None:
+    """One chunk's events (a message without events is only a step), then the writer's turn may end."""
     events = table.filter(pc.is_valid(table.column("kind"))).select(DATASET_COLUMNS)
+    con = turns.con()
     con.register("_kvviz_events", events)
     try:
         con.execute(f"INSERT INTO kv_event_rows (run_id, {', '.join(DATASET_COLUMNS)}) "
                     f"SELECT ?, {', '.join(DATASET_COLUMNS)} FROM _kvviz_events", [run_id])
     finally:
         con.unregister("_kvviz_events")
+    turns.release_if_due()
 
 

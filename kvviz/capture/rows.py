@@ -17,6 +17,9 @@ later one continuing a cached chain, carry the salt of the block they follow.
 
 from __future__ import annotations
 
+from itertools import repeat
+from operator import attrgetter
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -39,12 +42,34 @@ ROW_SCHEMA = pa.schema([*MESSAGE_FIELDS, *EVENT_FIELDS[:2], *BLOCK_FIELDS, ("tok
 
 
 _GONE = object()
-_NO_EVENT = (0,) + (None,) * (len(EVENT_FIELDS) - 1)
+_event_fields = attrgetter(*(name for name, _ in EVENT_FIELDS[1:]))  # an event's tuple, made in C
+_NO_EVENT = (None,) * (len(EVENT_FIELDS) - 1)
 
 
 def _columns(rows: list[tuple], width: int) -> list[tuple]:
     """Tuples as columns (zip in C); no rows is `width` empty columns."""
     return list(zip(*rows, strict=True)) if rows else [()] * width
+
+
+def _salts(given: list[str | None] | None, n: int, parent: str | None) -> list[str | None]:
+    """Each block's tenant: the salt it names, else the block before it's, the first block's else
+    its parent's (`parent`). Usually only the first block names one (or none does)."""
+    named = given[0] if given else None
+    first = parent if named is None else named
+    if not given or given.count(None) == n - (named is not None):  # no block after the first names one
+        return [first] * n
+    salts = [first, *given[1:]]
+    for j in range(1, n):
+        if salts[j] is None:
+            salts[j] = salts[j - 1]
+    return salts
+
+
+def _spread(values: pa.Array, rows: np.ndarray) -> pa.Array:
+    """A value per message (or event) as a value per row; most optional fields are all null."""
+    if values.null_count == len(values):
+        return pa.nulls(len(rows), values.type)
+    return values.take(rows)
 
 
 class EventRows:
@@ -59,7 +84,8 @@ class EventRows:
     def _clear(self) -> None:
         self._messages: list[tuple] = []  # MESSAGE_FIELDS, one tuple per message
         self._where: list[str] = []
-        self._events: list[tuple] = []  # EVENT_FIELDS, one tuple per event
+        self._events: list[tuple] = []  # EVENT_FIELDS but the index, one tuple per event
+        self._event_index: list[int] = []
         self._event_msg: list[int] = []  # the message of each event
         self._event_rows: list[int] = []  # the rows of each event
         self._hashes: list[int | None] = []  # one per row (so are repeats)
@@ -86,50 +112,51 @@ class EventRows:
         m = len(self._where)
         self._messages.append((step, replica, restart, seq, batch.ts, received, batch.rank, topic, payload))
         self._where.append(where)
-        events, event_msg, event_rows, hashes_out = self._events, self._event_msg, self._event_rows, self._hashes
-        if not batch.events:  # a batch with nothing in it still happened: one row without a kind
-            events.append(_NO_EVENT)
-            event_msg.append(m)
+        events, event_rows, hashes_out = batch.events, self._event_rows, self._hashes
+        if not events:  # a batch with nothing in it still happened: one row without a kind
+            self._events.append(_NO_EVENT)
+            self._event_index.append(0)
+            self._event_msg.append(m)
             event_rows.append(1)
             hashes_out.append(None)
             self._repeats.append(None)
             self.rows += 1
             return
-        for i, e in enumerate(batch.events):
+        self._events.extend(map(_event_fields, events))
+        self._event_index.extend(range(len(events)))
+        self._event_msg.extend(repeat(m, len(events)))
+        repeats, key, live = self._repeats, None, None
+        for e in events:
             hashes, kind = e.block_hashes, e.kind
             n = len(hashes) or 1
-            events.append((i, kind, e.block_size, e.lora_id, e.lora_name, e.medium, e.group_idx, e.spec_kind,
-                           e.sliding_window, e.locality, e.session_id, e.lookahead_token_ids))
-            event_msg.append(m)
             event_rows.append(n)
             self.rows += n
             if not hashes:
                 hashes_out.append(None)
-                self._repeats.append(None)
+                repeats.append(None)
                 if kind == "AllBlocksCleared":
                     self.forget(replica)
+                    key = None
                 continue
             hashes_out.extend(hashes)
-            live = self._live.get((replica, e.group_idx, e.medium))
-            if live is None:
-                live = self._live[(replica, e.group_idx, e.medium)] = {}
-            if kind == "BlockStored":
+            if key != (replica, e.group_idx, e.medium):
+                key = (replica, e.group_idx, e.medium)
+                live = self._live.setdefault(key, {})
+            if kind == "BlockRemoved":
+                if n == 1:
+                    repeats.append(live.pop(hashes[0], _GONE) is _GONE)
+                else:
+                    repeats.extend([live.pop(h, _GONE) is _GONE for h in hashes])
+            elif kind == "BlockStored":
                 self._parents.append(e.parent_hash)
                 self._parents.extend(hashes[:-1])
-                salts = list(e.salts) if e.salts else [None] * n
-                if salts[0] is None:
-                    salts[0] = live.get(e.parent_hash)
-                for i in range(1, n):
-                    if salts[i] is None:
-                        salts[i] = salts[i - 1]
+                salts = _salts(e.salts, n, live.get(e.parent_hash))
                 self._salts.extend(salts)
-                self._repeats.extend([h in live for h in hashes])
+                repeats.extend([h in live for h in hashes])
                 live.update(zip(hashes, salts, strict=True))
                 self._tokens.extend(e.token_ids)
-            elif kind == "BlockRemoved":
-                self._repeats.extend([live.pop(h, _GONE) is _GONE for h in hashes])
             else:
-                self._repeats.extend([None] * n)
+                repeats.extend([None] * n)
 
     def take(self) -> pa.Table:
         """The rows added since the last take, as a table of ROW_SCHEMA. A token that is not a 32-bit
@@ -141,13 +168,17 @@ class EventRows:
         first_of_message = np.ones(len(event_of_row), dtype=bool)
         first_of_message[1:] = message_of_row[1:] != message_of_row[:-1]
         cols: dict[str, pa.Array] = {}
-        for (name, typ), values in zip(MESSAGE_FIELDS, _columns(self._messages, len(MESSAGE_FIELDS)), strict=True):
-            cols[name] = pa.array(values, type=typ).take(message_of_row)
-        cols["payload"] = pc.if_else(first_of_message, cols["payload"], pa.scalar(None, pa.binary()))
+        message_cols = [pa.array(values, type=typ) for (_, typ), values in
+                        zip(MESSAGE_FIELDS, _columns(self._messages, len(MESSAGE_FIELDS)), strict=True)]
+        for (name, _), values in zip(MESSAGE_FIELDS[:-1], message_cols, strict=False):
+            cols[name] = _spread(values, message_of_row)
+        first_only = pa.array(message_of_row, mask=~first_of_message)  # the raw payload once per message
+        cols["payload"] = message_cols[-1].take(first_only)
         event_cols = {name: pa.array(values, type=typ) for (name, typ), values in
-                      zip(EVENT_FIELDS, _columns(self._events, len(EVENT_FIELDS)), strict=True)}
+                      zip(EVENT_FIELDS, [self._event_index, *_columns(self._events, len(EVENT_FIELDS) - 1)],
+                          strict=True)}
         for name, _ in EVENT_FIELDS:
-            cols[name] = event_cols[name].take(event_of_row)
+            cols[name] = _spread(event_cols[name], event_of_row)
         stored = pc.fill_null(pc.equal(cols["kind"], "BlockStored"), False)
         cols["block_hash"] = pa.array(self._hashes, type=pa.uint64())
         no_hash = pc.is_null(cols["block_hash"]).to_numpy(zero_copy_only=False)

@@ -16,7 +16,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import TypeVar
 
@@ -28,6 +28,8 @@ from . import schema
 
 DEFAULT_DB = Path("runs") / "kvviz.duckdb"
 LOCK_WAIT_S = 15.0  # how long to wait for another process's writer to let go of the file
+LOCK_POLL_S = 0.01  # how often a connection waiting for another process tries again
+TURN_S = 1.0  # how long a long writer (WriterTurns) holds the file before it lets others in
 READER = {  # read-only connections; the first one of an instance also turns off host files (_connect_reader)
     "autoinstall_known_extensions": False,
     "autoload_known_extensions": False,
@@ -45,17 +47,21 @@ def default_path() -> Path:
 
 
 class _Gate:
-    """Readers, or one writer, at a time within this process."""
+    """Readers, or one writer, at a time within this process. A writer lets readers that are already
+    waiting go first, so one that writes in turns (a long import) never shuts the app out."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._readers = 0
+        self._waiting = 0  # readers waiting for a writer to finish
         self._writing = False
 
     @contextmanager
     def read(self) -> Iterator[None]:
         with self._cond:
+            self._waiting += 1
             self._cond.wait_for(lambda: not self._writing)
+            self._waiting -= 1
             self._readers += 1
         try:
             yield
@@ -67,7 +73,7 @@ class _Gate:
     @contextmanager
     def write(self) -> Iterator[None]:
         with self._cond:
-            self._cond.wait_for(lambda: not self._writing and self._readers == 0)
+            self._cond.wait_for(lambda: not self._writing and self._readers == 0 and self._waiting == 0)
             self._writing = True
         try:
             yield
@@ -116,6 +122,13 @@ class RunStore:
                 yield con
             finally:
                 con.close()
+
+    def in_turns(self, setup: Callable[[duckdb.DuckDBPyConnection], None] = lambda con: None,
+                 hold_s: float = TURN_S) -> WriterTurns:
+        """A writer for long work (an import), given up every `hold_s` seconds so other readers and
+        writers, in this process and others, get the file between its turns; `setup` runs on each
+        new connection."""
+        return WriterTurns(self, setup, hold_s)
 
     @contextmanager
     def read(self) -> Iterator[duckdb.DuckDBPyConnection]:
@@ -232,7 +245,45 @@ class RunStore:
                 if time.monotonic() > deadline:
                     raise StoreError(f"{self.path} is held by another process for longer than {LOCK_WAIT_S:g} s "
                                      f"({e})") from None
-                time.sleep(0.01)
+                time.sleep(LOCK_POLL_S)
+
+
+class WriterTurns:
+    """`con()` is a writer connection, the same one until `hold_s` has passed since it was taken;
+    `release_if_due()` (called when a piece of work is done) then closes it, committed, so others
+    get the file until the next `con()`. Work between two calls must be complete in itself: whatever
+    reads the file between turns sees it."""
+
+    def __init__(self, store: RunStore, setup: Callable[[duckdb.DuckDBPyConnection], None], hold_s: float):
+        self._store, self._setup, self._hold_s = store, setup, hold_s
+        self._turn: ExitStack | None = None
+        self._con: duckdb.DuckDBPyConnection | None = None
+        self._until = self._released = 0.0
+
+    def con(self) -> duckdb.DuckDBPyConnection:
+        if self._con is None:
+            time.sleep(max(0.0, self._released + 3 * LOCK_POLL_S - time.monotonic()))  # another process's
+            self._turn = ExitStack()                                  # next try lands in the gap
+            self._con = self._turn.enter_context(self._store.write())
+            self._setup(self._con)
+            self._until = time.monotonic() + self._hold_s
+        return self._con
+
+    def release_if_due(self) -> None:
+        if self._con is not None and time.monotonic() >= self._until:
+            self.close()
+
+    def close(self) -> None:
+        if self._turn is not None:
+            self._turn.close()
+            self._released = time.monotonic()
+        self._turn = self._con = None
+
+    def __enter__(self) -> WriterTurns:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _version(con: duckdb.DuckDBPyConnection) -> str | None:
