@@ -47,7 +47,7 @@ print(json.dumps({"seconds": time.perf_counter() - t, "lookups": len(found)}))
 """
 VIEWS_CHILD = """
 import json, sys, time
-from kvviz.analysis import cache_stats, captures, runs
+from kvviz.analysis import capture_time, captures, runs
 from kvviz.analysis.uploads import import_file
 from kvviz.store import RunStore
 store = RunStore.open(sys.argv[1])
@@ -58,11 +58,19 @@ with store.read() as con:
     copied = con.execute("SELECT run_id FROM runs WHERE run_id <> ? LIMIT 1", [in_place]).fetchone()[0]
     for how, run in (("copied", copied), ("in place", in_place)):
         first = captures.replicas(con, run)[0]
+        span = capture_time.span(con, run)
+        a, b, w = span.start, span.end, capture_time.interval_s(span.start, span.end)
+        top = capture_time.shared_prefixes(con, run, a, b)
         for name, view in (("run metadata", lambda: runs.run_info(con, run)),
-                           ("prefix tree (one replica)", lambda: captures.prefix_tree(con, run, replica=first)),
-                           ("cache over time", lambda: captures.cache_over_time(con, run)),
-                           ("hit rate per interval", lambda: cache_stats.hit_rates(con, run)),
-                           ("block lifetimes", lambda: cache_stats.lifetimes(con, run))):
+                           ("time span", lambda: capture_time.span(con, run)),
+                           ("activity (churn, hits)", lambda: capture_time.churn(con, run, a, b, w)),
+                           ("occupancy per tenant", lambda: capture_time.occupancy(con, run, a, b, w, "tenant")),
+                           ("occupancy per replica", lambda: capture_time.occupancy(con, run, a, b, w, "replica")),
+                           ("lifetimes, idle, reuse gaps", lambda: capture_time.distributions(con, run, a, b)),
+                           ("shared prefixes", lambda: capture_time.shared_prefixes(con, run, a, b)),
+                           ("a shared prefix's chain", lambda: capture_time.chain(
+                               con, run, top.replica[0], int(top.block_hash[0]))),
+                           ("prefix tree (one replica)", lambda: captures.prefix_tree(con, run, replica=first))):
             t = time.perf_counter()
             view()
             out[f"{name}, {how}"] = time.perf_counter() - t

@@ -509,7 +509,7 @@ def test_focus_of_engine_and_capture_findings(rec):
 
 # -- captures -----------------------------------------------------------------------------------------------
 
-def test_prefix_tree_and_cache_over_time_of_an_imported_capture(rec):
+def test_prefix_tree_and_cached_blocks_of_an_imported_capture(rec):
     big = rec.big
     with RunStore.open(rec.db).read() as con:
         tree = captures.prefix_tree(con, rec.capture).set_index("block_hash")
@@ -521,10 +521,9 @@ def test_prefix_tree_and_cache_over_time_of_an_imported_capture(rec):
         assert tree.drop(index=big + 2).removed_step.isna().all()
         assert tree.stored_step.to_dict() == {big: 0, big + 1: 0, big + 2: 1, big + 3: 2}
         assert len(captures.prefix_tree(con, rec.capture, max_nodes=2)) == 2
-        cache = captures.cache_over_time(con, rec.capture)
-        assert set(cache.series) == {"replica-0"}
-        cache = cache[["step", "cached_blocks", "stored", "removed"]]
-        assert [tuple(map(int, r)) for r in cache.itertuples(index=False)] == [
+        cache = con.execute("SELECT step, cached_blocks, stored, removed FROM kv_cache_blocks WHERE run_id = ? "
+                            "ORDER BY step", [rec.capture]).fetchall()
+        assert [tuple(map(int, r)) for r in cache] == [
             (0, 2, 2, 0), (1, 3, 1, 0), (2, 4, 1, 0), (3, 4, 0, 0), (4, 3, 0, 1)], "big stored again is a repeat"
         assert captures.prefix_tree(con, rec.ids["boundary"]).empty
 
@@ -545,12 +544,13 @@ def test_prefix_tree_marks_removed_only_what_left_the_cache(tmp_path):
     rid = uploads.import_file(cap, RunStore.open(db))
     with RunStore.open(db).read() as con:
         tree = captures.prefix_tree(con, rid)
-        cache = captures.cache_over_time(con, rid)
+        cache = [n for (n,) in con.execute("SELECT cached_blocks FROM kv_cache_blocks WHERE run_id = ? ORDER BY step",
+                                           [rid]).fetchall()]
     removed = {int(h): None if pd.isna(r) else int(r) for h, r in zip(tree.block_hash, tree.removed_step, strict=True)}
     stored = {int(h): int(s) for h, s in zip(tree.block_hash, tree.stored_step, strict=True)}
     assert stored == {5: 0, 6: 2, 7: 3, 8: 6}
     assert removed == {5: 5, 6: 5, 7: 4, 8: None}
-    assert list(cache.cached_blocks) == [1, 0, 2, 3, 2, 0, 1]  # the view agrees: only 8 is cached at the end
+    assert cache == [1, 0, 2, 3, 2, 0, 1]  # the view agrees: only 8 is cached at the end
     fig = tree_figure(tree)
     hollow = [len(t.x) for t in fig.data[1:] if t.marker.symbol == "circle-open"]
     assert sum(hollow) == 3  # hollow: removed

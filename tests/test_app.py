@@ -227,16 +227,28 @@ def test_an_uploaded_capture_opens_with_the_views_it_supports(empty_db, tmp_path
     at.switch_page("kvviz/ui/pages/inspector.py").run()  # later reruns in AppTest follow its own page, not the app's
     assert at.session_state["run_id"] == run_id
     assert any("no physical block ids and no attention" in i.value for i in at.info)
+    assert at.segmented_control(key="insp_view").value == "Activity"
+    stored = next(t for t in charts(at)["insp_activity"]["data"] if t["name"] == "stored (new)")
+    tiles = {m.label: m.value for m in at.metric}
+    assert sum(values(stored["y"])) > 0 and (tiles["new blocks"], tiles["hits"]) == ("3", "1"), "11 again: a hit"
+    at.toggle(key="insp_explain").set_value(True).run()
+    reasons = {t["name"]: sum(values(t["y"])) for t in charts(at)["insp_activity"]["data"]}
+    assert reasons.get("miss: cold") == 2 and not at.exception, "11 -> 12, then 21 after 12: tokens never cached"
+    at.segmented_control(key="insp_view").set_value("Prefix tree").run()
     tree = charts(at)["insp_tree"]
     assert sum(len(values(t["x"])) for t in tree["data"][1:]) == 3  # three distinct hashes stored
     assert any("#d62728" in values(t["marker"]["line"]["color"]) for t in tree["data"][1:]), "11: two salts"
-    at.segmented_control(key="insp_view").set_value("Cache over time").run()
-    assert "insp_cache" in charts(at)
+    at.segmented_control(key="insp_view").set_value("Occupancy").run()
+    at.radio(key="insp_split").set_value("tenant").run()
+    [tenant] = charts(at)["insp_occupancy"]["data"]  # b's store of 11 was a hit on a's block: b caches nothing
+    assert tenant["name"] == "tenant-a" and values(tenant["y"])[-1] == 1, "21 inherits a's salt; 21, 12 removed"
+    at.segmented_control(key="insp_view").set_value("Lifetimes").run()
+    assert "insp_durations" in charts(at) and not at.exception
     at.segmented_control(key="insp_view").set_value("Findings").run()
     assert list(at.dataframe[0].value.kind) == ["cross_tenant"]
 
 
-def test_a_fleet_capture_shows_one_replicas_tree_at_a_time_and_a_cache_line_each(empty_db, tmp_path):
+def test_a_fleet_capture_shows_one_replicas_tree_at_a_time_and_its_occupancy_each(empty_db, tmp_path):
     from kvviz.analysis.uploads import import_file
 
     from .test_fleet_capture import full_mode_messages, interleaved, write_dataset
@@ -244,8 +256,7 @@ def test_a_fleet_capture_shows_one_replicas_tree_at_a_time_and_a_cache_line_each
     msgs = interleaved(full_mode_messages("pod-a", 20), full_mode_messages("pod-b", 10) * 2)
     run_id = import_file(write_dataset(tmp_path / "ds", msgs).folder, RunStore.open(empty_db))
     at = page("inspector", run_id=run_id)
-    at.session_state["insp_step"] = int(at.select_slider(key="insp_step").options[-1])
-    at.run()
+    at.segmented_control(key="insp_view").set_value("Prefix tree").run()
     assert at.selectbox(key="insp_replica").options == ["pod-a", "pod-b"] and not at.exception
     nodes = {}
     for replica in ("pod-a", "pod-b"):
@@ -256,9 +267,9 @@ def test_a_fleet_capture_shows_one_replicas_tree_at_a_time_and_a_cache_line_each
         for replica, n in nodes.items():
             assert n == con.execute("SELECT count(DISTINCT block_hash) FROM kv_events WHERE run_id = ? AND "
                                     "replica = ? AND kind = 'BlockStored'", [run_id, replica]).fetchone()[0]
-    at.segmented_control(key="insp_view").set_value("Cache over time").run()
-    lines = [t["name"] for t in charts(at)["insp_cache"]["data"] if t["type"] == "scatter"]
-    assert lines == ["pod-a", "pod-b"] and any("2 lines: each replica on its own" in c.value for c in at.caption)
+    at.segmented_control(key="insp_view").set_value("Occupancy").run()
+    lines = [t["name"] for t in charts(at)["insp_occupancy"]["data"]]
+    assert lines == ["pod-a", "pod-b"] and not at.exception
 
 
 def test_a_capture_whose_dataset_moved_says_so_and_keeps_to_the_capture_views(empty_db, tmp_path):
@@ -272,26 +283,28 @@ def test_a_capture_whose_dataset_moved_says_so_and_keeps_to_the_capture_views(em
     at = page("inspector", run_id=run_id)
     assert not at.exception
     assert any("no longer at" in e.value for e in at.error)
-    assert at.segmented_control(key="insp_view").options == ["Prefix tree", "Cache over time", "Findings"]
-    for view in ("Prefix tree", "Cache over time", "Findings"):
-        at.segmented_control(key="insp_view").set_value(view).run()
-        assert not at.exception and any("can be read" in i.value for i in at.info), view
+    assert any("can be read" in i.value for i in at.info) and not at.segmented_control
 
 
-def test_a_long_capture_steps_through_a_plain_range_not_a_list_of_every_message(empty_db, tmp_path):
+def test_a_long_capture_is_looked_at_over_a_time_range_not_message_by_message(empty_db, tmp_path):
     from kvviz.analysis.uploads import import_file
     from kvviz.ui.inspector import MANY_STEPS
 
     from .test_fleet_capture import full_mode_messages, write_dataset
 
-    msgs = full_mode_messages("pod-a", MANY_STEPS + 100)
+    msgs = full_mode_messages("pod-a", MANY_STEPS + 100)  # one message a second
     run_id = import_file(write_dataset(tmp_path / "ds", msgs, rotate_rows=10_000).folder, RunStore.open(empty_db))
     at = page("inspector", run_id=run_id)
-    assert not at.exception and not at.select_slider
-    slider = at.slider(key="insp_step")
-    assert (slider.label, slider.min, slider.max) == ("Message", 0, MANY_STEPS + 99)
-    slider.set_value(50).run()
-    assert not at.exception and any("up to message 50" in c.value for c in at.caption)
+    assert not at.exception and not at.select_slider and not at.slider(key="insp_range").value[0]
+    assert at.slider(key="insp_range").max == MANY_STEPS + 98  # the last message (seq 2099) is an empty batch
+    stored = next(t for t in charts(at)["insp_activity"]["data"] if t["name"] == "stored (new)")
+    assert len(values(stored["x"])) <= 300, "a few hundred intervals, not a bar per message"
+    at.slider(key="insp_range").set_value((0.0, 50.0)).run()
+    assert not at.exception and any("(50 s of" in c.value for c in at.caption)
+    at.segmented_control(key="insp_view").set_value("Prefix tree").run()
+    assert any("by the end of the range (message 50)" in c.value for c in at.caption)
+    at.button(key="insp_range_all").click().run()
+    assert at.slider(key="insp_range").value == (0.0, MANY_STEPS + 98)
 
 
 def test_inspector_plays_through_the_steps_and_stops_at_the_end(with_runs):

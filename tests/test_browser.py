@@ -149,3 +149,49 @@ def test_two_sessions_run_scenarios_at_once_while_the_cli_records(tmp_path):
     con = duckdb.connect(str(db), read_only=True)
     assert con.execute("SELECT status, count(*) FROM runs GROUP BY 1").fetchall() == [("complete", 5)]
     con.close()
+
+
+def test_a_capture_is_brushed_on_its_time_axis_in_chromium(tmp_path):
+    """A two-replica capture of 600 messages (one a second): the inspector opens on its activity; a drag
+    across the chart narrows the time range, and every other view draws for that range."""
+    from kvviz.analysis.uploads import import_file
+    from kvviz.store import RunStore
+
+    from .test_fleet_capture import full_mode_messages, interleaved, write_dataset
+
+    db = tmp_path / "kvviz.duckdb"
+    msgs = interleaved(full_mode_messages("pod-a", 600), full_mode_messages("pod-b", 600))
+    run_id = import_file(write_dataset(tmp_path / "ds", msgs, rotate_rows=10_000).folder, RunStore.open(db))
+    with streamlit_app(db) as url, chromium() as browser:
+        page = new_page(browser)
+        page.set_viewport_size({"width": 1400, "height": 1400})
+        page.goto(f"{url}/inspector?run={run_id}")
+        wait_for_app(page)
+        chart = page.locator(".st-key-insp_activity .nsewdrag").first
+        chart.wait_for(timeout=60_000)
+        settle(page)
+        no_exception(page)
+        assert page.get_by_text("(599 s of 599 s)").count() == 1
+        shot(page, "capture-activity")
+        box = chart.bounding_box()
+        y = box["y"] + box["height"] / 2
+        page.mouse.move(box["x"] + box["width"] * 0.25, y)
+        page.mouse.down()
+        page.mouse.move(box["x"] + box["width"] * 0.5, y, steps=8)
+        page.mouse.up()
+        page.get_by_text("(599 s of 599 s)").wait_for(state="detached", timeout=60_000)  # the selection reruns
+        settle(page)
+        no_exception(page)
+        caption = page.get_by_text(" s of 599 s)").first.inner_text()
+        shown = float(caption.split("(")[-1].split(" s of")[0])
+        assert 100 < shown < 200, caption  # about a quarter of the capture
+        shot(page, "capture-brushed")
+        for view in ("Occupancy", "Lifetimes", "Shared prefixes", "Prefix tree", "Findings"):
+            page.locator(".st-key-insp_view").get_by_role("radio", name=view).click()
+            settle(page)
+            no_exception(page)
+            if view == "Shared prefixes":  # the table draws on a canvas once its data has come
+                page.locator(".st-key-insp_shared canvas").first.wait_for(timeout=30_000)
+                page.wait_for_timeout(500)
+            shot(page, f"capture-{view.lower().replace(' ', '-')}")
+        assert page.get_by_text(" s of 599 s)").first.inner_text() == caption, "the range holds across views"

@@ -231,22 +231,35 @@ def test_leak_timeline_has_a_line_per_request_and_panel(recorded):
     assert sum(t.showlegend for t in fig.data) == 2
 
 
-def test_cache_timeline():
-    df = pd.DataFrame({"step": [0, 1, 2], "series": "replica-0", "cached_blocks": [2, 3, 1], "stored": [2, 1, 0],
-                       "removed": [0, 0, 2]})
-    fig = timeline.cache_timeline(df, current=1)
+def test_capture_activity_is_per_second_and_a_horizontal_brush():
+    from kvviz.figures import capture_time as time_fig
+
+    churn = pd.DataFrame({"interval_start": [100.0, 100.0, 102.0], "replica": ["a", "b", "a"], "stored": [4, 2, 0],
+                          "hits": [1, 1, 2], "evicted": [0, 2, 6], "hit_tokens": [16, 16, 32],
+                          "miss_tokens": [64, 32, 0]})
+    fig = time_fig.activity(churn, origin=100.0, width=2.0)
     by_name = {t.name: t for t in fig.data}
-    assert list(by_name["cached blocks"].y) == [2, 3, 1]
-    assert list(by_name["removed (evicted)"].y) == [0, 0, -2] and list(by_name["stored"].y) == [2, 1, 0]
-    assert [s.x0 for s in fig.layout.shapes] == [1, 1], "the message shown, in both panels"
+    assert list(by_name["stored (new)"].x) == [0.0, 2.0] and list(by_name["stored (new)"].y) == [3.0, 0.0]
+    assert list(by_name["evicted"].y) == [-1.0, -3.0], "summed over replicas, per second, downwards"
+    assert list(by_name["tokens computed (misses)"].y) == [96, 0]
+    assert fig.layout.dragmode == "select" and fig.layout.selectdirection == "h"
+    reasons = pd.DataFrame({"interval_start": [100.0, 102.0], "reason": ["cold", "evicted"], "lookups": [3, 1]})
+    names = [t.name for t in time_fig.activity(churn, 100.0, 2.0, reasons).data]
+    assert "miss: cold" in names and "miss: evicted" in names and "tokens computed (misses)" not in names
 
 
-def test_cache_timeline_draws_a_line_per_replica_and_sums_their_stores():
-    df = pd.DataFrame({"step": [0, 0, 1], "series": ["pod-a", "pod-b", "pod-b"], "cached_blocks": [2, 1, 4],
-                       "stored": [2, 1, 3], "removed": [0, 0, 0]})
-    by_name = {t.name: t for t in timeline.cache_timeline(df).data}
-    assert list(by_name["pod-a"].y) == [2] and list(by_name["pod-b"].y) == [1, 4]
-    assert list(by_name["stored"].x) == [0, 1] and list(by_name["stored"].y) == [3, 3]
+def test_capture_occupancy_stacks_a_series_each_and_durations_are_log_histograms():
+    from kvviz.figures import capture_time as time_fig
+
+    df = pd.DataFrame({"interval_start": [10.0, 11.0, 10.0, 11.0], "series": ["a", "a", "b", "b"],
+                       "cached": [1, 2, 3, 0]})
+    fig = time_fig.occupancy(df, origin=10.0, split="tenant")
+    assert [t.name for t in fig.data] == ["a", "b"] and all(t.stackgroup == "one" for t in fig.data)
+    assert list(fig.data[1].x) == [0.0, 1.0] and list(fig.data[1].y) == [3, 0]
+    d = pd.DataFrame({"measure": ["lifetime", "reuse gap"], "seconds": [1.0, 0.01], "count": [5, 2]})
+    fig = time_fig.durations(d)
+    assert [list(t.y) for t in fig.data] == [[5], [], [2]]
+    assert all(fig.layout[f"xaxis{i}"].type == "log" for i in ("", "2", "3"))
 
 
 # -- prefix tree ---------------------------------------------------------------------------------------------

@@ -297,23 +297,23 @@ def test_capture_cli_writes_a_dataset_and_reports_each_replica(tmp_path):
     assert got[0][0] == "pod-a" and got[0][1] >= 20 and len(got) == 1
 
 
-def test_cache_over_time_per_replica_in_buckets_keeps_each_replicas_last_count(tmp_path):
-    from kvviz.analysis import captures
+def test_occupancy_per_replica_in_intervals_ends_at_each_replicas_last_count(tmp_path):
+    from kvviz.analysis import capture_time, captures
 
     msgs = interleaved(full_mode_messages("pod-a", 30), full_mode_messages("pod-b", 30))
     store = RunStore.open(tmp_path / "k.duckdb")
     run = import_file(write_dataset(tmp_path / "ds", msgs).folder, store)
     with store.read() as con:
-        whole = captures.cache_over_time(con, run)
-        buckets = captures.cache_over_time(con, run, max_bars=6)
+        span = capture_time.span(con, run)
+        occupancy = capture_time.occupancy(con, run, span.start, span.end, 5.0, "replica")
+        last = dict(con.execute("SELECT replica, arg_max(cached_blocks, step) FROM kv_cache_blocks WHERE run_id = ? "
+                                "GROUP BY replica", [run]).fetchall())
         assert captures.replicas(con, run) == ["pod-a", "pod-b"]
         tree = captures.prefix_tree(con, run, replica="pod-b")
         assert captures.stored_blocks(con, run, "pod-b") == len(tree) < captures.stored_blocks(con, run)
-    assert set(buckets.step) <= set(range(0, 60, 10)) and buckets.step.nunique() == 6, "60 messages in 6 buckets"
+    assert occupancy.interval_start.nunique() == 6, "30 seconds in intervals of 5"
     for replica in ("pod-a", "pod-b"):
-        w, b = whole[whole.series == replica], buckets[buckets.series == replica]
-        assert b.cached_blocks.iloc[-1] == w.cached_blocks.iloc[-1]
-        assert b.stored.sum() == w.stored.sum() and b.removed.sum() == w.removed.sum()
+        assert occupancy[occupancy.series == replica].cached.iloc[-1] == last[replica] > 0
 
 
 def test_a_version_4_capture_is_upgraded_with_its_rows_on_replica_0(tmp_path):
@@ -422,7 +422,7 @@ def test_in_place_refuses_what_it_cannot_keep_reading(tmp_path, how, said):
 def test_occupancy_per_tier_and_kv_group_and_one_groups_tree(tmp_path):
     """A block offloaded from GPU to CPU moves tier (stored on CPU, removed from GPU); the same hash in two KV
     groups is two blocks; a clear empties every tier and group of its replica. Counts worked out by hand."""
-    from kvviz.analysis import captures
+    from kvviz.analysis import capture_time, captures
 
     def store(h, medium="GPU", group=None):
         ev = stored_map([h], None, [h, h]) | {"medium": medium}
@@ -443,14 +443,15 @@ def test_occupancy_per_tier_and_kv_group_and_one_groups_tree(tmp_path):
     with store_.read() as con:
         got = con.execute("SELECT step, medium, group_idx, cached_blocks FROM kv_cache_occupancy WHERE run_id = ? "
                           "ORDER BY step, medium, group_idx", [run]).fetchall()
-        over_time = captures.cache_over_time(con, run)
+        tiers = capture_time.occupancy(con, run, 0.0, 4.0, 1.0, "tier")
         assert captures.groups(con, run) == [0, 1]
         tree = captures.prefix_tree(con, run, group=1)
         media = dict(zip(captures.prefix_tree(con, run, group=0).block_hash, captures.prefix_tree(
             con, run, group=0).media, strict=True))
     assert got == [(0, "GPU", 0, 2), (0, "GPU", 1, 1), (1, "CPU", 0, 1), (1, "GPU", 0, 1), (2, "GPU", 1, 2),
                    (3, "CPU", 0, 0), (3, "GPU", 0, 0), (3, "GPU", 1, 0), (4, "GPU", 0, 1)]
-    assert set(over_time.series) == {"pod-a CPU group 0", "pod-a GPU group 0", "pod-a GPU group 1"}
+    tiers = tiers.pivot(index="interval_start", columns="series", values="cached")
+    assert list(tiers.GPU) == [3, 2, 3, 0, 1] and list(tiers.CPU) == [0, 1, 1, 0, 0], "an offload moves a block"
     assert sorted(tree.block_hash) == [1, 3], "group 1's own tree"
     assert media[2] == "CPU, GPU" and media[1] == "GPU"
 

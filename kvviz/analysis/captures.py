@@ -1,12 +1,10 @@
-"""An imported vLLM/SGLang KV-event capture: the prefix tree and the cache over time, per replica
+"""An imported vLLM/SGLang KV-event capture: its replicas, KV groups and prefix tree, per replica
 (the same hash on two replicas is two blocks)."""
 
 from __future__ import annotations
 
 import duckdb
 import pandas as pd
-
-MAX_BARS = 1500  # messages per chart before they are summed into buckets: a browser draws 1,500 bars fast
 
 
 def replicas(con: duckdb.DuckDBPyConnection, run_id: str) -> list[str]:
@@ -71,24 +69,3 @@ def stored_blocks(con: duckdb.DuckDBPyConnection, run_id: str, replica: str | No
                        "($replica IS NULL OR coalesce(replica, 'replica-0') = $replica) AND "
                        "($until IS NULL OR step <= $until) AND ($group IS NULL OR group_idx = $group)",
                        {"run": run_id, "replica": replica, "until": until, "group": group}).fetchone()[0]
-
-
-def cache_over_time(con: duckdb.DuckDBPyConnection, run_id: str, max_bars: int = MAX_BARS) -> pd.DataFrame:
-    """step, series, cached_blocks (that series' count after the message), stored, removed: a series
-    per replica, split by tier (medium) and KV group where the capture has more than one. Past
-    `max_bars` messages, messages are summed into equal buckets: step is a bucket's first message,
-    cached_blocks its last count, stored and removed its sums."""
-    last = con.execute("SELECT max(step) FROM kv_cache_occupancy WHERE run_id = ?", [run_id]).fetchone()[0]
-    width = max(1, -(-((last or 0) + 1) // max_bars))
-    df = con.execute(
-        "SELECT $width * (step // $width) AS step, replica, medium, group_idx, "
-        "arg_max(cached_blocks, step) AS cached_blocks, sum(stored) AS stored, sum(removed) AS removed "
-        "FROM kv_cache_occupancy WHERE run_id = $run GROUP BY ALL ORDER BY step, replica, medium, group_idx",
-        {"run": run_id, "width": width}).df()
-    media, groups = df.medium.nunique(dropna=False) > 1, df.group_idx.nunique(dropna=False) > 1
-    series = df.replica.astype(str)
-    if media:
-        series += " " + df.medium.fillna("(no medium)").astype(str)
-    if groups:
-        series += " group " + df.group_idx.astype("Int64").astype(str).replace("<NA>", "-")
-    return df.assign(series=series)[["step", "series", "cached_blocks", "stored", "removed"]]

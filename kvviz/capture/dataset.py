@@ -24,11 +24,12 @@ import pyarrow.parquet as pq
 from ..errors import CaptureError
 from .capture_file import Message
 from .events import Batch
-from .rows import ROW_SCHEMA, EventRows
+from .rows import LIFE_FIELDS, ROW_SCHEMA, EventRows
 
 FILE_SCHEMA = ROW_SCHEMA.remove(ROW_SCHEMA.get_field_index("replica"))
 MANIFEST = "_kvviz_capture.json"
-FORMAT, VERSION = "kvviz-capture-dataset", 1
+FORMAT, VERSION = "kvviz-capture-dataset", 2
+LATER = {name: typ for name, typ in LIFE_FIELDS}  # columns version 2 added: a version 1 part reads them as null
 NAME = re.compile(r"[A-Za-z][A-Za-z0-9._-]{0,63}")  # a replica name: a path part every engine reads as text
 
 
@@ -133,7 +134,7 @@ def check_files(files: list[Path]) -> None:
             schema = pq.read_schema(f)
         except (pa.ArrowInvalid, OSError) as e:
             raise CaptureError(f"{f}: not a readable Parquet file ({str(e).splitlines()[0]})") from None
-        missing = [n for n in FILE_SCHEMA.names if n not in schema.names]
+        missing = [n for n in FILE_SCHEMA.names if n not in schema.names and n not in LATER]
         wrong = [n for n in FILE_SCHEMA.names if n in schema.names
                  and not schema.field(n).type.equals(FILE_SCHEMA.field(n).type)]
         if missing or wrong:

@@ -31,7 +31,7 @@ from ..store import RunStore
 from ..store.run_store import TURN_S, WriterTurns
 from ..store.schema import DATASET_COLUMNS
 from .capture_file import DEFAULT_REPLICA, Message, read_capture
-from .dataset import MANIFEST, check_files, dataset_files
+from .dataset import LATER, MANIFEST, check_files, dataset_files
 from .events import CaptureError, decode_batch
 from .rows import EventRows
 
@@ -83,6 +83,9 @@ def import_dataset(path: str | Path, store: RunStore, progress: Progress | None 
         for f in _each(files, progress):
             replica = f.parent.name.partition("=")[2] if all(hive) else DEFAULT_REPLICA
             for table in _batches(f):
+                for name, typ in LATER.items():
+                    if name not in table.column_names:
+                        table = table.append_column(name, pa.nulls(table.num_rows, typ))
                 dense = pa.array(np.searchsorted(steps, table.column("step").to_numpy()))
                 yield (table.set_column(table.schema.get_field_index("step"), "step", dense)
                        .append_column("replica", pa.array([replica] * table.num_rows, pa.string())))

@@ -1,8 +1,8 @@
 """Captured messages as block-event rows in Arrow columns: one row per block of every event (one row
 for an event without blocks, and one for a batch without events, so every message keeps a row).
 
-Rows are built in three levels so Python touches each message and event once and each block only
-in list operations: message fields (step, replica, seq, ts, payload ...) and event fields (kind,
+Rows are built in three levels so Python touches each message and event once and each block in a
+short loop: message fields (step, replica, seq, ts, payload ...) and event fields (kind,
 medium, group ...) are kept once and spread over their rows by Arrow `take`; tokens stay one flat
 list until they become a list column. The same builder feeds the import (into DuckDB) and the
 capture dataset (into Parquet), so both hold the same rows.
@@ -12,7 +12,10 @@ medium: a BlockStored of a hash already cached (with kv_cache_report_mode="full"
 reused blocks: a hit, not a second block), or a BlockRemoved of a hash not cached (removed before,
 or cached before the capture began). `salt` is the tenant of the block: vLLM names the salt among
 the extra keys of a chain's first block only, so the blocks after it, in the same event or in a
-later one continuing a cached chain, carry the salt of the block they follow.
+later one continuing a cached chain, carry the salt of the block they follow; a removal, and a hit
+that names none, carry the salt of the cached block. Each life is measured on the publisher's clock (ts) as it ends or is
+used: a removal's `lifetime_s` (since the store that cached it) and `idle_s` (since its last use),
+a hit's `reuse_gap_s` (since the block's previous use), so the distributions are plain scans.
 """
 
 from __future__ import annotations
@@ -37,8 +40,9 @@ EVENT_FIELDS = (("event_index", pa.int32()), ("kind", pa.string()), ("block_size
                 ("locality", pa.string()), ("session_id", pa.string()), ("lookahead_token_ids", INT_LIST))
 BLOCK_FIELDS = (("block_index", pa.int32()), ("block_hash", pa.uint64()), ("parent_hash", pa.uint64()),
                 ("salt", pa.string()), ("repeat", pa.bool_()))
+LIFE_FIELDS = (("lifetime_s", pa.float64()), ("idle_s", pa.float64()), ("reuse_gap_s", pa.float64()))
 ROW_SCHEMA = pa.schema([*MESSAGE_FIELDS, *EVENT_FIELDS[:2], *BLOCK_FIELDS, ("token_ids", INT_LIST),
-                        *EVENT_FIELDS[2:]])
+                        *EVENT_FIELDS[2:], *LIFE_FIELDS])
 
 
 _GONE = object()
@@ -77,7 +81,7 @@ class EventRows:
     The cache state that decides repeats lives across takes."""
 
     def __init__(self) -> None:
-        self._live: dict[tuple, dict[int, str | None]] = {}  # (replica, group, medium) -> hash -> salt
+        self._live: dict[tuple, dict[int, list]] = {}  # (replica, group, medium) -> hash -> [salt, cached, used]
         self._restart: dict[str, int] = {}
         self._clear()
 
@@ -88,10 +92,13 @@ class EventRows:
         self._event_index: list[int] = []
         self._event_msg: list[int] = []  # the message of each event
         self._event_rows: list[int] = []  # the rows of each event
-        self._hashes: list[int | None] = []  # one per row (so are repeats)
+        self._hashes: list[int | None] = []  # one per row (so are the four after it)
         self._repeats: list[bool | None] = []
-        self._parents: list[int | None] = []  # one per BlockStored row (so are salts)
         self._salts: list[str | None] = []
+        self._lifetimes: list[float | None] = []  # removals
+        self._idles: list[float | None] = []
+        self._gaps: list[float | None] = []  # hits
+        self._parents: list[int | None] = []  # one per BlockStored row
         self._tokens: list = []
         self.rows = 0
 
@@ -119,13 +126,15 @@ class EventRows:
             self._event_msg.append(m)
             event_rows.append(1)
             hashes_out.append(None)
-            self._repeats.append(None)
+            for column in (self._repeats, self._salts, self._lifetimes, self._idles, self._gaps):
+                column.append(None)
             self.rows += 1
             return
         self._events.extend(map(_event_fields, events))
         self._event_index.extend(range(len(events)))
         self._event_msg.extend(repeat(m, len(events)))
-        repeats, key, live = self._repeats, None, None
+        repeats, salts, lifetimes, idles, gaps = self._repeats, self._salts, self._lifetimes, self._idles, self._gaps
+        key, live, ts = None, None, batch.ts
         for e in events:
             hashes, kind = e.block_hashes, e.kind
             n = len(hashes) or 1
@@ -133,7 +142,8 @@ class EventRows:
             self.rows += n
             if not hashes:
                 hashes_out.append(None)
-                repeats.append(None)
+                for column in (repeats, salts, lifetimes, idles, gaps):
+                    column.append(None)
                 if kind == "AllBlocksCleared":
                     self.forget(replica)
                     key = None
@@ -143,20 +153,42 @@ class EventRows:
                 key = (replica, e.group_idx, e.medium)
                 live = self._live.setdefault(key, {})
             if kind == "BlockRemoved":
-                if n == 1:
-                    repeats.append(live.pop(hashes[0], _GONE) is _GONE)
-                else:
-                    repeats.extend([live.pop(h, _GONE) is _GONE for h in hashes])
+                for h in hashes:
+                    life = live.pop(h, None)
+                    if life is None:  # not cached: removed before, or cached before the capture began
+                        repeats.append(True)
+                        salts.append(None)
+                        lifetimes.append(None)
+                        idles.append(None)
+                    else:
+                        repeats.append(False)
+                        salts.append(life[0])
+                        lifetimes.append(ts - life[1])
+                        idles.append(ts - life[2])
+                gaps.extend(repeat(None, n))
             elif kind == "BlockStored":
                 self._parents.append(e.parent_hash)
                 self._parents.extend(hashes[:-1])
-                salts = _salts(e.salts, n, live.get(e.parent_hash))
-                self._salts.extend(salts)
-                repeats.extend([h in live for h in hashes])
-                live.update(zip(hashes, salts, strict=True))
+                parent = live.get(e.parent_hash)
+                named = _salts(e.salts, n, None if parent is None else parent[0])
+                for h, salt in zip(hashes, named, strict=True):
+                    life = live.get(h)
+                    if life is None:
+                        live[h] = [salt, ts, ts]  # its tenant, when it was cached, when it was last used
+                        repeats.append(False)
+                        gaps.append(None)
+                        salts.append(salt)
+                    else:  # a hit, reported again (kv_cache_report_mode=full): the hash holds the salt, so
+                        repeats.append(True)  # one naming none is the cached block's tenant
+                        gaps.append(ts - life[2])
+                        life[2] = ts
+                        salts.append(life[0] if salt is None else salt)
+                lifetimes.extend(repeat(None, n))
+                idles.extend(repeat(None, n))
                 self._tokens.extend(e.token_ids)
             else:
-                repeats.extend([None] * n)
+                for column in (repeats, salts, lifetimes, idles, gaps):
+                    column.extend(repeat(None, n))
 
     def take(self) -> pa.Table:
         """The rows added since the last take, as a table of ROW_SCHEMA. A token that is not a 32-bit
@@ -186,9 +218,11 @@ class EventRows:
                                        mask=no_hash)
         stored_np = stored.to_numpy(zero_copy_only=False)
         nth_stored = pa.array(np.cumsum(stored_np) - 1, mask=~stored_np)  # the row's place among stored rows
-        for name, typ, values in (("parent_hash", pa.uint64(), self._parents), ("salt", pa.string(), self._salts)):
-            cols[name] = pa.array(values, type=typ).take(nth_stored)
-        cols["repeat"] = pa.array(self._repeats, type=pa.bool_())
+        cols["parent_hash"] = pa.array(self._parents, type=pa.uint64()).take(nth_stored)
+        for name, typ, values in (("salt", pa.string(), self._salts), ("repeat", pa.bool_(), self._repeats),
+                                  ("lifetime_s", pa.float64(), self._lifetimes), ("idle_s", pa.float64(), self._idles),
+                                  ("reuse_gap_s", pa.float64(), self._gaps)):
+            cols[name] = pa.array(values, type=typ)
         cols["token_ids"] = self._token_column(stored, cols["block_size"], event_cols)
         table = pa.table({name: cols[name] for name in ROW_SCHEMA.names}, schema=ROW_SCHEMA)
         self._clear()

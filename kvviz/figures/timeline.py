@@ -35,29 +35,6 @@ def leak_timeline(df: pd.DataFrame, current: int | None = None) -> go.Figure:
     return fig
 
 
-def cache_timeline(df: pd.DataFrame, current: int | None = None) -> go.Figure:
-    """df: step, series, cached_blocks, stored, removed (a KV-event capture; a series per replica,
-    tier or KV group): blocks cached in each series above, blocks stored and removed over all below;
-    a dotted line at the message shown."""
-    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08, row_heights=[0.6, 0.4],
-                        subplot_titles=("cached blocks", "stored (up) and removed (down)"))
-    several = df.series.nunique() > 1
-    colours = request_colours(df.series) if several else {r: "#4c78a8" for r in df.series.unique()}
-    for name, part in df.groupby("series", sort=True):
-        fig.add_trace(go.Scatter(x=part.step, y=part.cached_blocks, name=name if several else "cached blocks",
-                                 line={"color": colours[name], "shape": "hv"}), row=1, col=1)
-    total = df.groupby("step", as_index=False)[["stored", "removed"]].sum()
-    fig.add_trace(go.Bar(x=total.step, y=total.stored, name="stored", marker_color="#54a24b"), row=2, col=1)
-    fig.add_trace(go.Bar(x=total.step, y=-total.removed, name="removed (evicted)", marker_color="#e45756"),
-                  row=2, col=1)
-    if current is not None:
-        fig.add_vline(x=current, line={"dash": "dot", "color": "#888"})
-    fig.update_layout(height=380, barmode="relative", margin={"l": 10, "r": 10, "t": 40, "b": 10},
-                      legend={"orientation": "h"})
-    fig.update_xaxes(title="message", row=2, col=1)
-    return fig
-
-
 def entropy_by_position(df: pd.DataFrame) -> go.Figure:
     """df: request_id, position, entropy, leak_rate. Positional entropy above, leak rate below, one
     line per request: the seed expects entropy to rise with position while the leak rate stays 0."""

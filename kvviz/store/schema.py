@@ -3,8 +3,9 @@ build, and the kvviz trace's tables all come from here, so the public trace form
 the database.
 
 Version 2 added token_text, version 3 the positional_entropy view, version 4 steps.live_slots, the
-kv_slot_utilisation view, the timing audits, cache_lookups and the cache detail of block_events; older
-files are upgraded in place by the idempotent DDL.
+kv_slot_utilisation view, the timing audits, cache_lookups and the cache detail of block_events, version
+5 replicas, tiers and KV groups of captures (and datasets registered in place), version 6 each capture
+block's lifetime, idle time and reuse gap; older files are upgraded in place by the idempotent DDL.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from pathlib import Path
 
 import pyarrow as pa
 
-SCHEMA_VERSION = "5"
-UPGRADABLE = {"1", "2", "3", "4"}  # versions whose files the idempotent DDL brings up to date
+SCHEMA_VERSION = "6"
+UPGRADABLE = {"1", "2", "3", "4", "5"}  # versions whose files the idempotent DDL brings up to date
 
 _ARROW = {"VARCHAR": pa.string(), "JSON": pa.string(), "TIMESTAMP": pa.timestamp("us"), "BIGINT": pa.int64(),
           "INTEGER": pa.int32(), "DOUBLE": pa.float64(), "FLOAT": pa.float32(), "BOOLEAN": pa.bool_(),
@@ -153,7 +154,12 @@ TABLES: dict[str, Table] = {t.name: t for t in (
                      added_in="5"),
               Column("repeat", "BOOLEAN", "changes nothing in the cache as tracked on this replica, group and medium: "
                      "a BlockStored of a cached hash (a hit reported by kv_cache_report_mode=full) or a BlockRemoved "
-                     "of one not cached", added_in="5")), in_trace=False),
+                     "of one not cached", added_in="5"),
+              Column("lifetime_s", "DOUBLE", "a removal's: seconds (publisher clock) since the store that cached the "
+                     "block", added_in="6"),
+              Column("idle_s", "DOUBLE", "a removal's: seconds since the block was last stored or hit", added_in="6"),
+              Column("reuse_gap_s", "DOUBLE", "a hit's (a repeated store): seconds since the block's previous store "
+                     "or hit", added_in="6")), in_trace=False),
     Table("capture_sources", "Capture datasets registered in place (import --in-place): the view kv_events reads "
           "their Parquet files where they lie.", _cols(RUN_ID + "path VARCHAR, files INTEGER"), in_trace=False),
     Table("findings", "What the oracles found.", _cols(
@@ -354,10 +360,11 @@ def refresh_capture_view(con) -> None:
             con.execute("UPDATE runs SET status = 'failed', error = ? WHERE run_id = ?",
                         [f"its capture dataset is no longer at {path} (import it again)", run])
             con.execute("DELETE FROM capture_sources WHERE run_id = ?", [run])
-    cols = ", ".join(DATASET_COLUMNS)
+    cols = ", ".join(_quote(c) for c in DATASET_COLUMNS)  # those a dataset has: an older one's missing ones are null
     parts = ["SELECT * FROM kv_event_rows"] + [
-        f"SELECT {_quote(run)} AS run_id, {cols} FROM read_parquet({_quote(str(Path(path) / 'replica=*/*.parquet'))},"
-        " hive_partitioning = true, hive_types = {'replica': VARCHAR}) WHERE kind IS NOT NULL"
+        f"SELECT {_quote(run)} AS run_id, COLUMNS(lambda c: list_contains([{cols}], c)) FROM read_parquet("
+        f"{_quote(str(Path(path) / 'replica=*/*.parquet'))}, hive_partitioning = true, "
+        "hive_types = {'replica': VARCHAR}, union_by_name = true) WHERE kind IS NOT NULL"
         for run, path in sources if Path(path).is_dir()]
     con.execute("CREATE OR REPLACE VIEW kv_events AS " + "\nUNION ALL BY NAME\n".join(parts))
 

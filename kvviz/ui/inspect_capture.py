@@ -1,61 +1,218 @@
-"""Inspector views of an imported vLLM/SGLang KV-event capture: it holds block hashes, tokens and
-salts, but no physical block ids and no attention, so it has no block map and no heatmap."""
+"""Inspector views of an imported vLLM/SGLang KV-event capture, on its time axis: a time range (a
+slider, or drag across the activity chart) and what happened in it, aggregated so a capture of
+millions of events draws hundreds of points. A capture holds block hashes, tokens and salts, but no
+physical block ids and no attention, so it has no block map and no heatmap."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
+import pandas as pd
 import streamlit as st
 
-from ..analysis import captures, leaks
+from ..analysis import capture_time, captures, leaks
+from ..analysis.explain import explain_run
 from ..analysis.runs import RunInfo
+from ..figures import capture_time as time_fig
 from ..figures import captures as tree_fig
-from ..figures import timeline
+from .common import reader
+
+VIEWS = ("Activity", "Occupancy", "Lifetimes", "Shared prefixes", "Prefix tree", "Findings")
+EXPLAIN_MAX_EVENTS = 1_000_000  # explaining the misses takes ~13 s per million events: past this, the CLI
 
 
-def render(con, info: RunInfo, view: str, step: int) -> None:
-    st.info("This run is an imported KV-event capture: it shows the prefix tree, the cache over time and "
-            "evictions. The events carry no physical block ids and no attention weights, so the block map and "
-            "the heatmaps are not available for it.", icon=":material/info:")
-    names = captures.replicas(con, info.run_id)
-    if not names:
+def render(info: RunInfo) -> None:
+    st.info("This run is an imported KV-event capture. The events carry no physical block ids and no attention "
+            "weights, so the block map and the heatmaps are not available for it.", icon=":material/info:")
+    with reader() as con:
+        names = captures.replicas(con, info.run_id)
+        span = capture_time.span(con, info.run_id) if names else None
+    if span is None:
         st.info("None of this capture's events can be read: it stored nothing, or (see above) its dataset is "
                 "no longer where it was registered.", icon=":material/info:")
         return
-    if view == "Prefix tree":
-        replica, group = None, None
-        if len(names) > 1:  # the same hash on two replicas is two blocks: one replica's tree at a time
-            replica = st.selectbox(f"Replica ({len(names)} in this capture)", names, key="insp_replica")
-        kv_groups = captures.groups(con, info.run_id, replica)
-        if len(kv_groups) > 1:  # and in two KV groups of a hybrid model
-            group = st.selectbox(f"KV group ({len(kv_groups)} here)", kv_groups, key="insp_group")
-        nodes = captures.prefix_tree(con, info.run_id, replica=replica, group=group)
-        if nodes.empty:
-            st.info("The capture stored no blocks.")
-            return
-        nodes = nodes[nodes.stored_step <= step]
-        nodes = nodes.assign(removed_step=nodes.removed_step.where(nodes.removed_step <= step))  # not yet removed
-        st.plotly_chart(tree_fig.prefix_tree(nodes), width="stretch", key="insp_tree")
-        total = captures.stored_blocks(con, info.run_id, replica, step, group)
-        shown = f"{len(nodes):,} blocks" if total == len(nodes) else f"the first {len(nodes):,} of {total:,} blocks"
-        st.caption(f"{shown} stored up to message {step}" + (f" on {replica}" if replica else "") +
-                   (f", KV group {group}" if group is not None else "") +
-                   "; hollow: removed (evicted) by then. Colour: cache salt (tenant).")
-    elif view == "Cache over time":
-        cache = captures.cache_over_time(con, info.run_id)
-        st.plotly_chart(timeline.cache_timeline(cache, current=step), width="stretch", key="insp_cache")
-        width = int(cache.step.drop_duplicates().diff().max()) if cache.step.nunique() > 1 else 1
-        lines = cache.series.nunique()
-        st.caption((f"{lines} lines: each replica" + (", tier and KV group" if lines > len(names) else "") +
-                    " on its own. " if lines > 1 else "") +
-                   (f"Each bar sums {width:,} messages. " if width > 1 else "") +
-                   "A store of a block already cached (a hit) and a removal of one not cached change nothing.")
-    else:
-        found = leaks.findings(con, info.run_id)
-        if found.empty:
-            st.info("No block hash was stored under two salts. A capture shows only the blocks a server "
-                    "stored: one tenant reusing another's cached blocks stores nothing (unless the server "
-                    "reports hits, kv_cache_report_mode=\"full\"), so this is not proof of isolation; "
-                    "`python -m kvviz audit-timing` tests a server from outside.", icon=":material/info:")
+    a, b = _time_range(info.run_id, span)
+    if st.session_state.get("insp_view") not in VIEWS:
+        st.session_state["insp_view"] = VIEWS[0]
+    view = st.segmented_control("View", VIEWS, key="insp_view", label_visibility="collapsed") or VIEWS[0]
+    with reader() as con:
+        if view == "Activity":
+            _activity(con, info, span, a, b)
+        elif view == "Occupancy":
+            _occupancy(con, info, span, a, b)
+        elif view == "Lifetimes":
+            _lifetimes(con, info, a, b)
+        elif view == "Shared prefixes":
+            _shared(con, info, span, a, b)
+        elif view == "Prefix tree":
+            _tree(con, info, names, b)
         else:
-            st.caption("cross_tenant: one block hash stored under two salts on one replica (request_id: the salt; "
-                       "source_request: the salt that stored it first).")
-            st.dataframe(found, hide_index=True, width="stretch")
+            _findings(con, info)
+
+
+def _time_range(run_id: str, span: capture_time.Span) -> tuple[float, float]:
+    """The range chosen (publisher clock), from the slider or a drag across the activity chart."""
+    length = float(max(span.end - span.start, 0.001))
+    if st.session_state.get("insp_range_for") != run_id or "insp_range" not in st.session_state:
+        st.session_state.update(insp_range_for=run_id, insp_range=(0.0, length), insp_brushed=None)
+    pending = st.session_state.pop("insp_range_pending", None)
+    if pending is not None:  # a drag across the chart, applied before the slider is drawn
+        st.session_state["insp_range"] = pending
+    left, right = st.columns([6, 1])
+    step = float(capture_time.interval_s(0.0, length, 1000))
+    left.slider("Time range: seconds since the capture began", 0.0, length, key="insp_range", step=step,
+                format="%.3f" if length < 10 else "%.1f")
+    right.button("Whole capture", key="insp_range_all", icon=":material/zoom_out_map:",
+                 on_click=lambda: st.session_state.update(insp_range=(0.0, length)))
+    lo, hi = st.session_state["insp_range"]
+    a, b = span.start + lo, span.start + hi
+    st.caption(f"{_clock(a)} to {_clock(b)} UTC on the publishers' clocks ({hi - lo:,.3g} s of {length:,.3g} s).")
+    return a, b
+
+
+def _clock(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+
+
+def _activity(con, info: RunInfo, span: capture_time.Span, a: float, b: float) -> None:
+    width = capture_time.interval_s(a, b)
+    churn = capture_time.churn(con, info.run_id, a, b, width)
+    if churn.empty:
+        st.info("No block was stored or removed in this range.")
+        return
+    total = churn.sum(numeric_only=True)
+    c = st.columns(4)
+    c[0].metric("new blocks", f"{int(total.stored):,}")
+    c[1].metric("hits", f"{int(total.hits):,}", help="stores of a block already cached: vLLM reports them with "
+                "kv_cache_report_mode=\"full\" (otherwise a capture sees no hits)")
+    tokens = total.hit_tokens + total.miss_tokens
+    c[2].metric("hit rate (tokens)", f"{total.hit_tokens / tokens:.0%}" if tokens else "-")
+    c[3].metric("evicted", f"{int(total.evicted):,}")
+    reasons = _reasons(con, info, width) if _explain_wanted(con, info) else None
+    event = st.plotly_chart(time_fig.activity(churn, span.start, width, reasons), width="stretch",
+                            key="insp_activity", on_select="rerun", selection_mode="box")
+    st.caption(f"Each bar is {width:g} s" + (f", summed over {churn.replica.nunique()} replicas" if
+                                             churn.replica.nunique() > 1 else "") +
+               ". Drag across the chart to look at that time range.")
+    boxes = (event or {}).get("selection", {}).get("box", []) if event else []
+    if boxes and boxes[0].get("x"):
+        x0, x1 = sorted(float(x) for x in boxes[0]["x"][:2])
+        lo, hi = max(0.0, x0), min(span.end - span.start, x1)
+        if hi > lo and st.session_state.get("insp_brushed") != (x0, x1):
+            st.session_state.update(insp_brushed=(x0, x1), insp_range_pending=(lo, hi))
+            st.rerun()
+
+
+def _explain_wanted(con, info: RunInfo) -> bool:
+    events = con.execute("SELECT count(*) FROM kv_events WHERE run_id = ?", [info.run_id]).fetchone()[0]
+    small = events <= EXPLAIN_MAX_EVENTS
+    return st.toggle("Explain the misses (why each lookup stopped)", key="insp_explain", disabled=not small,
+                     help="Replays the capture's cache to say, for each stored chain, why it was not served from "
+                     "the cache: cold, evicted, namespace (cached under another salt), diverged, partial block. "
+                     "About 13 s per million events, once per capture." if small else
+                     f"This capture has {events:,} events: explain it from the command line, "
+                     f"`python -m kvviz explain {info.run_id} --json`.")
+
+
+def _reasons(con, info: RunInfo, width: float) -> pd.DataFrame:
+    """Misses (lookups) per interval and reason; explained once per capture and session."""
+    cached = st.session_state.get("insp_explained")
+    if not cached or cached[0] != info.run_id:
+        with st.spinner("Replaying the capture's cache to explain each miss..."):
+            found = explain_run(con, info.run_id)
+        when = dict(con.execute("SELECT step, min(ts) FROM kv_events WHERE run_id = ? GROUP BY step",
+                                [info.run_id]).fetchall())
+        cached = (info.run_id, pd.DataFrame({"ts": [when.get(e.step) for e in found],
+                                             "reason": [e.reason for e in found]}))
+        st.session_state["insp_explained"] = cached
+    df = cached[1].dropna()
+    df = df.assign(interval_start=(df.ts // width) * width)
+    return df.groupby(["interval_start", "reason"], as_index=False).size().rename(columns={"size": "lookups"})
+
+
+def _occupancy(con, info: RunInfo, span: capture_time.Span, a: float, b: float) -> None:
+    split = st.radio("Split by", list(capture_time.SPLITS), horizontal=True, key="insp_split",
+                     format_func={"replica": "replica", "tier": "tier (medium)", "tenant": "tenant (cache salt)"}.get)
+    if split == "tenant" and not capture_time.measured(con, info.run_id):
+        st.warning("This capture was imported before kvviz kept the tenant of each removed block: import it again "
+                   "to split its occupancy by tenant.", icon=":material/history:")
+        return
+    width = capture_time.interval_s(a, b)
+    df = capture_time.occupancy(con, info.run_id, a, b, width, split)
+    st.plotly_chart(time_fig.occupancy(df, span.start, split), width="stretch", key="insp_occupancy")
+    st.caption(f"Blocks cached at the end of each {width:g} s, stacked. A store of a block already cached (a hit) "
+               "and a removal of one not cached change nothing; a replica's AllBlocksCleared or restart empties it; "
+               "a block moved to another tier counts on the new one.")
+
+
+def _lifetimes(con, info: RunInfo, a: float, b: float) -> None:
+    if not capture_time.measured(con, info.run_id):
+        st.warning("This capture was imported before kvviz measured lifetimes: import it again to see them.",
+                   icon=":material/history:")
+        return
+    df = capture_time.distributions(con, info.run_id, a, b)
+    if df.empty:
+        st.info("No block was evicted or hit in this range, so there is nothing to measure.")
+        return
+    st.plotly_chart(time_fig.durations(df), width="stretch", key="insp_durations")
+    st.caption("Lifetime: from the store that cached a block to its eviction; idle: from its last use to its "
+               "eviction (short idle times under pressure mean thrashing); reuse gap: from a use to the next hit "
+               "(only with kv_cache_report_mode=\"full\"). Evictions and hits in the range, on the publishers' "
+               "clocks; bins are tenths of a decade.")
+
+
+def _shared(con, info: RunInfo, span: capture_time.Span, a: float, b: float) -> None:
+    top = capture_time.shared_prefixes(con, info.run_id, a, b)
+    if top.empty:
+        st.info("No block was stored more than once in this range: nothing was reused (or the server does not "
+                "report hits: kv_cache_report_mode=\"full\").")
+        return
+    table = top.assign(block_hash=top.block_hash.map("{:016x}".format), first_ts=top.first_ts - span.start).rename(
+        columns={"first_ts": "first seen (s)", "group_idx": "KV group"})
+    st.caption("The blocks most reused in the range (hits first). Tenants counts the salts that stored or hit "
+               "it: more than one is reuse across tenants. Pick a row for its chain and tokens.")
+    picked = st.dataframe(table, hide_index=True, width="stretch", key="insp_shared", on_select="rerun",
+                          selection_mode="single-row")
+    rows = picked.selection.rows if picked else []
+    if rows:
+        row = top.iloc[rows[0]]
+        group = None if pd.isna(row.group_idx) else int(row.group_idx)
+        chain = capture_time.chain(con, info.run_id, row.replica, int(row.block_hash), group)
+        st.caption(f"Its chain on {row.replica}, root first ({len(chain)} blocks):")
+        st.dataframe(chain.assign(block_hash=chain.block_hash.map("{:016x}".format)), hide_index=True,
+                     width="stretch", key="insp_chain")
+
+
+def _tree(con, info: RunInfo, names: list[str], end: float) -> None:
+    step = capture_time.last_step(con, info.run_id, end)
+    replica, group = None, None
+    if len(names) > 1:  # the same hash on two replicas is two blocks: one replica's tree at a time
+        replica = st.selectbox(f"Replica ({len(names)} in this capture)", names, key="insp_replica")
+    kv_groups = captures.groups(con, info.run_id, replica)
+    if len(kv_groups) > 1:  # and in two KV groups of a hybrid model
+        group = st.selectbox(f"KV group ({len(kv_groups)} here)", kv_groups, key="insp_group")
+    nodes = captures.prefix_tree(con, info.run_id, replica=replica, group=group)
+    if nodes.empty:
+        st.info("The capture stored no blocks.")
+        return
+    nodes = nodes[nodes.stored_step <= step]
+    nodes = nodes.assign(removed_step=nodes.removed_step.where(nodes.removed_step <= step))  # not yet removed
+    st.plotly_chart(tree_fig.prefix_tree(nodes), width="stretch", key="insp_tree")
+    total = captures.stored_blocks(con, info.run_id, replica, step, group)
+    shown = f"{len(nodes):,} blocks" if total == len(nodes) else f"the first {len(nodes):,} of {total:,} blocks"
+    st.caption(f"{shown} stored by the end of the range (message {step})" + (f" on {replica}" if replica else "") +
+               (f", KV group {group}" if group is not None else "") +
+               "; hollow: removed (evicted) by then. Colour: cache salt (tenant).")
+
+
+def _findings(con, info: RunInfo) -> None:
+    found = leaks.findings(con, info.run_id)
+    if found.empty:
+        st.info("No block hash was stored under two salts. A capture shows only the blocks a server "
+                "stored: one tenant reusing another's cached blocks stores nothing (unless the server "
+                "reports hits, kv_cache_report_mode=\"full\"), so this is not proof of isolation; "
+                "`python -m kvviz audit-timing` tests a server from outside.", icon=":material/info:")
+    else:
+        st.caption("cross_tenant: one block hash stored under two salts on one replica (request_id: the salt; "
+                   "source_request: the salt that stored it first).")
+        st.dataframe(found, hide_index=True, width="stretch")

@@ -1,5 +1,5 @@
 """The inspector: one run at one step, as a block map, attention, leaks, its prefix cache and
-requests (or, for an imported KV-event capture, its prefix tree and cache over time)."""
+requests (or, for an imported KV-event capture, a time range and its cache's activity in it)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from . import inspect_attention, inspect_blocks, inspect_cache, inspect_capture,
 from .common import reader, runs_or_hint
 
 ENGINE_VIEWS = ("Blocks", "Attention", "Leaks", "Cache", "Requests")
-CAPTURE_VIEWS = ("Prefix tree", "Cache over time", "Findings")
 TICK_S = 0.8  # play: seconds per step
 FOLLOW_S = 2.0  # a run being recorded: seconds between looks for new steps
 MANY_STEPS = 2000  # past this, the step slider is a plain range: a list of every step would go to the browser
@@ -35,6 +34,9 @@ def render() -> None:
     if not info.steps:
         st.warning("This run has no recorded steps (yet): it failed before its first step, or it is still "
                    "recording its first steps.", icon=":material/hourglass_empty:")
+        return
+    if info.has_kv_events:  # a capture: a time range, not steps to play
+        inspect_capture.render(info)
         return
     playing = st.session_state.get("insp_playing", False)
     st.fragment(run_every=TICK_S if playing else None)(_step_views)(info, playing)
@@ -62,7 +64,7 @@ def _choose_run(listing) -> str:
 def _reset(con, info: RunInfo) -> None:
     """A run just opened: start at its first leak, or where the pool was fullest."""
     top = leaks.findings(con, info.run_id, limit=1)
-    views = CAPTURE_VIEWS if info.has_kv_events else ENGINE_VIEWS
+    views = inspect_capture.VIEWS if info.has_kv_events else ENGINE_VIEWS
     st.session_state.update(insp_for=info.run_id, insp_block=None, insp_playing=False, insp_layer=None,
                             insp_head=None, insp_position=None, insp_view=views[0])
     if not top.empty and info.has_blocks:
@@ -144,8 +146,8 @@ def _step_views(info: RunInfo, playing: bool) -> None:
             st.rerun(scope="app")
     left, right = st.columns([6, 1])
     with left:
-        if len(steps) > MANY_STEPS and steps[-1] - steps[0] + 1 == len(steps):  # a long capture: a number range,
-            st.slider("Message" if info.has_kv_events else "Step", steps[0], steps[-1], key="insp_step")  # not a list
+        if len(steps) > MANY_STEPS and steps[-1] - steps[0] + 1 == len(steps):  # a long run: a number range,
+            st.slider("Step", steps[0], steps[-1], key="insp_step")  # not a list of every step for the browser
         elif len(steps) > 1:
             st.select_slider("Step", steps, key="insp_step")
         else:
@@ -153,15 +155,12 @@ def _step_views(info: RunInfo, playing: bool) -> None:
     with right:
         st.button("Pause" if playing else "Play", icon=":material/pause:" if playing else ":material/play_arrow:",
                   key="insp_play", disabled=len(steps) < 2, on_click=_toggle_play, args=(steps,))
-    views = CAPTURE_VIEWS if info.has_kv_events else ENGINE_VIEWS
-    if st.session_state.get("insp_view") not in views:
-        st.session_state["insp_view"] = views[0]
-    view = st.segmented_control("View", views, key="insp_view", label_visibility="collapsed") or views[0]
+    if st.session_state.get("insp_view") not in ENGINE_VIEWS:
+        st.session_state["insp_view"] = ENGINE_VIEWS[0]
+    view = st.segmented_control("View", ENGINE_VIEWS, key="insp_view", label_visibility="collapsed") or ENGINE_VIEWS[0]
     step = st.session_state["insp_step"]
     with reader() as con:
-        if info.has_kv_events:
-            inspect_capture.render(con, info, view, step)
-        elif view == "Blocks":
+        if view == "Blocks":
             inspect_blocks.render(con, info, step)
         elif view == "Attention":
             inspect_attention.render(con, info, step)

@@ -1,0 +1,153 @@
+"""A capture on its time axis (the publisher's clock): what happened in a time range, in intervals
+of a width a chart can draw (at most MAX_INTERVALS of them), so every view is an aggregate in
+DuckDB and the browser gets hundreds of points whatever the capture's length.
+
+Churn (new blocks, hits, evictions), hit and miss tokens, occupancy split by replica, tier or tenant,
+and the distributions of block lifetimes, idle time before eviction and reuse gaps (measured per
+block at import: rows.py), and the prefixes most reused."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import duckdb
+import numpy as np
+import pandas as pd
+
+MAX_INTERVALS = 300
+BINS_PER_DECADE = 10  # duration histograms: durations span milliseconds to hours, so bins are logarithmic
+NICE_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800,
+          3600, 7200, 10800, 21600, 43200, 86400)
+SPLITS = {"replica": "coalesce(replica, 'replica-0')", "tier": "coalesce(medium, '(no medium)')",
+          "tenant": "coalesce(salt, '(no salt)')"}
+_NEW = "NOT coalesce(repeat, false)"
+
+
+@dataclass(frozen=True)
+class Span:
+    """The capture's first and last publisher timestamps (seconds since the epoch)."""
+    start: float
+    end: float
+
+
+def span(con: duckdb.DuckDBPyConnection, run_id: str) -> Span | None:
+    lo, hi = con.execute("SELECT min(ts), max(ts) FROM kv_events WHERE run_id = ?", [run_id]).fetchone()
+    return None if lo is None else Span(float(lo), float(hi))
+
+
+def interval_s(start: float, end: float, most: int = MAX_INTERVALS) -> float:
+    """The narrowest round width that cuts [start, end] into at most `most` intervals."""
+    need = (end - start) / most
+    return next((w for w in NICE_S if w >= need), float(np.ceil(need / 86400) * 86400))
+
+
+def churn(con: duckdb.DuckDBPyConnection, run_id: str, start: float, end: float, width: float) -> pd.DataFrame:
+    """interval_start, replica, stored (new blocks), hits (stores of cached blocks), evicted, hit_tokens,
+    miss_tokens (tokens of new blocks: computed because nothing cached them)."""
+    return con.execute(
+        f"SELECT floor(ts / $w) * $w AS interval_start, coalesce(replica, 'replica-0') AS replica, "
+        f"count(*) FILTER (kind = 'BlockStored' AND {_NEW}) AS stored, "
+        "count(*) FILTER (kind = 'BlockStored' AND repeat) AS hits, "
+        f"count(*) FILTER (kind = 'BlockRemoved' AND {_NEW}) AS evicted, "
+        "coalesce(sum(block_size) FILTER (kind = 'BlockStored' AND repeat), 0) AS hit_tokens, "
+        f"coalesce(sum(block_size) FILTER (kind = 'BlockStored' AND {_NEW}), 0) AS miss_tokens "
+        "FROM kv_events WHERE run_id = $run AND kind IN ('BlockStored', 'BlockRemoved') AND ts BETWEEN $a AND $b "
+        "GROUP BY ALL ORDER BY interval_start, replica",
+        {"run": run_id, "w": width, "a": start, "b": end}).df()
+
+
+def occupancy(con: duckdb.DuckDBPyConnection, run_id: str, start: float, end: float, width: float,
+              split: str) -> pd.DataFrame:
+    """interval_start, series, cached: blocks cached at the end of each interval, per replica, tier or
+    tenant (summed over replicas). Each replica's count goes back to zero at its AllBlocksCleared and
+    at a publisher restart (each begins an epoch); the level at `start` counts everything before it."""
+    a0 = float(np.floor(start / width) * width)
+    args = {"run": run_id, "w": width, "a0": a0, "b": end}
+    bucket = "greatest(floor(ts / $w) * $w, $a0)"
+    epochs = ("SELECT replica, restart, step, ts, row_number() OVER (PARTITION BY replica, restart ORDER BY step) "
+              "AS epoch FROM (SELECT DISTINCT coalesce(replica, 'replica-0') AS replica, coalesce(restart, 0) AS "
+              "restart, step, ts FROM kv_events WHERE run_id = $run AND kind = 'AllBlocksCleared' AND ts <= $b)")
+    levels = con.execute(
+        f"WITH clears AS ({epochs}), ev AS (SELECT coalesce(replica, 'replica-0') AS replica, "
+        f"coalesce(restart, 0) AS restart, step, ts, {SPLITS[split]} AS series, "
+        f"CASE WHEN kind = 'BlockStored' THEN 1 ELSE -1 END AS delta FROM kv_events WHERE run_id = $run AND "
+        f"kind IN ('BlockStored', 'BlockRemoved') AND {_NEW} AND ts <= $b), "
+        "changes AS (SELECT e.replica, e.restart, coalesce(k.epoch, 0) AS epoch, e.series, "
+        f"{bucket.replace('ts', 'e.ts')} AS t, sum(e.delta) AS delta FROM ev e ASOF LEFT JOIN clears k ON "
+        "e.replica = k.replica AND "
+        "e.restart = k.restart AND k.step <= e.step GROUP BY ALL) "
+        "SELECT replica, restart, epoch, series, t, sum(delta) OVER (PARTITION BY replica, restart, epoch, series "
+        "ORDER BY t) AS cached FROM changes ORDER BY t, restart, epoch", args).df()
+    if levels.empty:
+        return pd.DataFrame({"interval_start": [], "series": [], "cached": []})
+    begins = con.execute(  # where each replica's epochs begin: its clears, and its restarts' first message
+        f"SELECT replica, restart, epoch, {bucket} AS t FROM ({epochs}) UNION ALL "
+        f"SELECT coalesce(replica, 'replica-0'), coalesce(restart, 0), 0, {bucket.replace('ts', 'min(ts)')} "
+        "FROM kv_events WHERE run_id = $run AND ts <= $b GROUP BY ALL", args).df()
+    grid = np.arange(a0, np.floor(end / width) * width + width / 2, width)  # the intervals holding [start, end]
+    out = []
+    for replica, mine in levels.groupby("replica"):
+        now = (begins[begins.replica == replica].sort_values(["t", "restart", "epoch"])
+               .drop_duplicates("t", keep="last").set_index("t").reindex(grid, method="ffill"))
+        for name, part in mine.groupby("series"):
+            level = part.drop_duplicates("t", keep="last").set_index("t").reindex(grid, method="ffill")
+            alive = (level.restart == now.restart) & (level.epoch == now.epoch)  # an older epoch is gone
+            out.append(pd.DataFrame({"interval_start": grid, "series": name,
+                                     "cached": level.cached.where(alive, 0).fillna(0).to_numpy()}))
+    return (pd.concat(out).groupby(["interval_start", "series"], as_index=False).cached.sum()
+            .sort_values(["interval_start", "series"], ignore_index=True))
+
+
+def distributions(con: duckdb.DuckDBPyConnection, run_id: str, start: float, end: float) -> pd.DataFrame:
+    """measure (lifetime | idle before eviction | reuse gap), seconds (a bin's lower edge: BINS_PER_DECADE
+    to a power of ten), count: evictions (the first two) or hits (the last) in the range. Zero
+    durations (same-timestamp batches) fall in the lowest bin, 1 ms."""
+    return con.execute(
+        "SELECT m.measure, power(10, floor(log10(greatest(m.seconds, 0.001)) * $k) / $k) AS seconds, "
+        "count(*) AS count FROM kv_events, LATERAL (VALUES ('lifetime', lifetime_s), "
+        "('idle before eviction', idle_s), ('reuse gap', reuse_gap_s)) AS m(measure, seconds) "
+        "WHERE run_id = $run AND ts BETWEEN $a AND $b AND m.seconds IS NOT NULL GROUP BY ALL ORDER BY ALL",
+        {"run": run_id, "a": start, "b": end, "k": BINS_PER_DECADE}).df()
+
+
+def shared_prefixes(con: duckdb.DuckDBPyConnection, run_id: str, start: float, end: float,
+                    top: int = 20) -> pd.DataFrame:
+    """The blocks most reused in the range: replica, block_hash, uses (stores and hits), hits, tenants
+    (distinct salts that stored or hit it), sessions, depth (its place in its chain when stored first)."""
+    return con.execute(
+        "SELECT coalesce(replica, 'replica-0') AS replica, group_idx, block_hash, count(*) AS uses, "
+        "count(*) FILTER (repeat) AS hits, count(DISTINCT coalesce(salt, '')) AS tenants, "
+        "string_agg(DISTINCT coalesce(salt, '(no salt)'), ', ') AS salts, count(DISTINCT session_id) AS sessions, "
+        "min(ts) AS first_ts FROM kv_events WHERE run_id = $run AND kind = 'BlockStored' AND ts BETWEEN $a AND $b "
+        "GROUP BY ALL HAVING count(*) > 1 ORDER BY hits DESC, tenants DESC, uses DESC, block_hash LIMIT $top",
+        {"run": run_id, "a": start, "b": end, "top": top}).df()
+
+
+def chain(con: duckdb.DuckDBPyConnection, run_id: str, replica: str, block_hash: int,
+          group: int | None = None) -> pd.DataFrame:
+    """A block and its ancestors, root first: depth, block_hash, salt, token_ids (from each block's
+    first store on the replica and KV group)."""
+    df = con.execute(
+        "WITH RECURSIVE blocks AS (SELECT block_hash, any_value(parent_hash) AS parent_hash, "
+        "any_value(salt) AS salt, any_value(token_ids) AS token_ids FROM kv_events WHERE run_id = $run AND "
+        "kind = 'BlockStored' AND coalesce(replica, 'replica-0') = $replica AND group_idx IS NOT DISTINCT FROM $group "
+        "AND NOT coalesce(repeat, false) GROUP BY block_hash), "
+        "up(n, block_hash, parent_hash, salt, token_ids) AS (SELECT 0, * FROM blocks WHERE block_hash = $hash "
+        "UNION ALL SELECT n + 1, b.* FROM up JOIN blocks b ON b.block_hash = up.parent_hash WHERE n < 4096) "
+        "SELECT n, block_hash, salt, token_ids FROM up ORDER BY n DESC",
+        {"run": run_id, "replica": replica, "group": group, "hash": block_hash}).df()
+    return df.assign(depth=range(len(df)))[["depth", "block_hash", "salt", "token_ids"]]
+
+
+def measured(con: duckdb.DuckDBPyConnection, run_id: str) -> bool:
+    """Were lifetimes and removed blocks' tenants kept (imported by kvviz 6 or later, or nothing removed)?"""
+    removals, measured_ = con.execute(
+        f"SELECT count(*) FILTER (kind = 'BlockRemoved' AND {_NEW}), count(lifetime_s) FROM kv_events "
+        "WHERE run_id = ?", [run_id]).fetchone()
+    return bool(measured_) or not removals
+
+
+def last_step(con: duckdb.DuckDBPyConnection, run_id: str, end: float) -> int:
+    """The last message at or before `end` (the prefix tree is drawn as it stood then)."""
+    step = con.execute("SELECT max(step) FROM kv_events WHERE run_id = ? AND ts <= ?", [run_id, end]).fetchone()[0]
+    return -1 if step is None else int(step)

@@ -1,0 +1,72 @@
+"""A capture's cache on its time axis (seconds since the capture began): churn and hits per interval
+(drag across it to choose a time range: the chart is the brush), occupancy split by replica, tier or
+tenant, and the distributions of lifetimes, idle times and reuse gaps on a log scale."""
+
+from __future__ import annotations
+
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from .cache import HIT, MISS
+from .palette import request_colours
+
+STORED, EVICTED = "#4c78a8", "#e45756"
+REASONS = {"cold": "#bab0ac", "evicted": "#e45756", "namespace": "#b279a2", "diverged": "#f58518",
+           "partial_block": "#72b7b2", "unexplained": "#9d755d"}
+MARGIN = {"l": 10, "r": 10, "t": 40, "b": 10}
+
+
+def activity(churn: pd.DataFrame, origin: float, width: float, reasons: pd.DataFrame | None = None) -> go.Figure:
+    """churn: interval_start, stored, hits, evicted, hit_tokens, miss_tokens (summed over replicas here);
+    reasons (optional): interval_start, reason, lookups. Above, blocks stored, hit and evicted per
+    second; below, tokens served from the cache against tokens computed, or with `reasons` the misses
+    (lookups) by why they missed. x: seconds since `origin`."""
+    df = churn.groupby("interval_start", as_index=False).sum(numeric_only=True)
+    x = df.interval_start - origin
+    below = "misses by reason (lookups)" if reasons is not None else "tokens: served from the cache, computed"
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.1, row_heights=[0.5, 0.5],
+                        subplot_titles=("blocks per second: stored, hit, evicted (down)", below))
+    for name, y, colour in (("stored (new)", df.stored, STORED), ("hit (stored again)", df.hits, HIT),
+                            ("evicted", -df.evicted, EVICTED)):
+        fig.add_trace(go.Bar(x=x, y=y / width, name=name, marker_color=colour, legendgroup="churn"), row=1, col=1)
+    if reasons is None:
+        fig.add_trace(go.Bar(x=x, y=df.hit_tokens, name="tokens served (hits)", marker_color=HIT, showlegend=False),
+                      row=2, col=1)
+        fig.add_trace(go.Bar(x=x, y=df.miss_tokens, name="tokens computed (misses)", marker_color=MISS),
+                      row=2, col=1)
+    else:
+        for reason, part in reasons.groupby("reason", sort=True):
+            fig.add_trace(go.Bar(x=part.interval_start - origin, y=part.lookups, name=f"miss: {reason}",
+                                 marker_color=REASONS.get(reason, "#888")), row=2, col=1)
+    fig.update_layout(barmode="relative", height=440, margin=MARGIN, legend={"orientation": "h"},
+                      dragmode="select", selectdirection="h")
+    fig.update_xaxes(title="seconds since the capture began (drag across the chart to choose a range)", row=2, col=1)
+    return fig
+
+
+def occupancy(df: pd.DataFrame, origin: float, split: str) -> go.Figure:
+    """df: interval_start, series, cached: stacked areas, one per replica, tier or tenant."""
+    fig = go.Figure()
+    colours = request_colours(df.series)
+    for name, part in df.groupby("series", sort=True):
+        fig.add_trace(go.Scatter(x=part.interval_start - origin, y=part.cached, name=str(name), stackgroup="one",
+                                 line={"color": colours[name], "shape": "hv", "width": 1}))
+    fig.update_layout(height=360, margin=MARGIN, legend={"orientation": "h"}, title=f"blocks cached, per {split}")
+    fig.update_xaxes(title="seconds since the capture began")
+    fig.update_yaxes(title="blocks")
+    return fig
+
+
+def durations(df: pd.DataFrame) -> go.Figure:
+    """df: measure, seconds (a bin's lower edge), count: one histogram per measure, on a log axis."""
+    order = ("lifetime", "idle before eviction", "reuse gap")
+    fig = make_subplots(rows=1, cols=3, subplot_titles=[f"{m} (s)" for m in order])
+    for col, (measure, colour) in enumerate(zip(order, (STORED, EVICTED, HIT), strict=True), start=1):
+        part = df[df.measure == measure]
+        fig.add_trace(go.Bar(x=part.seconds, y=part["count"], name=measure, marker_color=colour,
+                             hovertemplate="from %{x:.3g} s: %{y}<extra></extra>"), row=1, col=col)
+        fig.update_xaxes(type="log", row=1, col=col)
+    fig.update_layout(height=280, showlegend=False, margin=MARGIN, bargap=0.05)
+    fig.update_yaxes(title="blocks", row=1, col=1)
+    return fig

@@ -1,0 +1,117 @@
+"""A capture on its time axis: churn, occupancy per replica, tier and tenant (through an eviction, an
+AllBlocksCleared and a publisher restart), lifetimes, idle times and reuse gaps measured at import,
+the most reused prefixes and a block's chain, each worked out by hand on a small capture."""
+
+from __future__ import annotations
+
+import msgpack
+import pyarrow.parquet as pq
+import pytest
+
+from kvviz.analysis import capture_time
+from kvviz.capture.capture_file import CaptureWriter, Message
+from kvviz.capture.import_vllm import import_capture, import_dataset
+from kvviz.store import RunStore
+from tests.test_capture import stored_map
+from tests.test_fleet_capture import write_dataset
+
+
+def removed(*hashes):
+    return {"type": "BlockRemoved", "block_hashes": list(hashes), "medium": "GPU"}
+
+
+# (ts, replica, restart, events): tenant a caches 1 -> 2, tenant b caches 5; a hits 1 twice (full report
+# mode), 1 is evicted; the replica clears; after a restart of pod-b nothing of its old epoch is left.
+TIMELINE = [
+    (0.0, "pod-a", 0, [stored_map([1, 2], None, [1, 1, 2, 2], salt="a")]),
+    (1.0, "pod-a", 0, [stored_map([5], None, [9, 9], salt="b")]),
+    (2.5, "pod-a", 0, [stored_map([1], None, [1, 1], salt="a")]),  # a hit, 2.5 s after the store
+    (3.0, "pod-a", 0, [stored_map([1], None, [1, 1], salt="a")]),  # again, 0.5 s later
+    (4.0, "pod-a", 0, [removed(1)]),  # lived 4 s, idle 1 s
+    (5.0, "pod-a", 0, [{"type": "AllBlocksCleared"}]),
+    (6.0, "pod-a", 0, [stored_map([7], None, [4, 4], salt="a")]),
+    (0.0, "pod-b", 0, [stored_map([1], None, [1, 1], salt="b")]),
+    (3.0, "pod-b", 1, [stored_map([8], None, [3, 3], salt="b")]),  # restarted: 1 is gone from pod-b
+]
+
+
+@pytest.fixture
+def run(tmp_path):
+    path = tmp_path / "c.jsonl"
+    w = CaptureWriter(path, {"pod-a": "tcp://a:1", "pod-b": "tcp://b:1"})
+    seq = {}
+    for ts, replica, restart, events in sorted(TIMELINE, key=lambda x: x[0]):
+        seq[replica] = seq.get(replica, -1) + 1
+        w.add(Message(replica, restart, seq[replica], "kv", msgpack.packb([1000.0 + ts, events, 0]), None))
+    w.close()
+    store = RunStore.open(tmp_path / "k.duckdb")
+    return store, import_capture(path, store)
+
+
+def test_lifetimes_idle_times_and_reuse_gaps_are_measured_per_block(run):
+    store, run_id = run
+    with store.read() as con:
+        d = capture_time.distributions(con, run_id, 1000.0, 1006.0)
+    got = [(m, round(s, 3), n) for m, s, n in zip(d.measure, d.seconds, d["count"], strict=True)]
+    # bins are tenths of a decade: 4 s falls in [3.981, 5.012), 2.5 s in [1.995, 2.512), 0.5 s in [0.398, 0.501)
+    assert got == [("idle before eviction", 1.0, 1), ("lifetime", 3.981, 1), ("reuse gap", 0.398, 1),
+                   ("reuse gap", 1.995, 1)]
+
+
+def test_occupancy_per_tenant_replica_and_tier_through_evictions_clears_and_restarts(run):
+    store, run_id = run
+    with store.read() as con:
+        tenant = capture_time.occupancy(con, run_id, 1000.0, 1006.0, 1.0, "tenant")
+        replica = capture_time.occupancy(con, run_id, 1000.0, 1006.0, 1.0, "replica")
+        tier = capture_time.occupancy(con, run_id, 1000.0, 1006.0, 1.0, "tier")
+    a = tenant[tenant.series == "a"].set_index("interval_start").cached.to_dict()
+    b = tenant[tenant.series == "b"].set_index("interval_start").cached.to_dict()
+    assert [a[1000.0 + t] for t in range(7)] == [2, 2, 2, 2, 1, 0, 1]
+    # pod-b's block 1 (tenant b) is gone at its restart (t=3), when block 8 comes
+    assert [b[1000.0 + t] for t in range(7)] == [1, 2, 2, 2, 2, 1, 1]
+    pods = replica.pivot(index="interval_start", columns="series", values="cached")
+    assert list(pods["pod-a"]) == [2, 3, 3, 3, 2, 0, 1] and list(pods["pod-b"]) == [1, 1, 1, 1, 1, 1, 1]
+    assert list(tier[tier.series == "GPU"].cached) == list(pods.sum(axis=1))
+    # a later range starts from the level before it
+    with store.read() as con:
+        late = capture_time.occupancy(con, run_id, 1004.0, 1006.0, 1.0, "tenant")
+    assert list(late[late.series == "a"].cached) == [1, 0, 1]
+
+
+def test_churn_hits_and_the_most_reused_prefix_with_its_chain(run):
+    store, run_id = run
+    with store.read() as con:
+        churn = capture_time.churn(con, run_id, 1000.0, 1006.0, 1.0)
+        top = capture_time.shared_prefixes(con, run_id, 1000.0, 1006.0)
+        chain = capture_time.chain(con, run_id, "pod-a", 2)
+    a = churn[churn.replica == "pod-a"].set_index("interval_start")
+    assert a.stored.sum() == 4 and a.hits.sum() == 2 and a.evicted.sum() == 1
+    assert a.hit_tokens.sum() == 4 and a.miss_tokens.sum() == 8
+    first = top.iloc[0]
+    assert (first.replica, first.block_hash, first.uses, first.hits, first.tenants) == ("pod-a", 1, 3, 2, 1)
+    assert list(chain.block_hash) == [1, 2] and [list(t) for t in chain.token_ids] == [[1, 1], [2, 2]]
+
+
+def test_intervals_are_round_and_at_most_the_most():
+    assert capture_time.interval_s(0, 60) == 0.2
+    assert capture_time.interval_s(0, 3600) == 15
+    assert capture_time.interval_s(0, 86400 * 400) == 86400 * 2
+    for length in (0.01, 7, 1234.5, 99999):
+        assert length / capture_time.interval_s(0, length) <= capture_time.MAX_INTERVALS
+
+
+def test_a_dataset_written_before_lifetimes_imports_with_them_null(tmp_path):
+    """A version 1 part (no lifetime_s, idle_s, reuse_gap_s) imports both ways, those columns null."""
+    msgs = [Message("pod", 0, i, "kv", msgpack.packb([float(i), [stored_map([i + 1], None, [i, i])], 0]), None)
+            for i in range(4)]
+    folder = tmp_path / "ds"
+    write_dataset(folder, msgs, rotate_rows=100)
+    for part in folder.glob("replica=*/*.parquet"):
+        table = pq.read_table(part)
+        pq.write_table(table.drop_columns(["lifetime_s", "idle_s", "reuse_gap_s"]), part)
+    store = RunStore.open(tmp_path / "k.duckdb")
+    for run_id in (import_dataset(folder, store), import_dataset(folder, store, in_place=True)):
+        with store.read() as con:
+            got = con.execute("SELECT count(*), count(lifetime_s), count(reuse_gap_s) FROM kv_events "
+                              "WHERE run_id = ?", [run_id]).fetchone()
+        assert got == (4, 0, 0)
