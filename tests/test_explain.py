@@ -146,3 +146,24 @@ def test_a_captures_lookups_are_named_by_session_and_repeats_are_not_lookups(tmp
     with store.read() as con:
         found = [(e.request, e.step, e.hit_tokens) for e in explain_run(con, run)]
     assert found == [("conv-7", 0, 0), ("conv-7", 2, 4), ("chain-0000000000000004", 3, 0)]
+
+
+def test_a_prefix_evicted_by_its_own_step_is_capacity_not_churn(tmp_path):
+    """A and then Z finish, leaving their full blocks cached (A's tail first in line for eviction). At
+    step 6 X (7 blocks) is admitted first and takes the 6 free blocks and A's third; F, in the same
+    step, finds A's first two and stops at the third: capacity. The capture says the same."""
+    a = list(range(10, 22))
+    reqs = [{"id": "A", "prompt_ids": a, "max_new_tokens": 1},
+            {"id": "Z", "prompt_ids": list(range(40, 52)), "max_new_tokens": 1, "arrival_step": 3},
+            {"id": "X", "prompt_ids": list(range(60, 88)), "max_new_tokens": 1, "arrival_step": 6},
+            {"id": "F", "prompt_ids": a + [1, 2, 3, 4], "max_new_tokens": 1, "arrival_step": 6}]
+    store, run_id, capture_id = run(tmp_path, reqs, num_blocks=12)
+    with store.read() as con:
+        got = {e.request: e for e in explain_run(con, run_id)}
+        from_capture = [e for e in explain_run(con, capture_id) if e.reason == "capacity"]
+    f = got["F"]
+    assert (f.reason, f.hit_tokens, f.stop_block) == ("capacity", 8, 2), f
+    assert f.evidence["removed_at"] == f.step > f.evidence["stored_at"]
+    # the capture counts messages, not engine steps: the same lookup, evicted in its own message
+    assert [(e.hit_tokens, e.stop_block, e.evidence["removed_at"] == e.step) for e in from_capture] == [(8, 2, True)]
+    assert got["A"].reason == got["Z"].reason == got["X"].reason == "cold"  # the controls: nothing to reuse

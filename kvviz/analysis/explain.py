@@ -10,7 +10,10 @@ where the segment begins. Reasons, checked in this order:
 - partial_block: every full block the lookup could use was served; the rest of the prompt is in a
   block that is not full (or ends the prompt, whose last token is always computed);
 - preempted: a re-admission after the request lost its blocks to preemption;
-- evicted: the same block (same tokens, same salt) was cached and evicted before the lookup;
+- capacity: the same block was evicted in the lookup's own step, by the allocations of the batch
+  admitted before it: the pool could not hold this step's work and keep the prefix (a sizing
+  problem, where `evicted` is churn);
+- evicted: the same block (same tokens, same salt) was cached and evicted in an earlier step;
 - namespace: the same tokens are cached under another salt;
 - diverged: a cached chain under this salt shares the blocks before and differs inside this one (at
   which token, with both tokens), sharing at least one token;
@@ -151,6 +154,8 @@ class CacheHistory:
         past = [life for life in self.lives.get((s, d), ()) if life.stored < t]
         if past and not any(life.alive(t) for life in past):
             last = past[-1]
+            if last.removed == t:
+                return ex("capacity", stored_at=last.stored, removed_at=last.removed)
             return ex("evicted", stored_at=last.stored, removed_at=last.removed, before=t - last.removed)
         if past:
             return ex("unexplained", note="this block was cached when the lookup ran")

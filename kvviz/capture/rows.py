@@ -13,8 +13,8 @@ reused blocks: a hit, not a second block), or a BlockRemoved of a hash not cache
 or cached before the capture began). `salt` is the tenant of the block: vLLM names the salt among
 the extra keys of a chain's first block only, so the blocks after it, in the same event or in a
 later one continuing a cached chain, carry the salt of the block they follow; a removal, and a hit
-that names none, carry the salt of the cached block. Each life is measured on the publisher's clock (ts) as it ends or is
-used: a removal's `lifetime_s` (since the store that cached it) and `idle_s` (since its last use),
+that names none, carry the salt of the cached block. Each life is measured on the publisher's clock
+(ts) as it ends or is used: a removal's `lifetime_s` (since the store that cached it) and `idle_s` (since its last use),
 a hit's `reuse_gap_s` (since the block's previous use), so the distributions are plain scans.
 """
 
