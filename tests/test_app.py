@@ -235,6 +235,10 @@ def test_an_uploaded_capture_opens_with_the_views_it_supports(empty_db, tmp_path
     reasons = {t["name"]: sum(values(t["y"])) for t in charts(at)["insp_activity"]["data"]}
     assert reasons.get("miss: cold") == 2 and not at.exception, "11 -> 12, then 21 after 12: tokens never cached"
     at.segmented_control(key="insp_view").set_value("Prefix tree").run()
+    [icicle] = charts(at)["insp_reuse_tree"]["data"]
+    assert values(icicle["ids"]) == [f"{21:016x}"], "11-12-21: one chain of single children, one segment"
+    assert values(icicle["marker"]["colors"]) == ["#d62728"], "11 was used by two tenants"
+    at.radio(key="insp_tree_how").set_value("as stored, block by block").run()
     tree = charts(at)["insp_tree"]
     assert sum(len(values(t["x"])) for t in tree["data"][1:]) == 3  # three distinct hashes stored
     assert any("#d62728" in values(t["marker"]["line"]["color"]) for t in tree["data"][1:]), "11: two salts"
@@ -257,6 +261,7 @@ def test_a_fleet_capture_shows_one_replicas_tree_at_a_time_and_its_occupancy_eac
     run_id = import_file(write_dataset(tmp_path / "ds", msgs).folder, RunStore.open(empty_db))
     at = page("inspector", run_id=run_id)
     at.segmented_control(key="insp_view").set_value("Prefix tree").run()
+    at.radio(key="insp_tree_how").set_value("as stored, block by block").run()
     assert at.selectbox(key="insp_replica").options == ["pod-a", "pod-b"] and not at.exception
     nodes = {}
     for replica in ("pod-a", "pod-b"):
@@ -302,6 +307,8 @@ def test_a_long_capture_is_looked_at_over_a_time_range_not_message_by_message(em
     at.slider(key="insp_range").set_value((0.0, 50.0)).run()
     assert not at.exception and any("(50 s of" in c.value for c in at.caption)
     at.segmented_control(key="insp_view").set_value("Prefix tree").run()
+    assert "insp_reuse_tree" in charts(at) and not at.exception
+    at.radio(key="insp_tree_how").set_value("as stored, block by block").run()
     assert any("by the end of the range (message 50)" in c.value for c in at.caption)
     at.button(key="insp_range_all").click().run()
     assert at.slider(key="insp_range").value == (0.0, MANY_STEPS + 98)

@@ -115,3 +115,33 @@ def test_a_dataset_written_before_lifetimes_imports_with_them_null(tmp_path):
             got = con.execute("SELECT count(*), count(lifetime_s), count(reuse_gap_s) FROM kv_events "
                               "WHERE run_id = ?", [run_id]).fetchone()
         assert got == (4, 0, 0)
+
+
+def test_the_reuse_tree_collapses_single_child_chains_and_keeps_the_busiest_subtrees(tmp_path):
+    """Tenant a uses the chain 1-2-3 four times and forks it at 3 into 4 and 5; tenant b uses 1 once
+    (a hit on a's block); 9 is used once. Top 2 subtrees: [1-2-3] over 4 and 5, then [9]."""
+    from kvviz.analysis import captures
+
+    def chain(hashes, parent, salt, ts):
+        return msgpack.packb([ts, [stored_map(hashes, parent, [h for h in hashes for _ in (0, 1)], salt=salt)], 0])
+
+    payloads = [chain([1, 2, 3], None, "a", 1.0), chain([1, 2, 3], None, "a", 2.0), chain([1, 2, 3], None, "a", 3.0),
+                chain([1, 2, 3], None, "a", 4.0), chain([4], 3, None, 5.0), chain([5], 3, None, 6.0),
+                chain([1], None, "b", 7.0), chain([9], None, "c", 8.0), chain([8], None, "d", 8.5)]
+    path = tmp_path / "c.jsonl"
+    w = CaptureWriter(path, {"replica-0": "tcp://x:1"})
+    for i, p in enumerate(payloads):
+        w.add(Message("replica-0", 0, i, "kv", p))
+    w.close()
+    store = RunStore.open(tmp_path / "k.duckdb")
+    run_id = import_capture(path, store)
+    with store.read() as con:
+        tree = captures.reuse_tree(con, run_id, 0.0, 10.0, roots=2)
+        late = captures.reuse_tree(con, run_id, 6.5, 10.0, roots=5)
+    rows = {r.first: r for r in tree.itertuples()}
+    top = rows[f"{1:016x}"]
+    assert (top.blocks, top.uses, top.hits, top.tenants, top.parent) == (3, 5, 4, 2, "")
+    assert top.id == f"{3:016x}" and top.tokens == 6
+    assert {rows[f"{h:016x}"].parent for h in (4, 5)} == {top.id}
+    assert len(tree) == 4, "[1-2-3], 4, 5 and one more root of the two busiest"
+    assert sorted(late["first"]) == [f"{h:016x}" for h in (1, 8, 9)] and set(late.blocks) == {1}

@@ -69,3 +69,43 @@ def stored_blocks(con: duckdb.DuckDBPyConnection, run_id: str, replica: str | No
                        "($replica IS NULL OR coalesce(replica, 'replica-0') = $replica) AND "
                        "($until IS NULL OR step <= $until) AND ($group IS NULL OR group_idx = $group)",
                        {"run": run_id, "replica": replica, "until": until, "group": group}).fetchone()[0]
+
+
+def reuse_tree(con: duckdb.DuckDBPyConnection, run_id: str, start: float, end: float, replica: str | None = None,
+               group: int | None = None, blocks: int = 4000, roots: int = 40) -> pd.DataFrame:
+    """The most used part of the prefix tree in a time range, readable at millions of blocks: the
+    `blocks` most used blocks (stores and hits; a request that uses a block uses its ancestors, so
+    the set holds its own ancestors), each chain of single children collapsed into one segment, and
+    the `roots` busiest subtrees. One row per segment: id (its last block's hash, hex), parent (the
+    segment above, "" at the top), first (its first block's hash), blocks, tokens, uses and hits of
+    its first block, tenants (distinct salts) and salts."""
+    top = con.execute(
+        "SELECT block_hash, any_value(parent_hash) AS parent_hash, count(*) AS uses, count(*) FILTER (repeat) AS hits, "
+        "count(DISTINCT coalesce(salt, '')) AS tenants, string_agg(DISTINCT coalesce(salt, '(no salt)'), ', ' "
+        "ORDER BY coalesce(salt, '(no salt)')) AS salts, any_value(len(token_ids)) AS tokens FROM kv_events "
+        "WHERE run_id = $run AND kind = 'BlockStored' AND ts BETWEEN $a AND $b AND "
+        "($replica IS NULL OR coalesce(replica, 'replica-0') = $replica) AND ($group IS NULL OR group_idx = $group) "
+        "GROUP BY block_hash ORDER BY uses DESC, block_hash LIMIT $n",
+        {"run": run_id, "a": start, "b": end, "replica": replica, "group": group, "n": blocks}).fetchall()
+    info = {h: (p, uses, hits, tenants, salts, tokens or 0) for h, p, uses, hits, tenants, salts, tokens in top}
+    children: dict[int, list[int]] = {}
+    tops = []
+    for h, (p, *_) in info.items():
+        if p is not None and p in info and p != h:
+            children.setdefault(p, []).append(h)
+        else:
+            tops.append(h)
+    tops.sort(key=lambda h: -info[h][1])
+    rows, stack = [], [(h, "") for h in tops[:roots]]
+    while stack:
+        h, parent = stack.pop()
+        chain = [h]
+        while len(children.get(chain[-1], ())) == 1:
+            chain.append(children[chain[-1]][0])
+        _, uses, hits, tenants, salts, _ = info[h]
+        segment = f"{chain[-1]:016x}"
+        rows.append((segment, parent, f"{h:016x}", len(chain), sum(info[c][5] for c in chain), uses, hits, tenants,
+                     salts))
+        stack.extend((k, segment) for k in children.get(chain[-1], ()))
+    return pd.DataFrame(rows, columns=["id", "parent", "first", "blocks", "tokens", "uses", "hits", "tenants",
+                                       "salts"])

@@ -72,3 +72,20 @@ def prefix_tree(nodes: pd.DataFrame, token_text=lambda ids: str(list(ids)[:8])) 
                       xaxis_title="block in chain (depth)", xaxis={"dtick": 1, "rangemode": "tozero"})
     fig.update_yaxes(visible=False)
     return fig
+
+
+def reuse_tree(df: pd.DataFrame, depth: int = 4) -> go.Figure:
+    """df: captures.reuse_tree's segments. An icicle: width is use (stores and hits), a chain of
+    single children is one segment, `depth` levels at a time; click a segment to open its subtree.
+    Red: a segment more than one tenant used."""
+    label = [f"{b} blocks" if b > 1 else f.removeprefix("0000")[:8] for f, b in zip(df["first"], df.blocks,
+                                                                                    strict=True)]
+    colour = [LEAK if t > 1 else "#4c78a8" for t in df.tenants]
+    fig = go.Figure(go.Icicle(
+        ids=df.id, parents=df.parent, labels=label, values=df.uses, branchvalues="remainder", maxdepth=depth,
+        marker={"colors": colour}, customdata=df[["first", "blocks", "tokens", "hits", "salts"]].to_numpy(),
+        hovertemplate="from %{customdata[0]}: %{customdata[1]} blocks, %{customdata[2]} tokens<br>"
+                      "used %{value} times, %{customdata[3]} hits<br>tenants: %{customdata[4]}<extra></extra>",
+        tiling={"orientation": "h"}, root={"color": "#eceff1"}))
+    fig.update_layout(height=520, margin={"l": 5, "r": 5, "t": 5, "b": 5})
+    return fig

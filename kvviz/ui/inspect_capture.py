@@ -45,7 +45,7 @@ def render(info: RunInfo) -> None:
         elif view == "Shared prefixes":
             _shared(con, info, span, a, b)
         elif view == "Prefix tree":
-            _tree(con, info, names, b)
+            _tree(con, info, names, a, b)
         else:
             _findings(con, info)
 
@@ -183,14 +183,27 @@ def _shared(con, info: RunInfo, span: capture_time.Span, a: float, b: float) -> 
                      width="stretch", key="insp_chain")
 
 
-def _tree(con, info: RunInfo, names: list[str], end: float) -> None:
-    step = capture_time.last_step(con, info.run_id, end)
+def _tree(con, info: RunInfo, names: list[str], a: float, b: float) -> None:
     replica, group = None, None
     if len(names) > 1:  # the same hash on two replicas is two blocks: one replica's tree at a time
         replica = st.selectbox(f"Replica ({len(names)} in this capture)", names, key="insp_replica")
     kv_groups = captures.groups(con, info.run_id, replica)
     if len(kv_groups) > 1:  # and in two KV groups of a hybrid model
         group = st.selectbox(f"KV group ({len(kv_groups)} here)", kv_groups, key="insp_group")
+    how = st.radio("Show", ("most used, chains collapsed", "as stored, block by block"), horizontal=True,
+                   key="insp_tree_how")
+    where = (f" on {replica}" if replica else "") + (f", KV group {group}" if group is not None else "")
+    if how.startswith("most used"):
+        tree = captures.reuse_tree(con, info.run_id, a, b, replica, group)
+        if tree.empty:
+            st.info("No block was stored in this range.")
+            return
+        st.plotly_chart(tree_fig.reuse_tree(tree), width="stretch", key="insp_reuse_tree")
+        st.caption(f"The most used blocks of the range{where}: width is use (stores and hits), a chain of single "
+                   "children is one segment; click a segment to open its subtree, the bar above it to go back. Red: "
+                   f"used by more than one tenant. {len(tree):,} segments of {int(tree.blocks.sum()):,} blocks.")
+        return
+    step = capture_time.last_step(con, info.run_id, b)
     nodes = captures.prefix_tree(con, info.run_id, replica=replica, group=group)
     if nodes.empty:
         st.info("The capture stored no blocks.")
@@ -200,9 +213,8 @@ def _tree(con, info: RunInfo, names: list[str], end: float) -> None:
     st.plotly_chart(tree_fig.prefix_tree(nodes), width="stretch", key="insp_tree")
     total = captures.stored_blocks(con, info.run_id, replica, step, group)
     shown = f"{len(nodes):,} blocks" if total == len(nodes) else f"the first {len(nodes):,} of {total:,} blocks"
-    st.caption(f"{shown} stored by the end of the range (message {step})" + (f" on {replica}" if replica else "") +
-               (f", KV group {group}" if group is not None else "") +
-               "; hollow: removed (evicted) by then. Colour: cache salt (tenant).")
+    st.caption(f"{shown} stored by the end of the range (message {step}){where}; hollow: removed (evicted) by "
+               "then. Colour: cache salt (tenant).")
 
 
 def _findings(con, info: RunInfo) -> None:
