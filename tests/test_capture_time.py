@@ -145,3 +145,17 @@ def test_the_reuse_tree_collapses_single_child_chains_and_keeps_the_busiest_subt
     assert {rows[f"{h:016x}"].parent for h in (4, 5)} == {top.id}
     assert len(tree) == 4, "[1-2-3], 4, 5 and one more root of the two busiest"
     assert sorted(late["first"]) == [f"{h:016x}" for h in (1, 8, 9)] and set(late.blocks) == {1}
+
+
+def test_every_sql_page_example_runs_on_a_store_with_a_capture(run):
+    from kvviz.store import run_query
+    from kvviz.ui.sql_page import EXAMPLES
+
+    store, _ = run
+    with store.read() as con:
+        for sql in EXAMPLES.values():
+            run_query(con, sql)  # raises SqlError naming what is wrong
+        got = run_query(con, EXAMPLES["Capture lifetimes, idle times and reuse gaps (s)"])
+    rows = {r[1]: dict(zip(got.columns, r, strict=True)) for r in got.rows}
+    assert list(rows["pod-a"]["lifetime_p50_p99"]) == [4.0, 4.0]
+    assert list(rows["pod-a"]["reuse_gap_p50_p99"]) == [1.5, 2.48], "gaps of 0.5 and 2.5 s"

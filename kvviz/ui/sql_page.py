@@ -30,6 +30,12 @@ EXAMPLES = {
         "SELECT run_id, count(*) AS lives, avg(lifetime_steps) AS mean_lifetime_steps,\n"
         "       avg(idle_steps) AS mean_idle_steps, avg(lifetime_s) AS mean_lifetime_s, sum(hits) AS hits\n"
         "FROM block_lifetimes WHERE removed_step IS NOT NULL GROUP BY run_id"),
+    "Capture lifetimes, idle times and reuse gaps (s)": (
+        "SELECT run_id, coalesce(replica, 'replica-0') AS replica,\n"
+        "       quantile_cont(lifetime_s, [0.5, 0.99]) AS lifetime_p50_p99,\n"
+        "       quantile_cont(idle_s, [0.5, 0.99]) AS idle_p50_p99,\n"
+        "       quantile_cont(reuse_gap_s, [0.5, 0.99]) AS reuse_gap_p50_p99\n"
+        "FROM kv_events WHERE lifetime_s IS NOT NULL OR reuse_gap_s IS NOT NULL GROUP BY ALL"),
     "Block occupancy": "SELECT run_id, step, used, cached, free FROM block_occupancy ORDER BY run_id, step",
     "Findings by kind": "SELECT kind, count(*) AS n, max(mass) AS max_mass FROM findings GROUP BY kind",
     "Positional entropy by position": "SELECT request_id, position, avg(entropy) AS entropy_nats, "
