@@ -67,23 +67,28 @@ def occupancy(con: duckdb.DuckDBPyConnection, run_id: str, start: float, end: fl
     epochs = ("SELECT replica, restart, step, ts, row_number() OVER (PARTITION BY replica, restart ORDER BY step) "
               "AS epoch FROM (SELECT DISTINCT coalesce(replica, 'replica-0') AS replica, coalesce(restart, 0) AS "
               "restart, step, ts FROM kv_events WHERE run_id = $run AND kind = 'AllBlocksCleared' AND ts <= $b)")
+    clears = con.execute(epochs, {"run": run_id, "b": end}).df()
+    ev = (f"SELECT coalesce(replica, 'replica-0') AS replica, coalesce(restart, 0) AS restart, step, ts, "
+          f"{SPLITS[split]} AS series, CASE WHEN kind = 'BlockStored' THEN 1 ELSE -1 END AS delta FROM kv_events "
+          f"WHERE run_id = $run AND kind IN ('BlockStored', 'BlockRemoved') AND {_NEW} AND ts <= $b")
+    if clears.empty:  # the common case: no epoch to look up for every row
+        changes = (f"SELECT replica, restart, 0 AS epoch, series, {bucket} AS t, sum(delta) AS delta FROM ({ev}) "
+                   "GROUP BY ALL")
+    else:
+        changes = (f"SELECT e.replica, e.restart, coalesce(k.epoch, 0) AS epoch, e.series, "
+                   f"{bucket.replace('ts', 'e.ts')} AS t, sum(e.delta) AS delta FROM ({ev}) e ASOF LEFT JOIN "
+                   f"({epochs}) k ON e.replica = k.replica AND e.restart = k.restart AND k.step <= e.step GROUP BY ALL")
     levels = con.execute(
-        f"WITH clears AS ({epochs}), ev AS (SELECT coalesce(replica, 'replica-0') AS replica, "
-        f"coalesce(restart, 0) AS restart, step, ts, {SPLITS[split]} AS series, "
-        f"CASE WHEN kind = 'BlockStored' THEN 1 ELSE -1 END AS delta FROM kv_events WHERE run_id = $run AND "
-        f"kind IN ('BlockStored', 'BlockRemoved') AND {_NEW} AND ts <= $b), "
-        "changes AS (SELECT e.replica, e.restart, coalesce(k.epoch, 0) AS epoch, e.series, "
-        f"{bucket.replace('ts', 'e.ts')} AS t, sum(e.delta) AS delta FROM ev e ASOF LEFT JOIN clears k ON "
-        "e.replica = k.replica AND "
-        "e.restart = k.restart AND k.step <= e.step GROUP BY ALL) "
-        "SELECT replica, restart, epoch, series, t, sum(delta) OVER (PARTITION BY replica, restart, epoch, series "
-        "ORDER BY t) AS cached FROM changes ORDER BY t, restart, epoch", args).df()
+        f"SELECT replica, restart, epoch, series, t, sum(delta) OVER (PARTITION BY replica, restart, epoch, series "
+        f"ORDER BY t) AS cached FROM ({changes}) ORDER BY t, restart, epoch", args).df()
     if levels.empty:
         return pd.DataFrame({"interval_start": [], "series": [], "cached": []})
-    begins = con.execute(  # where each replica's epochs begin: its clears, and its restarts' first message
-        f"SELECT replica, restart, epoch, {bucket} AS t FROM ({epochs}) UNION ALL "
-        f"SELECT coalesce(replica, 'replica-0'), coalesce(restart, 0), 0, {bucket.replace('ts', 'min(ts)')} "
-        "FROM kv_events WHERE run_id = $run AND ts <= $b GROUP BY ALL", args).df()
+    restarts = con.execute(  # where each replica's restarts begin (a new process caches nothing)
+        f"SELECT coalesce(replica, 'replica-0') AS replica, restart, 0 AS epoch, {bucket.replace('ts', 'min(ts)')} "
+        "AS t FROM kv_events WHERE run_id = $run AND restart > 0 AND ts <= $b GROUP BY ALL", args).df()
+    first = levels.groupby("replica", as_index=False).t.min().assign(restart=0, epoch=0)
+    begins = pd.concat([first, restarts, clears.assign(t=np.maximum(np.floor(clears.ts / width) * width, a0))
+                        [["replica", "restart", "epoch", "t"]]], ignore_index=True)
     grid = np.arange(a0, np.floor(end / width) * width + width / 2, width)  # the intervals holding [start, end]
     out = []
     for replica, mine in levels.groupby("replica"):
