@@ -309,7 +309,9 @@ def test_a_long_capture_is_looked_at_over_a_time_range_not_message_by_message(em
     at.segmented_control(key="insp_view").set_value("Prefix tree").run()
     assert "insp_reuse_tree" in charts(at) and not at.exception
     at.radio(key="insp_tree_how").set_value("as stored, block by block").run()
-    assert any("by the end of the range (message 50)" in c.value for c in at.caption)
+    assert any("stored in the range (messages 0 to 50)" in c.value for c in at.caption)
+    at.slider(key="insp_range").set_value((100.0, 150.0)).run()
+    assert any("All " in c.value and "(messages 100 to 150)" in c.value for c in at.caption), "the range's own blocks"
     at.button(key="insp_range_all").click().run()
     assert at.slider(key="insp_range").value == (0.0, MANY_STEPS + 98)
 

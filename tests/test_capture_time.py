@@ -84,6 +84,7 @@ def test_churn_hits_and_the_most_reused_prefix_with_its_chain(run):
         churn = capture_time.churn(con, run_id, 1000.0, 1006.0, 1.0)
         top = capture_time.shared_prefixes(con, run_id, 1000.0, 1006.0)
         chain = capture_time.chain(con, run_id, "pod-a", 2)
+        assert capture_time.reports_hits(con, run_id), "pod-a's repeated stores of block 1"
     a = churn[churn.replica == "pod-a"].set_index("interval_start")
     assert a.stored.sum() == 4 and a.hits.sum() == 2 and a.evicted.sum() == 1
     assert a.hit_tokens.sum() == 4 and a.miss_tokens.sum() == 8
@@ -114,6 +115,7 @@ def test_a_dataset_written_before_lifetimes_imports_with_them_null(tmp_path):
         with store.read() as con:
             got = con.execute("SELECT count(*), count(lifetime_s), count(reuse_gap_s) FROM kv_events "
                               "WHERE run_id = ?", [run_id]).fetchone()
+            assert not capture_time.reports_hits(con, run_id), "every block stored once: no hit reported"
         assert got == (4, 0, 0)
 
 

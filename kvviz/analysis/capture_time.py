@@ -158,7 +158,15 @@ def measured(con: duckdb.DuckDBPyConnection, run_id: str) -> bool:
     return bool(measured_) or not removals
 
 
-def last_step(con: duckdb.DuckDBPyConnection, run_id: str, end: float) -> int:
-    """The last message at or before `end` (the prefix tree is drawn as it stood then)."""
-    step = con.execute("SELECT max(step) FROM kv_events WHERE run_id = ? AND ts <= ?", [run_id, end]).fetchone()[0]
-    return -1 if step is None else int(step)
+def reports_hits(con: duckdb.DuckDBPyConnection, run_id: str) -> bool:
+    """Does the capture hold any hit (a repeated store of a cached block)? Without them (vLLM's default
+    report mode) a capture cannot tell what was served from the cache."""
+    return bool(con.execute("SELECT count(*) FILTER (repeat) FROM kv_events WHERE run_id = ? AND kind = 'BlockStored'",
+                            [run_id]).fetchone()[0])
+
+
+def steps_in(con: duckdb.DuckDBPyConnection, run_id: str, start: float, end: float) -> tuple[int, int]:
+    """The first and last messages of a time range (-1 where none)."""
+    lo, hi = con.execute("SELECT min(step) FILTER (ts >= $a), max(step) FILTER (ts <= $b) FROM kv_events "
+                         "WHERE run_id = $run", {"run": run_id, "a": start, "b": end}).fetchone()
+    return (-1 if lo is None else int(lo)), (-1 if hi is None else int(hi))

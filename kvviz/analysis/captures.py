@@ -21,11 +21,12 @@ def groups(con: duckdb.DuckDBPyConnection, run_id: str, replica: str | None = No
 
 
 def prefix_tree(con: duckdb.DuckDBPyConnection, run_id: str, max_nodes: int = 3000,
-                replica: str | None = None, group: int | None = None) -> pd.DataFrame:
+                replica: str | None = None, group: int | None = None, since: int = 0) -> pd.DataFrame:
     """One row per stored block hash (of one replica and KV group, or all): its parent, its salts
     (more than one: shared across tenants), LoRA, the tiers (media) it was stored on, when it was first
     stored and when it left the cache for good (its BlockRemoved or an AllBlocksCleared at or after its
-    last store; null while it is still cached at the end), and its tokens; the first `max_nodes` stored.
+    last store; null while it is still cached at the end), and its tokens; the first `max_nodes` stored
+    from message `since` on.
 
     The first blocks are found among the earliest stores (a top-N over the capture, not a grouping of
     all of it: 0.4 s rather than 2 s on 10 million events), widening the search when repeats crowd
@@ -35,7 +36,8 @@ def prefix_tree(con: duckdb.DuckDBPyConnection, run_id: str, max_nodes: int = 30
             "WITH ev AS (SELECT step, kind, block_hash, parent_hash, salt, lora_name, medium, token_ids FROM kv_events "
             "WHERE run_id = $run AND ($replica IS NULL OR coalesce(replica, 'replica-0') = $replica) "
             "AND ($group IS NULL OR group_idx = $group)), "
-            "earliest AS (SELECT block_hash, step FROM ev WHERE kind = 'BlockStored' ORDER BY step, block_hash "
+            "earliest AS (SELECT block_hash, step FROM ev WHERE kind = 'BlockStored' AND step >= $since "
+            "ORDER BY step, block_hash "
             "LIMIT coalesce($window, 9223372036854775807)), "
             "chosen AS (SELECT block_hash FROM earliest GROUP BY block_hash ORDER BY min(step), block_hash "
             "LIMIT $max), "
@@ -52,23 +54,26 @@ def prefix_tree(con: duckdb.DuckDBPyConnection, run_id: str, max_nodes: int = 30
             "SELECT s.* EXCLUDE (last_stored), least(r.removed_step, c.cleared_step) AS removed_step FROM stored s "
             "LEFT JOIN removed r USING (block_hash) LEFT JOIN cleared c USING (block_hash) "
             "ORDER BY stored_step, block_hash",
-            {"run": run_id, "replica": replica, "group": group, "max": max_nodes, "window": window}).df()
+            {"run": run_id, "replica": replica, "group": group, "max": max_nodes, "window": window,
+             "since": since}).df()
 
     tree = first(20 * max_nodes)
-    if len(tree) < max_nodes and len(tree) < stored_blocks(con, run_id, replica, group=group):
+    if len(tree) < max_nodes and len(tree) < stored_blocks(con, run_id, replica, group=group, since=since):
         tree = first(None)
     return tree
 
 
 def stored_blocks(con: duckdb.DuckDBPyConnection, run_id: str, replica: str | None = None,
-                  until: int | None = None, group: int | None = None) -> int:
-    """How many distinct blocks (replica, KV group and hash) were stored by message `until`: what a
-    capped tree leaves out."""
+                  until: int | None = None, group: int | None = None, since: int = 0) -> int:
+    """How many distinct blocks (replica, KV group and hash) were stored from message `since` to
+    message `until`: what a capped tree leaves out."""
     return con.execute("SELECT count(DISTINCT (coalesce(replica, 'replica-0'), group_idx, block_hash)) FROM kv_events "
                        "WHERE run_id = $run AND kind = 'BlockStored' AND "
                        "($replica IS NULL OR coalesce(replica, 'replica-0') = $replica) AND "
-                       "($until IS NULL OR step <= $until) AND ($group IS NULL OR group_idx = $group)",
-                       {"run": run_id, "replica": replica, "until": until, "group": group}).fetchone()[0]
+                       "step >= $since AND ($until IS NULL OR step <= $until) AND "
+                       "($group IS NULL OR group_idx = $group)",
+                       {"run": run_id, "replica": replica, "until": until, "group": group, "since": since}
+                       ).fetchone()[0]
 
 
 def reuse_tree(con: duckdb.DuckDBPyConnection, run_id: str, start: float, end: float, replica: str | None = None,

@@ -39,7 +39,7 @@ def activity(churn: pd.DataFrame, origin: float, width: float, reasons: pd.DataF
         for reason, part in reasons.groupby("reason", sort=True):
             fig.add_trace(go.Bar(x=part.interval_start - origin, y=part.lookups, name=f"miss: {reason}",
                                  marker_color=REASONS.get(reason, "#888")), row=2, col=1)
-    fig.update_layout(barmode="relative", height=440, margin=MARGIN, legend={"orientation": "h"},
+    fig.update_layout(barmode="relative", height=460, margin=MARGIN, legend={"orientation": "h", "y": -0.22},
                       dragmode="select", selectdirection="h")
     fig.update_xaxes(title="seconds since the capture began (drag across the chart to choose a range)", row=2, col=1)
     return fig
@@ -52,7 +52,8 @@ def occupancy(df: pd.DataFrame, origin: float, split: str) -> go.Figure:
     for name, part in df.groupby("series", sort=True):
         fig.add_trace(go.Scatter(x=part.interval_start - origin, y=part.cached, name=str(name), stackgroup="one",
                                  line={"color": colours[name], "shape": "hv", "width": 1}))
-    fig.update_layout(height=360, margin=MARGIN, legend={"orientation": "h"}, title=f"blocks cached, per {split}")
+    fig.update_layout(height=400, margin=MARGIN, legend={"orientation": "h", "y": -0.25, "traceorder": "normal"},
+                      title=f"blocks cached, per {split}")
     fig.update_xaxes(title="seconds since the capture began")
     fig.update_yaxes(title="blocks")
     return fig

@@ -86,7 +86,12 @@ def _activity(con, info: RunInfo, span: capture_time.Span, a: float, b: float) -
     c[1].metric("hits", f"{int(total.hits):,}", help="stores of a block already cached: vLLM reports them with "
                 "kv_cache_report_mode=\"full\" (otherwise a capture sees no hits)")
     tokens = total.hit_tokens + total.miss_tokens
-    c[2].metric("hit rate (tokens)", f"{total.hit_tokens / tokens:.0%}" if tokens else "-")
+    if capture_time.reports_hits(con, info.run_id):
+        c[2].metric("hit rate (tokens)", f"{total.hit_tokens / tokens:.0%}" if tokens else "-")
+    else:
+        c[2].metric("hit rate (tokens)", "not reported", help="This capture holds no repeated store of a cached "
+                    "block: its server did not report hits (vLLM: kv_cache_report_mode=\"full\"), so the events "
+                    "cannot tell how many tokens were served from the cache.")
     c[3].metric("evicted", f"{int(total.evicted):,}")
     reasons = _reasons(con, info, width) if _explain_wanted(con, info) else None
     event = st.plotly_chart(time_fig.activity(churn, span.start, width, reasons), width="stretch",
@@ -169,8 +174,11 @@ def _shared(con, info: RunInfo, span: capture_time.Span, a: float, b: float) -> 
         return
     table = top.assign(block_hash=top.block_hash.map("{:016x}".format), first_ts=top.first_ts - span.start).rename(
         columns={"first_ts": "first seen (s)", "group_idx": "KV group"})
+    table = table.drop(columns=[c for c, empty in (("KV group", top.group_idx.isna().all()),
+                                                   ("sessions", not top.sessions.any())) if empty])
     st.caption("The blocks most reused in the range (hits first). Tenants counts the salts that stored or hit "
-               "it: more than one is reuse across tenants. Pick a row for its chain and tokens.")
+               "it: more than one is reuse across tenants. A shared prefix of several blocks shows as several rows. "
+               "Pick a row for its chain and token ids.")
     picked = st.dataframe(table, hide_index=True, width="stretch", key="insp_shared", on_select="rerun",
                           selection_mode="single-row")
     rows = picked.selection.rows if picked else []
@@ -178,7 +186,8 @@ def _shared(con, info: RunInfo, span: capture_time.Span, a: float, b: float) -> 
         row = top.iloc[rows[0]]
         group = None if pd.isna(row.group_idx) else int(row.group_idx)
         chain = capture_time.chain(con, info.run_id, row.replica, int(row.block_hash), group)
-        st.caption(f"Its chain on {row.replica}, root first ({len(chain)} blocks):")
+        st.caption(f"Its chain on {row.replica}, root first ({len(chain)} block{'s' if len(chain) > 1 else ''}; "
+                   "token ids as the server sent them):")
         st.dataframe(chain.assign(block_hash=chain.block_hash.map("{:016x}".format)), hide_index=True,
                      width="stretch", key="insp_chain")
 
@@ -203,18 +212,18 @@ def _tree(con, info: RunInfo, names: list[str], a: float, b: float) -> None:
                    "children is one segment; click a segment to open its subtree, the bar above it to go back. Red: "
                    f"used by more than one tenant. {len(tree):,} segments of {int(tree.blocks.sum()):,} blocks.")
         return
-    step = capture_time.last_step(con, info.run_id, b)
-    nodes = captures.prefix_tree(con, info.run_id, replica=replica, group=group)
-    if nodes.empty:
-        st.info("The capture stored no blocks.")
-        return
+    since, step = capture_time.steps_in(con, info.run_id, a, b)
+    nodes = captures.prefix_tree(con, info.run_id, replica=replica, group=group, since=since)
     nodes = nodes[nodes.stored_step <= step]
+    if nodes.empty:
+        st.info("No block was stored in this range.")
+        return
     nodes = nodes.assign(removed_step=nodes.removed_step.where(nodes.removed_step <= step))  # not yet removed
     st.plotly_chart(tree_fig.prefix_tree(nodes), width="stretch", key="insp_tree")
-    total = captures.stored_blocks(con, info.run_id, replica, step, group)
-    shown = f"{len(nodes):,} blocks" if total == len(nodes) else f"the first {len(nodes):,} of {total:,} blocks"
-    st.caption(f"{shown} stored by the end of the range (message {step}){where}; hollow: removed (evicted) by "
-               "then. Colour: cache salt (tenant).")
+    total = captures.stored_blocks(con, info.run_id, replica, step, group, since)
+    shown = f"All {len(nodes):,} blocks" if total == len(nodes) else f"The first {len(nodes):,} of {total:,} blocks"
+    st.caption(f"{shown} stored in the range (messages {since} to {step}){where}; hollow: removed (evicted) by "
+               "its end. Colour: cache salt (tenant).")
 
 
 def _findings(con, info: RunInfo) -> None:
