@@ -236,8 +236,9 @@ def test_an_uploaded_capture_opens_with_the_views_it_supports(empty_db, tmp_path
     assert reasons.get("miss: cold") == 2 and not at.exception, "11 -> 12, then 21 after 12: tokens never cached"
     at.segmented_control(key="insp_view").set_value("Prefix tree").run()
     [icicle] = charts(at)["insp_reuse_tree"]["data"]
-    assert values(icicle["ids"]) == [f"{21:016x}"], "11-12-21: one chain of single children, one segment"
-    assert values(icicle["marker"]["colors"]) == ["#d62728"], "11 was used by two tenants"
+    assert values(icicle["ids"]) == ["all", f"{21:016x}"], "11-12-21: one chain of single children, one segment"
+    assert values(icicle["marker"]["colors"]) == ["#eceff1", "#d62728"], "11 was used by two tenants"
+    assert values(icicle["labels"]) == ["all blocks", "3 blocks from b"], "named by its first block, 11 = 0xb"
     at.radio(key="insp_tree_how").set_value("as stored, block by block").run()
     tree = charts(at)["insp_tree"]
     assert sum(len(values(t["x"])) for t in tree["data"][1:]) == 3  # three distinct hashes stored

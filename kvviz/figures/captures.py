@@ -78,14 +78,17 @@ def reuse_tree(df: pd.DataFrame, depth: int = 4) -> go.Figure:
     """df: captures.reuse_tree's segments. An icicle: width is use (stores and hits), a chain of
     single children is one segment, `depth` levels at a time; click a segment to open its subtree.
     Red: a segment more than one tenant used."""
-    label = [f"{b} blocks" if b > 1 else f.removeprefix("0000")[:8] for f, b in zip(df["first"], df.blocks,
-                                                                                    strict=True)]
-    colour = [LEAK if t > 1 else "#4c78a8" for t in df.tenants]
-    fig = go.Figure(go.Icicle(
-        ids=df.id, parents=df.parent, labels=label, values=df.uses, branchvalues="remainder", maxdepth=depth,
-        marker={"colors": colour}, customdata=df[["first", "blocks", "tokens", "hits", "salts"]].to_numpy(),
+    label = ["all blocks"] + [f"{b} blocks from {f.lstrip('0')[:8] or '0'}" if b > 1 else f.lstrip("0")[:12] or "0"
+                              for f, b in zip(df["first"], df.blocks, strict=True)]
+    colour = ["#eceff1"] + [LEAK if t > 1 else "#4c78a8" for t in df.tenants]
+    custom = df[["first", "blocks", "tokens", "hits", "salts"]].to_numpy()
+    fig = go.Figure(go.Icicle(  # one named root over the busiest subtrees, so the top band says what it is
+        ids=["all", *df.id], parents=["", *df.parent.replace("", "all")], labels=label, values=[0, *df.uses],
+        branchvalues="remainder", maxdepth=depth, marker={"colors": colour},
+        textfont={"color": ["#333333"] + ["#ffffff"] * len(df)},
+        customdata=[["", "", "", "", ""], *custom.tolist()],
         hovertemplate="from %{customdata[0]}: %{customdata[1]} blocks, %{customdata[2]} tokens<br>"
                       "used %{value} times, %{customdata[3]} hits<br>tenants: %{customdata[4]}<extra></extra>",
-        tiling={"orientation": "h"}, root={"color": "#eceff1"}))
+        tiling={"orientation": "h"}))
     fig.update_layout(height=520, margin={"l": 5, "r": 5, "t": 5, "b": 5})
     return fig
