@@ -7,7 +7,6 @@ the oracle that should see it. docs/faults.md explains each one and the real bug
 
 from __future__ import annotations
 
-import types
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -15,7 +14,6 @@ import torch
 
 from .engine import Defences
 from .engine.defences import NOT_OWNED, grouped_attend, shared_axis_mask
-from .engine.hashing import block_hash
 from .errors import WorkloadError
 
 
@@ -238,14 +236,60 @@ def _stale_hash(kv) -> None:
 
 
 def _unsalted_prefix(kv) -> None:
-    def unsalted(self, seq, i):
-        B = self.block_size
-        while len(seq.block_hashes) <= i:
-            j = len(seq.block_hashes)
-            parent = seq.block_hashes[j - 1] if j else None
-            seq.block_hashes.append(block_hash(parent, seq.token_ids[j * B:(j + 1) * B], seq.extra_keys))
-        return seq.block_hashes[i]
-    kv.block_hash = types.MethodType(unsalted, kv)
+    keys = kv.hash_keys
+    kv.hash_keys = lambda seq: tuple(k for k in keys(seq) if k[0] != "salt")
+
+
+def _offload_wrong_block(kv) -> None:
+    host = kv.host
+    if host is not None:
+        address = host.address
+        host.address = lambda h: (address(h) + 1) % host.num_blocks  # the neighbouring host block
+
+
+def _offload_stale_restore(kv) -> None:
+    host = kv.host
+    if host is not None:
+        forget = host.forget
+
+        def keep_hash(b, request):
+            old = host.hashes[b]
+            forget(b, request)
+            host.cached[old] = b  # the entry survives while the host block takes other content
+        host.forget = keep_hash
+
+
+def _transfer_wrong_request(kv) -> None:
+    copy_in, previous = kv.copy_in, []
+
+    def copy_previous(source, blocks, n):
+        sent = previous[:] or source  # the buffer still holds the previous request's prefill
+        previous[:] = source
+        return copy_in(sent, blocks, n)
+    kv.copy_in = copy_previous
+
+
+def _transfer_failed_silently(kv) -> None:
+    kv.copy_in = lambda source, blocks, n: "ok"  # nothing arrived; the status says it did
+
+
+def _untagged_namespace(kv) -> None:
+    keys = kv.hash_keys
+    kv.hash_keys = lambda seq: tuple(name for _, name in keys(seq))  # "foo" the salt == "foo" the adapter
+
+
+def _stale_hash_after_truncate(kv) -> None:
+    def resume(seq_id, hashes, keep):
+        kv.seqs[seq_id].block_hashes = list(hashes)  # every old hash kept, also past the truncation
+    kv.resume = resume
+
+
+def _partial_hash_promoted(kv) -> None:
+    def resume(seq_id, hashes, keep):
+        # the block cut by the truncation keeps its old hash: once it fills with new tokens, that hash
+        # (of the old tokens) names it
+        kv.seqs[seq_id].block_hashes = list(hashes[:-(-keep // kv.block_size)])
+    kv.resume = resume
 
 
 FAULTS: dict[str, Fault] = {f.name: f for f in [
@@ -284,6 +328,31 @@ FAULTS: dict[str, Fault] = {f.name: f for f in [
     Fault("unsalted_prefix", "prefix-cache hash key", "the tenant salt is left out: tenants share prefix blocks",
           "CVE-2025-46570, vLLM RFC #16016 (timing side channel)", ("cross_tenant",), None,
           _pool_patch(_unsalted_prefix)),
+    Fault("offload_wrong_block", "offload restore",
+          "a restore from the host tier copies the neighbouring host block instead of the one hashed",
+          "TensorRT-LLM PR #8830 (offloaded blocks restored with another block's state)", ("foreign", "stale"), None,
+          _pool_patch(_offload_wrong_block)),
+    Fault("offload_stale_restore", "host-tier eviction",
+          "a host block taken for other content keeps its old hash: a later hit restores the new content",
+          "TensorRT-LLM #8813 (other prompts' tokens in outputs); vLLM #4761 on the host tier", ("foreign",), None,
+          _pool_patch(_offload_stale_restore)),
+    Fault("transfer_wrong_request", "KV transfer",
+          "the decode instance receives the previous request's prefill instead of this one's",
+          "vLLM #52234 (the previous prompt's answer)", ("foreign", "stale"), None,
+          _pool_patch(_transfer_wrong_request)),
+    Fault("transfer_failed_silently", "KV transfer",
+          "a failed transfer reports success: the decode blocks stay unwritten and decoding goes on",
+          "vLLM #52234 (HTTP 200 with garbage after a failed transfer)", ("stale",), None,
+          _pool_patch(_transfer_failed_silently)),
+    Fault("untagged_namespace", "prefix-cache hash key",
+          "namespaces enter the hash untagged: a salt and an adapter of the same name share blocks",
+          "vLLM #51899 (a LoRA named like a cache_salt)", ("foreign",), None, _pool_patch(_untagged_namespace)),
+    Fault("stale_hash_after_truncate", "session resume",
+          "a session resubmitted with a shorter history keeps every old block hash: new tokens map to old KV",
+          "vLLM #49449, #49377", ("foreign",), None, _pool_patch(_stale_hash_after_truncate)),
+    Fault("partial_hash_promoted", "session resume",
+          "the block a truncation cuts keeps the hash of its old full content, reused once it fills again",
+          "vLLM #49125", ("foreign",), None, _pool_patch(_partial_hash_promoted)),
     Fault("wrong_slot_mapping", "slot mapping", "writes assume a request's new slots are contiguous",
           "TGI #2711", ("foreign", "stale"), None, _wrong_slot_mapping),
 ]}

@@ -32,6 +32,7 @@ class Scenario:
     workload: dict
     fault: str | None = None
     tight_pool: bool = False  # size the pool to the largest request + 1 block, for any tokenizer
+    host_share: float = 1.0  # a tight pool's host tier (offloading), as a share of the pool
 
     def build(self, tokenizer) -> dict:
         """The workload for a model, a copy the caller owns (sessions share the catalogue): a tight pool
@@ -41,6 +42,8 @@ class Scenario:
             B = wl["engine"]["block_size"]
             longest = max(len(tokenizer(r["prompt"]).input_ids) + r["max_new_tokens"] for r in wl["requests"])
             wl["engine"]["num_blocks"] = -(-longest // B) + 1
+            if wl["engine"].get("offload"):
+                wl["engine"]["offload"] = {"cpu_blocks": max(1, int(wl["engine"]["num_blocks"] * self.host_share))}
         return wl
 
     @property
@@ -57,6 +60,32 @@ _CHAT = {"requests": [_req(f"u{i}", f"{SYSTEM}\nUser: {q}\nAssistant:", 8, arriv
                       for i, q in enumerate(["What colour is the sky?", "Name a prime number.",
                                              "What is the capital of Italy?", "How many legs has a spider?"])],
          "engine": _engine()}
+
+
+def _two_tenants(a: dict, b: dict) -> dict:
+    """The same system prompt from A and, two steps later, B, each with its namespaces."""
+    return {"requests": [_req("A", SYSTEM + " Hi.", 4, **a), _req("B", SYSTEM + " Hello.", 4, arrival_step=2, **b)],
+            "engine": _engine()}
+
+
+_DISAGGREGATED = {"requests": [_req("A", "The capital of France is"), _req("B", "Water boils at a temperature of", 8,
+                                                                           arrival_step=1)],
+                  "engine": _engine(disaggregated=True)}
+
+
+def _offload() -> dict:
+    """A's system prompt is pushed out of a tight device pool by two other prompts, then sent again."""
+    return {"requests": [_req("A", SYSTEM, 1), _req("B", "Unrelated filler text " * 6, 2, arrival_step=1),
+                         _req("D", "Different words to push the filler out " * 3, 2, arrival_step=4),
+                         _req("C", SYSTEM + " Again.", 6, arrival_step=7)],
+            "engine": _engine(offload={"cpu_blocks": 1})}
+
+
+def _session(keep: int) -> dict:
+    """A chat turn, then the same session resubmitted cut to its first `keep` tokens with a new question."""
+    return {"requests": [_req("A", "User: Name three colours.\nAssistant:", 8),
+                         _req("B", " Name three fruits instead.", 6, parent="A", truncate=keep, arrival_step=12)],
+            "engine": _engine()}
 
 
 def _three(isolation: str) -> dict:
@@ -122,9 +151,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
              "Two tenants send the same system prompt; without the salt their prefix blocks are shared. "
              "Attention is correct (the content is identical), yet a trust boundary is crossed: the timing side "
              "channel of prompt caching. Only the cross-tenant check sees it.",
-             {"requests": [_req("A", SYSTEM + " Hi.", 4, cache_salt="tenant-a"),
-                           _req("B", SYSTEM + " Hello.", 4, cache_salt="tenant-b", arrival_step=2)],
-              "engine": _engine()}, "unsalted_prefix"),
+             _two_tenants({"cache_salt": "tenant-a"}, {"cache_salt": "tenant-b"}), "unsalted_prefix"),
     Scenario("wrong_slot_mapping", "Slot mapping assumes contiguous slots",
              "Two requests finish and free their blocks; the next prompt gets those recycled blocks, which are "
              "not physically contiguous. Writes that assume contiguous slots land in the wrong blocks: the "
@@ -132,6 +159,36 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
              {"requests": [_req("P", "First short prompt", 1), _req("Q", "Second short prompt", 1),
                            _req("B", "A longer prompt written into recycled, scattered blocks", 4, arrival_step=1)],
               "engine": _engine(block_size=2, prefix_caching=False)}, "wrong_slot_mapping"),
+    Scenario("offload_wrong_block", "Offloaded block restored from the wrong host block",
+             "A's system prompt is evicted from the device pool by B and kept on the host tier; C sends the same "
+             "prompt and its blocks are restored, each from the host block next to the right one: C reads keys "
+             "of other positions, or never written.", _offload(), "offload_wrong_block", tight_pool=True),
+    Scenario("offload_stale_restore", "Host block overwritten after its hash was kept",
+             "The host tier holds half the pool: offloading B's and D's blocks takes the host blocks that held A's "
+             "prompt, but their hashes stay. When C sends A's prompt, it 'hits' on the host and restores others' "
+             "keys.", _offload(), "offload_stale_restore", tight_pool=True, host_share=0.5),
+    Scenario("transfer_wrong_request", "Disaggregated prefill: the wrong request's K/V",
+             "A prefill instance computes each prompt and transfers its K/V to the decode instance. The transfer "
+             "sends what the buffer held before: B decodes on A's prompt and answers A's question.",
+             _DISAGGREGATED, "transfer_wrong_request"),
+    Scenario("transfer_failed_silently", "Disaggregated prefill: a failed transfer that says ok",
+             "The transfer fails but reports success: the decode instance's blocks were never written, and every "
+             "request decodes on whatever they held, with a success status.", _DISAGGREGATED,
+             "transfer_failed_silently"),
+    Scenario("untagged_namespace", "A salt and an adapter of the same name",
+             "Tenant A's requests carry the salt 'foo'; B runs under an adapter that is also called 'foo'. With "
+             "namespaces hashed untagged both become the extra key 'foo': B reuses blocks whose keys and values the "
+             "base model computed for A, though its adapter would have computed others.",
+             _two_tenants({"cache_salt": "foo"}, {"adapter": "foo"}), "untagged_namespace"),
+    Scenario("stale_hash_after_truncate", "Stale hashes after a session is truncated",
+             "A chat turn finishes; the user edits it, and the session is resubmitted cut to its first 8 tokens "
+             "with a new question. Keeping every old block hash makes the new question's blocks 'hit' the old "
+             "turn's: the request reads the old tokens' keys where its new ones belong.", _session(8),
+             "stale_hash_after_truncate"),
+    Scenario("partial_hash_promoted", "A partial block's outdated hash promoted",
+             "The session is cut inside a block (10 tokens, blocks of 4): the cut block keeps the hash it had when "
+             "it was full of the old tokens, and when the new question fills it, that hash names it.",
+             _session(10), "partial_hash_promoted"),
     Scenario("control_shared_system_prompt", "Control: a shared system prompt",
              "Users share a system prompt through the prefix cache with correct defences: zero foreign weight.",
              _CHAT),

@@ -1,8 +1,8 @@
 """Workload files: the requests to run, the engine settings and the seed, validated field by field.
 
 {"requests": [{"id": "A", "prompt": "text" | "prompt_ids": [..], "max_new_tokens": 16,
-  "arrival_step": 0, "cache_salt": "tenant-1", "parent": "id to fork from",
-  "temperature": 0.0, "top_p": 1.0, "ignore_eos": false}],
+  "arrival_step": 0, "cache_salt": "tenant-1", "adapter": "adapter name", "parent": "id to fork from",
+  "truncate": 12, "temperature": 0.0, "top_p": 1.0, "ignore_eos": false}],
  "engine": {"block_size": 16, "num_blocks": 256, "max_batch_tokens": 256, "isolation": "paged",
   "compute": "inspect", "prefix_caching": true},
  "seed": 0}
@@ -28,7 +28,9 @@ class RequestSpec:
     max_new_tokens: int = 16
     arrival_step: int = 0
     cache_salt: str | None = None
-    parent: str | None = None
+    adapter: str | None = None  # a LoRA-style adapter name: a namespace of the cache and of the K/V content
+    parent: str | None = None  # fork from this request (share its blocks), or with `truncate` resume its session
+    truncate: int | None = None  # resubmit the parent's session cut to its first N tokens, then this prompt
     temperature: float = 0.0
     top_p: float = 1.0
     ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks)
@@ -114,10 +116,16 @@ def _request(r: object, where: str, earlier: dict[str, RequestSpec]) -> RequestS
         raise WorkloadError(f"{where}.prompt_ids: must be a list of non-negative integer token ids")
     if parent is None and not prompt and not ids:
         raise WorkloadError(f"{where}: needs a non-empty prompt or prompt_ids (or a parent to fork from)")
+    if r.get("truncate") is not None and parent is None:
+        raise WorkloadError(f"{where}.truncate: cuts the parent's session; give the parent to resume")
+    if r.get("truncate") == 0 and not prompt and not ids:
+        raise WorkloadError(f"{where}: truncate 0 keeps none of the parent's tokens; give a prompt")
     checks = {
         "max_new_tokens": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
         "arrival_step": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
         "cache_salt": (lambda v: v is None or isinstance(v, str), "a string or null"),
+        "adapter": (lambda v: v is None or (isinstance(v, str) and v.strip() != ""), "a non-empty string or null"),
+        "truncate": (lambda v: v is None or (_is_int(v) and v >= 0), "an integer >= 0 or null"),
         "temperature": (lambda v: _is_number(v) and v >= 0, "a number >= 0"),
         "top_p": (lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]"),
         "ignore_eos": (lambda v: isinstance(v, bool), "true or false"),
@@ -131,8 +139,9 @@ def _request(r: object, where: str, earlier: dict[str, RequestSpec]) -> RequestS
         p = earlier[parent]
         if r.get("arrival_step", 0) < p.arrival_step:
             raise WorkloadError(f"{where}.arrival_step: a fork cannot arrive before its parent {parent!r}")
-        if r.get("cache_salt") not in (None, p.cache_salt):
-            raise WorkloadError(f"{where}.cache_salt: a fork shares its parent's blocks and so its tenant; "
-                                f"omit it or use {p.cache_salt!r}")
-        r = {**r, "cache_salt": p.cache_salt}
+        for name in ("cache_salt", "adapter"):
+            if r.get(name) not in (None, getattr(p, name)):
+                raise WorkloadError(f"{where}.{name}: a fork or a resumed session keeps its parent's {name}; "
+                                    f"omit it or use {getattr(p, name)!r}")
+        r = {**r, "cache_salt": p.cache_salt, "adapter": p.adapter}
     return RequestSpec(**r)

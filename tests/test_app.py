@@ -4,6 +4,7 @@ list. Chart clicks cannot be driven here; the browser test (test_browser.py) cli
 
 import base64
 import json
+import re
 import zipfile
 from pathlib import Path
 
@@ -126,6 +127,23 @@ def test_run_page_custom_workload_refused_with_the_field_named(empty_db):
     assert not at.exception
     assert any("parent" in e.value for e in at.error), [e.value for e in at.error]
     assert not empty_db.exists() or run_ids(empty_db) == []
+
+
+def test_run_page_runs_a_resumed_session_with_a_host_tier_and_disaggregated_prefill(empty_db):
+    at = custom_requests({1: {"parent": "A", "truncate": 12, "cache_salt": None, "arrival_step": 12,
+                              "prompt": " and violet"}})
+    at.number_input(key="run_host_custom").set_value(32).run()
+    at.checkbox(key="run_dis_custom").check().run()
+    at.button(key="run_go").click().run()
+    assert not at.exception and not at.error, [e.value for e in at.error]
+    [run_id] = run_ids(empty_db)
+    with RunStore.open(empty_db).read() as con:
+        engine = json.loads(con.execute("SELECT engine FROM runs").fetchone()[0])
+        sent = con.execute("SELECT request_id FROM kv_transfers WHERE run_id = ? ORDER BY step", [run_id]).fetchall()
+        prompts = dict(con.execute("SELECT request_id, prompt_ids FROM requests WHERE run_id = ?", [run_id]).fetchall())
+    assert engine["offload"] == {"cpu_blocks": 32} and engine["disaggregated"] is True
+    assert [r for (r,) in sent] == ["A", "B"]
+    assert prompts["B"][:12] == prompts["A"][:12] and len(prompts["B"]) == 12 + len(" and violet")
 
 
 def test_inspector_shows_the_leak_of_a_faulty_run(with_runs):
@@ -409,3 +427,26 @@ def test_the_sql_pages_schema_shows_what_each_table_and_column_holds(with_runs):
     text = " ".join(m.value for m in at.markdown)
     assert "**runs** (table): One row per run" in text and "`status` varchar (running | complete | failed)" in text
     assert "**positional_entropy** (view)" in text
+
+
+def test_an_offloading_run_shows_its_host_tier_next_to_the_pool(tiny, tmp_path, monkeypatch):
+    db = tmp_path / "offload.duckdb"
+    system = "You are a helpful assistant. Answer in one short sentence."
+    wl = {"requests": [{"id": "A", "prompt": system, "max_new_tokens": 2},
+                       {"id": "B", "prompt": "Unrelated filler text " * 4, "max_new_tokens": 2, "arrival_step": 4},
+                       {"id": "D", "prompt": system + " Again.", "max_new_tokens": 3, "arrival_step": 9}],
+          "engine": {"block_size": 4, "num_blocks": 30, "offload": {"cpu_blocks": 20}}}
+    run_id = live.run(RunStore.open(db), tiny, wl).run_id
+    with RunStore.open(db).read() as con:
+        restored_at = con.execute("SELECT min(step) FROM block_events WHERE run_id = ? AND kind = 'restore'",
+                                  [run_id]).fetchone()[0]
+    assert restored_at is not None
+    monkeypatch.setenv("KVVIZ_DB", str(db))
+    at = page("inspector", run_id=run_id)
+    at.session_state["insp_step"] = restored_at
+    at.run()
+    host = charts(at)["insp_hostmap"]
+    assert "Host tier (CPU)" in host["layout"]["title"]["text"]
+    assert sum(len(values(t["x"])) for t in host["data"]) == 20  # every host block drawn
+    moved = next(c.value for c in at.caption if "This step:" in c.value)
+    assert int(re.search(r"(\d+) restored", moved).group(1)) > 0, moved

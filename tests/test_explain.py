@@ -167,3 +167,19 @@ def test_a_prefix_evicted_by_its_own_step_is_capacity_not_churn(tmp_path):
     # the capture counts messages, not engine steps: the same lookup, evicted in its own message
     assert [(e.hit_tokens, e.stop_block, e.evidence["removed_at"] == e.step) for e in from_capture] == [(8, 2, True)]
     assert got["A"].reason == got["Z"].reason == got["X"].reason == "cold"  # the controls: nothing to reuse
+
+
+def test_an_adapter_is_a_namespace_like_a_salt(tmp_path):
+    """The same prompt under salt "foo", then under adapter "foo", then under both: each misses the one
+    before as a namespace miss naming where the tokens are cached; the same adapter again hits."""
+    reqs = [{"id": "S", "prompt_ids": PROMPT, "max_new_tokens": 2, "cache_salt": "foo"},
+            {"id": "L", "prompt_ids": PROMPT, "max_new_tokens": 2, "adapter": "foo", "arrival_step": 3},
+            {"id": "SL", "prompt_ids": PROMPT, "max_new_tokens": 2, "cache_salt": "foo", "adapter": "foo",
+             "arrival_step": 6},
+            {"id": "L2", "prompt_ids": PROMPT, "max_new_tokens": 2, "adapter": "foo", "arrival_step": 9}]
+    store, run_id, _ = run(tmp_path, reqs, num_blocks=64)
+    with store.read() as con:
+        got = {e.request: e for e in explain_run(con, run_id)}
+    assert (got["L"].reason, got["L"].evidence) == ("namespace", {"cached_under": "foo"})
+    assert got["SL"].reason == "namespace" and got["SL"].evidence["cached_under"] in ("foo", "adapter foo")
+    assert got["L2"].hit_tokens == 20 and got["L2"].reason == "partial_block"

@@ -119,7 +119,8 @@ def test_catalogue_has_every_fault_of_the_issue():
     assert set(FAULTS) == {
         "boundary", "global", "positional", "padding_as_isolation", "softmax_then_mask", "additive_mask_sum",
         "low_precision_fill", "zero_block_table", "missing_cow", "early_free", "stale_hash", "unsalted_prefix",
-        "wrong_slot_mapping"}
+        "wrong_slot_mapping", "offload_wrong_block", "offload_stale_restore", "transfer_wrong_request",
+        "transfer_failed_silently", "untagged_namespace", "stale_hash_after_truncate", "partial_hash_promoted"}
     assert {s.fault for s in FAULTED} == set(FAULTS)
 
 

@@ -23,6 +23,26 @@ def block_map(con: duckdb.DuckDBPyConnection, run_id: str, step: int) -> pd.Data
         "GROUP BY ALL ORDER BY b.block", [run_id, step]).df()
 
 
+def host_map(con: duckdb.DuckDBPyConnection, run_id: str, step: int) -> pd.DataFrame:
+    """The host tier of an offloading run at a step, in block_map's columns (empty without one)."""
+    return con.execute(
+        "SELECT block, state, 0 AS refcount, hash, 0 AS lifetime, '' AS owners FROM host_blocks "
+        "WHERE run_id = ? AND step = ? ORDER BY block", [run_id, step]).df()
+
+
+def tier_moves(con: duckdb.DuckDBPyConnection, run_id: str, step: int) -> dict[str, int]:
+    """How many blocks a step offloaded, restored and dropped from the host tier."""
+    counts = dict(con.execute("SELECT kind, count(*) FROM block_events WHERE run_id = ? AND step = ? AND kind IN "
+                              "('offload', 'restore', 'host_evict') GROUP BY kind", [run_id, step]).fetchall())
+    return {k: int(counts.get(k, 0)) for k in ("offload", "restore", "host_evict")}
+
+
+def transfers(con: duckdb.DuckDBPyConnection, run_id: str, step: int) -> pd.DataFrame:
+    """Disaggregated prefill: the requests handed to the decode instance up to a step."""
+    return con.execute("SELECT step, request_id, blocks, bytes, status FROM kv_transfers WHERE run_id = ? AND "
+                       "step <= ? ORDER BY step, request_id", [run_id, step]).df()
+
+
 def leaky_blocks(con: duckdb.DuckDBPyConnection, run_id: str, step: int, block_size: int) -> set[int]:
     """Blocks holding keys that some query read at this step with a foreign or stale class."""
     rows = con.execute(
@@ -103,7 +123,8 @@ def block_story(con: duckdb.DuckDBPyConnection, run_id: str, step: int, block: i
     texts = token_texts(con, run_id)
     slots["text"] = [label(texts, t) for t in slots.token]
     events = con.execute("SELECT step, kind, request_id, refcount, source FROM block_events WHERE run_id = ? "
-                         "AND block = ? AND step <= ? ORDER BY step, seq", [run_id, block, step]).df()
+                         "AND block = ? AND step <= ? AND coalesce(medium, 'GPU') = 'GPU' ORDER BY step, seq",
+                         [run_id, block, step]).df()
     return BlockStory(block, row[0], row[1], _hex(row[2]), refs, chains, slots.drop(columns="lifetime"), events)
 
 

@@ -14,7 +14,7 @@ where the segment begins. Reasons, checked in this order:
   admitted before it: the pool could not hold this step's work and keep the prefix (a sizing
   problem, where `evicted` is churn);
 - evicted: the same block (same tokens, same salt) was cached and evicted in an earlier step;
-- namespace: the same tokens are cached under another salt;
+- namespace: the same tokens are cached under another salt (or adapter);
 - diverged: a cached chain under this salt shares the blocks before and differs inside this one (at
   which token, with both tokens), sharing at least one token;
 - cold: nothing with these tokens was cached before.
@@ -209,10 +209,11 @@ def explain_run(con: duckdb.DuckDBPyConnection, run_id: str) -> list[Explanation
     if con.execute("SELECT count(*) FROM kv_events WHERE run_id = ?", [run_id]).fetchone()[0]:
         return _explain_capture(con, run_id)
     B = int(json.loads(head[0] or "{}").get("block_size", 16))
-    events = [CacheEvent(step, "store" if kind == "cache" else "remove", h, parent, tuple(tokens or ()), salt)
-              for step, kind, h, parent, tokens, salt in con.execute(
-                  "SELECT step, kind, hash, parent_hash, token_ids, salt FROM block_events WHERE run_id = ? AND "
-                  "kind IN ('cache', 'evict') AND hash IS NOT NULL ORDER BY step, seq", [run_id]).fetchall()]
+    events = [CacheEvent(step, "store" if kind == "cache" else "remove", h, parent, tuple(tokens or ()),
+                         namespace(salt, adapter))
+              for step, kind, h, parent, tokens, salt, adapter in con.execute(
+                  "SELECT step, kind, hash, parent_hash, token_ids, salt, adapter FROM block_events WHERE run_id = ? "
+                  "AND kind IN ('cache', 'evict') AND hash IS NOT NULL ORDER BY step, seq", [run_id]).fetchall()]
     if not events and not con.execute("SELECT count(*) FROM cache_lookups WHERE run_id = ?", [run_id]).fetchone()[0]:
         raise StoreError(f"run {run_id} has no cache lookups to explain (recorded before kvviz recorded them, or a "
                          "run without the prefix cache's history)")
@@ -221,13 +222,23 @@ def explain_run(con: duckdb.DuckDBPyConnection, run_id: str) -> list[Explanation
         "SELECT request_id, prompt_ids, output_ids FROM requests WHERE run_id = ?", [run_id]).fetchall()}
     preempted = con.execute("SELECT DISTINCT request_id, step FROM block_events WHERE run_id = ? AND "
                             "kind = 'preempt' ORDER BY step", [run_id]).fetchall()
+    workload = json.loads(con.execute("SELECT workload FROM runs WHERE run_id = ?", [run_id]).fetchone()[0] or "{}")
+    adapters = {r.get("id"): r.get("adapter") for r in workload.get("requests", [])}
     out = []
     for step, req, salt, n, hit in con.execute("SELECT step, request_id, salt, tokens, hit_tokens FROM cache_lookups "
                                                "WHERE run_id = ? ORDER BY step, request_id", [run_id]).fetchall():
         before = [s for r, s in preempted if r == req and s < step]
-        out.append(history.explain(Lookup(req, step, tuple(tokens.get(req, [])[:n]), salt, hit,
-                                          before[-1] if before else None)))
+        out.append(history.explain(Lookup(req, step, tuple(tokens.get(req, [])[:n]), namespace(salt, adapters.get(req)),
+                                          hit, before[-1] if before else None)))
     return out
+
+
+def namespace(salt: str | None, adapter: str | None) -> str | None:
+    """What a lookup's blocks are keyed under: its salt, and its adapter when it has one (a block cached
+    under another adapter is another namespace, as a salt is)."""
+    if adapter is None:
+        return salt
+    return f"adapter {adapter}" if salt is None else f"{salt} + adapter {adapter}"
 
 
 def _explain_capture(con: duckdb.DuckDBPyConnection, run_id: str) -> list[Explanation]:

@@ -163,6 +163,7 @@ def run_memory(con: duckdb.DuckDBPyConnection, run_id: str) -> MemoryComparison 
                        "ORDER BY arrival_step, request_id", [run_id]).fetchall()
     work = con.execute("SELECT step, request_id, start + tokens FROM step_work WHERE run_id = ? "
                        "ORDER BY step, request_id", [run_id]).fetchall()
-    capacity = int(engine.get("num_blocks", 256)) * int(engine.get("block_size", 16))
+    arena = int(engine.get("num_blocks", 256)) * (2 if engine.get("disaggregated") else 1)  # both instances' pools
+    capacity = arena * int(engine.get("block_size", 16))
     replay = contiguous_replay(spans(((r, a, n + max_new.get(r, 16)) for r, a, n in reqs), work), capacity)
     return MemoryComparison([Usage(s, live, alloc) for s, live, alloc in paged], replay, capacity)

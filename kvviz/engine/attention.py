@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import groupby
 
 import torch
 
@@ -17,30 +18,54 @@ from .defences import sdpa_attend
 
 
 class KVTensors:
-    """The physical K/V pool of every layer, [num_slots, kv_heads, head_dim], made on first write."""
+    """The physical K/V pool of every layer, [num_slots, kv_heads, head_dim], made on first write (on
+    the model's device, or on `device`: the host tier's pool)."""
 
-    def __init__(self, num_slots: int):
-        self.num_slots = num_slots
+    def __init__(self, num_slots: int, device: str | None = None):
+        self.num_slots, self.device = num_slots, device
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
 
     def layer(self, idx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if idx not in self.k:
-            shape = (self.num_slots, like.shape[1], like.shape[3])  # like: [1, KVH, T, D]
-            self.k[idx] = torch.zeros(shape, dtype=like.dtype, device=like.device)
-            self.v[idx] = torch.zeros(shape, dtype=like.dtype, device=like.device)
+            shape = (self.num_slots, like.shape[1], like.shape[-1])  # like: [1, KVH, T, D] or a pool [S, KVH, D]
+            self.k[idx] = torch.zeros(shape, dtype=like.dtype, device=self.device or like.device)
+            self.v[idx] = torch.zeros(shape, dtype=like.dtype, device=self.device or like.device)
         return self.k[idx], self.v[idx]
+
+    def bytes_per_slot(self) -> int:
+        """K and V of one slot in every layer made so far."""
+        return sum(t[0].numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
 
     def copy_blocks(self, pairs: list[tuple[int, int]], block_size: int) -> None:
         """Copy-on-write: duplicate whole blocks (src -> dst) in every layer."""
-        if not pairs or not self.k:
-            return
-        dev = next(iter(self.k.values())).device
-        offs = torch.arange(block_size, device=dev)
-        src = (torch.tensor([s for s, _ in pairs], device=dev)[:, None] * block_size + offs).flatten()
-        dst = (torch.tensor([d for _, d in pairs], device=dev)[:, None] * block_size + offs).flatten()
-        for pool in (*self.k.values(), *self.v.values()):
-            pool[dst] = pool[src]
+        _copy(self, self, pairs, block_size)
+
+    def transfer(self, host: KVTensors, transfers: list, block_size: int) -> None:
+        """Offloads (this pool -> host) and restores (host -> this pool) in the order they were decided:
+        a host block offloaded to after a restore read it must be read first."""
+        for kind, run in groupby(transfers, key=lambda t: t.kind):
+            pairs = [(t.device_block, t.host_block) for t in run]
+            if kind == "offload":
+                _copy(self, host, pairs, block_size)
+            else:
+                _copy(host, self, [(h, d) for d, h in pairs], block_size)
+
+
+def _copy(src: KVTensors, dst: KVTensors, pairs: list[tuple[int, int]], block_size: int) -> None:
+    """Whole blocks (src block -> dst block) in every layer, from one pool to another or within one."""
+    if not pairs or not src.k:
+        return
+    offs = torch.arange(block_size)
+    s = (torch.tensor([a for a, _ in pairs])[:, None] * block_size + offs).flatten()
+    d = (torch.tensor([b for _, b in pairs])[:, None] * block_size + offs).flatten()
+    first = next(iter(src.k.values()))
+    s = s.to(first.device)
+    for idx in src.k:
+        kd, vd = dst.layer(idx, src.k[idx])
+        d = d.to(kd.device)
+        kd[d] = src.k[idx][s].to(kd.device)
+        vd[d] = src.v[idx][s].to(vd.device)
 
 
 @dataclass

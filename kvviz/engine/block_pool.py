@@ -29,6 +29,7 @@ class Block:
     ref_cnt: int = 0
     hash: BlockHash | None = None
     lifetime: int = 0  # bumped on every allocation: slots written in older lifetimes are stale
+    detail: dict | None = field(default=None, repr=False)  # how it was cached: parent hash, tokens, salt
     prev: Block | None = field(default=None, repr=False)
     next: Block | None = field(default=None, repr=False)
 
@@ -79,13 +80,17 @@ class FreeQueue:
 class BlockPool:
     """A fixed set of blocks shared by every request; reports each change through `emit`."""
 
-    def __init__(self, num_blocks: int, emit: Callable[[BlockEvent], None]):
+    def __init__(self, num_blocks: int, emit: Callable[[BlockEvent], None], owned: range | None = None):
+        """`owned`: the blocks of the arena this pool allocates from (all by default); the others belong
+        to another instance sharing the arena (disaggregated prefill) and are never touched."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free = FreeQueue(self.blocks)
+        self.owned = owned if owned is not None else range(num_blocks)
+        self.free = FreeQueue(self.blocks[i] for i in self.owned)
         self.cached: dict[BlockHash, Block] = {}
         self._emit = emit
+        self.spill: Callable[[Block, str | None], None] | None = None  # a host tier keeps evicted content
 
     @property
     def num_free(self) -> int:
@@ -109,8 +114,11 @@ class BlockPool:
         return out
 
     def evict(self, b: Block, request: str | None) -> None:
-        """Forget a block's hash when it is reused; the map entry must go with it."""
+        """Forget a block's hash when it is reused; the map entry must go with it (a host tier, if any,
+        copies the content out first)."""
         old = b.hash
+        if self.spill is not None:
+            self.spill(b, request)
         if self.cached.get(old) is b:
             del self.cached[old]
         b.hash = None
@@ -137,6 +145,6 @@ class BlockPool:
         its parent's hash, tokens and salt, carried on the event)."""
         if h in self.cached:
             return
-        b.hash = h
+        b.hash, b.detail = h, detail
         self.cached[h] = b
         self.event("cache", b, request, hash=h, **detail)

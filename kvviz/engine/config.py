@@ -15,13 +15,40 @@ class ConfigError(WorkloadError):
 
 
 @dataclass(frozen=True)
+class OffloadConfig:
+    """A host tier under the device pool: `cpu_blocks` blocks that evicted cached blocks move to."""
+
+    cpu_blocks: int
+
+    def __post_init__(self) -> None:
+        v = self.cpu_blocks
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ConfigError(f"offload.cpu_blocks: must be a positive integer, got {v!r}")
+
+    @classmethod
+    def from_value(cls, v: object) -> OffloadConfig | None:
+        if v is None or isinstance(v, OffloadConfig):
+            return v
+        if not isinstance(v, dict):
+            raise ConfigError(f"offload: must be an object such as {{\"cpu_blocks\": 64}} or null, got {v!r}")
+        unknown = sorted(set(v) - {"cpu_blocks"})
+        if unknown or "cpu_blocks" not in v:
+            raise ConfigError(f"offload.{unknown[0] if unknown else 'cpu_blocks'}: "
+                              f"{'unknown setting' if unknown else 'required'} (known: cpu_blocks)")
+        return cls(v["cpu_blocks"])
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """How the shared cache is laid out and how each step attends.
 
     isolation: `paged` gathers each request's own slots through its page table (isolation by
     addressing); `masked` puts every live slot on one key axis and relies on the mask alone (the
     seed's apparatus). compute: `inspect` materialises float32 probabilities for the oracle;
-    `fast` uses torch SDPA and exposes none.
+    `fast` uses torch SDPA and exposes none. offload: a host tier that keeps evicted cached blocks
+    for later prefix hits (None: evicted blocks are dropped). disaggregated: a prefill instance with a
+    pool of its own (num_blocks more) computes each prompt and transfers its K/V to this, the decode
+    instance.
     """
 
     block_size: int = 16
@@ -30,6 +57,8 @@ class EngineConfig:
     isolation: str = "paged"
     compute: str = "inspect"
     prefix_caching: bool = True
+    offload: OffloadConfig | None = None
+    disaggregated: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "max_batch_tokens"):
@@ -40,8 +69,10 @@ class EngineConfig:
             raise ConfigError(f"isolation: must be one of {', '.join(ISOLATIONS)}, got {self.isolation!r}")
         if self.compute not in COMPUTES:
             raise ConfigError(f"compute: must be one of {', '.join(COMPUTES)}, got {self.compute!r}")
-        if not isinstance(self.prefix_caching, bool):
-            raise ConfigError(f"prefix_caching: must be true or false, got {self.prefix_caching!r}")
+        for name in ("prefix_caching", "disaggregated"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}: must be true or false, got {getattr(self, name)!r}")
+        object.__setattr__(self, "offload", OffloadConfig.from_value(self.offload))
 
     @classmethod
     def from_dict(cls, d: dict) -> EngineConfig:

@@ -76,7 +76,8 @@ class Engine:
             if bad:
                 raise WorkloadError(f"requests[{i}].prompt_ids: token {bad[0]} is outside the model's vocabulary "
                                     f"(size {vocab})")
-            longest[s.id] = longest.get(s.parent, 0) + len(ids) + s.max_new_tokens
+            history = longest.get(s.parent, 0)
+            longest[s.id] = (history if s.truncate is None else min(history, s.truncate)) + len(ids) + s.max_new_tokens
             capacity = cfg.num_blocks * cfg.block_size
             if longest[s.id] > capacity:
                 raise WorkloadError(f"requests[{i}]: may reach {longest[s.id]} tokens but the pool holds {capacity} "

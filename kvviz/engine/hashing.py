@@ -1,9 +1,11 @@
 """Two hashes with two jobs.
 
 `block_hash` names a full block's *cache key* (vLLM's chain: sha256 of the parent block's hash,
-the block's token ids and extra keys such as the tenant salt). `prefix_id` names the *content* a
-position's K/V was computed from (a cheap 63-bit chain over token ids, no salt: KV does not depend
-on the tenant). The leak oracle compares prefix ids; the prefix cache compares block hashes.
+the block's token ids and extra keys: the request's namespaces, each tagged with its kind so that a
+salt "foo" and an adapter "foo" never collide). `prefix_id` names the *content* a position's K/V was
+computed from (a cheap 63-bit chain over token ids, from a seed that names the weights: the base
+model's, or an adapter's; no salt: KV does not depend on the tenant). The leak oracle compares
+prefix ids; the prefix cache compares block hashes.
 """
 
 from __future__ import annotations
@@ -27,6 +29,14 @@ def block_hash(parent: BlockHash | None, token_ids: Sequence[int], extra_keys: S
     if extra_keys:
         h.update(json.dumps(list(extra_keys), separators=(",", ":")).encode())
     return h.digest()
+
+
+def content_seed(adapter: str | None) -> int:
+    """The prefix-id seed of K/V computed by the base model (None) or under an adapter: an adapter's
+    weights change every K/V, so its content is never the base model's or another adapter's."""
+    if adapter is None:
+        return PREFIX_SEED
+    return int.from_bytes(hashlib.sha256(b"kvviz/adapter/" + adapter.encode()).digest()[:8], "big") >> 1
 
 
 def hash_to_u64(h: BlockHash) -> int:

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 from .block_pool import Block, BlockPool, OutOfBlocks
 from .events import BlockEvent
-from .hashing import PREFIX_SEED, BlockHash, block_hash, next_prefix_id
+from .hashing import BlockHash, block_hash, content_seed, next_prefix_id
+from .host_tier import HostTier
 from .provenance import SlotProvenance
 
 
@@ -25,7 +26,7 @@ class Sequence:
     id: str
     token_ids: list[int]
     salt: str | None = None
-    extra_keys: tuple = ()
+    adapter: str | None = None  # the weights its K/V are computed under (None: the base model)
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0
     prefix_ids: list[int] = field(default_factory=list)
@@ -37,7 +38,7 @@ class Sequence:
         self._extend_prefix_ids(self.token_ids)
 
     def _extend_prefix_ids(self, tokens: Seq[int]) -> None:
-        p = self.prefix_ids[-1] if self.prefix_ids else PREFIX_SEED
+        p = self.prefix_ids[-1] if self.prefix_ids else content_seed(self.adapter)
         for t in tokens:
             p = next_prefix_id(p, t)
             self.prefix_ids.append(p)
@@ -67,11 +68,21 @@ class PoolSnapshot:
     free_queue: tuple[int, ...]
     page_tables: dict[str, tuple[int, ...]]
     num_computed: dict[str, int]
+    host_hashes: tuple[BlockHash | None, ...] = ()  # the host tier's blocks (offloading), if any
 
     def state(self, block: int) -> str:
         if self.refcounts[block] > 0:
             return "used"
         return "cached" if self.hashes[block] is not None else "free"
+
+    def merged(self, other: PoolSnapshot, blocks: range) -> PoolSnapshot:
+        """This snapshot with `other`'s state for `blocks` (the other instance's share of the arena)."""
+        def pick(mine: tuple, theirs: tuple) -> tuple:
+            return tuple(theirs[i] if i in blocks else v for i, v in enumerate(mine))
+        return PoolSnapshot(self.block_size, pick(self.refcounts, other.refcounts), pick(self.hashes, other.hashes),
+                            pick(self.lifetimes, other.lifetimes), self.free_queue + other.free_queue,
+                            {**other.page_tables, **self.page_tables}, {**other.num_computed, **self.num_computed},
+                            self.host_hashes or other.host_hashes)
 
     def live_slots(self) -> int:
         """Slots holding a computed token of a request that still holds the block: per block, the most
@@ -89,37 +100,54 @@ class InvariantError(AssertionError):
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, host_blocks: int = 0,
+                 owned: range | None = None, provenance: SlotProvenance | None = None):
+        """`owned` and `provenance`: this instance's share of an arena another instance uses too (the
+        prefill instance of a disaggregated engine), and the slot facts of the whole arena."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.events: list[BlockEvent] = []
-        self.pool = BlockPool(num_blocks, self.events.append)
-        self.provenance = SlotProvenance(num_blocks * block_size)
+        self.pool = BlockPool(num_blocks, self.events.append, owned)
+        self.provenance = provenance or SlotProvenance(num_blocks * block_size)
+        self.incoming: list[tuple[int, int]] = []  # (source block, block) K/V copies of received requests
+        self.host = HostTier(host_blocks, block_size, self.provenance, self.events.append) if host_blocks else None
+        if self.host is not None:
+            self.pool.spill = lambda b, request: self.host.offload(b, request)  # late-bound: faults may patch it
         self.seqs: dict[str, Sequence] = {}
         self.prefix_queries = self.prefix_hits = 0  # in tokens, as vLLM counts them
 
     # -- requests ---------------------------------------------------------------------------
-    def add(self, seq_id: str, token_ids: Seq[int], salt: str | None = None, extra_keys: tuple = ()) -> Sequence:
+    def add(self, seq_id: str, token_ids: Seq[int], salt: str | None = None, adapter: str | None = None) -> Sequence:
         if seq_id in self.seqs:
             raise ValueError(f"request {seq_id!r} is already in the cache")
         if not token_ids:
             raise ValueError(f"request {seq_id!r} has no tokens")
-        seq = self.seqs[seq_id] = Sequence(seq_id, list(token_ids), salt, tuple(extra_keys))
+        seq = self.seqs[seq_id] = Sequence(seq_id, list(token_ids), salt, adapter)
         return seq
 
     def append_tokens(self, seq_id: str, token_ids: Seq[int]) -> None:
         self.seqs[seq_id].append(token_ids)
 
+    def resume(self, seq_id: str, hashes: Seq[BlockHash], keep: int) -> None:
+        """A session resubmitted with the first `keep` tokens of an earlier request's history (same
+        namespaces): the earlier hashes still name the full blocks wholly inside the kept tokens, and
+        only those (the rest were computed over tokens this request no longer has)."""
+        self.seqs[seq_id].block_hashes = list(hashes[:keep // self.block_size])
+
+    def hash_keys(self, seq: Sequence) -> tuple:
+        """The namespaces that enter a chain's first block hash, each tagged with its kind."""
+        return tuple((kind, name) for kind, name in (("salt", seq.salt), ("adapter", seq.adapter)) if name is not None)
+
     def block_hash(self, seq: Sequence, i: int) -> BlockHash:
-        """Hash of the seq's i-th full block; the salt enters block 0 and the rest via the chain."""
+        """Hash of the seq's i-th full block; the namespaces enter block 0 and the rest via the chain."""
         B = self.block_size
         while len(seq.block_hashes) <= i:
             j = len(seq.block_hashes)
-            extra = ((seq.salt,) if j == 0 and seq.salt is not None else ()) + seq.extra_keys
             parent = seq.block_hashes[j - 1] if j else None
-            seq.block_hashes.append(block_hash(parent, seq.token_ids[j * B:(j + 1) * B], extra))
+            seq.block_hashes.append(block_hash(parent, seq.token_ids[j * B:(j + 1) * B],
+                                               () if j else self.hash_keys(seq)))
         return seq.block_hashes[i]
 
     def lookup(self, seq_id: str) -> list[Block]:
@@ -135,12 +163,25 @@ class KVCacheManager:
             hits.append(b)
         return hits
 
+    def on_host(self, seq: Sequence, start: int) -> list[BlockHash]:
+        """Hashes of the seq's full blocks from `start` on that the host tier can restore, in a row."""
+        if self.host is None or not self.enable_prefix_caching:
+            return []
+        return self.host.run(self.block_hash(seq, i) for i in range(start, (len(seq.token_ids) - 1) // self.block_size))
+
+    def servable(self, seq_id: str) -> int:
+        """How many leading full blocks the cache can serve: device hits, then host restores."""
+        hits = len(self.lookup(seq_id))
+        return hits + len(self.on_host(self.seqs[seq_id], hits))
+
     def admit(self, seq_id: str, budget: int) -> Allocation:
-        """Start or restart a request: take its cached prefix, then room for up to `budget` tokens."""
+        """Start or restart a request: take its cached prefix (restoring what the host tier holds),
+        then room for up to `budget` tokens."""
         seq = self.seqs[seq_id]
         assert not seq.block_table, f"{seq_id} already holds blocks"
         hits = self.lookup(seq_id)
-        cached = len(hits) * self.block_size
+        restores = self.on_host(seq, len(hits))
+        cached = (len(hits) + len(restores)) * self.block_size
         n = min(budget, len(seq.token_ids) - cached)
         new_blocks = self._blocks_for(cached + n) - len(hits)
         needed = new_blocks + sum(b.ref_cnt == 0 for b in hits)
@@ -148,6 +189,8 @@ class KVCacheManager:
             raise OutOfBlocks(needed, self.pool.num_free)
         self.pool.acquire(hits, seq_id, "hit")
         seq.block_table = [b.id for b in hits]
+        if restores:
+            self._restore(seq, restores)
         seq.num_computed = cached
         self.prefix_queries += len(seq.token_ids)
         self.prefix_hits += cached
@@ -166,6 +209,22 @@ class KVCacheManager:
         copies = self.copy_on_write(seq, start // B) if shared_tail else []
         seq.block_table += [b.id for b in self.pool.allocate(new_blocks, seq_id)]
         return Allocation(start, [self.slot(seq, p) for p in range(start, start + num_tokens)], copies)
+
+    def _restore(self, seq: Sequence, hashes: list[BlockHash]) -> None:
+        """Copy the host tier's blocks back into fresh device blocks and publish them there again. The
+        allocation may offload other blocks; the ones being restored are never the host's victims."""
+        B, start = self.block_size, len(seq.block_table)
+        self.host.pinned = set(hashes)
+        try:
+            blocks = self.pool.allocate(len(hashes), seq.id)
+        finally:
+            self.host.pinned = set()
+        for i, (h, b) in enumerate(zip(hashes, blocks, strict=True)):
+            self.host.restore(h, b, seq.id)
+            j = start + i
+            self.pool.cache(b, h, seq.id, parent_hash=self.block_hash(seq, j - 1) if j else None,
+                            token_ids=tuple(seq.token_ids[j * B:(j + 1) * B]), salt=seq.salt, adapter=seq.adapter)
+        seq.block_table += [b.id for b in blocks]
 
     def copy_on_write(self, seq: Sequence, index: int) -> list[tuple[int, int]]:
         """Give `seq` a private copy of its shared block `index`; other holders keep the original.
@@ -189,27 +248,58 @@ class KVCacheManager:
             self.provenance.record(s, seq.prefix_ids[p], p, seq.token_ids[p], seq_id, seq.salt,
                                    self.pool.blocks[s // B].lifetime)
         seq.num_computed = end
+        self._publish(seq, start // B, end // B)
+
+    def _publish(self, seq: Sequence, first: int, end: int) -> None:
+        """Give the seq's full blocks first..end-1 their hashes (prefix caching)."""
         if self.enable_prefix_caching:
-            for i in range(start // B, end // B):
-                self.pool.cache(self.pool.blocks[seq.block_table[i]], self.block_hash(seq, i), seq_id,
+            B = self.block_size
+            for i in range(first, end):
+                self.pool.cache(self.pool.blocks[seq.block_table[i]], self.block_hash(seq, i), seq.id,
                                 parent_hash=self.block_hash(seq, i - 1) if i else None,
-                                token_ids=tuple(seq.token_ids[i * B:(i + 1) * B]), salt=seq.salt)
+                                token_ids=tuple(seq.token_ids[i * B:(i + 1) * B]), salt=seq.salt, adapter=seq.adapter)
+
+    def receive(self, seq_id: str, token_ids: Seq[int], salt: str | None, adapter: str | None, computed: int,
+                source: Seq[int]) -> str:
+        """A request prefilled by another instance arrives with K/V for its first `computed` tokens in
+        that instance's blocks `source`: take blocks for them, queue the copies, publish the full ones.
+        Returns the transfer's status (OutOfBlocks, before any change, when the pool lacks room)."""
+        n = self._blocks_for(computed)
+        if n > self.pool.num_free:
+            raise OutOfBlocks(n, self.pool.num_free)
+        seq = self.add(seq_id, token_ids, salt, adapter)
+        seq.block_table = [b.id for b in self.pool.allocate(n, seq_id)]
+        for s, d in zip(source, seq.block_table, strict=False):
+            self.pool.event("transfer", self.pool.blocks[d], seq_id, source=s)
+        status = self.copy_in(list(source), seq.block_table, computed)
+        seq.num_computed = computed
+        self._publish(seq, 0, computed // self.block_size)
+        return status
+
+    def copy_in(self, source: list[int], blocks: list[int], n: int) -> str:
+        """The transfer itself: `n` slots' K/V (queued for the engine) and their facts, block by block."""
+        B = self.block_size
+        for k, (s, d) in enumerate(zip(source, blocks, strict=False)):
+            self.provenance.copy(s * B, d * B, min(B, n - k * B), self.pool.blocks[d].lifetime)
+        self.incoming += list(zip(source, blocks, strict=False))
+        return "ok"
 
     def fork(self, parent_id: str, child_id: str) -> Sequence:
         """A child of the same tenant sharing every block of its parent, partial last block included."""
         parent = self.seqs[parent_id]
         if child_id in self.seqs:
             raise ValueError(f"request {child_id!r} is already in the cache")
-        child = Sequence(child_id, parent.token_ids, parent.salt, parent.extra_keys)
+        child = Sequence(child_id, parent.token_ids, parent.salt, parent.adapter)
         child.block_table, child.num_computed = list(parent.block_table), parent.num_computed
         self.pool.acquire((self.pool.blocks[b] for b in child.block_table), child_id, "share")
         self.seqs[child_id] = child
         return child
 
-    def free(self, seq_id: str) -> None:
+    def free(self, seq_id: str) -> Sequence:
         """Release a finished request's blocks, last block first so its tail is evicted first."""
         seq = self.seqs.pop(seq_id)
         self._release(seq, "free")
+        return seq
 
     def preempt(self, seq_id: str) -> None:
         """Drop a request's blocks but keep its tokens, to be recomputed when it is admitted again."""
@@ -242,6 +332,7 @@ class KVCacheManager:
             tuple(b.id for b in self.pool.free),
             {s.id: tuple(s.block_table) for s in self.seqs.values()},
             {s.id: s.num_computed for s in self.seqs.values()},
+            tuple(self.host.hashes) if self.host else (),
         )
 
     def foreign_slots(self, seq_id: str) -> list[int]:
@@ -272,7 +363,7 @@ class KVCacheManager:
         queued = [b.id for b in self.pool.free]
         if len(queued) != len(set(queued)) or len(queued) != len(self.pool.free):
             errors.append(f"free queue has duplicates or a wrong length: {queued}")
-        for b in blocks:
+        for b in (blocks[i] for i in self.pool.owned):
             if b.ref_cnt != refs[b.id]:
                 errors.append(f"block {b.id}: refcount {b.ref_cnt} but {refs[b.id]} page-table references")
             if (b.ref_cnt == 0) != (b in self.pool.free):
@@ -282,5 +373,8 @@ class KVCacheManager:
         for h, b in self.pool.cached.items():
             if b.hash != h:
                 errors.append(f"hash map points at block {b.id}, which holds another hash")
+        for h, b in (self.host.cached.items() if self.host else ()):
+            if self.host.hashes[b] != h:
+                errors.append(f"host hash map points at host block {b}, which holds another hash")
         if errors:
             raise InvariantError("; ".join(errors))

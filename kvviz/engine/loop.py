@@ -2,6 +2,9 @@
 sample -> finish, once per step, over one shared pool and an unmodified transformers model.
 
 A loop is one pool's life: a workload run (Engine.run) or a server's requests joining between steps.
+Disaggregated, it is two instances over one arena of K/V (so that slots, provenance and the oracle
+stay one address space): a prefill instance computes each prompt in its own blocks, then hands the
+request over to the decode instance, whose pool receives the K/V by a transfer.
 """
 
 from __future__ import annotations
@@ -16,12 +19,13 @@ import torch
 from ..models.routing import step_kwargs
 from ..workload import RequestSpec, WorkloadError
 from .attention import KVTensors, StepBatch
+from .block_pool import OutOfBlocks
 from .kv_cache import KVCacheManager
 from .observer import AttentionObserver, StepContext
 from .plan import ScheduledWork, build_step
-from .records import Lookup, RequestResult, RunStats, StepRecord
+from .records import KVTransfer, Lookup, RequestResult, RunStats, StepRecord
 from .sampler import request_generator, sample
-from .scheduler import Scheduler
+from .scheduler import Scheduler, StepSchedule
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -44,21 +48,43 @@ class _Live:
     finish_reason: str = ""
     first_token_at: float = 0.0  # perf_counter times
     finish_at: float = 0.0
+    block_hashes: list[bytes] = field(default_factory=list)  # its chain when it finished (a session resumes it)
+
+
+@dataclass
+class Instance:
+    """A pool and the scheduler that fills it."""
+
+    kv: KVCacheManager
+    sched: Scheduler
 
 
 class EngineLoop:
-    """One shared pool, its scheduler and its requests; `advance` runs one step."""
+    """One shared pool, its scheduler and its requests (or a prefill and a decode instance); `advance`
+    runs one step."""
 
     def __init__(self, engine: Engine, seed: int = 0, observers: Sequence[AttentionObserver] = (),
                  keep_logits: bool = False):
         cfg = self.config = engine.config
         self.engine, self.m, self.seed = engine, engine.m, seed
         self.observers, self.keep_logits = observers, keep_logits
-        self.kv = KVCacheManager(cfg.num_blocks, cfg.block_size, cfg.prefix_caching)
-        if engine.defences.patch_pool is not None:
-            engine.defences.patch_pool(self.kv)
+        N, arena = cfg.num_blocks, cfg.num_blocks * (2 if cfg.disaggregated else 1)
+        host = cfg.offload.cpu_blocks if cfg.offload else 0  # on the instance that looks prefixes up
+        self.kv = KVCacheManager(arena, cfg.block_size, cfg.prefix_caching, 0 if cfg.disaggregated else host,
+                                 owned=range(N))
         self.sched = Scheduler(self.kv, cfg.max_batch_tokens)
-        self.tensors = KVTensors(cfg.num_blocks * cfg.block_size)
+        self.decode = Instance(self.kv, self.sched)  # the only instance, unless disaggregated
+        self.prefill: Instance | None = None
+        if cfg.disaggregated:  # blocks N..2N-1 of the arena are the prefill instance's pool
+            pkv = KVCacheManager(arena, cfg.block_size, cfg.prefix_caching, host, owned=range(N, arena),
+                                 provenance=self.kv.provenance)
+            self.prefill = Instance(pkv, Scheduler(pkv, cfg.max_batch_tokens))
+        self.handoff: list[str] = []  # prefilled, waiting for room in the decode pool
+        for inst in self.instances:
+            if engine.defences.patch_pool is not None:
+                engine.defences.patch_pool(inst.kv)
+        self.tensors = KVTensors(arena * cfg.block_size)
+        self.host_tensors = KVTensors(cfg.offload.cpu_blocks * cfg.block_size, "cpu") if cfg.offload else None
         self.live: dict[str, _Live] = {}
         self.stats = RunStats()
         self.step = 0  # the number the next step gets
@@ -66,59 +92,105 @@ class EngineLoop:
         self.t0 = time.perf_counter()  # request times count from here
 
     @property
+    def instances(self) -> list[Instance]:
+        """The prefill instance (disaggregated) and the decode instance, in the order they schedule."""
+        return [self.prefill, self.decode] if self.prefill else [self.decode]
+
+    def instance_of(self, request_id: str) -> Instance:
+        """The instance whose pool holds (or will hold) the request."""
+        return self.prefill if self.prefill and request_id in self.prefill.kv.seqs else self.decode
+
+    @property
     def busy(self) -> bool:
-        """Requests are running or waiting for the pool."""
-        return bool(self.sched.running or self.sched.waiting)
+        """Requests are running, waiting for the pool or waiting to be handed over."""
+        return bool(self.handoff) or any(i.sched.running or i.sched.waiting for i in self.instances)
 
     def advance(self, snapshot: bool = False) -> StepRecord | None:
         """Run one step and return its record (with the pool's snapshot when asked), or None when no
         request is there; EngineError when requests wait but none can be scheduled."""
         started = time.perf_counter()
-        plan = self.sched.schedule()
+        transfers = self._hand_over() if self.prefill else []
+        plans = [i.sched.schedule() for i in self.instances]
+        plan = StepSchedule(*([x for p in plans for x in getattr(p, f)] for f in ("work", "preempted", "admitted")))
         if not plan.work:
             if self.busy:
                 raise EngineError(f"step {self.step}: no request can be scheduled (pool too small?)")
             return None
         record = self._step(plan)
+        record.transfers = transfers
         for sid in record.finished:
-            self.sched.finish(sid)
-            self.kv.free(sid)
-        record.events = self.kv.pop_events()
+            inst = self.instance_of(sid)
+            inst.sched.finish(sid)
+            self.live[sid].block_hashes = inst.kv.free(sid).block_hashes
+        if self.prefill:  # a prompt computed and its first token sampled: the decode instance takes over
+            for sid in record.sampled:
+                if sid in self.prefill.kv.seqs:
+                    self.prefill.sched.finish(sid)
+                    self.handoff.append(sid)
+        record.events = [e for i in self.instances for e in i.kv.pop_events()]
         self.stats.steps += 1
         if snapshot:  # only for a consumer: keep it off the bare hot path
-            record.snapshot, record.seconds = self.kv.snapshot(), time.perf_counter() - started
+            snap = self.kv.snapshot()
+            if self.prefill:
+                snap = snap.merged(self.prefill.kv.snapshot(), self.prefill.kv.pool.owned)
+            record.snapshot, record.seconds = snap, time.perf_counter() - started
         self.last, self.step = record, self.step + 1
         return record
+
+    def _hand_over(self) -> list[KVTransfer]:
+        """Move prefilled requests to the decode instance, oldest first, while its pool has room: their
+        K/V goes over by a transfer (applied before this step's forward), their prefill blocks stay
+        cached on the prefill instance."""
+        out, pkv = [], self.prefill.kv
+        per_slot = self.tensors.bytes_per_slot()
+        while self.handoff:
+            sid = self.handoff[0]
+            seq = pkv.seqs[sid]
+            try:
+                status = self.kv.receive(sid, seq.token_ids, seq.salt, seq.adapter, seq.num_computed, seq.block_table)
+            except OutOfBlocks:
+                break  # the decode pool is full: wait for its requests to finish
+            self.handoff.pop(0)
+            out.append(KVTransfer(sid, len(self.kv.seqs[sid].block_table), seq.num_computed * per_slot, status))
+            pkv.free(sid)
+            self.sched.add_running(sid)
+        return out
 
     # -- one step ------------------------------------------------------------------------------
     def _step(self, plan) -> StepRecord:
         step, kv, tensors, live, stats = self.step, self.kv, self.tensors, self.live, self.stats
         cfg, dev, engine, observers = self.config, self.m.device, self.engine, self.observers
+        seqs = {sid: s for i in self.instances for sid, s in i.kv.seqs.items()}
+        for inst in self.instances:  # before copy-on-write: an offload saves what a copy may overwrite
+            if inst.kv.host is not None:
+                tensors.transfer(self.host_tensors, inst.kv.host.pop_transfers(), cfg.block_size)
+        tensors.copy_blocks(kv.incoming, cfg.block_size)  # handed-over requests' K/V
+        kv.incoming = []
         tensors.copy_blocks([c for _, a in plan.work for c in a.copies], cfg.block_size)
         work = []
         for sid, a in plan.work:
-            seq = kv.seqs[sid]
+            seq = seqs[sid]
             tokens = seq.token_ids[a.start:a.start + len(a.slots)]
             work.append(ScheduledWork(sid, a.start, tokens, list(seq.block_table)))
         work.sort(key=lambda w: len(w.token_ids) > 1)  # single-token rows first: groups are contiguous
-        live_tables = {s.id: s.block_table for s in kv.seqs.values() if s.block_table}
+        live_tables = {s.id: s.block_table for s in seqs.values() if s.block_table}
         inp = build_step(step, work, live_tables, cfg.block_size, tensors.num_slots, cfg.isolation, engine.defences,
                          dev)
-        sampling = [r for r, w in enumerate(work) if w.end == len(kv.seqs[w.seq_id].token_ids)]
+        sampling = [r for r, w in enumerate(work) if w.end == len(seqs[w.seq_id].token_ids)]
         last = [inp.offsets[r] + len(work[r].token_ids) - 1 for r in sampling]
         keep = torch.tensor(last, dtype=torch.long, device=dev)
         # Provenance is recorded where the K/V really go (the forward writes exactly these slots),
         # before the forward, so observers judge this step's reads with this step's writes.
         write_slots = inp.write_slots.tolist()
         for r, w in enumerate(work):
-            kv.commit(w.seq_id, len(w.token_ids), write_slots[inp.offsets[r]:inp.offsets[r] + len(w.token_ids)])
+            self.instance_of(w.seq_id).kv.commit(w.seq_id, len(w.token_ids),
+                                                 write_slots[inp.offsets[r]:inp.offsets[r] + len(w.token_ids)])
             prompt_len = len(live[w.seq_id].prompt_ids)
             stats.prefill_tokens_computed += max(0, min(w.end, prompt_len) - w.start)
         if observers:
             ctx = StepContext(step, work, inp.q_row, inp.position_ids[0], cfg.block_size, kv.provenance,
-                              [b.lifetime for b in kv.pool.blocks],
-                              [kv.seqs[w.seq_id].prefix_ids[:w.end] for w in work],
-                              [kv.seqs[w.seq_id].salt for w in work])
+                              self._lifetimes(), [seqs[w.seq_id].prefix_ids[:w.end] for w in work],
+                              [seqs[w.seq_id].salt for w in work])
             for o in observers:
                 o.begin_step(ctx)
 
@@ -133,7 +205,7 @@ class EngineLoop:
         for o in observers:
             o.end_step()
         allocs = dict(plan.work)
-        lookups = {sid: Lookup(len(kv.seqs[sid].token_ids), allocs[sid].start, kv.seqs[sid].salt)
+        lookups = {sid: Lookup(len(seqs[sid].token_ids), allocs[sid].start, seqs[sid].salt)
                    for sid in plan.admitted}
         for sid in plan.admitted:
             if live[sid].cached_tokens < 0:
@@ -156,49 +228,67 @@ class EngineLoop:
                 state.finish_step, state.finish_at = step, now
                 finished.append(sid)
             else:
-                kv.append_tokens(sid, [tok])
+                seqs[sid].append([tok])
         stats.preemptions += len(plan.preempted)
         writes = {w.seq_id: write_slots[inp.offsets[r]:inp.offsets[r] + len(w.token_ids)] for r, w in enumerate(work)}
         return StepRecord(step, {w.seq_id: (w.start, len(w.token_ids)) for w in work}, plan.admitted,
                           plan.preempted, sampled, finished, writes, {w.seq_id: w.token_ids for w in work},
                           lookups=lookups)
 
+    def _lifetimes(self) -> list[int]:
+        """Every arena block's current lifetime, from the instance that owns it."""
+        life = [b.lifetime for b in self.kv.pool.blocks]
+        if self.prefill:
+            for i in self.prefill.kv.pool.owned:
+                life[i] = self.prefill.kv.pool.blocks[i].lifetime
+        return life
+
     # -- requests ------------------------------------------------------------------------------
     def add(self, spec: RequestSpec, own_ids: list[int], generator: torch.Generator | None = None) -> None:
         """A request arrives now (its ids resolved by Engine.resolve); a fork shares its parent's blocks
-        (partial last block included). Sampling draws from `generator`, by default one seeded by the
-        loop's seed and the request's id."""
-        kv, sched, live = self.kv, self.sched, self.live
+        (partial last block included); a resumed session starts a new request from the first `truncate`
+        tokens of its parent's history, with the parent's hashes of those tokens' full blocks. Sampling
+        draws from `generator`, by default one seeded by the loop's seed and the request's id."""
+        live, entry = self.live, self.instances[0]  # new requests enter at the prefill instance, if any
         gen = generator or request_generator(self.seed, spec.id, self.m.device)
+        held = self.instance_of(spec.parent) if spec.parent is not None else entry
+        parent = held.kv.seqs.get(spec.parent)
         if spec.parent is None:
             base = []
-        elif spec.parent in kv.seqs:
-            base = list(kv.seqs[spec.parent].token_ids)
+        elif parent is not None:
+            base = list(parent.token_ids)
         else:  # the parent has finished: start from everything it produced
-            parent = live[spec.parent]
-            base = parent.prompt_ids + parent.output_ids
+            base = live[spec.parent].prompt_ids + live[spec.parent].output_ids
+        if spec.truncate is not None:
+            base = base[:spec.truncate]
         state = live[spec.id] = _Live(spec, base + own_ids, gen, logits=[] if self.keep_logits else None)
-        if spec.parent in kv.seqs and kv.seqs[spec.parent].block_table:
-            kv.fork(spec.parent, spec.id)
-            kv.append_tokens(spec.id, own_ids)
-            state.cached_tokens = kv.seqs[spec.id].num_computed
-            sched.add_running(spec.id)
+        if spec.truncate is None and parent is not None and parent.block_table:
+            held.kv.fork(spec.parent, spec.id)
+            held.kv.append_tokens(spec.id, own_ids)
+            state.cached_tokens = held.kv.seqs[spec.id].num_computed
+            held.sched.add_running(spec.id)
         else:
-            kv.add(spec.id, state.prompt_ids, spec.cache_salt)
-            sched.add_waiting(spec.id)
+            entry.kv.add(spec.id, state.prompt_ids, spec.cache_salt, spec.adapter)
+            if spec.truncate is not None:
+                hashes = parent.block_hashes if parent is not None else live[spec.parent].block_hashes
+                entry.kv.resume(spec.id, hashes, len(base))
+            entry.sched.add_waiting(spec.id)
 
     def cancel(self, request_id: str) -> None:
         """Stop a request where it is (a client gone, a stop string seen) and free its blocks."""
         state = self.live.get(request_id)
         if state is None:
             return  # forgotten already
-        if request_id in self.sched.waiting:
-            self.sched.waiting.remove(request_id)
-        elif request_id in self.sched.running:
-            self.sched.finish(request_id)
+        inst = self.instance_of(request_id)
+        if request_id in inst.sched.waiting:
+            inst.sched.waiting.remove(request_id)
+        elif request_id in inst.sched.running:
+            inst.sched.finish(request_id)
+        elif request_id in self.handoff:
+            self.handoff.remove(request_id)
         else:
             return  # finished already
-        self.kv.free(request_id)
+        state.block_hashes = inst.kv.free(request_id).block_hashes
         state.finish_reason, state.finish_step, state.finish_at = "cancelled", self.step, time.perf_counter()
 
     def forget(self, request_id: str) -> RequestResult:

@@ -42,27 +42,29 @@ class SlotFacts:
 class SlotProvenance:
     """Per slot: prefix id, position, token, writer, tenant and the block lifetime it was written in."""
 
-    def __init__(self, num_slots: int):
+    def __init__(self, num_slots: int, names: SlotProvenance | None = None):
         self.prefix = array("q", [0]) * num_slots
         self.pos = array("q", [-1]) * num_slots
         self.token = array("q", [-1]) * num_slots
         self.writer = array("q", [0]) * num_slots
         self.tenant = array("q", [0]) * num_slots
         self.life = array("q", [0]) * num_slots  # 0: never written (lifetimes start at 1)
-        self.requests, self.tenants = Interner(), Interner()
+        # a second tier shares the names of the first, so ids mean the same when slots move between them
+        self.requests, self.tenants = (names.requests, names.tenants) if names else (Interner(), Interner())
 
     def record(self, slot: int, prefix_id: int, pos: int, token: int, writer: str, tenant: str | None,
                life: int) -> None:
         self.prefix[slot], self.pos[slot], self.token[slot], self.life[slot] = prefix_id, pos, token, life
         self.writer[slot], self.tenant[slot] = self.requests.id(writer), self.tenants.id(tenant)
 
-    def copy(self, src: int, dst: int, n: int, life: int) -> None:
-        """A copy-on-write moved `n` slots: the content (and who produced it) moves with it."""
-        for k in range(n):
-            self.prefix[dst + k], self.pos[dst + k] = self.prefix[src + k], self.pos[src + k]
-            self.token[dst + k] = self.token[src + k]
-            self.writer[dst + k], self.tenant[dst + k] = self.writer[src + k], self.tenant[src + k]
-            self.life[dst + k] = life
+    def copy(self, src: int, dst: int, n: int, life: int, source: SlotProvenance | None = None) -> None:
+        """`n` slots were copied from `src` (in `source`, by default this tier) to `dst` (copy-on-write,
+        offload, restore): the content, and who produced it, moves with it; `life` is the lifetime of
+        the destination block, in which these slots are now written."""
+        s = source or self
+        for name in ("prefix", "pos", "token", "writer", "tenant"):
+            getattr(self, name)[dst:dst + n] = getattr(s, name)[src:src + n]
+        self.life[dst:dst + n] = array("q", [life]) * n
 
     def facts(self, slot: int) -> SlotFacts:
         return SlotFacts(

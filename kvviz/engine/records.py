@@ -12,6 +12,16 @@ from .kv_cache import PoolSnapshot
 
 
 @dataclass(frozen=True)
+class KVTransfer:
+    """A prefilled request's K/V sent from the prefill instance to the decode instance."""
+
+    request: str
+    blocks: int
+    bytes: int
+    status: str  # what the transfer reported: "ok" (a failed one that says ok is a fault)
+
+
+@dataclass(frozen=True)
 class Lookup:
     """A request's prefix-cache lookup at admission: what a hit rate counts and a miss is explained by."""
 
@@ -58,6 +68,7 @@ class StepRecord:
     events: list[BlockEvent] = field(default_factory=list)
     lookups: dict[str, Lookup] = field(default_factory=dict)  # each admitted request's prefix-cache lookup
     snapshot: PoolSnapshot | None = None  # the pool after the step's frees
+    transfers: list[KVTransfer] = field(default_factory=list)  # disaggregated: requests handed to decode
     seconds: float = 0.0
 
 

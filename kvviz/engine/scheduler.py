@@ -83,7 +83,7 @@ class Scheduler:
         seq, B = self.kv.seqs[sid], self.kv.block_size
         if not self.kv.enable_prefix_caching:
             return None
-        i = len(self.kv.lookup(sid))
+        i = self.kv.servable(sid)
         return self.kv.block_hash(seq, i) if (i + 1) * B <= len(seq.token_ids) else None
 
     def _allocate_or_preempt(self, sid: str, n: int, out: StepSchedule) -> Allocation | None:

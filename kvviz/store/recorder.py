@@ -90,7 +90,14 @@ class RunRecorder:
             self._add("block_events", run_id=rid, step=s, seq=i, kind=e.kind, block=e.block, request_id=e.request,
                       refcount=e.refcount, source=e.source, hash=None if e.hash is None else hash_to_u64(e.hash),
                       parent_hash=None if e.parent_hash is None else hash_to_u64(e.parent_hash),
-                      token_ids=list(e.token_ids) if e.kind == "cache" else None, salt=e.salt)
+                      token_ids=list(e.token_ids) if e.kind == "cache" else None, salt=e.salt, adapter=e.adapter,
+                      medium=e.medium)
+        for b, h in enumerate(snap.host_hashes):
+            self._add("host_blocks", run_id=rid, step=s, block=b, hash=None if h is None else hash_to_u64(h),
+                      state="free" if h is None else "cached")
+        for t in rec.transfers:
+            self._add("kv_transfers", run_id=rid, step=s, request_id=t.request, blocks=t.blocks, bytes=t.bytes,
+                      status=t.status)
         for req, lookup in rec.lookups.items():
             self._add("cache_lookups", run_id=rid, step=s, request_id=req, salt=lookup.salt, tokens=lookup.tokens,
                       hit_tokens=lookup.hit_tokens)

@@ -5,7 +5,9 @@ the database.
 Version 2 added token_text, version 3 the positional_entropy view, version 4 steps.live_slots, the
 kv_slot_utilisation view, the timing audits, cache_lookups and the cache detail of block_events, version
 5 replicas, tiers and KV groups of captures (and datasets registered in place), version 6 each capture
-block's lifetime, idle time and reuse gap; older files are upgraded in place by the idempotent DDL.
+block's lifetime, idle time and reuse gap, version 7 the host tier of offloading (block_events.medium,
+host_blocks), adapters and disaggregated prefill (kv_transfers); older files are upgraded in place by
+the idempotent DDL.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ from pathlib import Path
 
 import pyarrow as pa
 
-SCHEMA_VERSION = "6"
-UPGRADABLE = {"1", "2", "3", "4", "5"}  # versions whose files the idempotent DDL brings up to date
+SCHEMA_VERSION = "7"
+UPGRADABLE = {"1", "2", "3", "4", "5", "6"}  # versions whose files the idempotent DDL brings up to date
 
 _ARROW = {"VARCHAR": pa.string(), "JSON": pa.string(), "TIMESTAMP": pa.timestamp("us"), "BIGINT": pa.int64(),
           "INTEGER": pa.int32(), "DOUBLE": pa.float64(), "FLOAT": pa.float32(), "BOOLEAN": pa.bool_(),
@@ -113,14 +115,26 @@ TABLES: dict[str, Table] = {t.name: t for t in (
         RUN_ID + "step INTEGER, request_id VARCHAR, logical_block INTEGER, physical_block INTEGER")),
     Table("blocks", "Every block after each step. state: free | cached (free, hash kept) | used.", _cols(
         RUN_ID + "step INTEGER, block INTEGER, refcount INTEGER, hash UBIGINT, lifetime INTEGER, state VARCHAR")),
+    Table("kv_transfers", "Disaggregated prefill: each request handed from the prefill instance to the decode "
+          "instance, with the blocks and bytes of K/V sent and the status the transfer reported.", _cols(
+              RUN_ID + "step INTEGER, request_id VARCHAR, blocks INTEGER, bytes BIGINT, status VARCHAR")),
+    Table("host_blocks", "The host tier of an offloading run after each step: each host block's hash, if it holds "
+          "an offloaded block (state cached) or not (free).", _cols(
+              RUN_ID + "step INTEGER, block INTEGER, hash UBIGINT, state VARCHAR")),
     Table("block_events", "Every change to a block, in order within the step. kind: allocate | hit | share | free "
-          "| preempt | cow (block is the copy of source) | cache | evict.", (
+          "| preempt | cow (block is the copy of source) | cache | evict; with a host tier also offload (block's "
+          "content copied to host block source) | restore (host block source copied into block) | host_evict "
+          "(host block lost its hash); disaggregated also transfer (block received the K/V of the prefill instance's "
+          "block source).", (
               *_cols(RUN_ID + "step INTEGER, seq INTEGER, kind VARCHAR, block INTEGER, request_id VARCHAR, "
                      "refcount INTEGER, source INTEGER"),
               Column("hash", "UBIGINT", "cache: the hash given; evict: the hash taken away", added_in="4"),
               Column("parent_hash", "UBIGINT", "cache: the hash of the block before it in its chain", added_in="4"),
               Column("token_ids", "INTEGER[]", "cache: the block's tokens", added_in="4"),
-              Column("salt", "VARCHAR", "cache: the salt of the request that cached it", added_in="4"))),
+              Column("salt", "VARCHAR", "cache: the salt of the request that cached it", added_in="4"),
+              Column("adapter", "VARCHAR", "cache: the adapter of the request that cached it", added_in="7"),
+              Column("medium", "VARCHAR", "the tier block is on: GPU (the device pool) or CPU (the host tier)",
+                     added_in="7"))),
     Table("cache_lookups", "Each prefix-cache lookup at a request's admission (a re-admission after preemption "
           "too): the prompt tokens looked up and the tokens the cache served.", _cols(
               RUN_ID + "step INTEGER, request_id VARCHAR, salt VARCHAR, tokens INTEGER, hit_tokens INTEGER")),
@@ -254,11 +268,12 @@ FROM leak_metrics m JOIN step_work w ON w.run_id = m.run_id AND w.step = m.step 
 WHERE m.rows > 0;
 
 -- The seed's memory utilisation, paged: the share of allocated KV slots (blocks with a reference) that
--- hold a computed token after each step; null for steps recorded before schema 4.
+-- hold a computed token after each step; null for steps recorded before schema 4. A disaggregated run's
+-- arena is both instances' pools.
 CREATE OR REPLACE VIEW kv_slot_utilisation AS
 SELECT s.run_id, s.step, s.live_slots,
-       (CAST(r.engine->>'num_blocks' AS INTEGER) - s.free_blocks) * CAST(r.engine->>'block_size' AS INTEGER)
-           AS allocated_slots,
+       (CAST(r.engine->>'num_blocks' AS INTEGER) * (CASE WHEN r.engine->>'disaggregated' = 'true' THEN 2 ELSE 1 END)
+        - s.free_blocks) * CAST(r.engine->>'block_size' AS INTEGER) AS allocated_slots,
        s.live_slots / nullif(allocated_slots, 0) AS utilisation
 FROM steps s JOIN runs r ON r.run_id = s.run_id;
 

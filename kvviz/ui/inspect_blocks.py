@@ -43,6 +43,8 @@ def render(con, info: RunInfo, step: int) -> None:
                         selection_mode="points", width="stretch")
         st.caption("Click a block to see who holds it. Red outline: a query read a foreign or stale key "
                    "from this block at this step.")
+        _prefill_instance(con, info, step)
+        _host_tier(con, info, step)
     with right:
         _block_story(con, info, step, n)
     tables = blocks.page_tables(con, info.run_id, step)
@@ -60,6 +62,33 @@ def render(con, info: RunInfo, step: int) -> None:
         st.plotly_chart(fig.occupancy(grid, steps, step, per_row), width="stretch", key="insp_occupancy")
     with st.expander("Memory utilisation: paged against contiguous", expanded=True):
         _memory(con, info, step)
+
+
+def _prefill_instance(con, info: RunInfo, step: int) -> None:
+    """Disaggregated prefill: which blocks are the prefill instance's, and what went over to decode."""
+    if not info.engine.get("disaggregated"):
+        return
+    n = int(info.engine.get("num_blocks", 0))
+    sent = blocks.transfers(con, info.run_id, step)
+    st.caption(f"Disaggregated prefill: blocks 0..{n - 1} are the decode instance's pool, {n}..{2 * n - 1} the "
+               f"prefill instance's. A prompt is computed there, then its K/V is transferred here. "
+               f"{len(sent)} transfers up to this step.")
+    if not sent.empty:
+        st.dataframe(sent, hide_index=True, key="insp_transfers", height=min(300, 38 + 35 * len(sent)))
+
+
+def _host_tier(con, info: RunInfo, step: int) -> None:
+    """The second tier of an offloading run: which host blocks hold content evicted from the device."""
+    host = blocks.host_map(con, info.run_id, step)
+    if host.empty:
+        return
+    held = int((host.state == "cached").sum())
+    moved = blocks.tier_moves(con, info.run_id, step)
+    st.plotly_chart(fig.block_map(host, colour_by="state", title=f"Host tier (CPU) after step {step}: {held} of "
+                                  f"{len(host)} blocks hold offloaded content"), key="insp_hostmap", width="stretch")
+    st.caption("Evicted cached blocks are copied here instead of dropped; a later prefix hit copies them back into "
+               f"free device blocks. This step: {moved['offload']} offloaded, {moved['restore']} restored, "
+               f"{moved['host_evict']} dropped from the host.")
 
 
 def _memory(con, info: RunInfo, step: int) -> None:

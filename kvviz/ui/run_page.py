@@ -20,9 +20,9 @@ from .common import MODELS, db_path, load_model_or_error, open_run, store
 LOCAL = "a local path..."
 CUSTOM = pd.DataFrame([
     {"id": "A", "prompt": "Passphrase: red orange yellow", "max_new_tokens": 8, "arrival_step": 0,
-     "cache_salt": "tenant-1", "parent": None},
+     "cache_salt": "tenant-1", "adapter": None, "parent": None, "truncate": None},
     {"id": "B", "prompt": "Passphrase: green cyan blue", "max_new_tokens": 8, "arrival_step": 1,
-     "cache_salt": "tenant-2", "parent": None},
+     "cache_salt": "tenant-2", "adapter": None, "parent": None, "truncate": None},
 ])
 
 
@@ -45,14 +45,18 @@ def render() -> None:
                                         format_func=lambda n: f"{n}: {SCENARIOS[n].title}")]
             st.caption(sc.explanation)
     if sc is None:
-        st.markdown("**Requests** (add rows at the bottom; `parent` forks from another request, `cache_salt` "
-                    "is the tenant)")
+        st.markdown("**Requests** (add rows at the bottom; `parent` forks from another request, or with "
+                    "`truncate` resumes its session cut to that many tokens; `cache_salt` is the tenant, `adapter` "
+                    "a LoRA-style namespace)")
         if "run_requests" not in st.session_state:  # a fresh editor: start from the table last edited
             st.session_state["run_requests_base"] = st.session_state.get("run_requests_edited", CUSTOM)
         requests = st.data_editor(st.session_state["run_requests_base"], num_rows="dynamic", key="run_requests",
                                   width="stretch",
                                   column_config={"max_new_tokens": st.column_config.NumberColumn(min_value=1),
-                                                 "arrival_step": st.column_config.NumberColumn(min_value=0)})
+                                                 "arrival_step": st.column_config.NumberColumn(min_value=0),
+                                                 "truncate": st.column_config.NumberColumn(min_value=0),
+                                                 "adapter": st.column_config.TextColumn(),
+                                                 "parent": st.column_config.TextColumn()})
         st.session_state["run_requests_edited"] = requests
         engine0 = {"block_size": 4, "num_blocks": 64, "max_batch_tokens": 256, "isolation": "paged",
                    "prefix_caching": True}
@@ -91,6 +95,15 @@ def _settings(sc, engine0: dict):
             "prefix_caching": c[4].checkbox("prefix caching", key=_key("pc", tag,
                                                                         bool(engine0.get("prefix_caching", True)))),
         }
+        c = st.columns(5)
+        host = c[0].number_input("host tier blocks (0: none)", 0, 65536, disabled=tight,
+                                 key=_key("host", tag, int((engine0.get("offload") or {}).get("cpu_blocks", 0))),
+                                 help="KV offloading: evicted cached blocks are copied to this many host blocks "
+                                      "and restored on a later prefix hit")
+        engine["offload"] = {"cpu_blocks": int(host)} if host else None
+        engine["disaggregated"] = c[1].checkbox(
+            "disaggregated prefill", key=_key("dis", tag, bool(engine0.get("disaggregated", False))),
+            help="a prefill instance with a pool of its own computes each prompt, then transfers its K/V here")
         c = st.columns(4)
         faults = ["none", *FAULTS]  # a string: a None value would show as "Choose an option"
         fault = c[0].selectbox("fault", faults, key=_key("fault", tag, sc.fault if sc and sc.fault else "none"),
@@ -138,13 +151,15 @@ def _workload(m, sc, requests: pd.DataFrame | None, engine: dict, seed: int) -> 
     if sc is not None:
         wl = live.scenario_workload(sc.name, m)
         built = wl["engine"]
-        engine = {**engine, "num_blocks": built["num_blocks"]} if sc.tight_pool else engine
+        if sc.tight_pool:  # sized to this model's tokenizer, the host tier with it
+            engine = {**engine, "num_blocks": built["num_blocks"], "offload": built.get("offload")}
         return {**wl, "engine": {**built, **engine}, "seed": seed}
     rows = []
     for r in requests.to_dict("records"):
         r = {k: v for k, v in r.items() if v is not None and not (isinstance(v, float) and pd.isna(v)) and v != ""}
         if r:
-            rows.append({k: int(v) if k in ("max_new_tokens", "arrival_step") else v for k, v in r.items()})
+            rows.append({k: int(v) if k in ("max_new_tokens", "arrival_step", "truncate") else v
+                         for k, v in r.items()})
     return {"requests": rows, "engine": engine, "seed": seed}
 
 
