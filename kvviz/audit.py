@@ -52,10 +52,15 @@ def audit(m: LoadedModel, progress: Callable[[str], None] = lambda s: None) -> l
 
 
 def format_matrix(rows: list[AuditRow]) -> str:
-    head = f"{'scenario':30} {'fault':22} {'expected':28} {'raised':40} {'detected by':24} {'mass':>7} {'div':>4}  ok"
+    ws = max(len("scenario"), *(len(r.scenario) for r in rows))
+    wf = max(len("fault"), *(len(r.fault or "clean") for r in rows))
+    we = max(len("expected"), *(len(",".join(r.expected)) for r in rows))
+    wr = max(len("raised"), *(len(",".join(r.kinds)) for r in rows))
+    head = (f"{'scenario':{ws}} {'fault':{wf}} {'expected':{we}} {'raised':{wr}} {'detected by':24} "
+            f"{'mass':>7} {'div':>4}  ok")
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r.scenario:30} {r.fault or 'clean':22} {','.join(r.expected) or '-':28} "
-                     f"{','.join(r.kinds) or '-':40} {r.detected_by:24} {r.max_foreign_mass:7.4f} "
+        lines.append(f"{r.scenario:{ws}} {r.fault or 'clean':{wf}} {','.join(r.expected) or '-':{we}} "
+                     f"{','.join(r.kinds) or '-':{wr}} {r.detected_by:24} {r.max_foreign_mass:7.4f} "
                      f"{r.diverged:4d}  {'yes' if r.ok else 'NO'}")
     return "\n".join(lines)

@@ -76,10 +76,13 @@ def cases(vocab: int, sizes: list[int], new_tokens: int, seed: int = 0) -> list[
 
 
 def run_kvviz(m: LoadedModel, case: BenchCase, compute: str, prefix_caching: bool = True,
-              oracle: bool = False, record: bool = False) -> Measurement:
+              oracle: bool = False, record: bool = False, engine: dict | None = None,
+              peer: str | None = None) -> Measurement:
+    """One kvviz run of the case (`engine`: settings over the defaults, `peer`: its name then)."""
     longest = max(len(p) for p in case.prompts) + case.new_tokens
     cfg = EngineConfig(block_size=16, num_blocks=len(case.prompts) * (-(-longest // 16)) + 8,
                        max_batch_tokens=2048, isolation="paged", compute=compute, prefix_caching=prefix_caching)
+    cfg = EngineConfig.from_dict({**cfg.to_dict(), **(engine or {})})
     reqs = [RequestSpec(f"r{i}", prompt_ids=p, max_new_tokens=case.new_tokens, ignore_eos=True)
             for i, p in enumerate(case.prompts)]
     observers = [ProvenanceOracle()] if oracle or record else []
@@ -97,8 +100,8 @@ def run_kvviz(m: LoadedModel, case: BenchCase, compute: str, prefix_caching: boo
         recorder.wait()
         tmp.cleanup()
     seconds = time.perf_counter() - t
-    peer = (f"kvviz {compute}" + (" + oracle + recorder" if record else " + oracle" if oracle else "")
-            + ("" if prefix_caching else " (no prefix cache)"))
+    peer = peer or (f"kvviz {compute}" + (" + oracle + recorder" if record else " + oracle" if oracle else "")
+                    + ("" if prefix_caching else " (no prefix cache)"))
     n = len(res.requests)
     return Measurement(case.name, peer, seconds, res.stats.generated_tokens, res.stats.prefill_tokens_computed,
                        sum(r.first_token_seconds for r in res.requests) / n,

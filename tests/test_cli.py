@@ -177,12 +177,28 @@ def test_bad_scenario_or_fault_exits_2(args, message):
     assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr
 
 
-def test_audit_on_a_tiny_model_passes():
-    p = kvviz("audit", "--model", "tiny-llama")
+def test_audit_on_both_tiny_models_passes():
+    from kvviz.faults import FAULTS
+
+    p = kvviz("audit", "--model", "tiny-llama,tiny-gpt2")
     assert p.returncode == 0, p.stdout[-2000:]
-    assert "rows as expected." in p.stdout and "unsalted_prefix" in p.stdout
+    assert "rows as expected on tiny-llama, tiny-gpt2." in p.stdout
+    rows = [line.split() for line in p.stdout.splitlines()]
+    for fault in FAULTS:  # each fault's row on each model, caught
+        caught = [r for r in rows if len(r) > 2 and r[0] == fault and r[1] == fault]
+        assert len(caught) == 2 and all(r[-1] == "yes" for r in caught), fault
     row = next(line for line in p.stdout.splitlines() if line.startswith("unsalted_prefix") and "clean" not in line)
     assert "cross-tenant" in row
+
+
+def test_bench_tiers_compares_an_unused_host_tier_and_disaggregation_with_plain(tmp_path):
+    out = tmp_path / "t.md"
+    p = kvviz("bench", "--tiers", "--model", "tiny-llama", "--sizes", "2", "--new-tokens", "2", "--repeat", "2",
+              "--out", str(out))
+    assert p.returncode == 0, p.stderr
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| uniform-2")]
+    assert [r.split("|")[2].strip() for r in rows] == ["plain", "host tier, unused", "disaggregated"]
+    assert rows[0].rstrip(" |").endswith("1.000")
 
 
 def test_bench_repeats_interleaved_and_reports_medians(tmp_path):

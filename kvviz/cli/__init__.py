@@ -126,7 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     scen.set_defaults(func=cmd_scenarios)
 
     aud = sub.add_parser("audit", help="the detection matrix: every fault x its workload, plus clean controls")
-    _add_model_device(aud)
+    aud.add_argument("--model", default="all", help="all (default: tiny-llama, tiny-gpt2 and smollm2), or models "
+                     "separated by commas: " + MODEL_HELP.replace(" (default)", ""))
+    aud.add_argument("--device", default="auto", help=DEVICE_HELP)
     aud.set_defaults(func=cmd_audit)
 
     bench = sub.add_parser("bench", help="throughput against transformers generate and generate_batch")
@@ -150,6 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--capture-live", action="store_true",
                       help="instead: can one capture-vllm process keep up with two publishers at 10,000 batches/s "
                            "each (for --duration seconds)?")
+    what.add_argument("--tiers", action="store_true",
+                      help="instead: the engine with an unused host tier and disaggregated against plain")
     what.add_argument("--serve", action="store_true",
                       help="instead: kvviz serve under one streaming client per request against the fast path")
     bench.add_argument("--lengths", default="128,512,2048",

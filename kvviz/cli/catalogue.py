@@ -16,15 +16,23 @@ def cmd_scenarios(args: argparse.Namespace) -> int:
     return 0
 
 
+AUDIT_MODELS = ("tiny-llama", "tiny-gpt2", "smollm2")
+
+
 def cmd_audit(args: argparse.Namespace) -> int:
-    """The detection matrix: every fault against its scenario and the same workload clean."""
+    """The detection matrix of each model: every fault against its scenario and the same workload clean."""
     from ..audit import audit, format_matrix
     from ..models import load_model
 
-    m = load_model(args.model, device=args.device)
-    rows = audit(m, progress=lambda s: print(s, file=sys.stderr, flush=True))
-    print(format_matrix(rows))
-    bad = [r for r in rows if not r.ok]
-    print(f"\n{len(rows) - len(bad)} of {len(rows)} rows as expected" + (": " + ", ".join(
-        f"{r.scenario}/{r.fault or 'clean'}" for r in bad) + " NOT" if bad else "."))
+    names = AUDIT_MODELS if args.model == "all" else [n.strip() for n in args.model.split(",") if n.strip()]
+    bad, total = [], 0
+    for name in names:
+        m = load_model(name, device=args.device)
+        print(f"== {name}", file=sys.stderr, flush=True)
+        rows = audit(m, progress=lambda s: print(s, file=sys.stderr, flush=True))
+        print(f"\n{name}\n{format_matrix(rows)}")
+        total += len(rows)
+        bad += [f"{name}: {r.scenario}/{r.fault or 'clean'}" for r in rows if not r.ok]
+    print(f"\n{total - len(bad)} of {total} rows as expected on {', '.join(names)}" +
+          (": " + ", ".join(bad) + " NOT" if bad else "."))
     return 1 if bad else 0

@@ -76,6 +76,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         points = [p for n in sizes for p in sweep(m, tuple(lengths), n, args.repeat, progress=say)]
         return _write(sweep_report(m, points, args.repeat), args.out)
+    if args.tiers:
+        from ..bench_tiers import run_tiers_bench, tiers_report
+
+        results = run_tiers_bench(m, sizes, args.new_tokens, args.repeat, progress=say)
+        return _write(tiers_report(m, results, args.repeat), args.out)
     if args.sessions:
         from ..bench_sessions import run_sessions, sessions_report
 
