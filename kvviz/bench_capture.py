@@ -70,6 +70,7 @@ with store.read() as con:
                            ("shared prefixes", lambda: capture_time.shared_prefixes(con, run, a, b)),
                            ("a shared prefix's chain", lambda: capture_time.chain(
                                con, run, top.replica[0], int(top.block_hash[0]))),
+                           ("cross-tenant blocks", lambda: capture_time.cross_tenant(con, run, a, b)),
                            ("reuse tree (one replica)", lambda: captures.reuse_tree(con, run, a, b, first)),
                            ("prefix tree (one replica)", lambda: captures.prefix_tree(con, run, replica=first))):
             t = time.perf_counter()

@@ -267,8 +267,11 @@ def test_an_uploaded_capture_opens_with_the_views_it_supports(empty_db, tmp_path
     assert tenant["name"] == "tenant-a" and values(tenant["y"])[-1] == 1, "21 inherits a's salt; 21, 12 removed"
     at.segmented_control(key="insp_view").set_value("Lifetimes").run()
     assert "insp_durations" in charts(at) and not at.exception
-    at.segmented_control(key="insp_view").set_value("Findings").run()
-    assert list(at.dataframe[0].value.kind) == ["cross_tenant"]
+    at.segmented_control(key="insp_view").set_value("Cross-tenant").run()
+    assert list(at.dataframe[-1].value.kind) == ["cross_tenant"]
+    marks = {t["name"]: values(t["y"]) for t in charts(at)["insp_cross_tenant"]["data"]}
+    assert marks == {"tenant-a: stored": ["b"], "tenant-b: hit": ["b"]}, "11 = 0xb: a stored it, b's store hit"
+    assert any("1 block of this range served more than one tenant" in c.value for c in at.caption)
 
 
 def test_a_fleet_capture_shows_one_replicas_tree_at_a_time_and_its_occupancy_each(empty_db, tmp_path):

@@ -186,7 +186,7 @@ def test_a_capture_is_brushed_on_its_time_axis_in_chromium(tmp_path):
         shown = float(caption.split("(")[-1].split(" s of")[0])
         assert 100 < shown < 200, caption  # about a quarter of the capture
         shot(page, "capture-brushed")
-        for view in ("Occupancy", "Lifetimes", "Shared prefixes", "Prefix tree", "Findings"):
+        for view in ("Occupancy", "Lifetimes", "Shared prefixes", "Prefix tree", "Cross-tenant"):
             page.locator(".st-key-insp_view").get_by_role("radio", name=view).click()
             settle(page)
             no_exception(page)

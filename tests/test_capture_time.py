@@ -161,3 +161,25 @@ def test_every_sql_page_example_runs_on_a_store_with_a_capture(run):
     rows = {r[1]: dict(zip(got.columns, r, strict=True)) for r in got.rows}
     assert list(rows["pod-a"]["lifetime_p50_p99"]) == [4.0, 4.0]
     assert list(rows["pod-a"]["reuse_gap_p50_p99"]) == [1.5, 2.48], "gaps of 0.5 and 2.5 s"
+
+
+def test_cross_tenant_blocks_are_those_one_replica_stored_under_two_salts(run, tmp_path):
+    store, run_id = run
+    with store.read() as con:  # 1 is a's on pod-a and b's on pod-b: two replicas, two blocks, no sharing
+        n, events = capture_time.cross_tenant(con, run_id, 1000.0, 1010.0)
+        assert n == 0 and events.empty
+    path = tmp_path / "shared.jsonl"
+    w = CaptureWriter(path, {"pod-a": "tcp://a:1"})
+    for seq, (ts, events) in enumerate([(0.0, [stored_map([1, 2], None, [1, 1, 2, 2], salt="a")]),
+                                        (1.0, [stored_map([1], None, [1, 1], salt="b")]),  # b hits a's block 1
+                                        (2.0, [stored_map([3], None, [3, 3], salt="b")]),
+                                        (3.0, [stored_map([1], None, [1, 1], salt="a")])]):
+        w.add(Message("pod-a", 0, seq, "kv", msgpack.packb([1000.0 + ts, events, 0]), None))
+    w.close()
+    shared_id = import_capture(path, store)
+    with store.read() as con:
+        n, events = capture_time.cross_tenant(con, shared_id, 1000.0, 1010.0)
+        assert n == 1 and set(events.block_hash) == {1}
+        assert list(zip(events.ts - 1000.0, events.salt, events.repeat, strict=True)) == [
+            (0.0, "a", False), (1.0, "b", True), (3.0, "a", True)]
+        assert capture_time.cross_tenant(con, shared_id, 1000.0, 1000.5)[0] == 0  # only a's store in range

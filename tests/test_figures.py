@@ -259,7 +259,7 @@ def test_capture_occupancy_stacks_a_series_each_and_durations_are_log_histograms
     d = pd.DataFrame({"measure": ["lifetime", "reuse gap"], "seconds": [1.0, 0.01], "count": [5, 2]})
     fig = time_fig.durations(d)
     assert [list(t.y) for t in fig.data] == [[5], [], [2]]
-    assert all(fig.layout[f"xaxis{i}"].type == "log" for i in ("", "2", "3"))
+    assert all(fig.layout[f"{a}axis{i}"].type == "log" for a in "xy" for i in ("", "2", "3"))
 
 
 # -- prefix tree ---------------------------------------------------------------------------------------------

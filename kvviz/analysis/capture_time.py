@@ -134,6 +134,27 @@ def shared_prefixes(con: duckdb.DuckDBPyConnection, run_id: str, start: float, e
         {"run": run_id, "a": start, "b": end, "top": top}).df()
 
 
+def cross_tenant(con: duckdb.DuckDBPyConnection, run_id: str, start: float, end: float,
+                 top: int = 40) -> tuple[int, pd.DataFrame]:
+    """Blocks stored or hit under more than one salt in the range (one cache entry serving two tenants):
+    how many, and each store and hit of the `top` most used of them: replica, block_hash, ts, salt,
+    repeat, uses. Two salts is a min that differs from the max: no distinct count over every block."""
+    shared = (
+        "WITH ev AS (SELECT coalesce(replica, 'replica-0') AS replica, group_idx, block_hash, ts, "
+        "coalesce(salt, '(no salt)') AS salt, coalesce(repeat, false) AS repeat FROM kv_events WHERE run_id = $run "
+        "AND kind = 'BlockStored' AND ts BETWEEN $a AND $b), "
+        "shared AS (SELECT replica, group_idx, block_hash, count(*) AS uses FROM ev GROUP BY ALL "
+        "HAVING min(salt) <> max(salt)) ")
+    args = {"run": run_id, "a": start, "b": end}
+    n = con.execute(shared + "SELECT count(*) FROM shared", args).fetchone()[0]
+    events = con.execute(
+        shared + "SELECT e.replica, e.block_hash, e.ts, e.salt, e.repeat, s.uses FROM ev e JOIN "
+        "(SELECT * FROM shared ORDER BY uses DESC, block_hash LIMIT $top) s ON s.replica = e.replica AND "
+        "s.block_hash = e.block_hash AND s.group_idx IS NOT DISTINCT FROM e.group_idx "
+        "ORDER BY s.uses DESC, e.block_hash, e.ts", {**args, "top": top}).df()
+    return int(n), events
+
+
 def chain(con: duckdb.DuckDBPyConnection, run_id: str, replica: str, block_hash: int,
           group: int | None = None) -> pd.DataFrame:
     """A block and its ancestors, root first: depth, block_hash, salt, token_ids (from each block's

@@ -1,6 +1,7 @@
 """A capture's cache on its time axis (seconds since the capture began): churn and hits per interval
 (drag across it to choose a time range: the chart is the brush), occupancy split by replica, tier or
-tenant, and the distributions of lifetimes, idle times and reuse gaps on a log scale."""
+tenant, the distributions of lifetimes, idle times and reuse gaps on a log scale, and the evidence
+of blocks shared across tenants."""
 
 from __future__ import annotations
 
@@ -60,7 +61,8 @@ def occupancy(df: pd.DataFrame, origin: float, split: str) -> go.Figure:
 
 
 def durations(df: pd.DataFrame) -> go.Figure:
-    """df: measure, seconds (a bin's lower edge), count: one histogram per measure, on a log axis."""
+    """df: measure, seconds (a bin's lower edge), count: one histogram per measure, both axes log (the
+    durations span decades, and a tail of a few blocks next to a peak of thousands must still show)."""
     order = ("lifetime", "idle before eviction", "reuse gap")
     fig = make_subplots(rows=1, cols=3, subplot_titles=[f"{m} (s)" for m in order])
     for col, (measure, colour) in enumerate(zip(order, (STORED, EVICTED, HIT), strict=True), start=1):
@@ -69,5 +71,30 @@ def durations(df: pd.DataFrame) -> go.Figure:
                              hovertemplate="from %{x:.3g} s: %{y}<extra></extra>"), row=1, col=col)
         fig.update_xaxes(type="log", row=1, col=col)
     fig.update_layout(height=280, showlegend=False, margin=MARGIN, bargap=0.05)
-    fig.update_yaxes(title="blocks", row=1, col=1)
+    fig.update_yaxes(type="log")
+    fig.update_yaxes(title="blocks (log)", row=1, col=1)
+    return fig
+
+
+def cross_tenant(events: pd.DataFrame, origin: float) -> go.Figure:
+    """events: replica, block_hash, ts, salt, repeat: one row per block used by two tenants or more (the
+    most used at the top), a mark at each store (circle: the block was new) and hit (diamond) in the
+    colour of the salt that made it: the evidence that tenants shared a cache entry, and when."""
+    label = events.block_hash.map("{:x}".format) + (" on " + events.replica if events.replica.nunique() > 1 else "")
+    df = events.assign(block=label, x=events.ts - origin)
+    colours = request_colours(df.salt)
+    fig = go.Figure()
+    for (salt, repeat), part in df.groupby(["salt", "repeat"], sort=True):
+        fig.add_trace(go.Scatter(
+            x=part.x, y=part.block, mode="markers", name=f"{salt}: {'hit' if repeat else 'stored'}",
+            legendgroup=str(salt), marker={"color": colours[salt], "size": 9,
+                                           "symbol": "diamond" if repeat else "circle",
+                                           "line": {"color": "white", "width": 1}},
+            hovertemplate="block %{y}<br>%{x:.3f} s<br>" + f"{salt} ({'hit' if repeat else 'stored'})<extra></extra>"))
+    rows = df.block.nunique()
+    fig.update_layout(height=max(220, 26 * rows + 120), margin=MARGIN, legend={"orientation": "h", "y": -0.15},
+                      title="blocks used by more than one tenant: each store and hit, by salt")
+    fig.update_xaxes(title="seconds since the capture began")
+    fig.update_yaxes(title="block hash", type="category", categoryorder="array",
+                     categoryarray=list(dict.fromkeys(df.block))[::-1])  # the most used at the top
     return fig

@@ -17,7 +17,7 @@ from ..figures import capture_time as time_fig
 from ..figures import captures as tree_fig
 from .common import reader
 
-VIEWS = ("Activity", "Occupancy", "Lifetimes", "Shared prefixes", "Prefix tree", "Findings")
+VIEWS = ("Activity", "Occupancy", "Lifetimes", "Shared prefixes", "Prefix tree", "Cross-tenant")
 EXPLAIN_MAX_EVENTS = 1_000_000  # explaining the misses takes ~13 s per million events: past this, the CLI
 
 
@@ -47,7 +47,7 @@ def render(info: RunInfo) -> None:
         elif view == "Prefix tree":
             _tree(con, info, names, a, b)
         else:
-            _findings(con, info)
+            _cross_tenant(con, info, span, a, b)
 
 
 def _time_range(run_id: str, span: capture_time.Span) -> tuple[float, float]:
@@ -226,7 +226,18 @@ def _tree(con, info: RunInfo, names: list[str], a: float, b: float) -> None:
                "its end. Colour: cache salt (tenant).")
 
 
-def _findings(con, info: RunInfo) -> None:
+def _cross_tenant(con, info: RunInfo, span: capture_time.Span, a: float, b: float) -> None:
+    """Blocks one tenant stored and another stored or hit: the chart in the range, the findings of the
+    whole capture below."""
+    n, events = capture_time.cross_tenant(con, info.run_id, a, b)
+    if n:
+        st.plotly_chart(time_fig.cross_tenant(events, span.start), width="stretch", key="insp_cross_tenant")
+        shown = events.block_hash.nunique()
+        st.caption(f"{n:,} block{'s' if n > 1 else ''} of this range served more than one tenant"
+                   + (f" (the {shown} most used drawn)" if shown < n else "") + ". A salt is meant to keep tenants' "
+                   "blocks apart (vLLM's cache_salt): one hash stored under two salts means one cache entry served "
+                   "both, which is what a timing side channel reads. Circles: stored new; diamonds: hits reported "
+                   "again (kv_cache_report_mode=\"full\").")
     found = leaks.findings(con, info.run_id)
     if found.empty:
         st.info("No block hash was stored under two salts. A capture shows only the blocks a server "
@@ -234,6 +245,6 @@ def _findings(con, info: RunInfo) -> None:
                 "reports hits, kv_cache_report_mode=\"full\"), so this is not proof of isolation; "
                 "`python -m kvviz audit-timing` tests a server from outside.", icon=":material/info:")
     else:
-        st.caption("cross_tenant: one block hash stored under two salts on one replica (request_id: the salt; "
-                   "source_request: the salt that stored it first).")
-        st.dataframe(found, hide_index=True, width="stretch")
+        st.caption("Findings of the whole capture. cross_tenant: one block hash stored under two salts on one "
+                   "replica (request_id: the salt; source_request: the salt that stored it first).")
+        st.dataframe(found, hide_index=True, width="stretch", key="insp_capture_findings")

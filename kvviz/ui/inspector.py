@@ -89,7 +89,8 @@ def _header(row, info: RunInfo) -> None:
     cols[0].metric("status", row.status)
     cols[1].metric("model", row.model)
     cols[2].metric("fault", row.fault or "none")
-    cols[3].metric("steps", len(info.steps))
+    cols[3].metric("messages" if info.has_kv_events else "steps", len(info.steps),
+                   help="KV-event messages (batches) the capture holds" if info.has_kv_events else None)
     cols[4].metric("findings", "-" if pd.isna(row.findings) else int(row.findings))
     cols[5].metric("max foreign mass", "-" if pd.isna(row.max_foreign_mass) else f"{row.max_foreign_mass:.4f}")
     if info.fault_scope:
