@@ -178,7 +178,9 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
     Scenario("untagged_namespace", "A salt and an adapter of the same name",
              "Tenant A's requests carry the salt 'foo'; B runs under an adapter that is also called 'foo'. With "
              "namespaces hashed untagged both become the extra key 'foo': B reuses blocks whose keys and values the "
-             "base model computed for A, though its adapter would have computed others.",
+             "base model computed for A, though its adapter would have computed others. kvviz simulates adapters as "
+             "namespaces only (no adapter weights), so B's output still matches B run alone: the reference oracle "
+             "labels B a leak with no divergent step, and the provenance oracle shows the foreign reads.",
              _two_tenants({"cache_salt": "foo"}, {"adapter": "foo"}), "untagged_namespace"),
     Scenario("stale_hash_after_truncate", "Stale hashes after a session is truncated",
              "A chat turn finishes; the user edits it, and the session is resubmitted cut to its first 8 tokens "

@@ -30,7 +30,8 @@ class RequestSpec:
     cache_salt: str | None = None
     adapter: str | None = None  # a LoRA-style adapter name: a namespace of the cache and of the K/V content
     parent: str | None = None  # fork from this request (share its blocks), or with `truncate` resume its session
-    truncate: int | None = None  # resubmit the parent's session cut to its first N tokens, then this prompt
+    truncate: int | None = None  # resubmit the parent's session cut to its first N tokens (all when
+    # shorter), then this prompt
     temperature: float = 0.0
     top_p: float = 1.0
     ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks)

@@ -111,6 +111,19 @@ def test_run_page_stores_a_run_and_opens_it(empty_db):
     assert (status, fault) == ("complete", "boundary") and findings > 0
 
 
+def test_a_scenario_sized_to_the_tokenizer_says_so_and_runs_with_its_sized_pool(empty_db):
+    at = page("run")
+    at.selectbox(key="run_model").set_value("tiny-llama").run()
+    at.selectbox(key="run_scenario").set_value("offload_stale_restore").run()
+    sized = {t.label: t.value for t in at.text_input if t.disabled}
+    assert sized == {"blocks": "sized to the model", "host tier blocks": "sized to the model"}
+    at.button(key="run_go").click().run()
+    assert not at.exception and not at.error, [e.value for e in at.error]
+    with RunStore.open(empty_db).read() as con:
+        engine = json.loads(con.execute("SELECT engine FROM runs").fetchone()[0])
+    assert engine["offload"]["cpu_blocks"] == max(1, engine["num_blocks"] // 2)  # the scenario's half a pool
+
+
 def custom_requests(edited_rows: dict) -> AppTest:
     """The Run page on tiny-llama with the custom request table, edited as a user would in the grid."""
     at = page("run")
@@ -356,11 +369,14 @@ def test_inspector_plays_through_the_steps_and_stops_at_the_end(with_runs):
 def test_settings_survive_a_visit_to_another_page(empty_db):
     at = custom_requests({0: {"prompt": "a prompt I typed"}})
     at.number_input(key="run_nb_custom").set_value(99).run()
+    at.number_input(key="run_host_custom").set_value(12).run()
+    at.checkbox(key="run_dis_custom").check().run()
     at.switch_page("kvviz/ui/pages/sql.py").run()
     at.switch_page("kvviz/ui/pages/run.py").run()
     assert not at.exception
     assert at.selectbox(key="run_model").value == "tiny-llama" and at.radio(key="run_source").value == "custom"
     assert at.number_input(key="run_nb_custom").value == 99
+    assert at.number_input(key="run_host_custom").value == 12 and at.checkbox(key="run_dis_custom").value
     assert at.data_editor(key="run_requests").value.prompt[0] == "a prompt I typed"
 
 
@@ -451,5 +467,28 @@ def test_an_offloading_run_shows_its_host_tier_next_to_the_pool(tiny, tmp_path, 
     host = charts(at)["insp_hostmap"]
     assert "Host tier (CPU)" in host["layout"]["title"]["text"]
     assert sum(len(values(t["x"])) for t in host["data"]) == 20  # every host block drawn
-    moved = next(c.value for c in at.caption if "This step:" in c.value)
+    moved = next(c.value for c in at.caption if "This step" in c.value)
     assert int(re.search(r"(\d+) restored", moved).group(1)) > 0, moved
+    assert "restored" in {t["name"] for t in host["data"]}  # the host blocks copied back are coloured
+
+
+@pytest.mark.parametrize("fault", [None, "transfer_wrong_request"])
+def test_the_transfers_table_says_whose_kv_each_request_received(tiny, tmp_path, monkeypatch, fault):
+    db = tmp_path / "dis.duckdb"
+    wl = {"requests": [{"id": "A", "prompt": "The first prompt of all", "max_new_tokens": 3},
+                       {"id": "B", "prompt": "A second prompt, quite different", "max_new_tokens": 3,
+                        "arrival_step": 2}],
+          "engine": {"block_size": 4, "num_blocks": 24, "disaggregated": True}}
+    run_id = live.run(RunStore.open(db), tiny, wl, fault).run_id
+    with RunStore.open(db).read() as con:
+        last = con.execute("SELECT max(step) FROM steps WHERE run_id = ?", [run_id]).fetchone()[0]
+    monkeypatch.setenv("KVVIZ_DB", str(db))
+    at = page("inspector", run_id=run_id)
+    at.session_state["insp_step"] = last
+    at.run()
+    sent = next(d.value for d in at.dataframe if "delivered" in d.value.columns)  # no key without a selection
+    assert list(sent.request_id) == ["A", "B"]
+    assert sent.set_index("request_id").delivered.to_dict() == {"A": True, "B": fault is None}
+    warned = [w.value for w in at.warning if "transfers left decode blocks" in w.value]
+    assert bool(warned) == (fault is not None)
+    assert any(s.get("type") == "path" for s in charts(at)["insp_blockmap"]["layout"].get("shapes", []))

@@ -130,9 +130,27 @@ def test_disaggregated_prefill_gives_every_request_its_output_alone(name):
     cfg = m.model.config
     per_slot = (cfg.num_hidden_layers * 2 * getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
                 * (cfg.hidden_size // cfg.num_attention_heads) * 4)  # float32 K and V in every layer
+    n = _chat(True).engine.num_blocks
     for t in sent:
         assert t.status == "ok" and t.bytes == len(by_id[t.request].prompt_ids) * per_slot
+        assert t.intact and t.request in t.kv_of, "the decode blocks hold the request's own K/V"
+        assert all(b >= n for b in t.from_blocks) and all(b < n for b in t.to_blocks)
+        assert len(t.to_blocks) == t.blocks
     assert by_id["B"].cached_tokens > 0  # the system prompt hit on the prefill instance
+
+
+@pytest.mark.parametrize("fault", ["transfer_wrong_request", "transfer_failed_silently"])
+def test_a_transfer_says_whose_kv_arrived(fault):
+    """The transfer record reads the received slots' provenance, so a wrong or missing delivery shows on
+    the transfer itself; the control's transfers each hold their own request's K/V."""
+    m, sent = model("tiny-llama"), []
+    run_checked(m, _chat(True), fault, on_step=lambda rec: sent.extend(rec.transfers))
+    b = next(t for t in sent if t.request == "B")  # the second transfer: the first has no previous one
+    assert not b.intact and b.status == "ok"
+    if fault == "transfer_failed_silently":
+        assert b.kv_of == ("unwritten",)
+    else:  # the blocks the previous transfer sent from, as whoever wrote them since left them
+        assert set(b.kv_of) - {"B"}
 
 
 def test_a_full_decode_pool_makes_prefilled_requests_wait_their_turn():

@@ -24,10 +24,17 @@ def block_map(con: duckdb.DuckDBPyConnection, run_id: str, step: int) -> pd.Data
 
 
 def host_map(con: duckdb.DuckDBPyConnection, run_id: str, step: int) -> pd.DataFrame:
-    """The host tier of an offloading run at a step, in block_map's columns (empty without one)."""
+    """The host tier of an offloading run at a step, in block_map's columns (empty without one); a host
+    block this step moved is in state offloaded (device content copied in), restored (copied back to
+    the device) or dropped (lost its hash), in that order of precedence."""
     return con.execute(
-        "SELECT block, state, 0 AS refcount, hash, 0 AS lifetime, '' AS owners FROM host_blocks "
-        "WHERE run_id = ? AND step = ? ORDER BY block", [run_id, step]).df()
+        "WITH moved AS (SELECT CASE kind WHEN 'host_evict' THEN block ELSE source END AS block, "
+        "min(CASE kind WHEN 'offload' THEN 0 WHEN 'restore' THEN 1 ELSE 2 END) AS how FROM block_events "
+        "WHERE run_id = ? AND step = ? AND kind IN ('offload', 'restore', 'host_evict') GROUP BY ALL) "
+        "SELECT h.block, CASE m.how WHEN 0 THEN 'offloaded' WHEN 1 THEN 'restored' WHEN 2 THEN 'dropped' "
+        "ELSE h.state END AS state, 0 AS refcount, h.hash, 0 AS lifetime, '' AS owners FROM host_blocks h "
+        "LEFT JOIN moved m USING (block) WHERE h.run_id = ? AND h.step = ? ORDER BY h.block",
+        [run_id, step, run_id, step]).df()
 
 
 def tier_moves(con: duckdb.DuckDBPyConnection, run_id: str, step: int) -> dict[str, int]:
@@ -38,9 +45,13 @@ def tier_moves(con: duckdb.DuckDBPyConnection, run_id: str, step: int) -> dict[s
 
 
 def transfers(con: duckdb.DuckDBPyConnection, run_id: str, step: int) -> pd.DataFrame:
-    """Disaggregated prefill: the requests handed to the decode instance up to a step."""
-    return con.execute("SELECT step, request_id, blocks, bytes, status FROM kv_transfers WHERE run_id = ? AND "
-                       "step <= ? ORDER BY step, request_id", [run_id, step]).df()
+    """Disaggregated prefill: the requests handed to the decode instance up to a step, what was sent from
+    where to where, and whose K/V arrived (null in runs recorded before schema 8)."""
+    return con.execute(
+        "SELECT step, request_id, intact AS delivered, array_to_string(kv_of, ', ') AS written_by, "
+        "array_to_string(from_blocks, ',') AS prefill_blocks, array_to_string(to_blocks, ',') AS decode_blocks, "
+        "blocks, bytes, status FROM kv_transfers WHERE run_id = ? AND step <= ? ORDER BY step, request_id",
+        [run_id, step]).df()
 
 
 def leaky_blocks(con: duckdb.DuckDBPyConnection, run_id: str, step: int, block_size: int) -> set[int]:

@@ -284,6 +284,24 @@ class KVCacheManager:
         self.incoming += list(zip(source, blocks, strict=False))
         return "ok"
 
+    def received(self, seq_id: str, n: int) -> tuple[tuple[str, ...], bool]:
+        """What a request's first `n` slots hold, by provenance: the requests that wrote them in their
+        blocks' current lifetimes ("unwritten" for slots nothing wrote since allocation), and whether
+        each holds this request's own token prefix at its position (a hit or a fork's parent may have
+        written it: same tokens, same K/V). A transfer that delivered what it says is intact."""
+        seq, B = self.seqs[seq_id], self.block_size
+        writers, intact = set(), True
+        for p in range(n):
+            b = seq.block_table[p // B]
+            facts = self.provenance.facts(b * B + p % B)
+            if facts.lifetime != self.pool.blocks[b].lifetime or not facts.writer:
+                writers.add("unwritten")
+                intact = False
+            else:
+                writers.add(facts.writer)
+                intact &= facts.prefix_id == seq.prefix_ids[p] and facts.pos == p
+        return tuple(sorted(writers)), intact
+
     def fork(self, parent_id: str, child_id: str) -> Sequence:
         """A child of the same tenant sharing every block of its parent, partial last block included."""
         parent = self.seqs[parent_id]

@@ -151,7 +151,9 @@ class EngineLoop:
             except OutOfBlocks:
                 break  # the decode pool is full: wait for its requests to finish
             self.handoff.pop(0)
-            out.append(KVTransfer(sid, len(self.kv.seqs[sid].block_table), seq.num_computed * per_slot, status))
+            table = self.kv.seqs[sid].block_table
+            out.append(KVTransfer(sid, len(table), seq.num_computed * per_slot, status, tuple(seq.block_table),
+                                  tuple(table), *self.kv.received(sid, seq.num_computed)))
             pkv.free(sid)
             self.sched.add_running(sid)
         return out

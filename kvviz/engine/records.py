@@ -19,6 +19,10 @@ class KVTransfer:
     blocks: int
     bytes: int
     status: str  # what the transfer reported: "ok" (a failed one that says ok is a fault)
+    from_blocks: tuple[int, ...] = ()  # the prefill instance's blocks sent
+    to_blocks: tuple[int, ...] = ()  # the decode instance's blocks that received them
+    kv_of: tuple[str, ...] = ()  # who wrote the K/V the received slots hold (see KVCacheManager.received)
+    intact: bool = True  # every received slot holds this request's own tokens' K/V at its position
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,11 @@ from .palette import LEAK, STATE_COLOURS, grid_columns, request_colours
 
 
 def block_map(blocks: pd.DataFrame, leaky: set[int] = frozenset(), colour_by: str = "owner",
-              title: str | None = None) -> go.Figure:
+              title: str | None = None, split: int | None = None) -> go.Figure:
     """blocks: block, state, refcount, owners ("A,B"). One square per physical block, block 0 top
     left; colour by owning request (shared blocks in the shared colour) or by state; refcount in
-    the square; blocks holding leaked keys outlined in red. Clicks return (x, y): see block_at."""
+    the square; blocks holding leaked keys outlined in red; a line before block `split` where one
+    arena holds two instances' pools. Clicks return (x, y): see block_at."""
     cols = grid_columns(len(blocks))
     size = max(10, min(34, 900 // cols))
     owners = blocks.owners.fillna("")
@@ -39,6 +40,10 @@ def block_map(blocks: pd.DataFrame, leaky: set[int] = frozenset(), colour_by: st
             customdata=np.stack([part.block, part.refcount, part.state, part.owners], axis=1),
             hovertemplate="block %{customdata[0]}<br>%{customdata[2]}, refcount %{customdata[1]}"
                           "<br>held by: %{customdata[3]}<extra></extra>"))
+    if split is not None and 0 < split < len(blocks):
+        r, c = divmod(split, cols)  # the edge between block split - 1 and split, around the grid's rows
+        fig.add_shape(type="path", path=f"M -0.5 {r + 0.5} H {c - 0.5} V {r - 0.5} H {cols - 0.5}" if c else
+                      f"M -0.5 {r - 0.5} H {cols - 0.5}", line={"color": "#333", "width": 2, "dash": "dash"})
     rows = -(-len(blocks) // cols)
     fig.update_layout(title=title, height=max(160, rows * (size + 4) + 90), margin={"l": 10, "r": 10, "t": 40, "b": 10},
                       plot_bgcolor="white", legend={"orientation": "h", "y": -0.02, "yanchor": "top"},

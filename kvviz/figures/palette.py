@@ -8,7 +8,9 @@ from __future__ import annotations
 REQUEST_COLOURS = ["#66c2a5", "#fc8d62", "#8da0cb", "#e78ac3", "#a6d854", "#e5c494", "#1b9e77", "#d95f02",
                    "#7570b3", "#e7298a", "#66a61e", "#e6ab02", "#a6761d", "#17becf", "#bcbd22", "#8c564b",
                    "#2ca02c", "#1f77b4"]
-STATE_COLOURS = {"free": "#eceff1", "cached": "#b0bec5", "used": "#4c78a8", "shared": "#6a3d9a"}
+STATE_COLOURS = {"free": "#eceff1", "cached": "#b0bec5", "used": "#4c78a8", "shared": "#6a3d9a",
+                 # a host-tier block a step moved
+                 "offloaded": "#59a14f", "restored": "#f28e2b", "dropped": "#9c755f"}
 LEAK = "#d62728"
 STALE = "#ff7f0e"
 GRID_BG = "#f5f5f5"  # what unseen cells (future, masked) show through

@@ -66,7 +66,7 @@ def compare_with_isolated(m: LoadedModel, result: RunResult, leaked: dict[str, f
             label = "divergence"
         else:
             label = "identical" if worst == 0 else "batch_variance"
-        out.append(Divergence(r.id, first, round(worst, 8), round(float(kl.max()), 8), label))
+        out.append(Divergence(r.id, first, round(worst, 8), round(max(0.0, float(kl.max())), 8), label))  # KL >= 0
     return out
 
 

@@ -97,7 +97,8 @@ class RunRecorder:
                       state="free" if h is None else "cached")
         for t in rec.transfers:
             self._add("kv_transfers", run_id=rid, step=s, request_id=t.request, blocks=t.blocks, bytes=t.bytes,
-                      status=t.status)
+                      status=t.status, from_blocks=list(t.from_blocks), to_blocks=list(t.to_blocks),
+                      kv_of=list(t.kv_of), intact=t.intact)
         for req, lookup in rec.lookups.items():
             self._add("cache_lookups", run_id=rid, step=s, request_id=req, salt=lookup.salt, tokens=lookup.tokens,
                       hit_tokens=lookup.hit_tokens)

@@ -6,7 +6,8 @@ Version 2 added token_text, version 3 the positional_entropy view, version 4 ste
 kv_slot_utilisation view, the timing audits, cache_lookups and the cache detail of block_events, version
 5 replicas, tiers and KV groups of captures (and datasets registered in place), version 6 each capture
 block's lifetime, idle time and reuse gap, version 7 the host tier of offloading (block_events.medium,
-host_blocks), adapters and disaggregated prefill (kv_transfers); older files are upgraded in place by
+host_blocks), adapters and disaggregated prefill (kv_transfers), version 8 what each transfer moved
+(kv_transfers.from_blocks, to_blocks, kv_of, intact); older files are upgraded in place by
 the idempotent DDL.
 """
 
@@ -17,8 +18,8 @@ from pathlib import Path
 
 import pyarrow as pa
 
-SCHEMA_VERSION = "7"
-UPGRADABLE = {"1", "2", "3", "4", "5", "6"}  # versions whose files the idempotent DDL brings up to date
+SCHEMA_VERSION = "8"
+UPGRADABLE = {"1", "2", "3", "4", "5", "6", "7"}  # versions whose files the idempotent DDL brings up to date
 
 _ARROW = {"VARCHAR": pa.string(), "JSON": pa.string(), "TIMESTAMP": pa.timestamp("us"), "BIGINT": pa.int64(),
           "INTEGER": pa.int32(), "DOUBLE": pa.float64(), "FLOAT": pa.float32(), "BOOLEAN": pa.bool_(),
@@ -116,8 +117,15 @@ TABLES: dict[str, Table] = {t.name: t for t in (
     Table("blocks", "Every block after each step. state: free | cached (free, hash kept) | used.", _cols(
         RUN_ID + "step INTEGER, block INTEGER, refcount INTEGER, hash UBIGINT, lifetime INTEGER, state VARCHAR")),
     Table("kv_transfers", "Disaggregated prefill: each request handed from the prefill instance to the decode "
-          "instance, with the blocks and bytes of K/V sent and the status the transfer reported.", _cols(
-              RUN_ID + "step INTEGER, request_id VARCHAR, blocks INTEGER, bytes BIGINT, status VARCHAR")),
+          "instance, with the blocks and bytes of K/V sent and the status the transfer reported.", (
+              *_cols(RUN_ID + "step INTEGER, request_id VARCHAR, blocks INTEGER, bytes BIGINT, status VARCHAR"),
+              Column("from_blocks", "INTEGER[]", "the prefill instance's blocks sent", added_in="8"),
+              Column("to_blocks", "INTEGER[]", "the decode instance's blocks that received them", added_in="8"),
+              Column("kv_of", "VARCHAR[]", "who wrote the K/V the received slots hold after the transfer, by "
+                     "slot provenance (the request, a request it hit or forked from; unwritten: slots the transfer "
+                     "never wrote)", added_in="8"),
+              Column("intact", "BOOLEAN", "every received slot holds the K/V of this request's own tokens at its "
+                     "position (the provenance rule for own)", added_in="8"))),
     Table("host_blocks", "The host tier of an offloading run after each step: each host block's hash, if it holds "
           "an offloaded block (state cached) or not (free).", _cols(
               RUN_ID + "step INTEGER, block INTEGER, hash UBIGINT, state VARCHAR")),

@@ -48,8 +48,9 @@ KEPT_WIDGETS = {"run_model", "run_model_path", "run_source", "run_scenario", "sq
                 "insp_view", "insp_upto", "insp_grid_scope", "insp_colour_by", "insp_layer", "insp_head",
                 "insp_request", "insp_step", "insp_block", "audit_target", "audit_model", "audit_sharing",
                 "audit_url", "audit_remote_model", "audit_level", "audit_samples", "audit_words", "audit_alpha"}
-KEPT_PREFIXES = ("run_bs_", "run_nb_", "run_mbt_", "run_iso_", "run_pc_", "run_fault_", "run_fs_", "run_fr_",
-                 "run_fl_", "run_att_", "run_seed_", "run_alert_")  # the Run page's settings, one set per scenario
+# the Run page's settings, one set per scenario
+KEPT_PREFIXES = ("run_bs_", "run_nb_", "run_mbt_", "run_iso_", "run_pc_", "run_host_", "run_dis_", "run_fault_",
+                 "run_fs_", "run_fr_", "run_fl_", "run_att_", "run_seed_", "run_alert_")
 
 
 def keep_widget_state() -> None:

@@ -39,7 +39,8 @@ def render(con, info: RunInfo, step: int) -> None:
             if picked is not None:
                 st.session_state["insp_block"] = picked
 
-        st.plotly_chart(fig.block_map(pool, leaky, colour_by, title), key="insp_blockmap", on_select=clicked,
+        split = int(info.engine.get("num_blocks", 0)) if info.engine.get("disaggregated") else None
+        st.plotly_chart(fig.block_map(pool, leaky, colour_by, title, split), key="insp_blockmap", on_select=clicked,
                         selection_mode="points", width="stretch")
         st.caption("Click a block to see who holds it. Red outline: a query read a foreign or stale key "
                    "from this block at this step.")
@@ -71,10 +72,25 @@ def _prefill_instance(con, info: RunInfo, step: int) -> None:
     n = int(info.engine.get("num_blocks", 0))
     sent = blocks.transfers(con, info.run_id, step)
     st.caption(f"Disaggregated prefill: blocks 0..{n - 1} are the decode instance's pool, {n}..{2 * n - 1} the "
-               f"prefill instance's. A prompt is computed there, then its K/V is transferred here. "
+               f"prefill instance's (after the dashed line). A prompt is computed there, then its K/V is "
+               f"transferred here. "
                f"{len(sent)} transfers up to this step.")
-    if not sent.empty:
-        st.dataframe(sent, hide_index=True, key="insp_transfers", height=min(300, 38 + 35 * len(sent)))
+    if sent.empty:
+        return
+    wrong = sent[sent.delivered.eq(False)]
+    if len(wrong):
+        st.warning(f"{len(wrong)} of {len(sent)} transfers left decode blocks holding K/V of other tokens than "
+                   "the request's own (by slot provenance): " + "; ".join(
+                       f"{r.request_id} at step {r.step} got K/V written by {r.written_by}"
+                       for r in wrong.head(5).itertuples()), icon=":material/swap_horiz:")
+    st.dataframe(sent, hide_index=True, key="insp_transfers", height=min(300, 38 + 35 * len(sent)),
+                 column_config={"delivered": st.column_config.CheckboxColumn(
+                     "delivered", help="every received slot holds the K/V of this request's own tokens at its "
+                                       "position, by slot provenance"),
+                     "written_by": st.column_config.TextColumn(
+                         "written by", help="who computed the K/V the decode blocks hold after the transfer: the "
+                                            "request, or one it hit or forked from; unwritten: slots the transfer "
+                                            "never wrote")})
 
 
 def _host_tier(con, info: RunInfo, step: int) -> None:
@@ -87,8 +103,8 @@ def _host_tier(con, info: RunInfo, step: int) -> None:
     st.plotly_chart(fig.block_map(host, colour_by="state", title=f"Host tier (CPU) after step {step}: {held} of "
                                   f"{len(host)} blocks hold offloaded content"), key="insp_hostmap", width="stretch")
     st.caption("Evicted cached blocks are copied here instead of dropped; a later prefix hit copies them back into "
-               f"free device blocks. This step: {moved['offload']} offloaded, {moved['restore']} restored, "
-               f"{moved['host_evict']} dropped from the host.")
+               f"free device blocks. This step (coloured in the map): {moved['offload']} offloaded, "
+               f"{moved['restore']} restored, {moved['host_evict']} dropped from the host.")
 
 
 def _memory(con, info: RunInfo, step: int) -> None:

@@ -77,6 +77,11 @@ def _key(name: str, tag: str, default) -> str:
     return key
 
 
+def _sized(col, label: str, rule: str) -> None:
+    """A setting the scenario sizes to the model's tokenizer when it runs: shown, not editable."""
+    col.text_input(label, "sized to the model", disabled=True, help=f"Set when the run starts: {rule}.")
+
+
 def _settings(sc, engine0: dict):
     tag = sc.name if sc else "custom"  # widgets per scenario, so each starts from its own settings
     with st.expander("Engine, fault and recording", expanded=sc is None):
@@ -85,9 +90,9 @@ def _settings(sc, engine0: dict):
         engine = {
             "block_size": c[0].number_input("block size", 1, 256,
                                             key=_key("bs", tag, int(engine0.get("block_size", 16)))),
-            "num_blocks": c[1].number_input("blocks", 1, 65536,
-                                            key=_key("nb", tag, int(engine0.get("num_blocks", 256))),
-                                            disabled=tight, help="sized to the model's tokenizer" if tight else None),
+            "num_blocks": _sized(c[1], "blocks", "the largest request + 1 block, counted in the model's tokens")
+            if tight else c[1].number_input("blocks", 1, 65536,
+                                            key=_key("nb", tag, int(engine0.get("num_blocks", 256)))),
             "max_batch_tokens": c[2].number_input("token budget per step", 1, 65536,
                                                   key=_key("mbt", tag, int(engine0.get("max_batch_tokens", 256)))),
             "isolation": c[3].selectbox("isolation", ("paged", "masked"),
@@ -96,10 +101,12 @@ def _settings(sc, engine0: dict):
                                                                         bool(engine0.get("prefix_caching", True)))),
         }
         c = st.columns(5)
-        host = c[0].number_input("host tier blocks (0: none)", 0, 65536, disabled=tight,
-                                 key=_key("host", tag, int((engine0.get("offload") or {}).get("cpu_blocks", 0))),
-                                 help="KV offloading: evicted cached blocks are copied to this many host blocks "
-                                      "and restored on a later prefix hit")
+        offload = "KV offloading: evicted cached blocks are copied to this many host blocks and restored on a later " \
+                  "prefix hit"
+        host = (_sized(c[0], "host tier blocks", f"{sc.host_share:.0%} of the pool. {offload}")
+                if tight and engine0.get("offload") else
+                c[0].number_input("host tier blocks (0: none)", 0, 65536, disabled=tight, help=offload,
+                                  key=_key("host", tag, int((engine0.get("offload") or {}).get("cpu_blocks", 0)))))
         engine["offload"] = {"cpu_blocks": int(host)} if host else None
         engine["disaggregated"] = c[1].checkbox(
             "disaggregated prefill", key=_key("dis", tag, bool(engine0.get("disaggregated", False))),
@@ -184,8 +191,12 @@ def _run(name, sc, requests, engine, fault, scope_text, selection, seed, limits)
             pool.plotly_chart(block_fig.block_map(s.blocks, title=f"Pool after step {s.step}"), width="stretch",
                               key=f"run_live_{s.step}")
 
-    out = live.run(store(), m, workload, fault, scenario_name=sc.name if sc else None, scope=scope,
-                   selection=selection, on_step=on_step,
-                   on_wait=lambda n: bar.progress(0.0, text=live.waiting_message(n).capitalize()))
+    try:
+        out = live.run(store(), m, workload, fault, scenario_name=sc.name if sc else None, scope=scope,
+                       selection=selection, on_step=on_step,
+                       on_wait=lambda n: bar.progress(0.0, text=live.waiting_message(n).capitalize()))
+    except Exception:
+        bar.empty()  # the error the app shows replaces the progress, which would still say "starting..."
+        raise
     bar.progress(1.0, text="done")
     open_run(out.run_id)
