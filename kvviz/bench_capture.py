@@ -36,18 +36,18 @@ print(json.dumps({"seconds": seconds, "peak_mb": int(hwm.split()[1]) / 1024}))
 
 EXPLAIN_CHILD = """
 import json, sys, time
-from kvviz.analysis.explain import explain_run
+from kvviz.analysis.explained import explained
 from kvviz.store import RunStore
 store = RunStore.open(sys.argv[1])
 with store.read() as con:
     run = con.execute("SELECT run_id FROM runs").fetchone()[0]
-    t = time.perf_counter()
-    found = explain_run(con, run)
+t = time.perf_counter()
+found = explained(store, run)  # replayed and kept, as the CLI and the app do
 print(json.dumps({"seconds": time.perf_counter() - t, "lookups": len(found)}))
 """
 VIEWS_CHILD = """
 import json, sys, time
-from kvviz.analysis import capture_time, captures, runs
+from kvviz.analysis import capture_time, captures, explained, runs
 from kvviz.analysis.uploads import import_file
 from kvviz.store import RunStore
 store = RunStore.open(sys.argv[1])
@@ -61,7 +61,9 @@ with store.read() as con:
         span = capture_time.span(con, run)
         a, b, w = span.start, span.end, capture_time.interval_s(span.start, span.end)
         top = capture_time.shared_prefixes(con, run, a, b)
-        for name, view in (("run metadata", lambda: runs.run_info(con, run)),
+        kept = [("misses by reason (kept explanation)", lambda: explained.reasons_per_interval(con, run, a, b, w))]
+        for name, view in (*(kept if explained.kept(con, run) else ()),
+                           ("run metadata", lambda: runs.run_info(con, run)),
                            ("time span", lambda: capture_time.span(con, run)),
                            ("activity (churn, hits)", lambda: capture_time.churn(con, run, a, b, w)),
                            ("occupancy per tenant", lambda: capture_time.occupancy(con, run, a, b, w, "tenant")),

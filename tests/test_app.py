@@ -14,6 +14,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from kvviz.analysis import live
+from kvviz.analysis.explained import explained, kept
 from kvviz.models import load_model
 from kvviz.store import RunStore
 from kvviz.store.trace import export_run
@@ -265,6 +266,8 @@ def test_an_uploaded_capture_opens_with_the_views_it_supports(empty_db, tmp_path
     at.toggle(key="insp_explain").set_value(True).run()
     reasons = {t["name"]: sum(values(t["y"])) for t in charts(at)["insp_activity"]["data"]}
     assert reasons.get("miss: cold") == 2 and not at.exception, "11 -> 12, then 21 after 12: tokens never cached"
+    with RunStore.open(empty_db).read() as con:
+        assert kept(con, run_id), "explained once: kept for the next session and for SQL"
     at.segmented_control(key="insp_view").set_value("Prefix tree").run()
     [icicle] = charts(at)["insp_reuse_tree"]["data"]
     assert values(icicle["ids"]) == ["all", f"{21:016x}"], "11-12-21: one chain of single children, one segment"
@@ -285,6 +288,27 @@ def test_an_uploaded_capture_opens_with_the_views_it_supports(empty_db, tmp_path
     marks = {t["name"]: values(t["y"]) for t in charts(at)["insp_cross_tenant"]["data"]}
     assert marks == {"tenant-a: stored": ["b"], "tenant-b: hit": ["b"]}, "11 = 0xb: a stored it, b's store hit"
     assert any("1 block of this range served more than one tenant" in c.value for c in at.caption)
+
+
+def test_a_capture_too_large_to_explain_in_the_app_shows_what_the_cli_kept(empty_db, tmp_path, monkeypatch):
+    from kvviz.analysis.uploads import import_file
+    from kvviz.ui import inspect_capture
+
+    from .test_capture import batch, stored_map, write_capture
+
+    cap = write_capture(tmp_path / "c.jsonl", [batch(stored_map([11, 12], None, [1, 2, 3, 4], salt="a")),
+                                               batch(stored_map([21], 12, [5, 6]))])
+    store = RunStore.open(empty_db)
+    run_id = import_file(cap, store)
+    monkeypatch.setattr(inspect_capture, "EXPLAIN_MAX_EVENTS", 2)  # this one has 3 events
+    at = page("inspector", run_id=run_id)
+    toggle = at.toggle(key="insp_explain")
+    assert toggle.disabled and f"python -m kvviz explain {run_id}" in toggle.help and not at.exception
+    explained(store, run_id)  # as the CLI does
+    at.run()
+    at.toggle(key="insp_explain").set_value(True).run()
+    reasons = {t["name"]: sum(values(t["y"])) for t in charts(at)["insp_activity"]["data"]}
+    assert reasons.get("miss: cold") == 2 and not at.exception
 
 
 def test_a_fleet_capture_shows_one_replicas_tree_at_a_time_and_its_occupancy_each(empty_db, tmp_path):

@@ -73,7 +73,7 @@ def test_an_engine_runs_lives_and_hits_agree_with_its_events_and_its_capture(mis
     assert served == looked_up and served[0] > 0
 
 
-@pytest.mark.parametrize("view", ["block_lifetimes", "hit_rate_per_interval"])
+@pytest.mark.parametrize("view", ["block_lifetimes", "hit_rate_per_interval", "lookup_explanations"])
 def test_the_sql_page_offers_the_cache_views(view):
     from kvviz.ui.sql_page import EXAMPLES
 

@@ -153,11 +153,16 @@ def test_every_sql_page_example_runs_on_a_store_with_a_capture(run):
     from kvviz.store import run_query
     from kvviz.ui.sql_page import EXAMPLES
 
-    store, _ = run
+    from kvviz.analysis.explained import explained
+
+    store, run_id = run
+    reasons = {e.reason for e in explained(store, run_id)}
     with store.read() as con:
         for sql in EXAMPLES.values():
             run_query(con, sql)  # raises SqlError naming what is wrong
         got = run_query(con, EXAMPLES["Capture lifetimes, idle times and reuse gaps (s)"])
+        why = run_query(con, EXAMPLES["Why lookups missed, by reason (runs explained so far)"])
+    assert {r[2] for r in why.rows} == reasons and reasons
     rows = {r[1]: dict(zip(got.columns, r, strict=True)) for r in got.rows}
     assert list(rows["pod-a"]["lifetime_p50_p99"]) == [4.0, 4.0]
     assert list(rows["pod-a"]["reuse_gap_p50_p99"]) == [1.5, 2.48], "gaps of 0.5 and 2.5 s"

@@ -4,6 +4,7 @@ reason and evidence, and the capture of the same run (run --kv-events) gives the
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,8 @@ from pathlib import Path
 import pytest
 
 from kvviz.analysis.explain import explain_run
+from kvviz.analysis.explained import explained, kept
+from kvviz.analysis.runs import delete_run
 from kvviz.store import RunStore
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -124,6 +127,43 @@ def test_the_cli_explains_as_a_table_or_json(misses):
     assert p.returncode == 2 and "no lookup of request 'nobody'" in p.stderr
     p = kvviz("explain", "no-such-run", "--db", str(store.path))
     assert p.returncode == 2 and "no-such-run" in p.stderr
+
+
+def test_an_explanation_is_kept_once_then_read_back_by_sql_the_cli_and_the_app(misses, tmp_path):
+    """A capture's replay runs once: what it said is kept (lookup_explanations, each lookup at its
+    message's time) and read back after; a run still recording is explained but not kept; a deleted
+    run leaves nothing behind."""
+    store, run_id, capture_id, _ = misses
+    copy = RunStore.open(shutil.copy(store.path, tmp_path / "copy.duckdb"))
+    with copy.write() as con:  # as explained by nobody yet (the CLI test may have kept it)
+        con.execute("DELETE FROM lookup_explanations")
+        con.execute("UPDATE runs SET explained_at = NULL")
+    with copy.read() as con:
+        replayed = explain_run(con, capture_id)
+        assert not kept(con, capture_id)
+    assert explained(copy, capture_id) == replayed and len(replayed) >= 12
+    with copy.read() as con:
+        assert kept(con, capture_id)
+        rows, timed, first, last = con.execute(
+            "SELECT count(*), count(ts), min(ts), max(ts) FROM lookup_explanations WHERE run_id = ?",
+            [capture_id]).fetchone()
+        start, end = con.execute("SELECT min(ts), max(ts) FROM kv_events WHERE run_id = ?", [capture_id]).fetchone()
+    assert rows == timed == len(replayed) and start <= first <= last <= end
+    assert explained(copy, capture_id) == replayed, "read back as it was said, evidence and order included"
+    with copy.write() as con:  # what is kept is what is read: no replay behind it
+        con.execute("UPDATE lookup_explanations SET reason = 'kept' WHERE run_id = ?", [capture_id])
+    assert {e.reason for e in explained(copy, capture_id)} == {"kept"}
+    p = kvviz("explain", capture_id, "--db", str(copy.path), "--json")
+    assert {x["reason"] for x in json.loads(p.stdout.splitlines()[-1])["lookups"]} == {"kept"}, p.stderr
+    with copy.write() as con:
+        con.execute("UPDATE runs SET status = 'running' WHERE run_id = ?", [run_id])
+    assert explained(copy, run_id)
+    with copy.read() as con:
+        assert not kept(con, run_id)
+        assert con.execute("SELECT count(*) FROM lookup_explanations WHERE run_id = ?", [run_id]).fetchone()[0] == 0
+    delete_run(copy, capture_id)
+    with copy.read() as con:
+        assert con.execute("SELECT count(*) FROM lookup_explanations").fetchone()[0] == 0
 
 
 def test_a_captures_lookups_are_named_by_session_and_repeats_are_not_lookups(tmp_path):

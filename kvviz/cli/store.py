@@ -106,11 +106,9 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 def cmd_explain(args: argparse.Namespace) -> int:
     """Why each lookup of a run (or each stored chain of a capture) stopped where it did."""
-    from ..analysis.explain import explain_run
+    from ..analysis.explained import explained
 
-    with args.store.read() as con:
-        args.store.require_run(con, args.run_id)
-        found = explain_run(con, args.run_id)
+    found = explained(args.store, args.run_id)
     if args.request is not None:
         found = [e for e in found if e.request == args.request]
         if not found:

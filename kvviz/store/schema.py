@@ -7,8 +7,8 @@ kv_slot_utilisation view, the timing audits, cache_lookups and the cache detail 
 5 replicas, tiers and KV groups of captures (and datasets registered in place), version 6 each capture
 block's lifetime, idle time and reuse gap, version 7 the host tier of offloading (block_events.medium,
 host_blocks), adapters and disaggregated prefill (kv_transfers), version 8 what each transfer moved
-(kv_transfers.from_blocks, to_blocks, kv_of, intact); older files are upgraded in place by
-the idempotent DDL.
+(kv_transfers.from_blocks, to_blocks, kv_of, intact), version 9 the explanations `kvviz explain` keeps
+(lookup_explanations, runs.explained_at); older files are upgraded in place by the idempotent DDL.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pyarrow as pa
 
-SCHEMA_VERSION = "8"
-UPGRADABLE = {"1", "2", "3", "4", "5", "6", "7"}  # versions whose files the idempotent DDL brings up to date
+SCHEMA_VERSION = "9"
+UPGRADABLE = {"1", "2", "3", "4", "5", "6", "7", "8"}  # versions whose files the idempotent DDL brings up to date
 
 _ARROW = {"VARCHAR": pa.string(), "JSON": pa.string(), "TIMESTAMP": pa.timestamp("us"), "BIGINT": pa.int64(),
           "INTEGER": pa.int32(), "DOUBLE": pa.float64(), "FLOAT": pa.float32(), "BOOLEAN": pa.bool_(),
@@ -93,7 +93,9 @@ TABLES: dict[str, Table] = {t.name: t for t in (
         Column("engine", "JSON", "EngineConfig"), Column("workload", "JSON", "the workload as given"),
         Column("kvviz_version", "VARCHAR"), Column("steps", "INTEGER"), Column("seconds", "DOUBLE"),
         Column("generated_tokens", "INTEGER"), Column("max_foreign_mass", "DOUBLE"), Column("leak_rate", "DOUBLE"),
-        Column("findings", "INTEGER")), key="run_id"),
+        Column("findings", "INTEGER"),
+        Column("explained_at", "TIMESTAMP", "when its lookups were explained and kept in lookup_explanations",
+               in_trace=False, added_in="9")), key="run_id"),
     Table("requests", "Each request of a run and what it generated.", _cols(
         RUN_ID + "request_id VARCHAR, tenant VARCHAR, parent VARCHAR, prompt_ids INTEGER[], output_ids INTEGER[], "
         "text VARCHAR, arrival_step INTEGER, first_token_step INTEGER, finish_step INTEGER, finish_reason VARCHAR, "
@@ -187,6 +189,16 @@ TABLES: dict[str, Table] = {t.name: t for t in (
     Table("findings", "What the oracles found.", _cols(
         RUN_ID + "kind VARCHAR, request_id VARCHAR, step INTEGER, layer INTEGER, head INTEGER, position INTEGER, "
         "source_request VARCHAR, mass DOUBLE")),
+    Table("lookup_explanations", "Why each prefix-cache lookup of a run (each stored chain of a capture) stopped "
+          "where it did, as `kvviz explain` says; kept the first time a complete run is explained (a capture's "
+          "replay takes ~13 s per million events).", (
+              *_cols(RUN_ID + "request VARCHAR, step INTEGER"),
+              Column("ts", "DOUBLE", "a capture's: its message's time on the publisher's clock"),
+              *_cols("hit_tokens INTEGER, stop_block INTEGER, stop_token INTEGER"),
+              Column("reason", "VARCHAR", "cold | evicted | capacity | namespace | diverged | partial_block | "
+                     "preempted | unexplained"),
+              Column("evidence", "JSON", "what shows the reason, e.g. when the block was stored and evicted")),
+          in_trace=False),
     Table("timing_audits", "Timing audits of a server's prompt cache (kvviz audit-timing), one row per audit: "
           "a one-sided KS test that hits reach their first token sooner than misses.", (
               Column("audit_id", "VARCHAR"), Column("created_at", "TIMESTAMP"), Column("base_url", "VARCHAR"),

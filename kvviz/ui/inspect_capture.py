@@ -11,11 +11,11 @@ import pandas as pd
 import streamlit as st
 
 from ..analysis import capture_time, captures, leaks
-from ..analysis.explain import explain_run
+from ..analysis.explained import explained, kept, reasons_per_interval
 from ..analysis.runs import RunInfo
 from ..figures import capture_time as time_fig
 from ..figures import captures as tree_fig
-from .common import reader
+from .common import reader, store
 
 VIEWS = ("Activity", "Occupancy", "Lifetimes", "Shared prefixes", "Prefix tree", "Cross-tenant")
 EXPLAIN_MAX_EVENTS = 1_000_000  # explaining the misses takes ~13 s per million events: past this, the CLI
@@ -35,10 +35,11 @@ def render(info: RunInfo) -> None:
     if st.session_state.get("insp_view") not in VIEWS:
         st.session_state["insp_view"] = VIEWS[0]
     view = st.segmented_control("View", VIEWS, key="insp_view", label_visibility="collapsed") or VIEWS[0]
+    if view == "Activity":  # its own readers: explaining the misses keeps them, through the writer
+        _activity(info, span, a, b)
+        return
     with reader() as con:
-        if view == "Activity":
-            _activity(con, info, span, a, b)
-        elif view == "Occupancy":
+        if view == "Occupancy":
             _occupancy(con, info, span, a, b)
         elif view == "Lifetimes":
             _lifetimes(con, info, a, b)
@@ -74,9 +75,13 @@ def _clock(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
 
 
-def _activity(con, info: RunInfo, span: capture_time.Span, a: float, b: float) -> None:
+def _activity(info: RunInfo, span: capture_time.Span, a: float, b: float) -> None:
     width = capture_time.interval_s(a, b)
-    churn = capture_time.churn(con, info.run_id, a, b, width)
+    with reader() as con:
+        churn = capture_time.churn(con, info.run_id, a, b, width)
+        hits_reported = capture_time.reports_hits(con, info.run_id)
+        events = con.execute("SELECT count(*) FROM kv_events WHERE run_id = ?", [info.run_id]).fetchone()[0]
+        is_kept = kept(con, info.run_id)
     if churn.empty:
         st.info("No block was stored or removed in this range.")
         return
@@ -86,14 +91,14 @@ def _activity(con, info: RunInfo, span: capture_time.Span, a: float, b: float) -
     c[1].metric("hits", f"{int(total.hits):,}", help="stores of a block already cached: vLLM reports them with "
                 "kv_cache_report_mode=\"full\" (otherwise a capture sees no hits)")
     tokens = total.hit_tokens + total.miss_tokens
-    if capture_time.reports_hits(con, info.run_id):
+    if hits_reported:
         c[2].metric("hit rate (tokens)", f"{total.hit_tokens / tokens:.0%}" if tokens else "-")
     else:
         c[2].metric("hit rate (tokens)", "not reported", help="This capture holds no repeated store of a cached "
                     "block: its server did not report hits (vLLM: kv_cache_report_mode=\"full\"), so the events "
                     "cannot tell how many tokens were served from the cache.")
     c[3].metric("evicted", f"{int(total.evicted):,}")
-    reasons = _reasons(con, info, width) if _explain_wanted(con, info) else None
+    reasons = _reasons(info, a, b, width) if _explain_wanted(info, events, is_kept) else None
     event = st.plotly_chart(time_fig.activity(churn, span.start, width, reasons), width="stretch",
                             key="insp_activity", on_select="rerun", selection_mode="box")
     st.caption(f"Each bar is {width:g} s" + (f", summed over {churn.replica.nunique()} replicas" if
@@ -108,31 +113,32 @@ def _activity(con, info: RunInfo, span: capture_time.Span, a: float, b: float) -
             st.rerun()
 
 
-def _explain_wanted(con, info: RunInfo) -> bool:
-    events = con.execute("SELECT count(*) FROM kv_events WHERE run_id = ?", [info.run_id]).fetchone()[0]
+def _explain_wanted(info: RunInfo, events: int, is_kept: bool) -> bool:
+    """The toggle: on at once when the capture was explained before (by the app or the CLI); a large
+    one not yet explained points to the CLI, whose explanation the app then shows."""
     small = events <= EXPLAIN_MAX_EVENTS
-    return st.toggle("Explain the misses (why each lookup stopped)", key="insp_explain", disabled=not small,
-                     help="Replays the capture's cache to say, for each stored chain, why it was not served from "
-                     "the cache: cold, evicted, namespace (cached under another salt), diverged, partial block. "
-                     "About 13 s per million events, once per capture." if small else
-                     f"This capture has {events:,} events: explain it from the command line, "
-                     f"`python -m kvviz explain {info.run_id} --json`.")
+    if is_kept:
+        why = "Kept from when this capture was explained: why each stored chain was not served from the cache."
+    elif small:
+        why = ("Replays the capture's cache to say, for each stored chain, why it was not served from the cache: "
+                "cold, evicted, namespace (cached under another salt), diverged, partial block. About 13 s per "
+                "million events, once: the answer is kept for everyone.")
+    else:
+        why = (f"This capture has {events:,} events: explain it once from the command line, "
+                f"`python -m kvviz explain {info.run_id}`, and the app shows what it kept.")
+    return st.toggle("Explain the misses (why each lookup stopped)", key="insp_explain",
+                     disabled=not (small or is_kept), help=why)
 
 
-def _reasons(con, info: RunInfo, width: float) -> pd.DataFrame:
-    """Misses (lookups) per interval and reason; explained once per capture and session."""
-    cached = st.session_state.get("insp_explained")
-    if not cached or cached[0] != info.run_id:
-        with st.spinner("Replaying the capture's cache to explain each miss..."):
-            found = explain_run(con, info.run_id)
-        when = dict(con.execute("SELECT step, min(ts) FROM kv_events WHERE run_id = ? GROUP BY step",
-                                [info.run_id]).fetchall())
-        cached = (info.run_id, pd.DataFrame({"ts": [when.get(e.step) for e in found],
-                                             "reason": [e.reason for e in found]}))
-        st.session_state["insp_explained"] = cached
-    df = cached[1].dropna()
-    df = df.assign(interval_start=(df.ts // width) * width)
-    return df.groupby(["interval_start", "reason"], as_index=False).size().rename(columns={"size": "lookups"})
+def _reasons(info: RunInfo, a: float, b: float, width: float) -> pd.DataFrame:
+    """Misses (lookups) per interval and reason, from the kept explanation (made now if it is not)."""
+    with reader() as con:
+        is_kept = kept(con, info.run_id)
+    if not is_kept:
+        with st.spinner("Replaying the capture's cache to explain each miss (kept for next time)..."):
+            explained(store(), info.run_id)
+    with reader() as con:
+        return reasons_per_interval(con, info.run_id, a, b, width)
 
 
 def _occupancy(con, info: RunInfo, span: capture_time.Span, a: float, b: float) -> None:

@@ -36,6 +36,9 @@ EXAMPLES = {
         "       quantile_cont(idle_s, [0.5, 0.99]) AS idle_p50_p99,\n"
         "       quantile_cont(reuse_gap_s, [0.5, 0.99]) AS reuse_gap_p50_p99\n"
         "FROM kv_events WHERE lifetime_s IS NOT NULL OR reuse_gap_s IS NOT NULL GROUP BY ALL"),
+    "Why lookups missed, by reason (runs explained so far)": (
+        "SELECT r.run_id, r.scenario, e.reason, count(*) AS lookups, avg(e.hit_tokens) AS mean_hit_tokens\n"
+        "FROM lookup_explanations e JOIN runs r USING (run_id)\nGROUP BY ALL ORDER BY r.run_id, lookups DESC"),
     "Block occupancy": "SELECT run_id, step, used, cached, free FROM block_occupancy ORDER BY run_id, step",
     "Findings by kind": "SELECT kind, count(*) AS n, max(mass) AS max_mass FROM findings GROUP BY kind",
     "Positional entropy by position": "SELECT request_id, position, avg(entropy) AS entropy_nats, "

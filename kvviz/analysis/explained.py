@@ -1,0 +1,74 @@
+"""Explanations kept in the run store. Replaying a capture's cache to explain its misses takes about
+13 s per million events, so a complete run is explained once (by `kvviz explain` or the app) and
+read back after, whatever its size; the rows are the table lookup_explanations for SQL too.
+A run still recording is explained but not kept: its lookups are not all there yet."""
+
+from __future__ import annotations
+
+import json
+
+import duckdb
+import pandas as pd
+import pyarrow as pa
+
+from ..store import RunStore
+from .explain import Explanation, explain_run
+
+FIELDS = ("request", "step", "hit_tokens", "stop_block", "stop_token", "reason")
+
+
+def kept(con: duckdb.DuckDBPyConnection, run_id: str) -> bool:
+    """Has this run been explained and kept (an explanation of no lookups counts)?"""
+    row = con.execute("SELECT explained_at FROM runs WHERE run_id = ?", [run_id]).fetchone()
+    return row is not None and row[0] is not None
+
+
+def explained(store: RunStore, run_id: str) -> list[Explanation]:
+    """The run's explanations: read back if kept, else worked out and kept (when the run is complete).
+    StoreError names a run that is not there or has nothing to explain."""
+    with store.read() as con:
+        RunStore.require_run(con, run_id)
+        if kept(con, run_id):
+            return _read(con, run_id)
+        complete = con.execute("SELECT status = 'complete' FROM runs WHERE run_id = ?", [run_id]).fetchone()[0]
+        found = explain_run(con, run_id)
+    if complete:
+        _keep(store, run_id, found)
+    return found
+
+
+def reasons_per_interval(con: duckdb.DuckDBPyConnection, run_id: str, start: float, end: float,
+                         width: float) -> pd.DataFrame:
+    """interval_start, reason, lookups: a kept capture explanation on its time axis (a scan of the
+    kept rows, not a replay)."""
+    return con.execute("SELECT floor(ts / $w) * $w AS interval_start, reason, count(*) AS lookups "
+                       "FROM lookup_explanations WHERE run_id = $run AND ts BETWEEN $a AND $b "
+                       "GROUP BY ALL ORDER BY interval_start, reason",
+                       {"run": run_id, "w": width, "a": start, "b": end}).df()
+
+
+def _read(con: duckdb.DuckDBPyConnection, run_id: str) -> list[Explanation]:
+    rows = con.execute(f"SELECT {', '.join(FIELDS)}, evidence FROM lookup_explanations WHERE run_id = ? "
+                       "ORDER BY step, rowid", [run_id]).fetchall()
+    return [Explanation(*row[:-1], json.loads(row[-1])) for row in rows]
+
+
+def _keep(store: RunStore, run_id: str, found: list[Explanation]) -> None:
+    """Replace whatever was kept of the run, in one transaction; a capture's lookups get the time of
+    their message. A run deleted meanwhile keeps nothing."""
+    columns = {name: [getattr(e, name) for e in found] for name in FIELDS}
+    rows = pa.table({"run_id": [run_id] * len(found), **columns,
+                     "evidence": [json.dumps(e.evidence) for e in found]})
+    with store.write() as con:
+        con.execute("BEGIN TRANSACTION")
+        if not RunStore.has_run(con, run_id):
+            con.execute("ROLLBACK")
+            return
+        con.execute("DELETE FROM lookup_explanations WHERE run_id = ?", [run_id])
+        if found:
+            RunStore.insert(con, "lookup_explanations", rows)
+            con.execute("UPDATE lookup_explanations e SET ts = w.ts FROM (SELECT step, min(ts) AS ts FROM kv_events "
+                        "WHERE run_id = $run GROUP BY step) w WHERE e.run_id = $run AND e.step = w.step",
+                        {"run": run_id})
+        con.execute("UPDATE runs SET explained_at = now()::TIMESTAMP WHERE run_id = ?", [run_id])
+        con.execute("COMMIT")
