@@ -191,6 +191,30 @@ def test_a_captures_lookups_are_named_by_session_and_repeats_are_not_lookups(tmp
     assert found == [("conv-7", 0, 0), ("conv-7", 2, 4), ("chain-0000000000000004", 3, 0)]
 
 
+def test_each_replica_of_a_fleet_capture_is_explained_from_its_own_cache(tmp_path):
+    """pod-b stores the chain pod-a holds: a miss of its own (cold), not a block that was "cached"
+    (on another replica); pod-a's eviction does not end pod-b's copy, and pod-a storing it again is
+    evicted on pod-a. Lookups are named by replica."""
+    from kvviz.analysis.uploads import import_file
+    from kvviz.capture.capture_file import CaptureWriter, Message
+    from tests.test_capture import batch, stored_map
+
+    chain = stored_map([1, 2], None, [10, 11, 12, 13])
+    sent = [("pod-a", chain), ("pod-b", chain), ("pod-a", {"type": "BlockRemoved", "block_hashes": [1, 2], "medium": "GPU"}),
+            ("pod-a", chain), ("pod-b", stored_map([3], 2, [14, 15]))]
+    w = CaptureWriter(tmp_path / "c.jsonl", {"pod-a": "x", "pod-b": "y"})
+    for seq, (replica, ev) in enumerate(sent):
+        w.add(Message(replica, 0, seq, "kv", batch(ev)))
+    w.close()
+    store = RunStore.open(tmp_path / "k.duckdb")
+    run = import_file(tmp_path / "c.jsonl", store)
+    with store.read() as con:
+        found = [(e.request, e.step, e.hit_tokens, e.reason) for e in explain_run(con, run)]
+    one = f"chain-{1:016x}"
+    assert found == [(f"pod-a/{one}", 0, 0, "cold"), (f"pod-b/{one}", 1, 0, "cold"),
+                     (f"pod-a/{one}#2", 3, 0, "evicted"), (f"pod-b/chain-{3:016x}", 4, 4, "cold")]
+
+
 def test_a_prefix_evicted_by_its_own_step_is_capacity_not_churn(tmp_path):
     """A and then Z finish, leaving their full blocks cached (A's tail first in line for eviction). At
     step 6 X (7 blocks) is admitted first and takes the 6 free blocks and A's third; F, in the same

@@ -242,24 +242,46 @@ def namespace(salt: str | None, adapter: str | None) -> str | None:
 
 
 def _explain_capture(con: duckdb.DuckDBPyConnection, run_id: str) -> list[Explanation]:
+    """Each replica's cache (each KV group's, in a hybrid model) is its own history: a chain cached on
+    one replica serves no lookup on another. Its lookups are named by replica (and group) when the
+    capture has more than one, in time order across them."""
+    parts = con.execute("SELECT DISTINCT coalesce(replica, 'replica-0'), group_idx FROM kv_events WHERE run_id = ? "
+                        "AND kind = 'BlockStored' ORDER BY ALL", [run_id]).fetchall()
+    fleet = len({replica for replica, _ in parts}) > 1
+    out = []
+    for replica, group in parts:
+        name = "/".join(([replica] if fleet else []) + ([f"group-{group}"] if group is not None else []))
+        out += _explain_part(con, run_id, replica, group, name + "/" if name else "")
+    return sorted(out, key=lambda e: e.step)
+
+
+def _explain_part(con: duckdb.DuckDBPyConnection, run_id: str, replica: str, group: int | None,
+                  name: str) -> list[Explanation]:
     """Each stored chain segment is a lookup, named by its session where the server says one (a
     conversation's turns, one after another) or by its first block. Repeats change nothing in the
-    cache (a re-reported hit, a removal of a block not cached) and are left out."""
-    rows = con.execute("SELECT step, kind, block_hash, parent_hash, token_ids, salt, session_id, block_index, "
-                       "block_size FROM kv_events WHERE run_id = ? AND kind IN ('BlockStored', 'BlockRemoved') "
-                       "AND NOT coalesce(repeat, false) ORDER BY step, coalesce(event_index, 0), block_index",
-                       [run_id]).fetchall()
-    B = next((size for *_, size in rows if size), 16)
-    events = [CacheEvent(step, "store" if kind == "BlockStored" else "remove", h, parent, tuple(tokens or ()), salt)
-              for step, kind, h, parent, tokens, salt, *_ in rows]
-    history = CacheHistory(events, B)
+    cache (a re-reported hit, a removal of a block not cached) and are left out. The rows are read a
+    batch at a time: only the history is kept."""
+    cur = con.execute("SELECT step, kind, block_hash, parent_hash, token_ids, salt, session_id, block_index, "
+                      "block_size FROM kv_events WHERE run_id = ? AND coalesce(replica, 'replica-0') = ? AND "
+                      "group_idx IS NOT DISTINCT FROM ? AND kind IN ('BlockStored', 'BlockRemoved') AND NOT "
+                      "coalesce(repeat, false) ORDER BY step, coalesce(event_index, 0), block_index",
+                      [run_id, replica, group])
+    events, sessions, B = [], {}, None
+    while batch := cur.fetchmany(65536):
+        for step, kind, h, parent, tokens, salt, session, index, size in batch:
+            if kind == "BlockStored" and index == 0:
+                sessions[len(events)] = session
+            B = B or size
+            events.append(CacheEvent(step, "store" if kind == "BlockStored" else "remove", h, parent,
+                                     tuple(tokens or ()), salt))
+    history = CacheHistory(events, B or 16)
     out, seen = [], {}
-    for e, (*_, session, index, _) in zip(events, rows, strict=True):
+    for i, e in enumerate(events):
         if e.kind == "store":
             seen[e.hash] = seen.get(e.hash, 0) + 1  # stored again after an eviction: its n-th life
-        if e.kind == "store" and index == 0 and history.known(e.hash):  # a request's new blocks begin here
+        if i in sessions and history.known(e.hash):  # a request's new blocks begin here
             prefix, n = history.tokens_of(e.parent), seen[e.hash]
-            name = session or f"chain-{e.hash:016x}" + (f"#{n}" if n > 1 else "")
-            out.append(history.explain(Lookup(name, e.t, prefix + e.tokens, history.salt_of(e.hash), len(prefix),
+            request = name + (sessions[i] or f"chain-{e.hash:016x}" + (f"#{n}" if n > 1 else ""))
+            out.append(history.explain(Lookup(request, e.t, prefix + e.tokens, history.salt_of(e.hash), len(prefix),
                                               whole_prompt=False)))
     return out
