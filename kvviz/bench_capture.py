@@ -43,7 +43,9 @@ with store.read() as con:
     run = con.execute("SELECT run_id FROM runs").fetchone()[0]
 t = time.perf_counter()
 found = explained(store, run)  # replayed and kept, as the CLI and the app do
-print(json.dumps({"seconds": time.perf_counter() - t, "lookups": len(found)}))
+seconds = time.perf_counter() - t
+hwm = next(line for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+print(json.dumps({"seconds": seconds, "lookups": len(found), "peak_mb": int(hwm.split()[1]) / 1024}))
 """
 VIEWS_CHILD = """
 import json, sys, time
@@ -92,6 +94,7 @@ class ImportResult:
     peak_mb: float
     written_per_s: float  # messages per second written into this form (decoding included for the dataset)
     explain_s: float | None = None  # `explain` over the imported capture, in another fresh process
+    explain_mb: float | None = None  # that process's peak RSS
     views_s: dict[str, float] | None = None  # the dataset's: registering it in place, and each view's query
 
 
@@ -115,14 +118,14 @@ def run_capture_bench(sizes: list[int], progress: Callable[[str], None] = lambda
                 if p.returncode:
                     raise RuntimeError(f"importing the {form} failed: {p.stderr.strip()[-2000:]}")
                 got = json.loads(p.stdout.strip().splitlines()[-1])
-                explained = None
+                explained = {}
                 if n <= EXPLAIN_UP_TO:
                     progress(f"explaining the {form}'s lookups")
                     e = subprocess.run([sys.executable, "-c", EXPLAIN_CHILD, str(Path(tmp) / f"{n}-{form}.duckdb")],
                                        capture_output=True, text=True, cwd=Path(__file__).parent.parent)
                     if e.returncode:
                         raise RuntimeError(f"explaining the {form} failed: {e.stderr.strip()[-2000:]}")
-                    explained = json.loads(e.stdout.strip().splitlines()[-1])["seconds"]
+                    explained = json.loads(e.stdout.strip().splitlines()[-1])
                 views = None
                 if form == "dataset":
                     progress("timing the inspector's views, copied and registered in place")
@@ -131,16 +134,17 @@ def run_capture_bench(sizes: list[int], progress: Callable[[str], None] = lambda
                     if v.returncode:
                         raise RuntimeError(f"timing the views failed: {v.stderr.strip()[-2000:]}")
                     views = json.loads(v.stdout.strip().splitlines()[-1])
-                out.append(ImportResult(n, len(msgs), form, got["seconds"], got["peak_mb"], rate, explained, views))
+                out.append(ImportResult(n, len(msgs), form, got["seconds"], got["peak_mb"], rate,
+                                        explained.get("seconds"), explained.get("peak_mb"), views))
             del msgs
     return out
 
 
 def capture_report(results: list[ImportResult]) -> str:
-    lines = ["| block events | messages | from | import s | events/s | peak RSS MB | written msgs/s | explain s |",
-             "|---:|---:|---|---:|---:|---:|---:|---:|"]
+    lines = ["| block events | messages | from | import s | events/s | peak RSS MB | written msgs/s | explain s "
+             "| explain peak MB |", "|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
     for r in results:
-        explained = "-" if r.explain_s is None else f"{r.explain_s:.1f}"
+        explained = "- | -" if r.explain_s is None else f"{r.explain_s:.1f} | {r.explain_mb:,.0f}"
         lines.append(f"| {r.events:,} | {r.messages:,} | {r.form} | {r.seconds:.1f} | {r.events / r.seconds:,.0f} "
                      f"| {r.peak_mb:,.0f} | {r.written_per_s:,.0f} | {explained} |")
     for r in results:
