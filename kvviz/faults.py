@@ -262,15 +262,15 @@ def _offload_stale_restore(kv) -> None:
 def _transfer_wrong_request(kv) -> None:
     copy_in, previous = kv.copy_in, []
 
-    def copy_previous(source, blocks, n):
+    def copy_previous(source, blocks, n, seq_id):
         sent = previous[:] or source  # the buffer still holds the previous request's prefill
         previous[:] = source
-        return copy_in(sent, blocks, n)
+        return copy_in(sent, blocks, n, seq_id)
     kv.copy_in = copy_previous
 
 
 def _transfer_failed_silently(kv) -> None:
-    kv.copy_in = lambda source, blocks, n: "ok"  # nothing arrived; the status says it did
+    kv.copy_in = lambda source, blocks, n, seq_id: "ok"  # nothing arrived; the status says it did
 
 
 def _untagged_namespace(kv) -> None:

@@ -79,6 +79,10 @@ def rec(tmp_path_factory) -> Recorded:
         "missing_cow": record(db, "missing_cow"),
         "stale_hash": record(db, "stale_hash"),
         "control_shared_system_prompt": record(db, "control_shared_system_prompt"),
+        "offload_wrong_block": record(db, "offload_wrong_block"),
+        "offload_control": record(db, "offload_wrong_block", None),  # restores from the right host block
+        "transfer_wrong_request": record(db, "transfer_wrong_request"),
+        "transfer_control": record(db, "transfer_wrong_request", None),
     }
     cap, big = capture_file(tmp)
     capture = uploads.import_file(cap, RunStore.open(db))
@@ -166,14 +170,20 @@ def page_table_mismatches(con, run_id) -> tuple[int, list]:
     return checked, bad
 
 
-@pytest.mark.parametrize("name", ["control_forks", "boundary_control", "boundary", "control_shared_system_prompt"])
+@pytest.mark.parametrize("name", ["control_forks", "boundary_control", "boundary", "control_shared_system_prompt",
+                                  "offload_control", "transfer_control"])
 def test_slots_behind_every_page_table_hold_the_requests_own_tokens(rec, name):
+    """Restores from the host tier and transfers from a prefill instance write no slot: their slots
+    hold the right tokens only if the replay copies them."""
     with RunStore.open(rec.db).read() as con:
         checked, bad = page_table_mismatches(con, rec.ids[name])
+        copied = dict(con.execute("SELECT kind, count(*) FROM block_events WHERE run_id = ? AND kind IN "
+                                  "('restore', 'transfer') GROUP BY kind", [rec.ids[name]]).fetchall())
     assert checked > 100 and bad == []
+    assert copied.get({"offload_control": "restore", "transfer_control": "transfer"}.get(name), 1) > 0
 
 
-@pytest.mark.parametrize("name", ["stale_hash", "missing_cow"])
+@pytest.mark.parametrize("name", ["stale_hash", "missing_cow", "offload_wrong_block", "transfer_wrong_request"])
 def test_a_broken_page_table_shows_in_the_slot_contents(rec, name):
     """The same check fails where the fault puts someone else's keys behind a request's page table."""
     with RunStore.open(rec.db).read() as con:

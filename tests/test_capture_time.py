@@ -150,10 +150,9 @@ def test_the_reuse_tree_collapses_single_child_chains_and_keeps_the_busiest_subt
 
 
 def test_every_sql_page_example_runs_on_a_store_with_a_capture(run):
+    from kvviz.analysis.explained import explained
     from kvviz.store import run_query
     from kvviz.ui.sql_page import EXAMPLES
-
-    from kvviz.analysis.explained import explained
 
     store, run_id = run
     reasons = {e.reason for e in explained(store, run_id)}

@@ -200,8 +200,9 @@ def test_each_replica_of_a_fleet_capture_is_explained_from_its_own_cache(tmp_pat
     from tests.test_capture import batch, stored_map
 
     chain = stored_map([1, 2], None, [10, 11, 12, 13])
-    sent = [("pod-a", chain), ("pod-b", chain), ("pod-a", {"type": "BlockRemoved", "block_hashes": [1, 2], "medium": "GPU"}),
-            ("pod-a", chain), ("pod-b", stored_map([3], 2, [14, 15]))]
+    removed = {"type": "BlockRemoved", "block_hashes": [1, 2], "medium": "GPU"}
+    sent = [("pod-a", chain), ("pod-b", chain), ("pod-a", removed), ("pod-a", chain),
+            ("pod-b", stored_map([3], 2, [14, 15]))]
     w = CaptureWriter(tmp_path / "c.jsonl", {"pod-a": "x", "pod-b": "y"})
     for seq, (replica, ev) in enumerate(sent):
         w.add(Message(replica, 0, seq, "kv", batch(ev)))

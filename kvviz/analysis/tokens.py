@@ -26,20 +26,34 @@ def request_tokens(con: duckdb.DuckDBPyConnection, run_id: str) -> dict[str, lis
 
 def slot_contents(con: duckdb.DuckDBPyConnection, run_id: str, step: int, block_size: int) -> pd.DataFrame:
     """Who wrote each slot, which position and token, as of the end of `step`: the slot_writes log
-    replayed with copy-on-write copies (a copy takes its source's slots before the step's writes)."""
+    replayed with every block copy the run made (copy-on-write, offload to the host tier and restore
+    from it, a disaggregated transfer), each before its step's writes. The copies are the ones made,
+    not the ones asked for: a restore from the wrong host block shows the wrong block's tokens."""
     writes = con.execute("SELECT step, slot, request_id, position, token, lifetime FROM slot_writes "
                          "WHERE run_id = ? AND step <= ? ORDER BY step", [run_id, step]).fetchall()
-    cows = con.execute("SELECT step, block, source FROM block_events WHERE run_id = ? AND step <= ? AND kind = 'cow' "
-                       "ORDER BY step, seq", [run_id, step]).fetchall()
-    slots: dict[int, tuple] = {}
+    copies = con.execute("SELECT step, kind, block, source FROM block_events WHERE run_id = ? AND step <= ? AND kind "
+                         "IN ('cow', 'offload', 'restore', 'transfer') ORDER BY step, seq", [run_id, step]).fetchall()
+    device: dict[int, tuple] = {}
+    host: dict[int, tuple] = {}  # the host tier's slots
+
+    def copy(kind: str, block: int, source: int) -> None:
+        if kind == "offload":  # device block -> host block source
+            a, src, b, dst = device, block, host, source
+        else:  # cow, restore (from host block source), transfer: source -> block
+            a, src, b, dst = host if kind == "restore" else device, source, device, block
+        for k in range(block_size):
+            content = a.get(src * block_size + k)
+            if content is None:
+                b.pop(dst * block_size + k, None)
+            else:
+                b[dst * block_size + k] = content
+
     c = 0
-    for s, slot, *content in writes:
-        while c < len(cows) and cows[c][0] <= s:
-            _, copy, src = cows[c]
-            for k in range(block_size):
-                if src * block_size + k in slots:
-                    slots[copy * block_size + k] = slots[src * block_size + k]
+    for s, slot, *content in [*writes, (step + 1, None)]:
+        while c < len(copies) and copies[c][0] <= s:
+            copy(*copies[c][1:])
             c += 1
-        slots[slot] = tuple(content)
-    rows = [(slot, *v) for slot, v in sorted(slots.items())]
+        if slot is not None:
+            device[slot] = tuple(content)
+    rows = [(slot, *v) for slot, v in sorted(device.items())]
     return pd.DataFrame(rows, columns=["slot", "request_id", "position", "token", "lifetime"])

@@ -269,18 +269,18 @@ class KVCacheManager:
             raise OutOfBlocks(n, self.pool.num_free)
         seq = self.add(seq_id, token_ids, salt, adapter)
         seq.block_table = [b.id for b in self.pool.allocate(n, seq_id)]
-        for s, d in zip(source, seq.block_table, strict=False):
-            self.pool.event("transfer", self.pool.blocks[d], seq_id, source=s)
-        status = self.copy_in(list(source), seq.block_table, computed)
+        status = self.copy_in(list(source), seq.block_table, computed, seq_id)
         seq.num_computed = computed
         self._publish(seq, 0, computed // self.block_size)
         return status
 
-    def copy_in(self, source: list[int], blocks: list[int], n: int) -> str:
-        """The transfer itself: `n` slots' K/V (queued for the engine) and their facts, block by block."""
+    def copy_in(self, source: list[int], blocks: list[int], n: int, seq_id: str) -> str:
+        """The transfer itself: `n` slots' K/V (queued for the engine) and their facts, block by block,
+        each copy an event (what arrived, not what was asked for)."""
         B = self.block_size
         for k, (s, d) in enumerate(zip(source, blocks, strict=False)):
             self.provenance.copy(s * B, d * B, min(B, n - k * B), self.pool.blocks[d].lifetime)
+            self.pool.event("transfer", self.pool.blocks[d], seq_id, source=s)
         self.incoming += list(zip(source, blocks, strict=False))
         return "ok"
 

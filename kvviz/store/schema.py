@@ -135,7 +135,7 @@ TABLES: dict[str, Table] = {t.name: t for t in (
           "| preempt | cow (block is the copy of source) | cache | evict; with a host tier also offload (block's "
           "content copied to host block source) | restore (host block source copied into block) | host_evict "
           "(host block lost its hash); disaggregated also transfer (block received the K/V of the prefill instance's "
-          "block source).", (
+          "block source: the copy made, which a faulty transfer may make from the wrong block or not at all).", (
               *_cols(RUN_ID + "step INTEGER, seq INTEGER, kind VARCHAR, block INTEGER, request_id VARCHAR, "
                      "refcount INTEGER, source INTEGER"),
               Column("hash", "UBIGINT", "cache: the hash given; evict: the hash taken away", added_in="4"),
