@@ -483,21 +483,27 @@ def test_an_offloading_run_shows_its_host_tier_next_to_the_pool(tiny, tmp_path, 
     with RunStore.open(db).read() as con:
         restored_at = con.execute("SELECT min(step) FROM block_events WHERE run_id = ? AND kind = 'restore'",
                                   [run_id]).fetchone()[0]
-    assert restored_at is not None
+        held = con.execute("SELECT count(*) FROM host_blocks WHERE run_id = ? AND step = ? AND state = 'cached'",
+                           [run_id, restored_at]).fetchone()[0]
+    assert restored_at is not None and held > 0
     monkeypatch.setenv("KVVIZ_DB", str(db))
     at = page("inspector", run_id=run_id)
     at.session_state["insp_step"] = restored_at
     at.run()
     host = charts(at)["insp_hostmap"]
-    assert "Host tier (CPU)" in host["layout"]["title"]["text"]
+    assert f"Host tier (CPU) after step {restored_at}: {held} of 20 blocks hold" in host["layout"]["title"]["text"], \
+        "those this step moved included"
     assert sum(len(values(t["x"])) for t in host["data"]) == 20  # every host block drawn
     moved = next(c.value for c in at.caption if "This step" in c.value)
     assert int(re.search(r"(\d+) restored", moved).group(1)) > 0, moved
     assert "restored" in {t["name"] for t in host["data"]}  # the host blocks copied back are coloured
 
 
-@pytest.mark.parametrize("fault", [None, "transfer_wrong_request"])
-def test_the_transfers_table_says_whose_kv_each_request_received(tiny, tmp_path, monkeypatch, fault):
+@pytest.mark.parametrize(("fault", "delivered", "said"), [
+    (None, {"A": True, "B": True}, None),
+    ("transfer_wrong_request", {"A": True, "B": False}, "B at step 3 got K/V written by A"),
+    ("transfer_failed_silently", {"A": False, "B": False}, "A at step 1 got slots never written")])
+def test_the_transfers_table_says_whose_kv_each_request_received(tiny, tmp_path, monkeypatch, fault, delivered, said):
     db = tmp_path / "dis.duckdb"
     wl = {"requests": [{"id": "A", "prompt": "The first prompt of all", "max_new_tokens": 3},
                        {"id": "B", "prompt": "A second prompt, quite different", "max_new_tokens": 3,
@@ -512,7 +518,7 @@ def test_the_transfers_table_says_whose_kv_each_request_received(tiny, tmp_path,
     at.run()
     sent = next(d.value for d in at.dataframe if "delivered" in d.value.columns)  # no key without a selection
     assert list(sent.request_id) == ["A", "B"]
-    assert sent.set_index("request_id").delivered.to_dict() == {"A": True, "B": fault is None}
+    assert sent.set_index("request_id").delivered.to_dict() == delivered
     warned = [w.value for w in at.warning if "transfers left decode blocks" in w.value]
-    assert bool(warned) == (fault is not None)
+    assert bool(warned) == (fault is not None) and (said is None or said in warned[0]), warned
     assert any(s.get("type") == "path" for s in charts(at)["insp_blockmap"]["layout"].get("shapes", []))

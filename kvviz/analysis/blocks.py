@@ -26,13 +26,15 @@ def block_map(con: duckdb.DuckDBPyConnection, run_id: str, step: int) -> pd.Data
 def host_map(con: duckdb.DuckDBPyConnection, run_id: str, step: int) -> pd.DataFrame:
     """The host tier of an offloading run at a step, in block_map's columns (empty without one); a host
     block this step moved is in state offloaded (device content copied in), restored (copied back to
-    the device) or dropped (lost its hash), in that order of precedence."""
+    the device) or dropped (lost its hash), in that order of precedence; `held` says whether it holds
+    offloaded content after the step, moved or not."""
     return con.execute(
         "WITH moved AS (SELECT CASE kind WHEN 'host_evict' THEN block ELSE source END AS block, "
         "min(CASE kind WHEN 'offload' THEN 0 WHEN 'restore' THEN 1 ELSE 2 END) AS how FROM block_events "
         "WHERE run_id = ? AND step = ? AND kind IN ('offload', 'restore', 'host_evict') GROUP BY ALL) "
         "SELECT h.block, CASE m.how WHEN 0 THEN 'offloaded' WHEN 1 THEN 'restored' WHEN 2 THEN 'dropped' "
-        "ELSE h.state END AS state, 0 AS refcount, h.hash, 0 AS lifetime, '' AS owners FROM host_blocks h "
+        "ELSE h.state END AS state, 0 AS refcount, h.hash, 0 AS lifetime, '' AS owners, h.state = 'cached' AS held "
+        "FROM host_blocks h "
         "LEFT JOIN moved m USING (block) WHERE h.run_id = ? AND h.step = ? ORDER BY h.block",
         [run_id, step, run_id, step]).df()
 

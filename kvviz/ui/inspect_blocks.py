@@ -81,7 +81,7 @@ def _prefill_instance(con, info: RunInfo, step: int) -> None:
     if len(wrong):
         st.warning(f"{len(wrong)} of {len(sent)} transfers left decode blocks holding K/V of other tokens than "
                    "the request's own (by slot provenance): " + "; ".join(
-                       f"{r.request_id} at step {r.step} got K/V written by {r.written_by}"
+                       f"{r.request_id} at step {r.step} got {_whose(r.written_by)}"
                        for r in wrong.head(5).itertuples()), icon=":material/swap_horiz:")
     st.dataframe(sent, hide_index=True, key="insp_transfers", height=min(300, 38 + 35 * len(sent)),
                  column_config={"delivered": st.column_config.CheckboxColumn(
@@ -93,18 +93,27 @@ def _prefill_instance(con, info: RunInfo, step: int) -> None:
                                             "never wrote")})
 
 
+def _whose(written_by: str) -> str:
+    """'A, unwritten' as 'K/V written by A and slots never written'."""
+    writers = [w for w in written_by.split(", ") if w and w != "unwritten"]
+    parts = ([f"K/V written by {', '.join(writers)}"] if writers else []) + \
+        (["slots never written"] if "unwritten" in written_by.split(", ") else [])
+    return " and ".join(parts) or "nothing"
+
+
 def _host_tier(con, info: RunInfo, step: int) -> None:
     """The second tier of an offloading run: which host blocks hold content evicted from the device."""
     host = blocks.host_map(con, info.run_id, step)
     if host.empty:
         return
-    held = int((host.state == "cached").sum())
+    held = int(host.held.sum())
     moved = blocks.tier_moves(con, info.run_id, step)
     st.plotly_chart(fig.block_map(host, colour_by="state", title=f"Host tier (CPU) after step {step}: {held} of "
                                   f"{len(host)} blocks hold offloaded content"), key="insp_hostmap", width="stretch")
     st.caption("Evicted cached blocks are copied here instead of dropped; a later prefix hit copies them back into "
                f"free device blocks. This step (coloured in the map): {moved['offload']} offloaded, "
-               f"{moved['restore']} restored, {moved['host_evict']} dropped from the host.")
+               f"{moved['restore']} restored, {moved['host_evict']} dropped from the host (a host block dropped and "
+               "filled again in one step shows as offloaded).")
 
 
 def _memory(con, info: RunInfo, step: int) -> None:
