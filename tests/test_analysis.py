@@ -113,6 +113,32 @@ def test_list_runs_and_run_info(rec):
             runs.run_info(con, "nope")
 
 
+@pytest.mark.parametrize("name", ["untagged_namespace", "stale_hash_after_truncate"])
+def test_requests_frame_names_the_adapter_and_truncation_the_workload_gave(rec, tmp_path, name):
+    """The namespace and session faults turn on them; a run without them has no such columns."""
+    rid = record(tmp_path / "k.duckdb", name)
+    with RunStore.open(tmp_path / "k.duckdb").read() as con:
+        df = runs.requests_frame(con, rid).set_index("request_id")
+    given = [r for r in live.scenario_workload(name, tiny())["requests"] if r.get("adapter") or r.get("truncate")]
+    assert given
+    for r in given:
+        column = "adapter" if r.get("adapter") else "truncate"
+        assert df.loc[r["id"], column] == r[column]
+    with RunStore.open(rec.db).read() as con:
+        assert not {"adapter", "truncate"} & set(runs.requests_frame(con, rec.ids["control_forks"]).columns)
+
+
+def test_the_sql_examples_about_one_run_take_the_newest_engine_run_not_a_capture(rec):
+    from kvviz.store import run_query
+    from kvviz.ui.sql_page import EXAMPLES
+
+    with RunStore.open(rec.db).read() as con:
+        newest = con.execute("SELECT run_id FROM runs ORDER BY created_at DESC LIMIT 1").fetchone()[0]
+        assert newest == rec.capture  # imported last
+        for name in ("Leak rate over time", "Positional entropy by position"):
+            assert run_query(con, EXAMPLES[name]).rows, name
+
+
 def test_requests_frame_counts_match_the_sequences(rec):
     with RunStore.open(rec.db).read() as con:
         rid = rec.ids["control_forks"]

@@ -78,10 +78,21 @@ def run_info(con: duckdb.DuckDBPyConnection, run_id: str) -> RunInfo:
 
 
 def requests_frame(con: duckdb.DuckDBPyConnection, run_id: str) -> pd.DataFrame:
-    return con.execute(
+    """Each request as recorded, with the adapter and the truncation the workload gave it (columns
+    only when some request has one: they name the namespace and session faults)."""
+    df = con.execute(
         "SELECT request_id, tenant, parent, arrival_step, first_token_step, finish_step, finish_reason, "
         "len(prompt_ids) AS prompt_tokens, len(output_ids) AS output_tokens, cached_tokens, text "
         "FROM requests WHERE run_id = ? ORDER BY request_id", [run_id]).df()
+    (workload,) = con.execute("SELECT workload FROM runs WHERE run_id = ?", [run_id]).fetchone() or (None,)
+    spec = json.loads(workload or "{}")
+    given = {r.get("id"): r for r in (spec.get("requests", []) if isinstance(spec, dict) else [])
+             if isinstance(r, dict)}
+    for at, name in ((2, "adapter"), (3, "truncate")):
+        values = df.request_id.map(lambda r, name=name: given.get(r, {}).get(name))
+        if values.notna().any():
+            df.insert(at, name, values)
+    return df
 
 
 def run_tables(con: duckdb.DuckDBPyConnection) -> list[str]:
