@@ -139,6 +139,24 @@ def test_the_sql_examples_about_one_run_take_the_newest_engine_run_not_a_capture
             assert run_query(con, EXAMPLES[name]).rows, name
 
 
+def test_keys_read_at_earlier_steps_are_labelled_by_what_was_read_not_by_a_later_holder(tmp_path):
+    """Disaggregated, clean: B's prefill reuses the prefill blocks A's prompt was computed in. Over
+    every step so far, A's keys are still labelled as A's, though those slots hold B's now."""
+    wl = {"requests": [{"id": "A", "prompt": "The first prompt, computed on the prefill side", "max_new_tokens": 6},
+                       {"id": "B", "prompt": "Another prompt that lands in the freed blocks", "max_new_tokens": 2,
+                        "arrival_step": 3}],
+          "engine": {"block_size": 4, "num_blocks": 16, "disaggregated": True}}
+    db = tmp_path / "k.duckdb"
+    rid = live.run(RunStore.open(db), tiny(), wl, selection=SELECTION).run_id
+    with RunStore.open(db).read() as con:
+        last = runs.run_info(con, rid).steps[-1]
+        held = tokens.slot_contents(con, rid, last, 4).set_index("slot").request_id
+        view = attention.attention_view(con, rid, "A", last, 1, attention.HEAD_MEAN, 4, upto=True)
+    assert any(held.get(s) == "B" for s in view.key_slots), "B took over slots A read"
+    assert set(view.key_owners) == {"A"}
+    assert all(label.startswith("A:") for label in view.key_labels)
+
+
 def test_requests_frame_counts_match_the_sequences(rec):
     with RunStore.open(rec.db).read() as con:
         rid = rec.ids["control_forks"]

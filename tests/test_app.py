@@ -497,6 +497,15 @@ def test_an_offloading_run_shows_its_host_tier_next_to_the_pool(tiny, tmp_path, 
     moved = next(c.value for c in at.caption if "This step" in c.value)
     assert int(re.search(r"(\d+) restored", moved).group(1)) > 0, moved
     assert "restored" in {t["name"] for t in host["data"]}  # the host blocks copied back are coloured
+    with RunStore.open(db).read() as con:
+        a_done = con.execute("SELECT finish_step FROM requests WHERE run_id = ? AND request_id = 'A'",
+                             [run_id]).fetchone()[0]
+    at.session_state["insp_step"] = a_done
+    at.run()
+    assert any("A finished in this step and released its blocks" in c.value for c in at.caption)
+    at.session_state["insp_step"] = a_done - 1
+    at.run()
+    assert not any("finished in this step" in c.value for c in at.caption), "A holds its blocks before"
 
 
 @pytest.mark.parametrize(("fault", "delivered", "said"), [

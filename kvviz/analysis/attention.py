@@ -10,7 +10,7 @@ import duckdb
 import numpy as np
 import pandas as pd
 
-from .tokens import label, request_tokens, slot_contents, token_texts
+from .tokens import label, request_tokens, slot_contents, slot_contents_at, token_texts
 
 UNSEEN, OWN, FOREIGN, STALE = -1, 0, 1, 2
 HEAD_MEAN = -1
@@ -62,12 +62,17 @@ def attention_view(con: duckdb.DuckDBPyConnection, run_id: str, request: str, st
         [run_id, request, layer, head, step]).fetchall()
     if not rows:
         return None
-    slots = {s for r in rows for s in r[2]}
+    read_at = {s: st for st, _, ks, *_ in rows for s in ks}  # each slot's last read (rows in step order)
     contents = slot_contents(con, run_id, step, block_size).set_index("slot")
+    slots = set(read_at)
     if shared_axis:
         live = {b for (b,) in con.execute("SELECT DISTINCT physical_block FROM page_tables WHERE run_id = ? AND "
                                           "step = ?", [run_id, step]).fetchall()}
         slots |= {s for s in contents.index if s // block_size in live}
+    if upto:  # a slot reused since this request read it is labelled by what it read
+        when = {s: t for s, t in read_at.items() if t < step}
+        earlier = slot_contents_at(con, run_id, when, block_size).set_index("slot")
+        contents = pd.concat([contents.drop(list(when), errors="ignore"), earlier])
     slots = sorted(slots)
     col = {s: i for i, s in enumerate(slots)}
     weights = np.full((len(rows), len(slots)), np.nan, np.float32)

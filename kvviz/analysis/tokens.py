@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+
 import duckdb
 import pandas as pd
 
@@ -24,15 +26,42 @@ def request_tokens(con: duckdb.DuckDBPyConnection, run_id: str) -> dict[str, lis
         "SELECT request_id, prompt_ids, output_ids FROM requests WHERE run_id = ?", [run_id]).fetchall()}
 
 
+COLUMNS = ["slot", "request_id", "position", "token", "lifetime"]
+
+
 def slot_contents(con: duckdb.DuckDBPyConnection, run_id: str, step: int, block_size: int) -> pd.DataFrame:
-    """Who wrote each slot, which position and token, as of the end of `step`: the slot_writes log
-    replayed with every block copy the run made (copy-on-write, offload to the host tier and restore
-    from it, a disaggregated transfer), each before its step's writes. The copies are the ones made,
-    not the ones asked for: a restore from the wrong host block shows the wrong block's tokens."""
+    """Who wrote each slot, which position and token, as of the end of `step`."""
+    *_, (_, device) = _replay(con, run_id, step, block_size)
+    return pd.DataFrame([(slot, *v) for slot, v in sorted(device.items())], columns=COLUMNS)
+
+
+def slot_contents_at(con: duckdb.DuckDBPyConnection, run_id: str, when: dict[int, int],
+                     block_size: int) -> pd.DataFrame:
+    """Each slot's content at the end of its own step (`when`: slot -> step), in one replay: what a
+    request read from each slot when it last read it, though the slot holds something else since."""
+    by_step: dict[int, list[int]] = {}
+    for slot, s in when.items():
+        by_step.setdefault(s, []).append(slot)
+    rows = []
+    for s, device in _replay(con, run_id, max(when.values(), default=None), block_size, by_step):
+        rows += [(slot, *device[slot]) for slot in by_step.get(s, ()) if slot in device]
+    return pd.DataFrame(sorted(rows), columns=COLUMNS)
+
+
+def _replay(con: duckdb.DuckDBPyConnection, run_id: str, upto: int | None, block_size: int,
+            stops: Iterable[int] = ()) -> Iterator[tuple[int, dict[int, tuple]]]:
+    """(step, slot -> (writer, position, token, lifetime)) after `upto`, each of `stops` and each step
+    before that wrote or copied anything (the dict is the replay's own: read it before the next
+    step). The slot_writes log is replayed with every block copy the run made (copy-on-write, offload
+    to the host tier and restore from it, a disaggregated transfer), each before its step's writes.
+    The copies are the ones made, not the ones asked for: a restore from the wrong host block shows
+    the wrong block's tokens."""
+    if upto is None:
+        return
     writes = con.execute("SELECT step, slot, request_id, position, token, lifetime FROM slot_writes "
-                         "WHERE run_id = ? AND step <= ? ORDER BY step", [run_id, step]).fetchall()
+                         "WHERE run_id = ? AND step <= ? ORDER BY step", [run_id, upto]).fetchall()
     copies = con.execute("SELECT step, kind, block, source FROM block_events WHERE run_id = ? AND step <= ? AND kind "
-                         "IN ('cow', 'offload', 'restore', 'transfer') ORDER BY step, seq", [run_id, step]).fetchall()
+                         "IN ('cow', 'offload', 'restore', 'transfer') ORDER BY step, seq", [run_id, upto]).fetchall()
     device: dict[int, tuple] = {}
     host: dict[int, tuple] = {}  # the host tier's slots
 
@@ -48,12 +77,13 @@ def slot_contents(con: duckdb.DuckDBPyConnection, run_id: str, step: int, block_
             else:
                 b[dst * block_size + k] = content
 
-    c = 0
-    for s, slot, *content in [*writes, (step + 1, None)]:
-        while c < len(copies) and copies[c][0] <= s:
+    steps = sorted({w[0] for w in writes} | {c[0] for c in copies} | {upto, *stops})
+    w = c = 0
+    for s in steps:
+        while c < len(copies) and copies[c][0] == s:
             copy(*copies[c][1:])
             c += 1
-        if slot is not None:
-            device[slot] = tuple(content)
-    rows = [(slot, *v) for slot, v in sorted(device.items())]
-    return pd.DataFrame(rows, columns=["slot", "request_id", "position", "token", "lifetime"])
+        while w < len(writes) and writes[w][0] == s:
+            device[writes[w][1]] = tuple(writes[w][2:])
+            w += 1
+        yield s, device

@@ -78,4 +78,5 @@ def _heatmap(con, info: RunInfo, step: int, request: str, layers: int, heads: in
     st.caption("Blue: the request's own keys (or exact copies: the same tokens at the same positions, as a shared "
                "prefix gives). Red: another request's keys. Orange: stale keys (a freed "
                "block's old contents). Grey: keys the query could not see (future or masked). Key labels are "
-               f"writer:position token, coloured by writer; lines mark where the writer changes.{note}")
+               "writer:position token, coloured by writer, as the slot held it when the request last read it (a slot "
+               f"reused since says what was read); lines mark where the writer changes.{note}")

@@ -43,7 +43,7 @@ def render(con, info: RunInfo, step: int) -> None:
         st.plotly_chart(fig.block_map(pool, leaky, colour_by, title, split), key="insp_blockmap", on_select=clicked,
                         selection_mode="points", width="stretch")
         st.caption("Click a block to see who holds it. Red outline: a query read a foreign or stale key "
-                   "from this block at this step.")
+                   "from this block at this step." + _finished(con, info, step))
         _prefill_instance(con, info, step)
         _host_tier(con, info, step)
     with right:
@@ -63,6 +63,18 @@ def render(con, info: RunInfo, step: int) -> None:
         st.plotly_chart(fig.occupancy(grid, steps, step, per_row), width="stretch", key="insp_occupancy")
     with st.expander("Memory utilisation: paged against contiguous", expanded=True):
         _memory(con, info, step)
+
+
+def _finished(con, info: RunInfo, step: int) -> str:
+    """Requests that finished in the step: their blocks are gone from the map of the pool after it,
+    though a leak may have read them in it."""
+    done = [r for (r,) in con.execute("SELECT request_id FROM requests WHERE run_id = ? AND finish_step = ? ORDER BY "
+                                      "request_id", [info.run_id, step]).fetchall()]
+    if not done:
+        return ""
+    names = ", ".join(done[:8]) + (" ..." if len(done) > 8 else "")
+    return (f" {names} finished in this step and released {'its' if len(done) == 1 else 'their'} blocks: the map "
+            "shows the pool after the step, so step back one to see them.")
 
 
 def _prefill_instance(con, info: RunInfo, step: int) -> None:
