@@ -235,8 +235,11 @@ class RunRecorder:
 def failure_reason(error: BaseException) -> str:
     """What a failed run's row says: the error, or that it was stopped (Ctrl-C, or the app session
     that started it was rerun or left: control exceptions that are not errors)."""
-    said = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
-    return said if isinstance(error, Exception) else f"stopped before it finished ({said})"
+    if isinstance(error, Exception):
+        return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+    how = {KeyboardInterrupt: "Ctrl-C", SystemExit: "the process was told to stop"}.get(
+        type(error), "the app page that started it was rerun, stopped or left")
+    return f"stopped before it finished ({how})"
 
 
 def token_label(tokenizer, token_id: int) -> str:

@@ -17,6 +17,8 @@ Inference servers keep one physically shared KV cache for many requests. Isolati
 tables, block lifecycles) must keep each request from seeing another's tokens; when it breaks,
 nothing crashes. kvviz runs a real paged engine, classifies every attention weight by provenance
 (own, foreign, stale), compares each request with itself run alone, and records every step.
+"The seed" in these pages is the article kvviz started from: its passphrase experiment, its three
+leak patterns and the metrics it says to watch are all reproduced here.
         """
     )
     cols = st.columns(3)

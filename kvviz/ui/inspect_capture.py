@@ -216,7 +216,8 @@ def _tree(con, info: RunInfo, names: list[str], a: float, b: float) -> None:
         st.plotly_chart(tree_fig.reuse_tree(tree), width="stretch", key="insp_reuse_tree")
         st.caption(f"The most used blocks of the range{where}: width is use (stores and hits), a chain of single "
                    "children is one segment; click a segment to open its subtree, the bar above it to go back. Red: "
-                   f"used by more than one tenant. {len(tree):,} segments of {int(tree.blocks.sum()):,} blocks.")
+                   f"used by more than one tenant. {len(tree):,} segment{'' if len(tree) == 1 else 's'} of "
+                   f"{int(tree.blocks.sum()):,} blocks.")
         return
     since, step = capture_time.steps_in(con, info.run_id, a, b)
     nodes = captures.prefix_tree(con, info.run_id, replica=replica, group=group, since=since)

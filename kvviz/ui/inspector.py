@@ -85,7 +85,7 @@ def focus(f: leaks.Focus, view: str | None = None) -> None:
 
 
 def _header(row, info: RunInfo) -> None:
-    cols = st.columns(6)
+    cols = st.columns([1, 1.6, 2.4, 1, 1, 1.4])  # fault names are long (offload_stale_restore)
     cols[0].metric("status", row.status)
     cols[1].metric("model", row.model)
     cols[2].metric("fault", row.fault or "none")
