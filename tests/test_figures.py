@@ -114,6 +114,8 @@ def test_occupancy_is_a_heatmap_of_the_grid(recorded):
     assert (np.asarray(heat.z) == grid).all() and list(heat.x) == steps
     assert (heat.zmin, heat.zmax) == (-0.5, 3.5) and len(fig.layout.shapes) == 1
     assert len(fig_blocks.occupancy(grid, steps).layout.shapes) == 0
+    short, long = fig_blocks.occupancy(grid[:, :4], steps[:4]), fig_blocks.occupancy(np.zeros((2, 60)), list(range(60)))
+    assert short.layout.xaxis.dtick == 1 and long.layout.xaxis.dtick is None, "a tick per step only when few"
 
 
 def test_page_tables_outline_shared_blocks_and_copies():

@@ -77,6 +77,13 @@ def occupancy(grid: np.ndarray, steps: list[int], current: int | None = None, pe
     fig.update_layout(height=min(420, 160 + 4 * len(grid)), margin={"l": 10, "r": 10, "t": 30, "b": 10},
                       xaxis_title="step", yaxis_title=what)
     fig.update_yaxes(autorange="reversed")
+    return whole_steps(fig, steps)
+
+
+def whole_steps(fig: go.Figure, steps) -> go.Figure:
+    """Steps are whole numbers: a short run's axis gets a tick per step, not ticks at 0.5."""
+    if len(steps) and max(steps) - min(steps) <= 20:
+        fig.update_xaxes(tick0=0, dtick=1)
     return fig
 
 
@@ -111,7 +118,7 @@ def memory_utilisation(frame: pd.DataFrame, article: dict[str, float], current: 
     fig.update_xaxes(title_text="step", row=2, col=1)
     fig.update_layout(height=420, margin={"l": 10, "r": 10, "t": 40, "b": 10},
                       legend={"orientation": "h", "y": 1.12, "x": 1, "xanchor": "right"})
-    return fig
+    return whole_steps(fig, frame.step.tolist())
 
 
 PAGE_KINDS = {"own": ("white", 1), "shared": ("black", 3), "copy-on-write copy": ("#e377c2", 4)}
