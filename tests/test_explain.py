@@ -216,6 +216,24 @@ def test_each_replica_of_a_fleet_capture_is_explained_from_its_own_cache(tmp_pat
                      (f"pod-a/{one}#2", 3, 0, "evicted"), (f"pod-b/chain-{3:016x}", 4, 4, "cold")]
 
 
+def test_the_closest_cached_sibling_is_the_one_cached_at_the_lookups_time():
+    """(1, 4, 1) shares two tokens with the lookup's (1, 4, 5) while it is cached (steps 2..3), then
+    only (1, 2, 9) is left, sharing one; asked about an earlier time again, the answer comes back."""
+    from kvviz.analysis.explain import CacheEvent, CacheHistory, Lookup
+
+    history = CacheHistory([CacheEvent(0, "store", 1, None, (1, 2, 9)), CacheEvent(1, "store", 2, None, (1, 4, 1)),
+                            CacheEvent(1, "store", 3, None, (7, 7, 7)), CacheEvent(4, "remove", 2)], block_size=3)
+
+    def at(t):
+        e = history.explain(Lookup("x", t, (1, 4, 5, 0), None, 0, whole_prompt=False))
+        return e.reason, e.evidence
+
+    assert at(1) == ("diverged", {"shared_tokens": 1, "ours": 4, "theirs": 2}), "(1, 4, 1) not cached before step 2"
+    assert at(3) == ("diverged", {"shared_tokens": 2, "ours": 5, "theirs": 1})
+    assert at(4) == ("diverged", {"shared_tokens": 1, "ours": 4, "theirs": 2}), "removed in step 4"
+    assert at(2) == ("diverged", {"shared_tokens": 2, "ours": 5, "theirs": 1}), "back in time"
+
+
 def test_a_prefix_evicted_by_its_own_step_is_capacity_not_churn(tmp_path):
     """A and then Z finish, leaving their full blocks cached (A's tail first in line for eviction). At
     step 6 X (7 blocks) is admitted first and takes the 6 free blocks and A's third; F, in the same

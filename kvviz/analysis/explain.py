@@ -25,7 +25,9 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+from array import array
 from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
 
 import duckdb
 
@@ -36,11 +38,11 @@ ROOT = b"kvviz/explain-root"
 
 def _digest(parent: bytes, tokens: tuple[int, ...]) -> bytes:
     """A name for a token prefix: chained like block hashes, over tokens only (any engine's capture)."""
-    return hashlib.blake2b(parent + json.dumps(tokens).encode(), digest_size=16).digest()
+    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
 
 
-@dataclass(frozen=True)
-class CacheEvent:
+class CacheEvent(NamedTuple):
+    """A block stored or removed (a tuple: a capture's replay makes one per event)."""
     t: int  # step (engine run) or message (capture)
     kind: str  # store | remove
     hash: int
@@ -85,18 +87,23 @@ class _Life:
         return self.stored < t and (self.removed is None or self.removed > t)
 
 
+Node = tuple[str | None, bytes]  # (salt, prefix digest): one cached content in one namespace
+
+
 class CacheHistory:
-    """Every stored block's token prefix and salt, and when it lived."""
+    """Every stored block's token prefix and salt, and when it lived. Which siblings were cached at a
+    lookup's time is kept by sweeping through the lives as lookups come (in time order), so finding
+    the closest cached sibling is a search among those alone, however many have come and gone."""
 
     def __init__(self, events: list[CacheEvent], block_size: int):
         self.block_size = block_size
         self._prefix: dict[int, tuple[bytes, str | None]] = {}  # hash -> (prefix digest, chain salt)
         self._block: dict[int, tuple[int | None, tuple[int, ...]]] = {}  # hash -> (parent, its tokens)
-        self.lives: dict[tuple[str | None, bytes], list[_Life]] = {}
+        self.lives: dict[Node, list[_Life]] = {}
         self.salts: dict[bytes, set[str | None]] = {}
-        self.children: dict[tuple[str | None, bytes], dict[tuple[int, ...], bytes]] = {}
-        self.depth: dict[int, int] = {}  # hash -> blocks in its chain up to and including it
-        self._sorted: dict[tuple[str | None, bytes], list] = {}  # children in token order, made when first asked
+        self._node: dict[Node, tuple[bytes, tuple[int, ...], int]] = {}  # -> parent digest, tokens, nth sibling
+        self._siblings: dict[Node, int] = {}  # (salt, parent digest) -> children seen
+        self._swept: int | None = None  # the time the cached-sibling lists are at
         for e in events:
             if e.kind == "store":
                 self._store(e)
@@ -107,17 +114,19 @@ class CacheHistory:
 
     def _store(self, e: CacheEvent) -> None:
         if e.parent is None:
-            parent, salt, depth = ROOT, e.salt, 0
+            parent, salt = ROOT, e.salt
         elif e.parent in self._prefix:
-            (parent, salt), depth = self._prefix[e.parent], self.depth[e.parent]
+            parent, salt = self._prefix[e.parent]
         else:
             return  # its chain began before the capture did: its tokens are unknown
         d = _digest(parent, e.tokens)
-        self._prefix[e.hash], self.depth[e.hash] = (d, salt), depth + 1
+        self._prefix[e.hash] = (d, salt)
         self._block[e.hash] = (e.parent, e.tokens)
         self.lives.setdefault((salt, d), []).append(_Life(e.t))
         self.salts.setdefault(d, set()).add(salt)
-        self.children.setdefault((salt, parent), {})[e.tokens] = d
+        if (salt, d) not in self._node:  # ties between siblings go to the one cached first
+            nth = self._siblings[(salt, parent)] = self._siblings.get((salt, parent), 0) + 1
+            self._node[(salt, d)] = (parent, e.tokens, nth)
 
     def known(self, h: int) -> bool:
         return h in self._prefix
@@ -173,25 +182,42 @@ class CacheHistory:
     def _closest_sibling(self, salt: str | None, parent: bytes, block: tuple[int, ...], t: int
                          ) -> tuple[int, ...] | None:
         """The cached sibling block sharing the most leading tokens with `block` at t. In sorted order
-        the shared length falls away from where `block` would go, so the nearest cached sibling on
-        each side is the best of its side: two liveness checks where a busy root has thousands of
-        children (ties go to the sibling cached first)."""
-        kids = self._sorted.get((salt, parent))
-        if kids is None:
-            order = self.children.get((salt, parent), {})
-            kids = self._sorted[(salt, parent)] = sorted((tokens, i, sd) for i, (tokens, sd) in enumerate(
-                order.items()))
+        the shared length falls away from where `block` would go, so the best is one of the two
+        cached siblings either side of it (ties go to the sibling cached first)."""
+        self._sweep_to(t)
+        kids = self._cached.get((salt, parent), [])
         at = bisect.bisect_left(kids, (block,))
-        best = None
-        for side in (range(at - 1, -1, -1), range(at, len(kids))):
-            for j in side:
-                tokens, order, sd = kids[j]
-                if self._alive(salt, sd, t):
-                    key = (_common(tokens, block), -order)
-                    if best is None or key > best[0]:
-                        best = (key, tokens)
-                    break
-        return None if best is None else best[1]
+        near = kids[max(at - 1, 0):at + 1]
+        return max(near, key=lambda k: (_common(k[0], block), -k[1]))[0] if near else None
+
+    def _sweep_to(self, t: int) -> None:
+        """Bring the cached-sibling lists to time t (from the start again if t is earlier). A life is
+        cached for lookups at stored < t < removed."""
+        if self._swept is None or t < self._swept:
+            spans = [(life.stored + 1, life.removed, node) for node, lives in self.lives.items() for life in lives
+                     if life.removed is None or life.stored + 1 < life.removed]
+            self._starts = sorted(((a, node) for a, _, node in spans), key=lambda x: x[0])
+            self._ends = sorted(((b, node) for _, b, node in spans if b is not None), key=lambda x: x[0])
+            self._at = [0, 0]
+            self._count: dict[Node, int] = {}
+            self._cached: dict[Node, list] = {}  # (salt, parent digest) -> [(tokens, nth, digest)] in token order
+        for i, (times, change) in enumerate(((self._starts, 1), (self._ends, -1))):
+            while self._at[i] < len(times) and times[self._at[i]][0] <= t:
+                self._turn(times[self._at[i]][1], change)
+                self._at[i] += 1
+        self._swept = t
+
+    def _turn(self, node: Node, change: int) -> None:
+        """A life of `node` begins (+1) or ends (-1): its content enters or leaves its parent's cached list."""
+        n = self._count[node] = self._count.get(node, 0) + change
+        if n == (1 if change > 0 else 0):
+            parent, tokens, nth = self._node[node]
+            kids = self._cached.setdefault((node[0], parent), [])
+            item = (tokens, nth, node[1])
+            if change > 0:
+                bisect.insort(kids, item)
+            else:
+                del kids[bisect.bisect_left(kids, item)]
 
 
 def _common(a: tuple[int, ...], b: tuple[int, ...]) -> int:
