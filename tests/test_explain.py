@@ -14,7 +14,7 @@ import pytest
 from kvviz.analysis.explain import explain_run
 from kvviz.analysis.explained import explained, kept
 from kvviz.analysis.runs import delete_run
-from kvviz.store import RunStore
+from kvviz.store import RunStore, StoreError
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = list(range(100, 124))  # six blocks of 4
@@ -189,6 +189,21 @@ def test_a_captures_lookups_are_named_by_session_and_repeats_are_not_lookups(tmp
     with store.read() as con:
         found = [(e.request, e.step, e.hit_tokens) for e in explain_run(con, run)]
     assert found == [("conv-7", 0, 0), ("conv-7", 2, 4), ("chain-0000000000000004", 3, 0)]
+
+
+def test_a_store_that_cannot_be_written_still_gets_its_answer(misses, tmp_path, monkeypatch):
+    store, _, capture_id, _ = misses
+    copy = RunStore.open(shutil.copy(store.path, tmp_path / "copy.duckdb"))
+    with copy.write() as con:
+        con.execute("DELETE FROM lookup_explanations")
+        con.execute("UPDATE runs SET explained_at = NULL")
+
+    def refuse():
+        raise StoreError(f"cannot open {copy.path} for writing: read-only file system")
+    monkeypatch.setattr(copy, "write", refuse)
+    assert explained(copy, capture_id)
+    with copy.read() as con:
+        assert not kept(con, capture_id)
 
 
 def test_each_replica_of_a_fleet_capture_is_explained_from_its_own_cache(tmp_path):

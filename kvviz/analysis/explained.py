@@ -11,7 +11,7 @@ import duckdb
 import pandas as pd
 import pyarrow as pa
 
-from ..store import RunStore
+from ..store import RunStore, StoreError
 from .explain import Explanation, explain_run
 
 FIELDS = ("request", "step", "hit_tokens", "stop_block", "stop_token", "reason")
@@ -33,7 +33,10 @@ def explained(store: RunStore, run_id: str) -> list[Explanation]:
         complete = con.execute("SELECT status = 'complete' FROM runs WHERE run_id = ?", [run_id]).fetchone()[0]
         found = explain_run(con, run_id)
     if complete:
-        _keep(store, run_id, found)
+        try:
+            _keep(store, run_id, found)
+        except StoreError:
+            pass  # a store this user may read but not write: the answer stands, it is only not kept
     return found
 
 
