@@ -63,16 +63,16 @@ def attention_view(con: duckdb.DuckDBPyConnection, run_id: str, request: str, st
     if not rows:
         return None
     read_at = {s: st for st, _, ks, *_ in rows for s in ks}  # each slot's last read (rows in step order)
-    contents = slot_contents(con, run_id, step, block_size).set_index("slot")
+    # a slot reused since this request read it is labelled by what it read then
+    read = slot_contents_at(con, run_id, read_at, block_size).set_index("slot")
     slots = set(read_at)
-    if shared_axis:
+    contents = read
+    if shared_axis:  # every live slot of the step is a column, labelled by what it holds then
+        now = slot_contents(con, run_id, step, block_size).set_index("slot")
         live = {b for (b,) in con.execute("SELECT DISTINCT physical_block FROM page_tables WHERE run_id = ? AND "
                                           "step = ?", [run_id, step]).fetchall()}
-        slots |= {s for s in contents.index if s // block_size in live}
-    if upto:  # a slot reused since this request read it is labelled by what it read
-        when = {s: t for s, t in read_at.items() if t < step}
-        earlier = slot_contents_at(con, run_id, when, block_size).set_index("slot")
-        contents = pd.concat([contents.drop(list(when), errors="ignore"), earlier])
+        slots |= {s for s in now.index if s // block_size in live}
+        contents = pd.concat([now.drop(read.index, errors="ignore"), read])
     slots = sorted(slots)
     col = {s: i for i, s in enumerate(slots)}
     weights = np.full((len(rows), len(slots)), np.nan, np.float32)

@@ -106,7 +106,7 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 def cmd_explain(args: argparse.Namespace) -> int:
     """Why each lookup of a run (or each stored chain of a capture) stopped where it did."""
-    from ..analysis.explained import explained, kept
+    from ..analysis.explained import explained, kept, replay_seconds
 
     with args.store.read() as con:
         args.store.require_run(con, args.run_id)
@@ -114,7 +114,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
             "SELECT count(*) FROM kv_events WHERE run_id = ?", [args.run_id]).fetchone()[0]
     if events:
         print(f"kvviz: replaying the capture's {events:,} events to explain each lookup (about "
-              f"{max(1, round(events * 15e-6)):,} s); the answer is kept, so this happens once", file=sys.stderr)
+              f"{replay_seconds(events):,} s); the answer is kept, so this happens once", file=sys.stderr)
     found = explained(args.store, args.run_id)
     if args.request is not None:
         found = [e for e in found if e.request == args.request]

@@ -11,14 +11,14 @@ import pandas as pd
 import streamlit as st
 
 from ..analysis import capture_time, captures, leaks
-from ..analysis.explained import explained, kept, reasons_per_interval
+from ..analysis.explained import explained, kept, reasons_per_interval, replay_seconds
 from ..analysis.runs import RunInfo
 from ..figures import capture_time as time_fig
 from ..figures import captures as tree_fig
 from .common import reader, store
 
 VIEWS = ("Activity", "Occupancy", "Lifetimes", "Shared prefixes", "Prefix tree", "Cross-tenant")
-EXPLAIN_MAX_EVENTS = 1_000_000  # explaining the misses takes ~13 s per million events: past this, the CLI
+EXPLAIN_MAX_EVENTS = 1_000_000  # past this, explaining the misses is for the CLI (the app shows what it kept)
 
 
 def render(info: RunInfo) -> None:
@@ -121,8 +121,8 @@ def _explain_wanted(info: RunInfo, events: int, is_kept: bool) -> bool:
         why = "Kept from when this capture was explained: why each stored chain was not served from the cache."
     elif small:
         why = ("Replays the capture's cache to say, for each stored chain, why it was not served from the cache: "
-                "cold, evicted, namespace (cached under another salt), diverged, partial block. About 13 s per "
-                "million events, once: the answer is kept for everyone.")
+                "cold, evicted, namespace (cached under another salt), diverged, partial block. About "
+                f"{replay_seconds(events)} s for this capture, once: the answer is kept for everyone.")
     else:
         why = (f"This capture has {events:,} events: explain it once from the command line, "
                 f"`python -m kvviz explain {info.run_id}`, and the app shows what it kept.")
