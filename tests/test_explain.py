@@ -191,6 +191,34 @@ def test_a_captures_lookups_are_named_by_session_and_repeats_are_not_lookups(tmp
     assert found == [("conv-7", 0, 0), ("conv-7", 2, 4), ("chain-0000000000000004", 3, 0)]
 
 
+def test_two_sessions_and_the_cli_explaining_one_capture_at_once_keep_it_once(misses, tmp_path):
+    """Two app sessions (threads on one store) and a CLI process ask at the same moment: each gets the
+    same answer, and the store keeps one copy of it."""
+    import threading
+
+    store, _, capture_id, _ = misses
+    copy = RunStore.open(shutil.copy(store.path, tmp_path / "copy.duckdb"))
+    with copy.write() as con:
+        con.execute("DELETE FROM lookup_explanations")
+        con.execute("UPDATE runs SET explained_at = NULL")
+    cli = subprocess.Popen([sys.executable, "-m", "kvviz", "explain", capture_id, "--db", str(copy.path), "--json"],
+                           cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    got: list = []
+    threads = [threading.Thread(target=lambda: got.append(explained(copy, capture_id))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    out, err = cli.communicate(timeout=300)
+    assert cli.returncode == 0, err
+    assert len(got) == 2 and got[0] == got[1]
+    assert [x["reason"] for x in json.loads(out.splitlines()[-1])["lookups"]] == [e.reason for e in got[0]]
+    with copy.read() as con:
+        kept_rows = con.execute("SELECT count(*), count(DISTINCT (request, step)) FROM lookup_explanations "
+                                "WHERE run_id = ?", [capture_id]).fetchone()
+    assert kept_rows[0] == kept_rows[1] == len(got[0])
+
+
 def test_a_store_that_cannot_be_written_still_gets_its_answer(misses, tmp_path, monkeypatch):
     store, _, capture_id, _ = misses
     copy = RunStore.open(shutil.copy(store.path, tmp_path / "copy.duckdb"))
