@@ -85,14 +85,13 @@ def focus(f: leaks.Focus, view: str | None = None) -> None:
 
 
 def _header(row, info: RunInfo) -> None:
-    cols = st.columns([1, 1.6, 2.4, 1, 1, 1.4])  # fault names are long (offload_stale_restore)
-    cols[0].metric("status", row.status)
-    cols[1].metric("model", row.model)
-    cols[2].metric("fault", row.fault or "none")
-    cols[3].metric("messages" if info.has_kv_events else "steps", len(info.steps),
+    # names as text, which wraps (fault and model names are too long for a metric tile), numbers as tiles
+    st.markdown(f"**{row.status}** · model `{row.model}` · fault `{row.fault or 'none'}`")
+    cols = st.columns(3)
+    cols[0].metric("messages" if info.has_kv_events else "steps", len(info.steps),
                    help="KV-event messages (batches) the capture holds" if info.has_kv_events else None)
-    cols[4].metric("findings", "-" if pd.isna(row.findings) else int(row.findings))
-    cols[5].metric("max foreign mass", "-" if pd.isna(row.max_foreign_mass) else f"{row.max_foreign_mass:.4f}")
+    cols[1].metric("findings", "-" if pd.isna(row.findings) else int(row.findings))
+    cols[2].metric("max foreign mass", "-" if pd.isna(row.max_foreign_mass) else f"{row.max_foreign_mass:.4f}")
     if info.fault_scope:
         scope = info.fault_scope
         beyond = scope.get("steps") and info.steps and min(scope["steps"]) > info.steps[-1]
