@@ -20,18 +20,21 @@ def fleet_messages(events: int, replicas: int = 2, tenants: int = 8, capacity: i
     rng = random.Random(seed)
     live: list[list[int]] = [[] for _ in range(replicas)]
     seq = [0] * replicas
-    prefixes = [[rng.getrandbits(63) for _ in range(rng.randint(2, 8))] for _ in range(tenants * 4)]
+    prefixes = []  # (hashes, tokens): a hash always names the same tokens, as a server's does
+    for n in (rng.randint(2, 8) for _ in range(tenants * 4)):
+        prefixes.append(([rng.getrandbits(63) for _ in range(n)], [rng.randrange(49152) for _ in range(BLOCK * n)]))
     made, ts = 0, 1.7e9
     while made < events:
         r = seq.index(min(seq))
         tenant = rng.randrange(tenants)
-        prefix = prefixes[tenant * 4 + rng.randrange(4)]
+        prefix, prefix_tokens = prefixes[tenant * 4 + rng.randrange(4)]
         own = [rng.getrandbits(64) for _ in range(rng.choice((1, 1, 1, 2, 4, 8)))]
-        hashes = (prefix + own) if rng.random() < 0.3 else own
-        parent = None if hashes is not own else prefix[-1]
+        tokens = [rng.randrange(49152) for _ in range(BLOCK * len(own))]
+        whole = rng.random() < 0.3  # the prefix stored (again) with the request's own blocks
+        hashes = prefix + own if whole else own
         events_out: list[dict] = [{
-            "type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
-            "token_ids": [rng.randrange(49152) for _ in range(BLOCK * len(hashes))], "block_size": BLOCK,
+            "type": "BlockStored", "block_hashes": hashes, "parent_block_hash": None if whole else prefix[-1],
+            "token_ids": prefix_tokens + tokens if whole else tokens, "block_size": BLOCK,
             "lora_id": None, "medium": "GPU", "lora_name": None,
             "extra_keys": [[f"tenant-{tenant}"]] + [None] * (len(hashes) - 1)}]
         live[r].extend(hashes)
