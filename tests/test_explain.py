@@ -261,20 +261,85 @@ def test_each_replica_of_a_fleet_capture_is_explained_from_its_own_cache(tmp_pat
 
 def test_the_closest_cached_sibling_is_the_one_cached_at_the_lookups_time():
     """(1, 4, 1) shares two tokens with the lookup's (1, 4, 5) while it is cached (steps 2..3), then
-    only (1, 2, 9) is left, sharing one; asked about an earlier time again, the answer comes back."""
-    from kvviz.analysis.explain import CacheEvent, CacheHistory, Lookup
+    only (1, 2, 9) is left, sharing one. The history is built as events come, and refuses to go back."""
+    from kvviz.analysis.explain import CacheEvent, CacheHistory, Lookup, tokens
 
-    history = CacheHistory([CacheEvent(0, "store", 1, None, (1, 2, 9)), CacheEvent(1, "store", 2, None, (1, 4, 1)),
-                            CacheEvent(1, "store", 3, None, (7, 7, 7)), CacheEvent(4, "remove", 2)], block_size=3)
+    events = [CacheEvent(0, "store", 1, None, tokens((1, 2, 9))), CacheEvent(1, "store", 2, None, tokens((1, 4, 1))),
+              CacheEvent(1, "store", 3, None, tokens((7, 7, 7))), CacheEvent(4, "remove", 2)]
+    history = CacheHistory(block_size=3)
 
     def at(t):
-        e = history.explain(Lookup("x", t, (1, 4, 5, 0), None, 0, whole_prompt=False))
+        while events and events[0].t <= t:
+            history.add(events.pop(0))
+        e = history.explain(Lookup("x", t, tokens((1, 4, 5, 0)), None, 0, whole_prompt=False))
         return e.reason, e.evidence
 
     assert at(1) == ("diverged", {"shared_tokens": 1, "ours": 4, "theirs": 2}), "(1, 4, 1) not cached before step 2"
+    assert at(2) == ("diverged", {"shared_tokens": 2, "ours": 5, "theirs": 1})
     assert at(3) == ("diverged", {"shared_tokens": 2, "ours": 5, "theirs": 1})
     assert at(4) == ("diverged", {"shared_tokens": 1, "ours": 4, "theirs": 2}), "removed in step 4"
-    assert at(2) == ("diverged", {"shared_tokens": 2, "ours": 5, "theirs": 1}), "back in time"
+    with pytest.raises(ValueError, match="time order"):
+        at(2)
+
+
+def test_the_streamed_history_answers_as_a_replay_of_the_whole_history():
+    """Random histories (salts, chains that share and diverge, evictions in a lookup's own step,
+    contents cached twice at once) explained as events stream in agree with a plain replay that
+    keeps every life and asks, per lookup, which were alive at its step."""
+    import random
+
+    from kvviz.analysis.explain import CacheEvent, CacheHistory, Lookup, tokens
+
+    def whole_history_answer(events, lookup):
+        """The reason by the rule itself: lives over the whole history, alive in (stored, removed)."""
+        lives, prefix = {}, {}  # (salt, prefix) -> [[stored, removed]]; hash -> (salt, prefix)
+        for e in events:
+            if e.kind == "store":
+                if e.parent is not None and e.parent not in prefix:
+                    continue
+                salt, before = (e.salt, ()) if e.parent is None else prefix[e.parent]
+                prefix[e.hash] = (salt, before + tuple(e.tokens))
+                lives.setdefault(prefix[e.hash], []).append([e.t, None])
+            elif e.hash in prefix and lives[prefix[e.hash]][-1][1] is None:
+                lives[prefix[e.hash]][-1][1] = e.t
+        t, node = lookup.t, (lookup.salt, tuple(lookup.tokens))
+        alive = lambda life: life[0] < t and (life[1] is None or life[1] > t)  # noqa: E731
+        past = [life for life in lives.get(node, []) if life[0] < t]
+        if past:
+            return "unexplained" if any(map(alive, past)) else ("capacity" if past[-1][1] == t else "evicted")
+        if any(any(map(alive, ls)) for (salt, p), ls in lives.items() if p == node[1] and salt != lookup.salt):
+            return "namespace"
+        return None  # diverged or cold: the sibling search, checked by the test above
+
+    rng = random.Random(7)
+    checked = 0
+    for _ in range(300):
+        events, known, lookups = [], {}, []
+        for t in range(rng.randint(1, 30)):
+            for _ in range(rng.randint(0, 4)):
+                if rng.random() < 0.6 or not known:
+                    parent = rng.choice([None, *known]) if known and rng.random() < 0.7 else None
+                    salt = rng.choice(["a", "b", None]) if parent is None else None
+                    block = tokens(rng.choice([(1, 2), (1, 3), (2, 2)]))
+                    h = hash((parent, salt, tuple(block)))
+                    known[h] = parent
+                    events.append(CacheEvent(t, "store", h, parent, block, salt))
+                    lookups.append((t, h))
+                else:
+                    events.append(CacheEvent(t, "remove", rng.choice(list(known))))
+        history, todo = CacheHistory(block_size=2), list(events)
+        for t, h in lookups:
+            while todo and todo[0].t <= t:
+                history.add(todo.pop(0))
+            if not history.known(h):
+                continue
+            full = history.tokens_of(h)
+            lookup = Lookup("x", t, full, history.salt_of(h), len(full) - 2, whole_prompt=False)
+            expected = whole_history_answer(events, lookup)
+            got = history.explain(lookup).reason
+            assert got == expected if expected else got in ("diverged", "cold"), (events, lookup)
+            checked += 1
+    assert checked > 1000
 
 
 def test_a_prefix_evicted_by_its_own_step_is_capacity_not_churn(tmp_path):

@@ -31,23 +31,31 @@ from typing import NamedTuple
 
 import duckdb
 
+from ..gcpause import paused_gc
 from ..store import StoreError
 
 ROOT = b"kvviz/explain-root"
 
 
-def _digest(parent: bytes, tokens: tuple[int, ...]) -> bytes:
+Tokens = array  # array('i'): a block's tokens in 128 bytes, where a tuple of ints takes about 600
+
+
+def tokens(values) -> Tokens:
+    return array("i", values)
+
+
+def _digest(parent: bytes, block: Tokens) -> bytes:
     """A name for a token prefix: chained like block hashes, over tokens only (any engine's capture)."""
-    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
+    return hashlib.blake2b(parent + block.tobytes(), digest_size=16).digest()
 
 
 class CacheEvent(NamedTuple):
-    """A block stored or removed (a tuple: a capture's replay makes one per event)."""
+    """A block stored or removed."""
     t: int  # step (engine run) or message (capture)
     kind: str  # store | remove
     hash: int
     parent: int | None = None
-    tokens: tuple[int, ...] = ()
+    tokens: Tokens = tokens(())
     salt: str | None = None
 
 
@@ -55,7 +63,7 @@ class CacheEvent(NamedTuple):
 class Lookup:
     request: str
     t: int
-    tokens: tuple[int, ...]
+    tokens: Tokens
     salt: str | None
     hit_tokens: int
     preempted_at: int | None = None  # a re-admission: the step the request was preempted
@@ -76,77 +84,110 @@ class Explanation:
         return asdict(self)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Life:
+    """One time a content was cached: it served lookups in the steps after `stored`, up to and not
+    including `removed` (evictions in a lookup's own step come from allocations before or at it)."""
     stored: int
     removed: int | None = None
 
-    def alive(self, t: int) -> bool:
-        """Cached when a lookup at t ran: stored in an earlier step, not removed up to t (evictions in
-        t's own step come from allocations before or at the lookup)."""
-        return self.stored < t and (self.removed is None or self.removed > t)
+
+@dataclass(slots=True)
+class _Content:
+    """One token prefix cached in one namespace: its last block, and each time it was cached."""
+    parent: bytes  # the prefix digest before its last block
+    block: Tokens
+    nth: int  # among its parent's children in this namespace, in the order first cached (ties go to the first)
+    lives: list[_Life]
 
 
 Node = tuple[str | None, bytes]  # (salt, prefix digest): one cached content in one namespace
 
 
 class CacheHistory:
-    """Every stored block's token prefix and salt, and when it lived. Which siblings were cached at a
-    lookup's time is kept by sweeping through the lives as lookups come (in time order), so finding
-    the closest cached sibling is a search among those alone, however many have come and gone."""
+    """Every stored block's token prefix and salt, and when it lived, built from events added in time
+    order; no event is kept once added. A lookup at step t is explained once every event up to t is
+    in (the step's own evictions count against it, its own stores do not). Which contents are
+    cached now is kept as events come, so the closest cached sibling is a search among those alone,
+    however many have come and gone."""
 
-    def __init__(self, events: list[CacheEvent], block_size: int):
-        self.block_size = block_size
-        self._prefix: dict[int, tuple[bytes, str | None]] = {}  # hash -> (prefix digest, chain salt)
-        self._block: dict[int, tuple[int | None, tuple[int, ...]]] = {}  # hash -> (parent, its tokens)
-        self.lives: dict[Node, list[_Life]] = {}
-        self.salts: dict[bytes, set[str | None]] = {}
-        self._node: dict[Node, tuple[bytes, tuple[int, ...], int]] = {}  # -> parent digest, tokens, nth sibling
-        self._siblings: dict[Node, int] = {}  # (salt, parent digest) -> children seen
-        self._swept: int | None = None  # the time the cached-sibling lists are at
-        for e in events:
-            if e.kind == "store":
-                self._store(e)
-            elif e.hash in self._prefix:
-                life = self.lives[(self._prefix[e.hash][1], self._prefix[e.hash][0])][-1]
+    def __init__(self, block_size: int | None):
+        self.block_size = block_size  # a capture's is known from its first stored block
+        # hash -> (prefix digest, chain salt, parent hash, its tokens)
+        self._blocks: dict[int, tuple[bytes, str | None, int | None, Tokens]] = {}
+        self._contents: dict[Node, _Content] = {}
+        self._salts: dict[bytes, tuple[str | None, ...]] = {}  # digest -> every salt it was cached under
+        self._children: dict[Node, int] = {}  # (salt, parent digest) -> children seen
+        self._cached: dict[Node, list] = {}  # (salt, parent digest) -> [(block, nth, digest)] cached, in token order
+        self._count: dict[Node, int] = {}  # contents cached now: how many of their lives are
+        self._now: int | None = None  # the step of what was added last
+        self._new: list[tuple[Node, _Life]] = []  # lives begun in step _now: cached from the next step on
+
+    def add(self, e: CacheEvent) -> None:
+        self._advance(e.t)
+        if e.kind == "store":
+            self._store(e)
+        elif e.hash in self._blocks:
+            d, salt = self._blocks[e.hash][:2]
+            life = self._contents[(salt, d)].lives[-1]
+            if life.removed is None:
+                life.removed = e.t
+                if life.stored < e.t:  # it was cached (one stored in this step never was)
+                    self._turn((salt, d), -1)
+
+    def _advance(self, t: int) -> None:
+        if self._now is not None and t < self._now:
+            raise ValueError(f"step {t} comes after step {self._now}: a history is built in time order")
+        if t != self._now:
+            for node, life in self._new:
                 if life.removed is None:
-                    life.removed = e.t
+                    self._turn(node, 1)
+            self._new, self._now = [], t
 
     def _store(self, e: CacheEvent) -> None:
         if e.parent is None:
             parent, salt = ROOT, e.salt
-        elif e.parent in self._prefix:
-            parent, salt = self._prefix[e.parent]
+        elif e.parent in self._blocks:
+            parent, salt = self._blocks[e.parent][:2]
         else:
             return  # its chain began before the capture did: its tokens are unknown
         d = _digest(parent, e.tokens)
-        self._prefix[e.hash] = (d, salt)
-        self._block[e.hash] = (e.parent, e.tokens)
-        self.lives.setdefault((salt, d), []).append(_Life(e.t))
-        self.salts.setdefault(d, set()).add(salt)
-        if (salt, d) not in self._node:  # ties between siblings go to the one cached first
-            nth = self._siblings[(salt, parent)] = self._siblings.get((salt, parent), 0) + 1
-            self._node[(salt, d)] = (parent, e.tokens, nth)
+        self._blocks[e.hash] = (d, salt, e.parent, e.tokens)
+        node = (salt, d)
+        content = self._contents.get(node)
+        if content is None:
+            nth = self._children[(salt, parent)] = self._children.get((salt, parent), 0) + 1
+            content = self._contents[node] = _Content(parent, e.tokens, nth, [])
+            if salt not in self._salts.get(d, ()):
+                self._salts[d] = (*self._salts.get(d, ()), salt)
+        life = _Life(e.t)
+        content.lives.append(life)
+        self._new.append((node, life))
 
     def known(self, h: int) -> bool:
-        return h in self._prefix
+        return h in self._blocks
 
     def salt_of(self, h: int) -> str | None:
-        return self._prefix[h][1]
+        return self._blocks[h][1]
 
-    def tokens_of(self, h: int | None) -> tuple[int, ...]:
+    def tokens_of(self, h: int | None) -> Tokens:
         """The token prefix a stored block ends (walked up its chain)."""
         parts = []
         while h is not None:
-            h, tokens = self._block[h]
-            parts.append(tokens)
-        return tuple(t for part in reversed(parts) for t in part)
+            _, _, h, block = self._blocks[h]
+            parts.append(block)
+        out = tokens(())
+        for part in reversed(parts):
+            out.extend(part)
+        return out
 
-    def _alive(self, salt: str | None, d: bytes, t: int) -> bool:
-        return any(life.alive(t) for life in self.lives.get((salt, d), ()))
+    def _cached_now(self, node: Node) -> bool:
+        return node in self._count
 
     def explain(self, lookup: Lookup) -> Explanation:
+        """Why `lookup` stopped where it did; every event up to its step must be added, none after."""
         B, T, s, t = self.block_size, lookup.tokens, lookup.salt, lookup.t
+        self._advance(t)
         k = lookup.hit_tokens // B
         usable = (len(T) - 1) // B  # the last token is always computed
         ex = lambda reason, **evidence: Explanation(lookup.request, t, lookup.hit_tokens, k, k * B,  # noqa: E731
@@ -157,74 +198,56 @@ class CacheHistory:
             return ex("preempted", preempted_at=lookup.preempted_at)
         parent = ROOT
         for j in range(k):
-            parent = _digest(parent, tuple(T[j * B:(j + 1) * B]))
-        block = tuple(T[k * B:(k + 1) * B])
+            parent = _digest(parent, T[j * B:(j + 1) * B])
+        block = T[k * B:(k + 1) * B]
         d = _digest(parent, block)
-        past = [life for life in self.lives.get((s, d), ()) if life.stored < t]
-        if past and not any(life.alive(t) for life in past):
-            last = past[-1]
+        content = self._contents.get((s, d))
+        if content is not None and content.lives[0].stored < t:  # cached before this step, at least once
+            if self._cached_now((s, d)):
+                return ex("unexplained", note="this block was cached when the lookup ran")
+            last = next(life for life in reversed(content.lives) if life.stored < t)
             if last.removed == t:
                 return ex("capacity", stored_at=last.stored, removed_at=last.removed)
             return ex("evicted", stored_at=last.stored, removed_at=last.removed, before=t - last.removed)
-        if past:
-            return ex("unexplained", note="this block was cached when the lookup ran")
-        others = sorted((o for o in self.salts.get(d, ()) if o != s and self._alive(o, d, t)),
+        others = sorted((o for o in self._salts.get(d, ()) if o != s and self._cached_now((o, d))),
                         key=lambda o: (o is None, str(o)))
         if others:
             return ex("namespace", cached_under=others[0] if others[0] is not None else "(no salt)")
-        theirs = self._closest_sibling(s, parent, block, t)
+        theirs = self._closest_sibling(s, parent, block)
         if theirs is not None and k * B + _common(theirs, block) > 0:  # nothing in common is not a divergence
             at = _common(theirs, block)
             return ex("diverged", shared_tokens=k * B + at, ours=block[at], theirs=theirs[at])
         return ex("cold", new_from_token=k * B)  # the tokens from here were never cached (under any salt)
 
-
-    def _closest_sibling(self, salt: str | None, parent: bytes, block: tuple[int, ...], t: int
-                         ) -> tuple[int, ...] | None:
-        """The cached sibling block sharing the most leading tokens with `block` at t. In sorted order
+    def _closest_sibling(self, salt: str | None, parent: bytes, block: Tokens) -> Tokens | None:
+        """The cached sibling block sharing the most leading tokens with `block` now. In sorted order
         the shared length falls away from where `block` would go, so the best is one of the two
         cached siblings either side of it (ties go to the sibling cached first)."""
-        self._sweep_to(t)
         kids = self._cached.get((salt, parent), [])
         at = bisect.bisect_left(kids, (block,))
         near = kids[max(at - 1, 0):at + 1]
         return max(near, key=lambda k: (_common(k[0], block), -k[1]))[0] if near else None
 
-    def _sweep_to(self, t: int) -> None:
-        """Bring the cached-sibling lists to time t (from the start again if t is earlier). A life is
-        cached for lookups at stored < t < removed."""
-        if self._swept is None or t < self._swept:
-            spans = [(life.stored + 1, life.removed, node) for node, lives in self.lives.items() for life in lives
-                     if life.removed is None or life.stored + 1 < life.removed]
-            self._starts = sorted(((a, node) for a, _, node in spans), key=lambda x: x[0])
-            self._ends = sorted(((b, node) for _, b, node in spans if b is not None), key=lambda x: x[0])
-            self._at = [0, 0]
-            self._count: dict[Node, int] = {}
-            self._cached: dict[Node, list] = {}  # (salt, parent digest) -> [(tokens, nth, digest)] in token order
-        for i, (times, change) in enumerate(((self._starts, 1), (self._ends, -1))):
-            while self._at[i] < len(times) and times[self._at[i]][0] <= t:
-                self._turn(times[self._at[i]][1], change)
-                self._at[i] += 1
-        self._swept = t
-
     def _turn(self, node: Node, change: int) -> None:
         """A life of `node` begins (+1) or ends (-1): its content enters or leaves its parent's cached list."""
         n = self._count[node] = self._count.get(node, 0) + change
         if n == (1 if change > 0 else 0):
-            parent, tokens, nth = self._node[node]
-            kids = self._cached.setdefault((node[0], parent), [])
-            item = (tokens, nth, node[1])
+            content = self._contents[node]
+            kids = self._cached.setdefault((node[0], content.parent), [])
+            item = (content.block, content.nth, node[1])
             if change > 0:
                 bisect.insort(kids, item)
             else:
                 del kids[bisect.bisect_left(kids, item)]
+        if n == 0:
+            del self._count[node]
 
 
-def _common(a: tuple[int, ...], b: tuple[int, ...]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
+def _common(a: Tokens, b: Tokens) -> int:
+    for n, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return n
+    return min(len(a), len(b))
 
 
 def explain_run(con: duckdb.DuckDBPyConnection, run_id: str) -> list[Explanation]:
@@ -232,29 +255,37 @@ def explain_run(con: duckdb.DuckDBPyConnection, run_id: str) -> list[Explanation
     head = con.execute("SELECT engine FROM runs WHERE run_id = ?", [run_id]).fetchone()
     if head is None:
         raise StoreError(f"no run {run_id!r}")
-    if con.execute("SELECT count(*) FROM kv_events WHERE run_id = ?", [run_id]).fetchone()[0]:
-        return _explain_capture(con, run_id)
-    B = int(json.loads(head[0] or "{}").get("block_size", 16))
-    events = [CacheEvent(step, "store" if kind == "cache" else "remove", h, parent, tuple(tokens or ()),
+    with paused_gc():  # the history is millions of small objects, none in a cycle
+        if con.execute("SELECT count(*) FROM kv_events WHERE run_id = ?", [run_id]).fetchone()[0]:
+            return _explain_capture(con, run_id)
+        return _explain_engine_run(con, run_id, int(json.loads(head[0] or "{}").get("block_size", 16)))
+
+
+def _explain_engine_run(con: duckdb.DuckDBPyConnection, run_id: str, B: int) -> list[Explanation]:
+    """The engine's lookups (cache_lookups) against its prefix cache's history (block_events)."""
+    events = [CacheEvent(step, "store" if kind == "cache" else "remove", h, parent, tokens(block or ()),
                          namespace(salt, adapter))
-              for step, kind, h, parent, tokens, salt, adapter in con.execute(
+              for step, kind, h, parent, block, salt, adapter in con.execute(
                   "SELECT step, kind, hash, parent_hash, token_ids, salt, adapter FROM block_events WHERE run_id = ? "
                   "AND kind IN ('cache', 'evict') AND hash IS NOT NULL ORDER BY step, seq", [run_id]).fetchall()]
     if not events and not con.execute("SELECT count(*) FROM cache_lookups WHERE run_id = ?", [run_id]).fetchone()[0]:
         raise StoreError(f"run {run_id} has no cache lookups to explain (recorded before kvviz recorded them, or a "
                          "run without the prefix cache's history)")
-    history = CacheHistory(events, B)
-    tokens = {r: (p or []) + (o or []) for r, p, o in con.execute(
+    history = CacheHistory(B)
+    ids = {r: (p or []) + (o or []) for r, p, o in con.execute(
         "SELECT request_id, prompt_ids, output_ids FROM requests WHERE run_id = ?", [run_id]).fetchall()}
     preempted = con.execute("SELECT DISTINCT request_id, step FROM block_events WHERE run_id = ? AND "
                             "kind = 'preempt' ORDER BY step", [run_id]).fetchall()
     workload = json.loads(con.execute("SELECT workload FROM runs WHERE run_id = ?", [run_id]).fetchone()[0] or "{}")
     adapters = {r.get("id"): r.get("adapter") for r in workload.get("requests", [])}
-    out = []
+    out, added = [], 0
     for step, req, salt, n, hit in con.execute("SELECT step, request_id, salt, tokens, hit_tokens FROM cache_lookups "
                                                "WHERE run_id = ? ORDER BY step, request_id", [run_id]).fetchall():
+        while added < len(events) and events[added].t <= step:  # the lookup's own step included
+            history.add(events[added])
+            added += 1
         before = [s for r, s in preempted if r == req and s < step]
-        out.append(history.explain(Lookup(req, step, tuple(tokens.get(req, [])[:n]), namespace(salt, adapters.get(req)),
+        out.append(history.explain(Lookup(req, step, tokens(ids.get(req, [])[:n]), namespace(salt, adapters.get(req)),
                                           hit, before[-1] if before else None)))
     return out
 
@@ -286,28 +317,28 @@ def _explain_part(con: duckdb.DuckDBPyConnection, run_id: str, replica: str, gro
     """Each stored chain segment is a lookup, named by its session where the server says one (a
     conversation's turns, one after another) or by its first block. Repeats change nothing in the
     cache (a re-reported hit, a removal of a block not cached) and are left out. The rows are read a
-    batch at a time: only the history is kept."""
+    batch at a time and only the history is kept; a step's lookups are explained once its last event
+    is in."""
     cur = con.execute("SELECT step, kind, block_hash, parent_hash, token_ids, salt, session_id, block_index, "
                       "block_size FROM kv_events WHERE run_id = ? AND coalesce(replica, 'replica-0') = ? AND "
                       "group_idx IS NOT DISTINCT FROM ? AND kind IN ('BlockStored', 'BlockRemoved') AND NOT "
                       "coalesce(repeat, false) ORDER BY step, coalesce(event_index, 0), block_index",
                       [run_id, replica, group])
-    events, sessions, B = [], {}, None
+    history, out, seen, step_lookups = CacheHistory(None), [], {}, []
     while batch := cur.fetchmany(65536):
-        for step, kind, h, parent, tokens, salt, session, index, size in batch:
-            if kind == "BlockStored" and index == 0:
-                sessions[len(events)] = session
-            B = B or size
-            events.append(CacheEvent(step, "store" if kind == "BlockStored" else "remove", h, parent,
-                                     tuple(tokens or ()), salt))
-    history = CacheHistory(events, B or 16)
-    out, seen = [], {}
-    for i, e in enumerate(events):
-        if e.kind == "store":
-            seen[e.hash] = seen.get(e.hash, 0) + 1  # stored again after an eviction: its n-th life
-        if i in sessions and history.known(e.hash):  # a request's new blocks begin here
-            prefix, n = history.tokens_of(e.parent), seen[e.hash]
-            request = name + (sessions[i] or f"chain-{e.hash:016x}" + (f"#{n}" if n > 1 else ""))
-            out.append(history.explain(Lookup(request, e.t, prefix + e.tokens, history.salt_of(e.hash), len(prefix),
-                                              whole_prompt=False)))
-    return out
+        for step, kind, h, parent, block, salt, session, index, size in batch:
+            if step_lookups and step != step_lookups[0].t:  # every event of their step is in
+                out += map(history.explain, step_lookups)
+                step_lookups = []
+            e = CacheEvent(step, "store" if kind == "BlockStored" else "remove", h, parent, tokens(block or ()), salt)
+            history.add(e)
+            if kind != "BlockStored":
+                continue
+            history.block_size = history.block_size or size or 16
+            seen[h] = seen.get(h, 0) + 1  # stored again after an eviction: its n-th life
+            if index == 0 and history.known(h):  # a request's new blocks begin here
+                prefix, n = history.tokens_of(parent), seen[h]
+                request = name + (session or f"chain-{h:016x}" + (f"#{n}" if n > 1 else ""))
+                step_lookups.append(Lookup(request, step, prefix + e.tokens, history.salt_of(h), len(prefix),
+                                           whole_prompt=False))
+    return out + list(map(history.explain, step_lookups))

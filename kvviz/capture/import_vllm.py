@@ -11,7 +11,6 @@ bad message anywhere deletes all of it (nothing half-imported).
 
 from __future__ import annotations
 
-import gc
 import json
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,6 +24,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from .. import __version__
+from ..gcpause import paused_gc
 from ..ids import new_run_id
 from ..jsonio import parse_json
 from ..store import RunStore
@@ -228,24 +228,17 @@ def _discard(con: duckdb.DuckDBPyConnection, run_id: str) -> None:
 def _insert_chunks(turns: WriterTurns, run_id: str, chunks: Iterable[pa.Table]) -> int:
     """Append every chunk's events, in the writer's turns; returns the number of messages (steps are
     dense). DuckDB inserts one chunk on a worker thread while Python decodes the next (the insert
-    releases the GIL), and the cyclic garbage collector is off meanwhile: decoding makes millions of
-    acyclic objects that would set it off again and again (5x slower)."""
+    releases the GIL), and the cyclic garbage collector is paused meanwhile (5x slower otherwise)."""
     steps = 0
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        with ThreadPoolExecutor(1, thread_name_prefix="kvviz-import") as pool:
-            pending: Future | None = None
-            for table in chunks:
-                steps = max(steps, pc.max(table.column("step")).as_py() + 1)
-                if pending is not None:
-                    pending.result()
-                pending = pool.submit(_insert_chunk, turns, run_id, table)
+    with paused_gc(), ThreadPoolExecutor(1, thread_name_prefix="kvviz-import") as pool:
+        pending: Future | None = None
+        for table in chunks:
+            steps = max(steps, pc.max(table.column("step")).as_py() + 1)
             if pending is not None:
                 pending.result()
-    finally:
-        if was_enabled:
-            gc.enable()
+            pending = pool.submit(_insert_chunk, turns, run_id, table)
+        if pending is not None:
+            pending.result()
     return steps
 
 
