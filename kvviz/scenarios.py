@@ -52,7 +52,7 @@ class Scenario:
         return FAULTS[self.fault].expected if self.fault else ()
 
 
-_TWO_MASKED = {"requests": [_req("A", "Passphrase: red orange yellow"), _req("B", "Passphrase: green cyan blue")],
+_TWO_MASKED = {"requests": [_req("A", "Passphrase: red orange yellow"), _req("B", "Password: green cyan blue")],
                "engine": _engine(isolation="masked")}
 _THREE = {"requests": [_req("A", "The capital of France is"), _req("B", "Water boils at a temperature of", 8),
                        _req("C", "One, two, three, four,", 5, arrival_step=2)]}

@@ -71,6 +71,7 @@ def test_boundary_scenario_inspected_in_chromium(tmp_path):
         no_exception(page)
         assert page.get_by_text("the detector fired").count() == 1
         assert page.get_by_text("clean", exact=True).count() == 1
+        assert page.get_by_text("Generated text:").count() == 1, "whether the fault changed what was written"
         shot(page, "scenarios-boundary")
 
         page.locator(".st-key-sc_open_scenario button").click()

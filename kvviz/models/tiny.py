@@ -10,21 +10,16 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, PreTrainedTokenizerFast
 
+from .byte_level import CHAR_TO_BYTE
+
 EOS = "<|endoftext|>"
 VOCAB_SIZE = 257  # 256 bytes + EOS
 SEED = 0
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """The printable stand-in character for each byte, as byte-level BPE tokenizers use."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    extra = iter(range(256, 512))
-    return {b: chr(b if b in keep else next(extra)) for b in range(256)}
-
-
 def byte_tokenizer() -> PreTrainedTokenizerFast:
     """One token per UTF-8 byte (ids 0-255 are the byte values) plus an EOS token (id 256)."""
-    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    vocab = CHAR_TO_BYTE
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()

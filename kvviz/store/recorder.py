@@ -27,6 +27,7 @@ from ..errors import StoreError
 from . import schema
 from .attention import AttentionRecorder
 from .run_store import RunStore
+from .token_text import token_label
 
 if TYPE_CHECKING:
     from ..checked_run import CheckedRun
@@ -240,9 +241,3 @@ def failure_reason(error: BaseException) -> str:
     how = {KeyboardInterrupt: "Ctrl-C", SystemExit: "the process was told to stop"}.get(
         type(error), "the app page that started it was rerun, stopped or left")
     return f"stopped before it finished ({how})"
-
-
-def token_label(tokenizer, token_id: int) -> str:
-    """A token's own text; the raw vocabulary piece where it is part of a multi-byte character."""
-    text = tokenizer.decode([token_id])
-    return text if "\ufffd" not in text else str(tokenizer.convert_ids_to_tokens(token_id))

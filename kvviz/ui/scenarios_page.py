@@ -95,6 +95,12 @@ def _compare(pair: dict) -> None:
             st.dataframe(texts[r], hide_index=True, width="stretch")
             if st.button("Open in the inspector", key=f"sc_open_{r}"):
                 open_run(pair[r])
+    if len(roles) == 2:
+        both = texts["scenario"].merge(texts["control"], on="request_id", suffixes=("", "_control"))
+        changed = both.request_id[both.text != both.text_control].tolist()
+        st.markdown(f"**Generated text:** {', '.join(changed)} wrote something else than in the control run."
+                    if changed else "**Generated text:** the same as in the control run: on this model the fault "
+                    "did not change what was written, only what was read.")
     if len(roles) == 2 and layers:
         diff = grids["scenario"].merge(grids["control"], on=["layer", "head"], suffixes=("", "_control"))
         diff["max_foreign"] = diff["max_foreign"] - diff["max_foreign_control"]
