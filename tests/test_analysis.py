@@ -18,6 +18,7 @@ import pandas as pd
 import pytest
 
 from kvviz.analysis import attention, blocks, captures, leaks, live, runs, tokens, uploads
+from kvviz.analysis.runs import delete_run
 from kvviz.errors import KvvizError
 from kvviz.figures.captures import prefix_tree as tree_figure
 from kvviz.models import load_model
@@ -676,10 +677,12 @@ def test_an_exported_trace_imports_and_reads_the_same(rec, tmp_path):
 def test_garbage_uploads_are_refused_and_change_nothing(rec, tmp_path, name, data):
     before = run_ids(rec.db)
     path = uploads.save_upload(name, data, tmp_path / "uploads")
-    assert path.read_bytes() == data  # kept to fix and retry
-    with pytest.raises(KvvizError):
+    assert path.read_bytes() == data
+    with pytest.raises(KvvizError, match="the file is empty" if not data else ""):
         uploads.import_file(path, RunStore.open(rec.db))
     assert run_ids(rec.db) == before
+    uploads.refused(path)
+    assert list((tmp_path / "uploads").iterdir()) == [], "a refused upload is not kept"
 
 
 def test_a_zip_that_is_not_a_trace_is_refused(rec, tmp_path):
@@ -701,17 +704,33 @@ def test_a_zip_that_is_not_a_trace_is_refused(rec, tmp_path):
 def test_save_upload_keeps_files_inside_the_folder(tmp_path, name):
     folder = tmp_path / "uploads"
     path = uploads.save_upload(name, b"data", folder)
-    assert path.parent == folder and path.resolve().parent == folder.resolve()
+    assert path.parent.parent == folder and path.resolve().parent.parent == folder.resolve()
     assert path.is_file() and path.read_bytes() == b"data"
-    assert "/" not in path.name and "\\" not in path.name and len(path.name) < 140
+    assert "/" not in path.name and "\\" not in path.name and len(path.name) < 140 and not path.name.startswith(".")
     assert all(ch.isalnum() and ch.isascii() or ch in "._-" for ch in path.name)
-    assert list(folder.iterdir()) == [path] and not (tmp_path / "etc").exists()
+    assert list(folder.iterdir()) == [path.parent] and not (tmp_path / "etc").exists()
 
 
 def test_two_uploads_of_the_same_name_do_not_overwrite(tmp_path):
     a = uploads.save_upload("t.zip", b"1", tmp_path)
     b = uploads.save_upload("t.zip", b"2", tmp_path)
     assert a != b and a.read_bytes() == b"1" and b.read_bytes() == b"2"
+    assert a.name == b.name == "t.zip", "the run is named by the file's own name"
+
+
+def test_the_same_capture_uploaded_twice_is_imported_once(tmp_path):
+    db = RunStore.open(tmp_path / "kvviz.duckdb")
+    data = capture_file(tmp_path)[0].read_bytes()
+    first = uploads.save_upload("cap.jsonl", data, tmp_path / "uploads")
+    assert uploads.earlier_import(first, db) is None
+    rid = uploads.import_file(first, db)
+    uploads.imported(first, rid)
+    again = uploads.save_upload("renamed.jsonl", data, tmp_path / "uploads")
+    assert uploads.earlier_import(again, db) == rid
+    with db.read() as con:
+        assert con.execute("SELECT scenario FROM runs WHERE run_id = ?", [rid]).fetchone()[0] == "capture cap.jsonl"
+    delete_run(db, rid)
+    assert uploads.earlier_import(again, db) is None, "a run deleted since does not count"
 
 
 # -- live ----------------------------------------------------------------------------------------------------

@@ -199,6 +199,11 @@ def test_upload_imports_a_trace_and_refuses_a_broken_one(with_runs, tmp_path, mo
     at.file_uploader(key="upload_file").set_value(("t.zip", trace.read_bytes(), "application/zip")).run()
     at.button(key="upload_go").click().run()
     assert not at.error and run_ids(target) == [faulty]
+    at = page("upload")
+    at.file_uploader(key="upload_file").set_value(("again.zip", trace.read_bytes(), "application/zip")).run()
+    at.button(key="upload_go").click().run()
+    assert not at.error and any(f"imported before, as run {faulty}" in i.value for i in at.info)
+    assert at.session_state["upload_run"] == faulty
     broken = tmp_path / "broken.zip"
     with zipfile.ZipFile(broken, "w") as z:
         z.writestr("manifest.json", "{not json")
@@ -207,6 +212,8 @@ def test_upload_imports_a_trace_and_refuses_a_broken_one(with_runs, tmp_path, mo
     at.button(key="upload_go").click().run()
     assert any("Not imported" in e.value and "manifest.json" in e.value for e in at.error)
     assert run_ids(target) == [faulty]  # nothing added
+    kept = sorted(f.name for f in (target.parent / "uploads").glob("*/*.zip"))
+    assert kept == ["again.zip", "t.zip"], "the refused upload is not kept"
 
 
 def test_sql_page_runs_a_select_and_shows_a_refusal(with_runs):

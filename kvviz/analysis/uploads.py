@@ -3,15 +3,18 @@ capture dataset (a folder of Parquet), told apart by content; nothing is inserte
 
 from __future__ import annotations
 
+import hashlib
 import re
+import shutil
 import zipfile
-from datetime import UTC, datetime
 from pathlib import Path
 
 from ..capture.events import CaptureError
 from ..capture.import_vllm import Progress, import_capture, import_dataset
 from ..store import RunStore
 from ..store.trace import import_trace
+
+_RUN_MARKER = ".run_id"  # beside an upload that was imported: its run
 
 
 def import_file(path: str | Path, store: RunStore, progress: Progress | None = None, in_place: bool = False) -> str:
@@ -24,6 +27,8 @@ def import_file(path: str | Path, store: RunStore, progress: Progress | None = N
         return import_dataset(path, store, progress, in_place)
     if not path.is_file():
         raise CaptureError(f"{path}: no such file")
+    if path.stat().st_size == 0:
+        raise CaptureError(f"{path}: the file is empty")
     if in_place:
         raise CaptureError(f"{path}: --in-place takes a capture dataset folder; a file is always copied in")
     if path.suffix.lower() == ".zip" or zipfile.is_zipfile(path):
@@ -32,10 +37,29 @@ def import_file(path: str | Path, store: RunStore, progress: Progress | None = N
 
 
 def save_upload(name: str, data: bytes, folder: str | Path) -> Path:
-    """Keep the uploaded bytes under the uploads folder (a refused file stays there to fix and retry)."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(name).name)[-100:] or "upload"
-    path = folder / f"{datetime.now(UTC):%Y%m%d-%H%M%S-%f}-{safe}"
+    """Keep the uploaded bytes under the uploads folder, by content (the same file uploaded twice is
+    one copy, two files of one name are two) and by the name the user gave it, which names the run."""
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(name).name).lstrip(".")[-100:] or "upload"
+    path = Path(folder) / hashlib.sha256(data).hexdigest()[:32] / safe
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(data)
     return path
+
+
+def earlier_import(saved: Path, store: RunStore) -> str | None:
+    """The run this very file was imported as before, if that run is still in the store."""
+    marker = saved.parent / _RUN_MARKER
+    run_id = marker.read_text().strip() if marker.is_file() else ""
+    if not run_id:
+        return None
+    with store.read() as con:
+        return run_id if RunStore.has_run(con, run_id) else None
+
+
+def imported(saved: Path, run_id: str) -> None:
+    (saved.parent / _RUN_MARKER).write_text(run_id)
+
+
+def refused(saved: Path) -> None:
+    """A refused upload is not kept: the user still has the file, and nothing of it was imported."""
+    shutil.rmtree(saved.parent, ignore_errors=True)

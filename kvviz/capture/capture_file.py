@@ -109,7 +109,8 @@ def _line(line: bytes, where: str) -> _Line:
         rec = parse_json(line, where, CaptureError, one_line=True)
     except CaptureError as e:
         if not line.endswith(b"\n") and "not valid JSON" in str(e):
-            raise CaptureError(f"{where} is cut off (the capture ended in the middle of it)") from None
+            raise CaptureError(f"{where} is cut off: the capture ended in the middle of it (it was still being "
+                               "written, or the capture was killed); remove that line to import the rest") from None
         raise
     if not isinstance(rec, dict):
         rec = {}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from ..analysis.uploads import import_file, save_upload
+from ..analysis.uploads import earlier_import, import_file, imported, refused, save_upload
 from ..errors import KvvizError
 from .common import db_path, open_run, store
 
@@ -26,20 +26,28 @@ def render() -> None:
         st.caption(f"Uploads are kept in `{_folder()}`; runs go to `{db_path()}`.")
         return
     if st.button(f"Import {up.name}", type="primary", key="upload_go", icon=":material/upload:"):
-        with st.spinner(f"Validating and importing {up.name}..."):
-            saved = save_upload(up.name, up.getvalue(), _folder())
-            bar = st.progress(0.0, text=f"Importing {up.name}")
-            try:
-                run_id = import_file(saved, store(), lambda done, total: bar.progress(
-                    done / total, text=f"Importing {up.name}: {done / 2**20:.1f} of {total / 2**20:.1f} MiB"))
-            except KvvizError as e:  # said here, not by the app: with the name the user gave the file
+        saved = save_upload(up.name, up.getvalue(), _folder())
+        before = earlier_import(saved, store())
+        if before is not None:
+            st.session_state["upload_run"] = before
+            st.info(f"{up.name} was imported before, as run {before}: it is not imported twice.",
+                    icon=":material/content_copy:")
+        else:
+            with st.spinner(f"Validating and importing {up.name}..."):
+                bar = st.progress(0.0, text=f"Importing {up.name}")
+                try:
+                    run_id = import_file(saved, store(), lambda done, total: bar.progress(
+                        done / total, text=f"Importing {up.name}: {done / 2**20:.1f} of {total / 2**20:.1f} MiB"))
+                except KvvizError as e:  # said here, not by the app: with the name the user gave the file
+                    refused(saved)
+                    bar.empty()
+                    st.error(f"Not imported: {str(e).replace(str(saved), up.name)}. Nothing was added to the "
+                             "database.", icon=":material/error:")
+                    return
                 bar.empty()
-                st.error(f"Not imported: {str(e).replace(str(saved), up.name)}. Nothing was added to the "
-                         "database.", icon=":material/error:")
-                return
-            bar.empty()
-        st.session_state["upload_run"] = run_id
-        st.success(f"Imported {up.name} as run {run_id}.", icon=":material/check_circle:")
+            imported(saved, run_id)
+            st.session_state["upload_run"] = run_id
+            st.success(f"Imported {up.name} as run {run_id}.", icon=":material/check_circle:")
     run_id = st.session_state.get("upload_run")
     if run_id and st.button("Open it in the inspector", key="upload_open", icon=":material/grid_view:"):
         open_run(run_id)
