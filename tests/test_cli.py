@@ -230,6 +230,23 @@ def test_bench_sessions_runs_four_at_once_and_one_after_another():
     assert bad.returncode == 2 and "--sessions must be >= 1" in bad.stderr
 
 
+def test_runs_lists_the_newest_first_and_refuses_a_bad_limit(tmp_path):
+    from .test_capture import batch, stored_map, write_capture
+
+    db = str(tmp_path / "runs.duckdb")
+    for name in ("first", "second", "third"):
+        cap = write_capture(tmp_path / f"{name}.jsonl", [batch(stored_map([1], None, [1, 2]))])
+        assert kvviz("import", str(cap), "--db", db).returncode == 0
+    p = kvviz("runs", "--db", db, "--format", "json", "--limit", "2")
+    assert p.returncode == 0, p.stderr
+    assert [r["scenario"] for r in json.loads(p.stdout)] == ["capture third.jsonl", "capture second.jsonl"]
+    assert "the newest 2 of 3" in p.stderr
+    table = kvviz("runs", "--db", db).stdout.splitlines()
+    assert table[0].split()[:3] == ["run_id", "created_at", "status"] and len(table) == 4
+    bad = kvviz("runs", "--db", db, "--limit", "0")
+    assert bad.returncode == 2 and "--limit must be >= 1" in bad.stderr
+
+
 def test_sql_and_import_load_no_model_code(tmp_path):
     """Reading the store is quick: `kvviz sql` and `kvviz import` never import torch or transformers."""
     code = ("import sys; from kvviz.cli import main; "

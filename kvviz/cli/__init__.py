@@ -15,7 +15,7 @@ from .common import fail
 from .models import cmd_bench, cmd_fetch_model
 from .run import cmd_run
 from .serve import add_serve
-from .store import cmd_explain, cmd_export, cmd_import, cmd_replay, cmd_sql
+from .store import cmd_explain, cmd_export, cmd_import, cmd_replay, cmd_runs, cmd_sql
 
 MODEL_HELP = "smollm2 (default), tiny-llama, tiny-gpt2 or a path"
 DEVICE_HELP = "auto (default), cpu, cuda or cuda:N"
@@ -68,6 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--attention-steps", metavar="0,1", help="record attention at these steps only")
     run.add_argument("--attention-requests", metavar="A,B", help="record attention of these requests only")
     run.set_defaults(func=cmd_run)
+
+    runs = sub.add_parser("runs", help="the runs in the run store, newest first")
+    _add_db(runs)
+    runs.add_argument("--format", choices=["table", "csv", "json"], default="table")
+    runs.add_argument("--limit", type=int, default=20, help="most runs listed (default 20)")
+    runs.set_defaults(func=cmd_runs)
 
     sql = sub.add_parser("sql", help="a read-only SQL query over the run store")
     sql.add_argument("query", help='e.g. "SELECT run_id, status, fault, max_foreign_mass FROM runs"')

@@ -19,22 +19,43 @@ def cmd_sql(args: argparse.Namespace) -> int:
         return fail(f"--limit must be >= 0, got {args.limit}", "sql")
     with args.store.read() as con:
         res = run_query(con, args.query, max_rows=args.limit)
-    if args.format == "json":
-        print(json.dumps([dict(zip(res.columns, r, strict=True)) for r in res.rows], default=str, ensure_ascii=False))
-    elif args.format == "csv":
-        import csv
-
-        w = csv.writer(sys.stdout, lineterminator="\n")
-        w.writerow(res.columns)
-        w.writerows(res.rows)
-    else:
-        widths = [max([len(c)] + [len(str(r[i])) for r in res.rows]) for i, c in enumerate(res.columns)]
-        print("  ".join(c.ljust(w) for c, w in zip(res.columns, widths, strict=True)))
-        for r in res.rows:
-            print("  ".join(str(v).ljust(w) for v, w in zip(r, widths, strict=True)))
+    _print_rows(res.columns, res.rows, args.format)
     if res.truncated:
         print(f"kvviz: sql: showing the first {args.limit} rows", file=sys.stderr)
     return 0
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    """The runs in the store, newest first: what the app's Runs page lists."""
+    from ..analysis.runs import list_runs
+
+    if args.limit < 1:
+        return fail(f"--limit must be >= 1, got {args.limit}", "runs")
+    with args.store.read() as con:
+        df = list_runs(con)
+    shown = df.head(args.limit)[["run_id", "created_at", "status", "model", "scenario", "fault", "steps", "findings",
+                                 "max_foreign_mass"]]
+    _print_rows(list(shown.columns), [tuple(r) for r in shown.itertuples(index=False)], args.format)
+    if len(df) > args.limit:
+        print(f"kvviz: runs: the newest {args.limit} of {len(df)} (--limit)", file=sys.stderr)
+    return 0
+
+
+def _print_rows(columns: list[str], rows: list[tuple], fmt: str) -> None:
+    if fmt == "json":
+        print(json.dumps([dict(zip(columns, r, strict=True)) for r in rows], default=str, ensure_ascii=False))
+    elif fmt == "csv":
+        import csv
+
+        w = csv.writer(sys.stdout, lineterminator="\n")
+        w.writerow(columns)
+        w.writerows(rows)
+    else:
+        text = [["" if v is None else str(v) for v in r] for r in rows]
+        widths = [max([len(c)] + [len(r[i]) for r in text]) for i, c in enumerate(columns)]
+        print("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip())
+        for r in text:
+            print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip())
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
