@@ -141,17 +141,24 @@ def _thresholds() -> dict[str, float]:
                 for i, m in enumerate(METRICS.values())}
 
 
-def _show_metrics(values: dict, history: dict, limits: dict[str, float]) -> None:
-    """One tile per metric with its course so far, red with a warning once it crosses its threshold."""
-    for col, m in zip(st.columns(len(METRICS)), METRICS.values(), strict=True):
+def _show_metrics(values: dict, history: dict, limits: dict[str, float], findings: int) -> None:
+    """One tile per metric with its course so far, red with a warning once it crosses its threshold;
+    then the findings so far, of every kind (a cross-tenant hit moves no attention metric)."""
+    cols = st.columns(len(METRICS) + 1)
+    for col, m in zip(cols, METRICS.values(), strict=False):
         v, limit = values[m.key], limits[m.key]
         shown = "n/a" if v is None else f"{v:.4f}" if m.key == "max_foreign" else f"{v:.1%}"
         course = [x for x in history[m.key][-80:] if x is not None]
         col.metric(m.label, shown, help=m.help, border=True, chart_data=course if len(course) > 1 else None)
         if m.crossed(v, limit):
             col.markdown(f":red-badge[:material/warning: {m.alert_when} {limit:g}]")
+        elif m.alert_when == "below" and limit <= 0:
+            col.markdown(":gray-badge[no alert: threshold 0]")
         else:
             col.markdown(f":green-badge[ok: alert {m.alert_when} {limit:g}]")
+    cols[-1].metric("findings", findings, border=True, help="what the oracles reported so far, of every kind: "
+                    "attention on other requests' keys, cross-tenant cache hits, duplicates, broken page tables ...")
+    cols[-1].markdown(":red-badge[:material/warning: see the Leaks view]" if findings else ":green-badge[none]")
 
 
 def _workload(m, sc, requests: pd.DataFrame | None, engine: dict, seed: int) -> dict:
@@ -185,7 +192,7 @@ def _run(name, sc, requests, engine, fault, scope_text, selection, seed, limits)
         bar.progress(min(1.0, s.tokens / max(1, s.total)), text=f"step {s.step}: {s.tokens} of at most {s.total} "
                                                                f"tokens generated · findings so far: {s.findings}")
         with counters.container():
-            _show_metrics(s.metrics, s.history, limits)
+            _show_metrics(s.metrics, s.history, limits, s.findings)
         if time.monotonic() - last[0] > 0.4:  # redraw the pool at most a few times a second
             last[0] = time.monotonic()
             pool.plotly_chart(block_fig.block_map(s.blocks, title=f"Pool after step {s.step}"), width="stretch",
