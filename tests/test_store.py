@@ -393,19 +393,21 @@ def test_another_process_reads_all_through_a_recording_run(tmp_path):
     assert counts == sorted(counts), f"a reader never sees steps disappear: {mid}"
 
 
-def test_default_recording_keeps_every_head_where_a_leak_was_seen(tmp_path):
-    """A finding's own head can always be shown; a clean run keeps only the default layers' heads."""
+@pytest.mark.parametrize("fault, kind", [("boundary", "foreign"), ("unsalted_prefix", "cross_tenant")])
+def test_default_recording_keeps_every_head_where_a_leak_was_seen(tmp_path, fault, kind):
+    """A finding's own head can always be shown (a cross-tenant one too); a clean run keeps only the
+    default layers' heads."""
     from kvviz.analysis import live
 
     m = tiny()
     db = tmp_path / "k.duckdb"
-    wl = live.scenario_workload("boundary", m)
-    faulty = live.run(RunStore.open(db), m, wl, "boundary",
+    wl = live.scenario_workload(fault, m)
+    faulty = live.run(RunStore.open(db), m, wl, fault,
                       selection=AttentionSelection(full_layers=frozenset())).run_id
     clean = live.run(RunStore.open(db), m, wl, None, selection=AttentionSelection(full_layers=frozenset())).run_id
     con = duckdb.connect(str(db), read_only=True)
-    findings = con.execute("SELECT step, layer, head FROM findings WHERE run_id = ? AND kind = 'foreign'",
-                           [faulty]).fetchall()
+    findings = con.execute("SELECT step, layer, head FROM findings WHERE run_id = ? AND kind = ?",
+                           [faulty, kind]).fetchall()
     assert findings
     for step, layer, head in findings:
         assert con.execute("SELECT count(*) FROM attention WHERE run_id = ? AND step = ? AND layer = ? AND head = ?",

@@ -171,12 +171,13 @@ class ProvenanceOracle:
         self._store(layer, group, rows)
 
     def leaked_in(self, layer: int, group: AttentionGroup) -> bool:
-        """Whether a query of this group put foreign or stale mass above the threshold at this layer
-        (asked during the step, after this layer was judged)."""
+        """Whether a query of this group put foreign, stale or cross-tenant mass above the threshold at
+        this layer (asked during the step, after this layer was judged): the findings' heads to record."""
         acc = self.layers.get(layer)
         if acc is None:
             return False
-        return bool(((acc.foreign[group.span] + acc.stale[group.span]) > self.config.threshold).any())
+        span, limit = group.span, self.config.threshold
+        return bool(((acc.foreign[span] + acc.stale[span]) > limit).any() or (acc.cross[span] > limit).any())
 
     def _top_writer(self, weights: torch.Tensor, writers: torch.Tensor) -> torch.Tensor:
         """The writer holding the most weight in each row: [R, H, Q, L] -> [R, H, Q] writer ids."""
