@@ -126,7 +126,11 @@ def test_requests_frame_names_the_adapter_and_truncation_the_workload_gave(rec, 
         column = "adapter" if r.get("adapter") else "truncate"
         assert df.loc[r["id"], column] == r[column]
     with RunStore.open(rec.db).read() as con:
-        assert not {"adapter", "truncate"} & set(runs.requests_frame(con, rec.ids["control_forks"]).columns)
+        plain = runs.requests_frame(con, rec.ids["control_forks"])
+    assert not {"adapter", "truncate"} & set(plain.columns)
+    prompts = {r["id"]: r.get("prompt") for r in scenario("control_forks").workload["requests"]}
+    assert list(plain.columns[-2:]) == ["prompt", "text"], "each request's prompt beside what it wrote"
+    assert dict(zip(plain.request_id, plain.prompt, strict=True)) == prompts
 
 
 def test_the_sql_examples_about_one_run_take_the_newest_engine_run_not_a_capture(rec):

@@ -34,7 +34,9 @@ def render(con, info: RunInfo, step: int, focus: Callable[[leaks.Focus, str | No
                    "another request's keys (source_request); **stale**, on a slot not written since its block was "
                    "reallocated; **duplicate**, two visible keys for one position (the weights may all be own, the "
                    "output still differs); **cross_tenant**, a key written under another tenant's salt; "
-                   "**normalisation** and **non_finite**, weights that do not sum to 1 or are not numbers.")
+                   "**normalisation** and **non_finite**, weights that do not sum to 1 or are not numbers. "
+                   "**mass**: the share of the query's attention on such keys at that layer and head (for "
+                   "duplicate and non_finite, 1 marks it; for normalisation, how far the weights are from 1).")
         st.dataframe(found, hide_index=True, width="stretch", on_select=clicked, selection_mode="single-row",
                      key="insp_findings", height=min(400, 38 + 35 * len(found)))
         st.button("Go to the heaviest finding", key="insp_top_finding", on_click=jump_to, args=(0,),
@@ -70,4 +72,11 @@ def render_entropy(con, info: RunInfo) -> None:
 
 
 def render_requests(con, info: RunInfo) -> None:
-    st.dataframe(runs.requests_frame(con, info.run_id), hide_index=True, width="stretch")
+    df = runs.requests_frame(con, info.run_id)
+    wide = {c: st.column_config.TextColumn(c, width="large") for c in ("prompt", "text") if c in df}
+    st.dataframe(df, hide_index=True, width="stretch", column_config=wide)
+    with st.expander("Prompts and generated texts in full"):
+        for r in df.to_dict("records"):
+            prompt = f"{r['prompt']}\n--- generated ---\n" if isinstance(r.get("prompt"), str) else ""
+            st.markdown(f"**{r['request_id']}**")
+            st.code(prompt + (r["text"] or ""), language=None, wrap_lines=True)
