@@ -231,6 +231,7 @@ def test_leak_timeline_has_a_line_per_request_and_panel(recorded):
         col = "max_foreign_mass" if t.yaxis == "y" else "leak_rate"
         assert list(t.x) == list(part.step) and np.allclose(list(t.y), part[col])
     assert sum(t.showlegend for t in fig.data) == 2
+    assert fig.layout.yaxis.rangemode == "nonnegative", "a clean run's zeros sit at the bottom, not mid -1..1"
 
 
 def test_capture_activity_is_per_second_and_a_horizontal_brush():
@@ -327,3 +328,11 @@ def test_palette_is_stable_and_grid_is_wide_enough():
     for n in (0, 1, 8, 9, 33, 128, 129, 5000):
         cols = grid_columns(n)
         assert cols >= 8 and cols * cols >= 2 * n and (cols == 8 or (cols // 2) ** 2 < 2 * n)
+
+
+def test_miss_reasons_do_not_share_a_colour_with_the_block_churn_above_them():
+    from kvviz.figures.cache import HIT
+    from kvviz.figures.capture_time import EVICTED, REASONS, STORED
+
+    assert not set(REASONS.values()) & {STORED, EVICTED, HIT}  # (the reasons replace the plain misses' grey)
+    assert len(set(REASONS.values())) == len(REASONS)

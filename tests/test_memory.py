@@ -192,6 +192,7 @@ def test_the_figure_draws_both_allocators_beside_the_article():
     assert names == ["paged", "contiguous", "contiguous: waiting"]
     assert list(fig.data[0].y) == [0.75, 1.0]
     assert sorted(s.y0 for s in fig.layout.shapes if s.y0 == s.y1) == [0.6, 0.9]  # the article's, dotted
+    assert [a.text for a in fig.layout.annotations][1] == "requests waiting (contiguous): none waited"
 
 
 def test_the_blocks_view_shows_the_comparison(tiny, tmp_path, monkeypatch):

@@ -94,8 +94,10 @@ def memory_utilisation(frame: pd.DataFrame, article: dict[str, float], current: 
     """frame: step, allocator (paged | contiguous), utilisation, live, allocated, waiting (analysis.memory).
     Above, the share of allocated slots holding tokens per step with the article's figures dotted; below,
     the requests the contiguous allocator kept waiting for a region."""
-    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08, row_heights=[0.72, 0.28],
-                        subplot_titles=("allocated KV slots holding a token", "requests waiting (contiguous)"))
+    waits = int(frame.waiting.fillna(0).max()) if len(frame) else 0
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.1, row_heights=[0.72, 0.28],
+                        subplot_titles=("allocated KV slots holding a token",
+                                        "requests waiting (contiguous)" + ("" if waits else ": none waited")))
     for name, part in frame.groupby("allocator", sort=False):
         colour = ALLOCATOR_COLOURS[name]
         fig.add_trace(go.Scatter(x=part.step, y=part.utilisation, name=name, mode="lines+markers",
@@ -114,7 +116,7 @@ def memory_utilisation(frame: pd.DataFrame, article: dict[str, float], current: 
     if current is not None:
         fig.add_vline(x=current, line={"color": "black", "width": 1, "dash": "dot"})
     fig.update_yaxes(range=[0, 1.05], tickformat=".0%", row=1, col=1)
-    fig.update_yaxes(rangemode="tozero", row=2, col=1)
+    fig.update_yaxes(rangemode="tozero", row=2, col=1, **({"dtick": 1} if waits <= 5 else {}))
     fig.update_xaxes(title_text="step", row=2, col=1)
     fig.update_layout(height=420, margin={"l": 10, "r": 10, "t": 40, "b": 10},
                       legend={"orientation": "h", "y": 1.12, "x": 1, "xanchor": "right"})
