@@ -162,7 +162,9 @@ def test_attention_heatmap_puts_foreign_weights_in_their_own_trace(recorded):
     assert (~np.isnan(foreign) == (v.classes == attention.FOREIGN)).all()
     assert (~np.isnan(own) == (v.classes == attention.OWN)).all()
     np.testing.assert_allclose(np.nansum(foreign) + np.nansum(own), np.nansum(v.weights), rtol=1e-5)
-    assert traces["foreign"].zmax == pytest.approx(np.nanmax(foreign))  # a small leak still shows in full red
+    assert traces["foreign"].zmax == pytest.approx(np.nanmax(foreign))  # a small leak still shows in full red,
+    assert traces["foreign"].showscale is not False and "foreign" in traces["foreign"].colorbar.title.text  # scaled
+    assert traces["own"].colorbar.x != traces["foreign"].colorbar.x, "two bars side by side"
     # a band boundary wherever the writer changes along the key axis
     changes = sum(a != b for a, b in zip(v.key_owners, v.key_owners[1:], strict=False))
     assert len(fig.layout.shapes) == changes > 0

@@ -24,14 +24,16 @@ def attention_heatmap(weights: np.ndarray, classes: np.ndarray, query_labels: li
     hover = "query %{y}<br>key %{x}<br>weight %{z:.4f}<extra>%{fullData.name}</extra>"
     fig = go.Figure()
     zmax = float(np.nanmax(weights)) if np.isfinite(weights).any() else 1.0
-    for name, z, scale in (("own", own, "Blues"), ("foreign", foreign, [[0, "#fde0dd"], [1, LEAK]]),
-                           ("stale", stale, [[0, "#fee6ce"], [1, STALE]])):
-        if name != "own" and np.isnan(z).all():
-            continue
-        top = zmax if name == "own" else max(float(np.nanmax(z)), 1e-6)  # a small leak still shows in full red
-        fig.add_trace(go.Heatmap(z=z, x=x, y=y, zmin=0, zmax=top, colorscale=scale, name=name,
-                                 hovertemplate=hover, showscale=name == "own",
-                                 colorbar={"title": "weight", "len": 0.6}))
+    short = len(query_labels) < 8  # a short heatmap: colour bars its full height, few ticks
+    shown = [(name, z, scale) for name, z, scale in (
+        ("own", own, "Blues"), ("foreign", foreign, [[0, "#fde0dd"], [1, LEAK]]),
+        ("stale", stale, [[0, "#fee6ce"], [1, STALE]])) if name == "own" or not np.isnan(z).all()]
+    for i, (name, z, scale) in enumerate(shown):
+        top = zmax if name == "own" else max(float(np.nanmax(z)), 1e-6)  # a small leak still shows in full red,
+        fig.add_trace(go.Heatmap(z=z, x=x, y=y, zmin=0, zmax=top, colorscale=scale, name=name,  # its bar says how small
+                                 hovertemplate=hover, colorbar={
+                                     "title": {"text": f"{name}<br>weight", "side": "top"}, "x": 1.0 + 0.1 * i,
+                                     "len": 1.0 if short else 0.6, "nticks": 3 if short else 6, "thickness": 12}))
     colours = request_colours(o for o in key_owners if o)
     ticks = [f"<span style='color:{colours.get(o, '#333')}'>{lab}</span>" for lab, o in zip(key_labels, key_owners,
                                                                                             strict=True)]
