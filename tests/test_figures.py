@@ -262,8 +262,10 @@ def test_capture_occupancy_stacks_a_series_each_and_durations_are_log_histograms
     assert [t.name for t in fig.data] == ["a", "b"] and all(t.stackgroup == "one" for t in fig.data)
     assert list(fig.data[1].x) == [0.0, 1.0] and list(fig.data[1].y) == [3, 0]
     d = pd.DataFrame({"measure": ["lifetime", "reuse gap"], "seconds": [1.0, 0.01], "count": [5, 2]})
-    fig = time_fig.durations(d)
+    fig = time_fig.durations(d, bins_per_decade=10)
     assert [list(t.y) for t in fig.data] == [[5], [], [2]]
+    bar = fig.data[0]
+    assert bar.offset == 0 and 0.2 < bar.width[0] < 10 ** 0.1 - 1, "the bar spans its bin [1, 1.26) s, on a log axis"
     assert all(fig.layout[f"{a}axis{i}"].type == "log" for a in "xy" for i in ("", "2", "3"))
 
 

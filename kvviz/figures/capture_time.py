@@ -60,18 +60,21 @@ def occupancy(df: pd.DataFrame, origin: float, split: str) -> go.Figure:
     return fig
 
 
-def durations(df: pd.DataFrame) -> go.Figure:
-    """df: measure, seconds (a bin's lower edge), count: one histogram per measure, both axes log (the
-    durations span decades, and a tail of a few blocks next to a peak of thousands must still show)."""
+def durations(df: pd.DataFrame, bins_per_decade: int) -> go.Figure:
+    """df: measure, seconds (a bin's lower edge, bins_per_decade to a power of ten), count: one histogram
+    per measure, both axes log (the durations span decades, and a tail of a few blocks next to a peak of
+    thousands must still show). Each bar spans its bin, so bars are as wide at hours as at milliseconds."""
     order = ("lifetime", "idle before eviction", "reuse gap")
+    step = 10 ** (1 / bins_per_decade)
     fig = make_subplots(rows=1, cols=3, subplot_titles=[f"{m} (s)" for m in order])
     for col, (measure, colour) in enumerate(zip(order, (STORED, EVICTED, HIT), strict=True), start=1):
         part = df[df.measure == measure]
-        fig.add_trace(go.Bar(x=part.seconds, y=part["count"], name=measure, marker_color=colour,
-                             hovertemplate="from %{x:.3g} s: %{y}<extra></extra>"), row=1, col=col)
-        fig.update_xaxes(type="log", row=1, col=col)
-    fig.update_layout(height=280, showlegend=False, margin=MARGIN, bargap=0.05)
-    fig.update_yaxes(type="log")
+        fig.add_trace(go.Bar(x=part.seconds, y=part["count"], width=part.seconds * (step - 1) * 0.95, offset=0,
+                             name=measure, marker_color=colour, customdata=part.seconds * step,
+                             hovertemplate="%{x:.3g} to %{customdata:.3g} s: %{y}<extra></extra>"), row=1, col=col)
+        fig.update_xaxes(type="log", dtick=1, row=1, col=col)  # a tick a decade: 0.01, 0.1, 1, 10 ...
+    fig.update_layout(height=280, showlegend=False, margin=MARGIN)
+    fig.update_yaxes(type="log", dtick=1)
     fig.update_yaxes(title="blocks (log)", row=1, col=1)
     return fig
 

@@ -165,7 +165,7 @@ def _lifetimes(con, info: RunInfo, a: float, b: float) -> None:
     if df.empty:
         st.info("No block was evicted or hit in this range, so there is nothing to measure.")
         return
-    st.plotly_chart(time_fig.durations(df), width="stretch", key="insp_durations")
+    st.plotly_chart(time_fig.durations(df, capture_time.BINS_PER_DECADE), width="stretch", key="insp_durations")
     st.caption("Lifetime: from the store that cached a block to its eviction; idle: from its last use to its "
                "eviction (short idle times under pressure mean thrashing); reuse gap: from a use to the next hit "
                "(only with kv_cache_report_mode=\"full\"). Evictions and hits in the range, on the publishers' "
