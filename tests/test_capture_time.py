@@ -140,6 +140,7 @@ def test_the_reuse_tree_collapses_single_child_chains_and_keeps_the_busiest_subt
     with store.read() as con:
         tree = captures.reuse_tree(con, run_id, 0.0, 10.0, roots=2)
         late = captures.reuse_tree(con, run_id, 6.5, 10.0, roots=5)
+        folded = captures.reuse_tree(con, run_id, 0.0, 10.0, roots=2, fanout=1)
     rows = {r.first: r for r in tree.itertuples()}
     top = rows[f"{1:016x}"]
     assert (top.blocks, top.uses, top.hits, top.tenants, top.parent) == (3, 5, 4, 2, "")
@@ -147,6 +148,10 @@ def test_the_reuse_tree_collapses_single_child_chains_and_keeps_the_busiest_subt
     assert {rows[f"{h:016x}"].parent for h in (4, 5)} == {top.id}
     assert len(tree) == 4, "[1-2-3], 4, 5 and one more root of the two busiest"
     assert sorted(late["first"]) == [f"{h:016x}" for h in (1, 8, 9)] and set(late.blocks) == {1}
+    assert not tree.folded.any()
+    kept, rest = folded[folded.parent == top.id].sort_values("folded").itertuples()
+    assert (kept.first, kept.folded) == (f"{4:016x}", 0), "the busier child (4 before 5 on a tie) stays"
+    assert (rest.first, rest.folded, rest.blocks, rest.uses, rest.parent) == ("", 1, 1, 1, top.id)
 
 
 def test_every_sql_page_example_runs_on_a_store_with_a_capture(run):

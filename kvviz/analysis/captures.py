@@ -77,13 +77,14 @@ def stored_blocks(con: duckdb.DuckDBPyConnection, run_id: str, replica: str | No
 
 
 def reuse_tree(con: duckdb.DuckDBPyConnection, run_id: str, start: float, end: float, replica: str | None = None,
-               group: int | None = None, blocks: int = 4000, roots: int = 40) -> pd.DataFrame:
+               group: int | None = None, blocks: int = 4000, roots: int = 40, fanout: int = 12) -> pd.DataFrame:
     """The most used part of the prefix tree in a time range, readable at millions of blocks: the
     `blocks` most used blocks (stores and hits; a request that uses a block uses its ancestors, so
-    the set holds its own ancestors), each chain of single children collapsed into one segment, and
-    the `roots` busiest subtrees. One row per segment: id (its last block's hash, hex), parent (the
-    segment above, "" at the top), first (its first block's hash), blocks, tokens, uses and hits of
-    its first block, tenants (distinct salts) and salts."""
+    the set holds its own ancestors), each chain of single children collapsed into one segment, the
+    `roots` busiest subtrees, and under each segment its `fanout` busiest children, the others folded
+    into one row. One row per segment: id (its last block's hash, hex), parent (the segment above, ""
+    at the top), first (its first block's hash), blocks, tokens, uses and hits of its first block,
+    tenants (distinct salts), salts, and folded (how many children a folded row stands for, else 0)."""
     top = con.execute(
         "SELECT block_hash, any_value(parent_hash) AS parent_hash, count(*) AS uses, count(*) FILTER (repeat) AS hits, "
         "count(DISTINCT coalesce(salt, '')) AS tenants, string_agg(DISTINCT coalesce(salt, '(no salt)'), ', ' "
@@ -110,7 +111,13 @@ def reuse_tree(con: duckdb.DuckDBPyConnection, run_id: str, start: float, end: f
         _, uses, hits, tenants, salts, _ = info[h]
         segment = f"{chain[-1]:016x}"
         rows.append((segment, parent, f"{h:016x}", len(chain), sum(info[c][5] for c in chain), uses, hits, tenants,
-                     salts))
-        stack.extend((k, segment) for k in children.get(chain[-1], ()))
+                     salts, 0))
+        kids = sorted(children.get(chain[-1], ()), key=lambda k: (-info[k][1], k))
+        stack.extend((k, segment) for k in kids[:fanout])
+        if rest := kids[fanout:]:
+            salts_of = sorted({s for k in rest for s in info[k][4].split(", ")})
+            rows.append((f"{segment}+{len(rest)}", segment, "", len(rest), sum(info[k][5] for k in rest),
+                         sum(info[k][1] for k in rest), sum(info[k][2] for k in rest), len(salts_of),
+                         ", ".join(salts_of), len(rest)))
     return pd.DataFrame(rows, columns=["id", "parent", "first", "blocks", "tokens", "uses", "hits", "tenants",
-                                       "salts"])
+                                       "salts", "folded"])

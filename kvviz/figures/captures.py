@@ -74,13 +74,18 @@ def prefix_tree(nodes: pd.DataFrame, token_text=lambda ids: str(list(ids)[:8])) 
     return fig
 
 
-def reuse_tree(df: pd.DataFrame, depth: int = 4) -> go.Figure:
-    """df: captures.reuse_tree's segments. An icicle: width is use (stores and hits), a chain of
+FOLDED = "#9e9e9e"  # a segment's less used children, folded into one
+
+
+def reuse_tree(df: pd.DataFrame, depth: int = 3) -> go.Figure:
+    """df: captures.reuse_tree's segments. An icicle, depth left to right: height is use (stores and hits), a chain of
     single children is one segment, `depth` levels at a time; click a segment to open its subtree.
-    Red: a segment more than one tenant used."""
-    label = ["all blocks"] + [f"{b} blocks from {f.lstrip('0')[:8] or '0'}" if b > 1 else f.lstrip("0")[:12] or "0"
-                              for f, b in zip(df["first"], df.blocks, strict=True)]
-    colour = ["#eceff1"] + [LEAK if t > 1 else "#4c78a8" for t in df.tenants]
+    Red: a segment more than one tenant used; grey: a segment's less used children, folded."""
+    label = ["all blocks"] + [f"{n} more chains" if n else f"{b} blocks from {f.lstrip('0')[:8] or '0'}" if b > 1
+                              else f.lstrip("0")[:12] or "0" for f, b, n in zip(df["first"], df.blocks, df.folded,
+                                                                                 strict=True)]
+    colour = ["#eceff1"] + [FOLDED if n else LEAK if t > 1 else "#4c78a8" for t, n in zip(df.tenants, df.folded,
+                                                                                           strict=True)]
     custom = df[["first", "blocks", "tokens", "hits", "salts"]].to_numpy()
     fig = go.Figure(go.Icicle(  # one named root over the busiest subtrees, so the top band says what it is
         ids=["all", *df.id], parents=["", *df.parent.replace("", "all")], labels=label, values=[0, *df.uses],
@@ -90,5 +95,5 @@ def reuse_tree(df: pd.DataFrame, depth: int = 4) -> go.Figure:
         hovertemplate="from %{customdata[0]}: %{customdata[1]} blocks, %{customdata[2]} tokens<br>"
                       "used %{value} times, %{customdata[3]} hits<br>tenants: %{customdata[4]}<extra></extra>",
         tiling={"orientation": "h"}))
-    fig.update_layout(height=520, margin={"l": 5, "r": 5, "t": 5, "b": 5})
+    fig.update_layout(height=640, margin={"l": 5, "r": 5, "t": 5, "b": 5})
     return fig

@@ -214,8 +214,9 @@ def _tree(con, info: RunInfo, names: list[str], a: float, b: float) -> None:
             st.info("No block was stored in this range.")
             return
         st.plotly_chart(tree_fig.reuse_tree(tree), width="stretch", key="insp_reuse_tree")
-        st.caption(f"The most used blocks of the range{where}: width is use (stores and hits), a chain of single "
-                   "children is one segment; click a segment to open its subtree, the bar above it to go back. Red: "
+        st.caption(f"The most used blocks of the range{where}, chains growing to the right: a segment's height is "
+                   "its use (stores and hits), a chain of single children is one segment; click a segment to open its "
+                   "subtree, the bar left of it to go back. Red: "
                    f"used by more than one tenant. {len(tree):,} segment{'' if len(tree) == 1 else 's'} of "
                    f"{int(tree.blocks.sum()):,} blocks.")
         return
