@@ -228,6 +228,23 @@ def test_sql_page_runs_a_select_and_shows_a_refusal(with_runs):
     assert len(run_ids(with_runs[0])) == 2
 
 
+def test_the_sql_quick_chart_draws_a_line_per_series_and_bars_along_names(with_runs):
+    """Two requests' rows along one step axis are two lines, not one zig-zag; run ids along x are
+    bars; all-zero values sit at the bottom of the axis."""
+    at = page("sql")
+    at.text_area(key="sql_text").input("SELECT * FROM (VALUES (0, 'A', 0.0), (1, 'A', 0.0), (0, 'B', 0.0), "
+                                       "(1, 'B', 0.0)) t(step, request_id, leak_rate)")
+    at.button[0].click().run()
+    assert at.selectbox(key="sql_colour").value == "request_id" and at.radio(key="sql_kind").value == "line"
+    chart = charts(at)["sql_chart"]
+    assert sorted(t["name"] for t in chart["data"]) == ["A", "B"]
+    assert chart["layout"]["yaxis"]["rangemode"] == "tozero"
+    at = page("sql")
+    at.text_area(key="sql_text").input("SELECT run_id, steps FROM runs")
+    at.button[0].click().run()
+    assert at.selectbox(key="sql_colour").value is None and at.radio(key="sql_kind").value == "bar"
+
+
 def test_runs_page_compares_and_deletes(store, tmp_path, monkeypatch):
     db = tmp_path / "copy.duckdb"
     with RunStore.open(store[0]).read() as con:

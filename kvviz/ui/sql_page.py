@@ -97,10 +97,23 @@ def _result(df: pd.DataFrame, truncated: bool) -> None:
             y = c[1].selectbox("y", ys, key="sql_y", index=next(  # a measure, not an identifier
                 (i for i, n in enumerate(ys) if not n.endswith(("hash", "_id", "_start"))), 0))
             others = [n for n in df.columns if n not in (x, y) and not pd.api.types.is_numeric_dtype(df[n])]
-            colour = c[2].selectbox("colour", [None, *others], key="sql_colour")
-            kind = c[3].radio("chart", ("line", "bar", "scatter"), horizontal=True, key="sql_kind")
+            colour = c[2].selectbox("colour", [None, *others], key="sql_colour", index=_series_index(df, x, others))
+            ordered = pd.api.types.is_numeric_dtype(df[x]) or pd.api.types.is_datetime64_any_dtype(df[x])
+            kind = c[3].radio("chart", ("line", "bar", "scatter"), horizontal=True, key="sql_kind",
+                              index=0 if ordered else 1)  # a line only along an ordered axis
             chart = {"line": px.line, "bar": px.bar, "scatter": px.scatter}[kind]
-            st.plotly_chart(chart(df.head(5000), x=x, y=y, color=colour), width="stretch", key="sql_chart")
+            fig = chart(df.head(5000), x=x, y=y, color=colour)
+            if (df[y].dropna() >= 0).all():
+                fig.update_yaxes(rangemode="tozero")  # all zeros at the bottom, not mid -1..1
+            st.plotly_chart(fig, width="stretch", key="sql_chart")
+
+
+def _series_index(df: pd.DataFrame, x: str, others: list[str]) -> int:
+    """Where x repeats, the rows are several series (a request, a replica, a reason each): colour by
+    the first text column that tells them apart (0: none), so one line does not zig-zag across them."""
+    if not df[x].duplicated().any():
+        return 0
+    return next((i for i, n in enumerate(others, start=1) if 1 < df[n].nunique() <= 20), 0)
 
 
 def _schema() -> None:
