@@ -377,3 +377,23 @@ def test_an_adapter_is_a_namespace_like_a_salt(tmp_path):
     assert (got["L"].reason, got["L"].evidence) == ("namespace", {"cached_under": "foo"})
     assert got["SL"].reason == "namespace" and got["SL"].evidence["cached_under"] in ("foo", "adapter foo")
     assert got["L2"].hit_tokens == 20 and got["L2"].reason == "partial_block"
+
+
+@pytest.mark.parametrize("fault", ["unsalted_prefix", None])
+def test_a_hit_on_another_tenants_blocks_is_named(tmp_path, fault):
+    """With the salt left out of the hash, B (tenant b) hits the prompt A (tenant a) cached: whatever
+    stopped B's lookup, its explanation names where its hits were cached. Salted, B hits nothing of A's
+    and nothing is named."""
+    from kvviz.analysis import live
+    from kvviz.models import load_model
+
+    m = load_model("tiny-llama")
+    store = RunStore.open(tmp_path / "k.duckdb")
+    run_id = live.run(store, m, live.scenario_workload("unsalted_prefix", m), fault).run_id
+    with store.read() as con:
+        found = {e.request: e for e in explain_run(con, run_id)}
+    crossed = {r: e.evidence.get("hits_cached_under") for r, e in found.items()}
+    if fault:
+        assert found["B"].hit_tokens > 0 and crossed == {"A": None, "B": "tenant-a"}
+    else:
+        assert found["B"].hit_tokens == 0 and set(crossed.values()) == {None}

@@ -190,15 +190,21 @@ class CacheHistory:
         self._advance(t)
         k = lookup.hit_tokens // B
         usable = (len(T) - 1) // B  # the last token is always computed
-        ex = lambda reason, **evidence: Explanation(lookup.request, t, lookup.hit_tokens, k, k * B,  # noqa: E731
-                                                    reason, evidence)
+        parent, crossed = ROOT, None
+        for j in range(k):
+            parent = _digest(parent, T[j * B:(j + 1) * B])
+            if crossed is None and not self._cached_now((s, parent)):  # a hit on a block not cached under s
+                crossed = self._cached_under_other(parent, s)
+
+        def ex(reason: str, **evidence) -> Explanation:
+            if crossed is not None:  # the hits themselves crossed a namespace: whatever stopped the lookup
+                evidence["hits_cached_under"] = crossed
+            return Explanation(lookup.request, t, lookup.hit_tokens, k, k * B, reason, evidence)
+
         if lookup.whole_prompt and k >= usable:
             return ex("partial_block", tokens_after=len(T) - lookup.hit_tokens)
         if lookup.preempted_at is not None:
             return ex("preempted", preempted_at=lookup.preempted_at)
-        parent = ROOT
-        for j in range(k):
-            parent = _digest(parent, T[j * B:(j + 1) * B])
         block = T[k * B:(k + 1) * B]
         d = _digest(parent, block)
         content = self._contents.get((s, d))
@@ -209,15 +215,20 @@ class CacheHistory:
             if last.removed == t:
                 return ex("capacity", stored_at=last.stored, removed_at=last.removed)
             return ex("evicted", stored_at=last.stored, removed_at=last.removed, before=t - last.removed)
-        others = sorted((o for o in self._salts.get(d, ()) if o != s and self._cached_now((o, d))),
-                        key=lambda o: (o is None, str(o)))
-        if others:
-            return ex("namespace", cached_under=others[0] if others[0] is not None else "(no salt)")
+        other = self._cached_under_other(d, s)
+        if other is not None:
+            return ex("namespace", cached_under=other)
         theirs = self._closest_sibling(s, parent, block)
         if theirs is not None and k * B + _common(theirs, block) > 0:  # nothing in common is not a divergence
             at = _common(theirs, block)
             return ex("diverged", shared_tokens=k * B + at, ours=block[at], theirs=theirs[at])
         return ex("cold", new_from_token=k * B)  # the tokens from here were never cached (under any salt)
+
+    def _cached_under_other(self, d: bytes, salt: str | None) -> str | None:
+        """The first namespace other than `salt` the prefix `d` is cached under now, by name."""
+        others = sorted((o for o in self._salts.get(d, ()) if o != salt and self._cached_now((o, d))),
+                        key=lambda o: (o is None, str(o)))
+        return None if not others else others[0] if others[0] is not None else "(no salt)"
 
     def _closest_sibling(self, salt: str | None, parent: bytes, block: Tokens) -> Tokens | None:
         """The cached sibling block sharing the most leading tokens with `block` now. In sorted order
