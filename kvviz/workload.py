@@ -53,7 +53,13 @@ class Workload:
             raise WorkloadError("requests: must be a non-empty list of request objects")
         specs: list[RequestSpec] = []
         for i, r in enumerate(reqs):
-            specs.append(_request(r, f"requests[{i}]", {s.id: s for s in specs}))
+            try:
+                specs.append(_request(r, f"requests[{i}]", {s.id: s for s in specs}))
+            except WorkloadError as e:  # counted from 0 above; name the request as an editor shows it too
+                rid = r.get("id") if isinstance(r, dict) else None
+                if isinstance(rid, str) and rid.strip():
+                    raise WorkloadError(f"{e} (request {rid!r}, row {i + 1})") from None
+                raise
         engine = d.get("engine", {})
         if not isinstance(engine, dict):
             raise WorkloadError("engine: must be an object of engine settings")

@@ -160,7 +160,7 @@ BAD_WORKLOADS = [
     ({"requests": [{"id": "A", "prompt": "x", "colour": "red"}]}, r"requests\[0\].colour: unknown field"),
     ({"requests": [{"id": "B", "parent": "A"}]}, r"requests\[0\].parent: 'A' is not an earlier request"),
     ({"requests": [{"id": "A", "prompt": "x", "arrival_step": 3}, {"id": "B", "parent": "A"}]},
-     r"requests\[1\].arrival_step: a fork cannot arrive before its parent"),
+     r"requests\[1\].arrival_step: a fork cannot arrive before its parent 'A' \(request 'B', row 2\)"),
     ({"requests": [{"id": "A", "prompt": "x", "cache_salt": "t1"}, {"id": "B", "parent": "A", "cache_salt": "t2"}]},
      r"requests\[1\].cache_salt: a fork or a resumed session keeps its parent's cache_salt"),
     ({"requests": [{"id": "A", "prompt": "x", "adapter": "a"}, {"id": "B", "parent": "A", "adapter": "b"}]},

@@ -29,7 +29,8 @@ def render(con, info: RunInfo, step: int) -> None:
     c = st.columns(4)
     c[0].metric("lookups", len(found))
     c[1].metric("hit rate (tokens)", f"{served / looked:.0%}" if looked else "-", help=f"{served} of {looked}")
-    c[2].metric("blocks cached", len(lives), help="lives: a block cached again after an eviction counts again")
+    c[2].metric("blocks cached, whole run", len(lives), help="every time a block entered the prefix cache (one "
+                "cached again after an eviction counts again); the block map shows what is cached at one step")
     c[3].metric("evicted", len(evicted))
     st.caption("The tiles count the whole run; the chart marks the step shown, and the table lists the lookups "
                "up to it.")

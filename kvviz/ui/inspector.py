@@ -86,7 +86,8 @@ def focus(f: leaks.Focus, view: str | None = None) -> None:
 
 def _header(row, info: RunInfo) -> None:
     # names as text, which wraps (fault and model names are too long for a metric tile), numbers as tiles
-    st.markdown(f"**{row.status}** · model `{row.model}` · fault `{row.fault or 'none'}`")
+    fault = "" if info.has_kv_events else f" · fault `{row.fault or 'none'}`"  # a capture's server had no injected one
+    st.markdown(f"**{row.status}** · model `{row.model}`{fault}")
     cols = st.columns(3)
     cols[0].metric("messages" if info.has_kv_events else "steps", len(info.steps),
                    help="KV-event messages (batches) the capture holds" if info.has_kv_events else None)
