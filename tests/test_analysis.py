@@ -777,3 +777,23 @@ def test_live_run_refuses_a_bad_workload_before_recording(rec):
     with pytest.raises(KvvizError):
         live.run(RunStore.open(rec.db), tiny(), live.scenario_workload("control_forks", tiny()), "no_such_fault")
     assert run_ids(rec.db) == before
+
+
+@pytest.mark.parametrize("fault", ["unsalted_prefix", None])
+def test_keys_another_tenant_wrote_are_labelled_with_its_tenant(tmp_path, fault):
+    """B (tenant-b) hits A's (tenant-a) cached prompt when the salt is left out of the hash: the keys
+    it reads are exact copies (own, not foreign), so their labels name the tenant that wrote them.
+    Salted, B computes its own and nothing is named."""
+    m = tiny()
+    store = RunStore.open(tmp_path / "k.duckdb")
+    rid = live.run(store, m, live.scenario_workload("unsalted_prefix", m), fault).run_id
+    with store.read() as con:
+        i = info(con, rid)
+        v = attention.attention_view(con, rid, "B", i.steps[-1], 0, attention.HEAD_MEAN, i.block_size, upto=True)
+    named = {lab.rsplit(" [", 1)[-1] for lab in v.key_labels if lab.endswith("]")}
+    owners = set(v.key_owners)
+    if fault:
+        assert "A" in owners and named == {"tenant-a]"}
+        assert all(lab.endswith("[tenant-a]") for lab, o in zip(v.key_labels, v.key_owners, strict=True) if o == "A")
+    else:
+        assert owners == {"B"} and not named

@@ -86,7 +86,11 @@ def attention_view(con: duckdb.DuckDBPyConnection, run_id: str, request: str, st
     held = dict(zip(contents.index, zip(contents.request_id, contents.position, contents.token, strict=True),
                     strict=True))
     owners = [str(held[s][0]) if s in held else "" for s in slots]
-    k_labels = [f"{held[s][0]}:{held[s][1]} {label(texts, held[s][2])}" if s in held else f"slot {s}" for s in slots]
+    tenant = dict(con.execute("SELECT request_id, tenant FROM requests WHERE run_id = ?", [run_id]).fetchall())
+    crossed = {o: f" [{tenant[o] or 'no tenant'}]" for o in set(owners)  # an exact copy, written under another salt
+               if o in tenant and tenant[o] != tenant.get(request)}
+    k_labels = [f"{held[s][0]}:{held[s][1]} {label(texts, held[s][2])}{crossed.get(owners[i], '')}" if s in held
+                else f"slot {s}" for i, s in enumerate(slots)]
     view = AttentionView(weights, classes, q_labels, k_labels, owners, slots, head, False,
                          [(int(st), int(pos)) for st, pos, *_ in rows])
     return downsample(view, max_rows, max_cols)
