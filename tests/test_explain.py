@@ -123,6 +123,13 @@ def test_the_cli_explains_as_a_table_or_json(misses):
                                       "evidence"}
     p = kvviz("explain", capture_id, "--db", str(store.path))
     assert p.returncode == 0 and "namespace" in p.stdout and "chain-" in p.stdout
+    p = kvviz("explain", run_id, "--db", str(store.path), "--summary", "--json")
+    with store.read() as con:
+        reasons = [e.reason for e in explain_run(con, run_id)]
+    summary = json.loads(p.stdout)
+    assert {r["reason"]: r["lookups"] for r in summary} == {r: reasons.count(r) for r in set(reasons)}
+    assert [r["lookups"] for r in summary] == sorted((r["lookups"] for r in summary), reverse=True)
+    assert sum(r["share"] for r in summary) == pytest.approx(1, abs=1e-3)
     p = kvviz("explain", run_id, "--db", str(store.path), "--request", "nobody")
     assert p.returncode == 2 and "no lookup of request 'nobody'" in p.stderr
     p = kvviz("explain", "no-such-run", "--db", str(store.path))

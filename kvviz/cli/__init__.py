@@ -125,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     expl.add_argument("run_id")
     expl.add_argument("--request", metavar="ID", help="only this request (a capture's: its session id, or chain-HASH)")
     expl.add_argument("--json", action="store_true", help="one JSON object as the last line")
+    expl.add_argument("--summary", action="store_true", help="only how many lookups stopped for each reason")
     _add_db(expl)
     expl.set_defaults(func=cmd_explain)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections import Counter
 
 from .common import fail
 
@@ -141,6 +142,12 @@ def cmd_explain(args: argparse.Namespace) -> int:
         found = [e for e in found if e.request == args.request]
         if not found:
             return fail(f"run {args.run_id} has no lookup of request {args.request!r}", "explain")
+    if args.summary:
+        share = (lambda n: round(n / len(found), 4)) if args.json else (lambda n: f"{n / len(found):.1%}")
+        _print_rows(["reason", "lookups", "share"], [(r, n, share(n)) for r, n in
+                                                      Counter(e.reason for e in found).most_common()],
+                    "json" if args.json else "table")
+        return 0
     if args.json:
         print(json.dumps({"run_id": args.run_id, "lookups": [
             {"request": e.request, "step": e.step, "hit_tokens": e.hit_tokens, "stop_block": e.stop_block,
