@@ -90,6 +90,7 @@ def test_every_page_renders_on_an_empty_store(empty_db, name):
     at = page(name)
     if name in ("home", "inspector", "runs", "sql"):
         assert any("No runs yet" in i.value for i in at.info)
+        assert any(c.value.startswith("python -m kvviz run --scenario boundary") for c in at.code)
     assert not empty_db.exists() or name == "run"
 
 

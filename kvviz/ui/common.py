@@ -117,5 +117,5 @@ def runs_or_hint():
 
 def empty_store_hint() -> None:
     st.info("No runs yet. Run a scenario (Scenarios page), run a workload (Run page), upload a trace or a "
-            "vLLM/SGLang capture (Upload page), or from a shell: `python -m kvviz run --scenario boundary "
-            f"--model tiny-llama --db {db_path()}`.", icon=":material/lightbulb:")
+            "vLLM/SGLang capture (Upload page), or from a shell:", icon=":material/lightbulb:")
+    st.code(f"python -m kvviz run --scenario boundary --model tiny-llama --db {db_path()}", language="bash")
