@@ -129,7 +129,7 @@ def test_requests_frame_names_the_adapter_and_truncation_the_workload_gave(rec, 
         plain = runs.requests_frame(con, rec.ids["control_forks"])
     assert not {"adapter", "truncate"} & set(plain.columns)
     prompts = {r["id"]: r.get("prompt") for r in scenario("control_forks").workload["requests"]}
-    assert list(plain.columns[-2:]) == ["prompt", "text"], "each request's prompt beside what it wrote"
+    assert list(plain.columns[-2:]) == ["text", "prompt"], "each request's prompt beside what it wrote"
     assert dict(zip(plain.request_id, plain.prompt, strict=True)) == prompts
 
 
@@ -176,8 +176,9 @@ def test_requests_frame_counts_match_the_sequences(rec):
 
 
 def test_token_labels():
-    texts = {1: "a\nb", 2: "x"}
+    texts = {1: "a\nb", 2: "x", 3: " ", 4: "  ", 5: "", 6: " a"}
     assert tokens.label(texts, 1) == "a\\nb" and tokens.label(texts, 2) == "x"
+    assert [tokens.label(texts, t) for t in (3, 4, 5, 6)] == ["␣", "␣␣", "∅", " a"], "whitespace alone shows"
     assert tokens.label(texts, 99) == "#99" and tokens.label(texts, None) == "?"
 
 
@@ -797,3 +798,15 @@ def test_keys_another_tenant_wrote_are_labelled_with_its_tenant(tmp_path, fault)
         assert all(lab.endswith("[tenant-a]") for lab, o in zip(v.key_labels, v.key_owners, strict=True) if o == "A")
     else:
         assert owners == {"B"} and not named
+
+
+def test_a_run_without_findings_is_shown_where_the_most_requests_held_blocks(rec):
+    """The control's last step may hold no page table at all; its busiest step holds every request's."""
+    rid = rec.ids["boundary_control"]
+    with RunStore.open(rec.db).read() as con:
+        focus = leaks.busiest_focus(con, rid, "A")
+        held = dict(con.execute("SELECT step, count(DISTINCT request_id) FROM page_tables WHERE run_id = ? "
+                                "GROUP BY step", [rid]).fetchall())
+        requests = con.execute("SELECT count(*) FROM requests WHERE run_id = ?", [rid]).fetchone()[0]
+    assert focus.request == "A" and held[focus.step] == max(held.values()) == requests
+    assert focus.step == min(s for s, n in held.items() if n == requests)

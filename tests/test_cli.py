@@ -126,6 +126,10 @@ def test_scenarios_lists_the_seed_patterns_first():
     names = [line.split()[0] for line in p.stdout.splitlines()]
     assert p.returncode == 0 and names[:4] == ["passphrase", "boundary", "global", "positional"]
     assert "control_tenants" in names
+    from kvviz.scenarios import SCENARIOS
+
+    faults = [line.split()[1] for line in p.stdout.splitlines()]
+    assert faults == [sc.fault or "(control)" for sc in SCENARIOS.values()], "no long name runs into the next column"
 
 
 def test_run_scenario_json_has_the_gating_keys_and_fail_on_leak():

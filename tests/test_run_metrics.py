@@ -73,10 +73,10 @@ def test_hit_rate_is_zero_without_prefix_caching_and_alerts_below(tiny, tmp_path
     assert not METRICS["hit_rate"].crossed(None, 0.2)  # nothing looked up yet: no alert
 
 
-def show(values: dict, limits: dict, findings: int = 0) -> None:
+def show(values: dict, limits: dict, findings: tuple[int, ...] = ()) -> None:
     from kvviz.ui.run_page import _show_metrics
 
-    _show_metrics(values, {k: [v, v] for k, v in values.items()}, limits, findings)
+    _show_metrics(values, {k: [v, v] for k, v in values.items()}, limits, list(findings))
 
 
 def test_the_run_page_turns_a_crossed_metric_red():
@@ -99,8 +99,9 @@ def test_findings_turn_red_though_no_attention_metric_moved():
               "max_foreign": 0.0}
     limits = {"hit_rate": 0.0, "block_utilisation": 0.95, "slot_utilisation": 0.8, "leak_rate": 0.0,
               "max_foreign": 0.001}
-    at = AppTest.from_function(show, args=(values, limits, 3)).run()
+    at = AppTest.from_function(show, args=(values, limits, (0, 1, 3))).run()
     assert at.metric[-1].label == "findings" and at.metric[-1].value == "3"
+    assert at.metric[-1].proto.delta == "+2 this step"
     badges = [m.value for m in at.markdown]
     assert [b.startswith(":red-badge") for b in badges] == [False, False, False, False, False, True]
     assert badges[0] == ":gray-badge[no alert: threshold 0]"

@@ -75,3 +75,12 @@ def focus_of(finding: dict) -> Focus:
         return None if v is None or pd.isna(v) else int(v)
 
     return Focus(int(finding["step"]), str(finding["request_id"]), opt("layer"), opt("head"), opt("position"))
+
+
+def busiest_focus(con: duckdb.DuckDBPyConnection, run_id: str, request: str) -> Focus:
+    """Where to look in a run with no finding: the first step at which the most requests held blocks,
+    so a shared buffer shows every request's band (the last step may hold none)."""
+    row = con.execute("SELECT step FROM page_tables WHERE run_id = ? GROUP BY step "
+                      "ORDER BY count(DISTINCT request_id) DESC, step LIMIT 1", [run_id]).fetchone()
+    last = con.execute("SELECT max(step) FROM steps WHERE run_id = ?", [run_id]).fetchone()[0]
+    return Focus(int(row[0]) if row else int(last or 0), request)

@@ -78,9 +78,9 @@ def run_info(con: duckdb.DuckDBPyConnection, run_id: str) -> RunInfo:
 
 
 def requests_frame(con: duckdb.DuckDBPyConnection, run_id: str) -> pd.DataFrame:
-    """Each request as recorded, with the prompt text, the adapter and the truncation the workload gave
-    it (columns only when some request has one: adapter and truncation name the namespace and session
-    faults)."""
+    """Each request as recorded, with the adapter and the truncation the workload gave it, and its
+    prompt text last, after the text it wrote (columns only when some request has one: adapter and
+    truncation name the namespace and session faults)."""
     df = con.execute(
         "SELECT request_id, tenant, parent, arrival_step, first_token_step, finish_step, finish_reason, "
         "len(prompt_ids) AS prompt_tokens, len(output_ids) AS output_tokens, cached_tokens, text "
@@ -89,10 +89,10 @@ def requests_frame(con: duckdb.DuckDBPyConnection, run_id: str) -> pd.DataFrame:
     spec = json.loads(workload or "{}")
     given = {r.get("id"): r for r in (spec.get("requests", []) if isinstance(spec, dict) else [])
              if isinstance(r, dict)}
-    for name, before in (("adapter", "parent"), ("truncate", "parent"), ("prompt", "text")):
+    for name, before in (("adapter", "parent"), ("truncate", "parent"), ("prompt", None)):
         values = df.request_id.map(lambda r, name=name: given.get(r, {}).get(name))
         if values.notna().any():
-            df.insert(df.columns.get_loc(before), name, values)
+            df.insert(df.columns.get_loc(before) if before else len(df.columns), name, values)
     return df
 
 

@@ -17,7 +17,10 @@ def label(texts: dict[int, str], token: int | None) -> str:
     if token is None:
         return "?"
     text = texts.get(int(token))
-    return repr(text)[1:-1] if text is not None else f"#{token}"
+    if text is None:
+        return f"#{token}"
+    shown = repr(text)[1:-1]
+    return shown if text.strip() else shown.replace(" ", "␣") or "∅"  # a lone space must show
 
 
 def request_tokens(con: duckdb.DuckDBPyConnection, run_id: str) -> dict[str, list[int]]:

@@ -11,8 +11,10 @@ def cmd_scenarios(args: argparse.Namespace) -> int:
     """One line a scenario (name, fault or control, title) for picking a --scenario to run."""
     from ..scenarios import SCENARIOS
 
+    name = max(len(sc.name) for sc in SCENARIOS.values())
+    fault = max(len(sc.fault or "(control)") for sc in SCENARIOS.values())
     for sc in SCENARIOS.values():
-        print(f"{sc.name:30} {sc.fault or '(control)':22} {sc.title}")
+        print(f"{sc.name:{name}}  {sc.fault or '(control)':{fault}}  {sc.title}")
     return 0
 
 

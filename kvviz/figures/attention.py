@@ -48,7 +48,7 @@ def attention_heatmap(weights: np.ndarray, classes: np.ndarray, query_labels: li
     ystep = max(1, len(query_labels) // 40)
     fig.update_yaxes(type="category", tickvals=y[::ystep], ticktext=query_labels[::ystep], autorange="reversed",
                      title="query", showgrid=False)
-    fig.update_layout(title=title, plot_bgcolor=GRID_BG, height=min(900, 260 + 14 * len(query_labels)),
+    fig.update_layout(title=title, plot_bgcolor=GRID_BG, height=min(900, max(380, 260 + 14 * len(query_labels))),
                       margin={"l": 10, "r": 10, "t": 40, "b": 10})
     return fig
 

@@ -7,6 +7,8 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from .blocks import whole_steps
+
 HIT, MISS = "#54a24b", "#bab0ac"
 
 
@@ -15,9 +17,10 @@ def hit_rate(df: pd.DataFrame, current: int | None = None, steps: tuple[int, int
     the prompt tokens looked up, split into served (hit) and computed (miss), and the running hit rate;
     the x axis spans `steps` (the run's first and last), whatever step is marked."""
     fig = make_subplots(specs=[[{"secondary_y": True}]])
-    fig.add_trace(go.Bar(x=df.interval_start, y=df.hit_tokens, name="served from the cache", marker_color=HIT))
+    fig.add_trace(go.Bar(x=df.interval_start, y=df.hit_tokens, name="served from the cache", marker_color=HIT,
+                         width=0.8))  # a step each, however far apart the steps that looked something up
     fig.add_trace(go.Bar(x=df.interval_start, y=df.tokens - df.hit_tokens, name="computed (missed)",
-                         marker_color=MISS))
+                         marker_color=MISS, width=0.8))
     running = df.hit_tokens.cumsum() / df.tokens.cumsum().where(lambda t: t > 0)
     fig.add_trace(go.Scatter(x=df.interval_start, y=running, name="hit rate so far", mode="lines+markers",
                              line={"color": "#4c78a8"}), secondary_y=True)
@@ -28,7 +31,7 @@ def hit_rate(df: pd.DataFrame, current: int | None = None, steps: tuple[int, int
     fig.update_xaxes(title="step", range=None if steps is None else [steps[0] - 0.5, steps[1] + 0.5])
     fig.update_yaxes(title="prompt tokens looked up", secondary_y=False)
     fig.update_yaxes(title="hit rate", range=[0, 1], tickformat=".0%", dtick=0.25, secondary_y=True)
-    return fig
+    return whole_steps(fig, list(steps or df.interval_start))
 
 
 def lifetimes(df: pd.DataFrame) -> go.Figure:

@@ -92,8 +92,11 @@ def reuse_tree(df: pd.DataFrame, depth: int = 3) -> go.Figure:
         branchvalues="remainder", maxdepth=depth, marker={"colors": colour},
         textfont={"color": ["#333333"] + ["#ffffff"] * len(df)},
         customdata=[["", "", "", "", ""], *custom.tolist()],
-        hovertemplate="from %{customdata[0]}: %{customdata[1]} blocks, %{customdata[2]} tokens<br>"
-                      "used %{value} times, %{customdata[3]} hits<br>tenants: %{customdata[4]}<extra></extra>",
+        hovertext=["all blocks"] + [f"{n} chains folded: {b} blocks, {t} tokens" if n else
+                                    f"from {f}: {b} blocks, {t} tokens" for f, b, t, n in
+                                    zip(df["first"], df.blocks, df.tokens, df.folded, strict=True)],
+        hovertemplate="%{hovertext}<br>used %{value} times, %{customdata[3]} hits<br>tenants: %{customdata[4]}"
+                      "<extra></extra>",
         tiling={"orientation": "h"}))
     fig.update_layout(height=640, margin={"l": 5, "r": 5, "t": 5, "b": 5})
     return fig

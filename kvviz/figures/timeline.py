@@ -6,6 +6,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from .blocks import whole_steps
 from .palette import request_colours
 
 
@@ -33,7 +34,7 @@ def leak_timeline(df: pd.DataFrame, current: int | None = None) -> go.Figure:
     if current is not None:
         fig.add_vline(x=current, line={"color": "black", "width": 1, "dash": "dot"})
     fig.update_xaxes(title="step", row=2, col=1)
-    return fig
+    return whole_steps(fig, df.step.tolist())
 
 
 def entropy_by_position(df: pd.DataFrame) -> go.Figure:

@@ -71,6 +71,8 @@ def _heatmap(con, info: RunInfo, step: int, request: str, layers: int, heads: in
     shown = "mean of heads" if view.head == attention.HEAD_MEAN else f"head {view.head}"
     leak = float(np.max(view.foreign_mass)) if view.foreign_mass.size else 0.0
     title = f"{request}, step {step}, layer {layer}, {shown}: foreign + stale mass up to {leak:.4f}"
+    if any(lab.endswith("]") for lab in view.key_labels):  # keys another tenant wrote: exact copies, so blue
+        title += " (reads keys another tenant wrote: [tenant])"
     mark = view.row_of(step, st.session_state.get("insp_position"))
     st.plotly_chart(fig.attention_heatmap(view.weights, view.classes, view.query_labels, view.key_labels,
                                           view.key_owners, title, mark), width="stretch", key="insp_heatmap")

@@ -73,10 +73,12 @@ def render_entropy(con, info: RunInfo) -> None:
 
 def render_requests(con, info: RunInfo) -> None:
     df = runs.requests_frame(con, info.run_id)
-    wide = {c: st.column_config.TextColumn(c, width="large") for c in ("prompt", "text") if c in df}
+    wide = {"text": st.column_config.TextColumn("text", width="large"),
+            "prompt": st.column_config.TextColumn("prompt", width="medium")}
     st.dataframe(df, hide_index=True, width="stretch", column_config=wide)
     with st.expander("Prompts and generated texts in full"):
         for r in df.to_dict("records"):
             prompt = f"{r['prompt']}\n--- generated ---\n" if isinstance(r.get("prompt"), str) else ""
             st.markdown(f"**{r['request_id']}**")
-            st.code(prompt + (r["text"] or ""), language=None, wrap_lines=True)
+            st.code(prompt + (r["text"] or f"(nothing: {r['finish_reason'] or 'no token'})"), language=None,
+                    wrap_lines=True)

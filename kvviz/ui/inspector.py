@@ -89,7 +89,7 @@ def _header(row, info: RunInfo) -> None:
     fault = "" if info.has_kv_events else f" · fault `{row.fault or 'none'}`"  # a capture's server had no injected one
     st.markdown(f"**{row.status}** · model `{row.model}`{fault}")
     cols = st.columns(3)
-    cols[0].metric("messages" if info.has_kv_events else "steps", len(info.steps),
+    cols[0].metric("messages" if info.has_kv_events else "steps", f"{len(info.steps):,}",
                    help="KV-event messages (batches) the capture holds" if info.has_kv_events else None)
     cols[1].metric("findings", "-" if pd.isna(row.findings) else int(row.findings))
     cols[2].metric("max foreign mass", "-" if pd.isna(row.max_foreign_mass) else f"{row.max_foreign_mass:.4f}")

@@ -141,9 +141,10 @@ def _thresholds() -> dict[str, float]:
                 for i, m in enumerate(METRICS.values())}
 
 
-def _show_metrics(values: dict, history: dict, limits: dict[str, float], findings: int) -> None:
+def _show_metrics(values: dict, history: dict, limits: dict[str, float], findings: list[int]) -> None:
     """One tile per metric with its course so far, red with a warning once it crosses its threshold;
-    then the findings so far, of every kind (a cross-tenant hit moves no attention metric)."""
+    then the findings so far (their count after each step), of every kind: a cross-tenant hit moves
+    no attention metric."""
     cols = st.columns(len(METRICS) + 1)
     for col, m in zip(cols, METRICS.values(), strict=False):
         v, limit = values[m.key], limits[m.key]
@@ -156,9 +157,13 @@ def _show_metrics(values: dict, history: dict, limits: dict[str, float], finding
             col.markdown(":gray-badge[no alert: threshold 0]")
         else:
             col.markdown(f":green-badge[ok: alert {m.alert_when} {limit:g}]")
-    cols[-1].metric("findings", findings, border=True, help="what the oracles reported so far, of every kind: "
-                    "attention on other requests' keys, cross-tenant cache hits, duplicates, broken page tables ...")
-    cols[-1].markdown(":red-badge[:material/warning: see the Leaks view]" if findings else ":green-badge[none]")
+    found = findings[-1] if findings else 0
+    new = found - findings[-2] if len(findings) > 1 else found
+    cols[-1].metric("findings", found, delta=f"+{new} this step" if new else None, delta_color="inverse", border=True,
+                    chart_data=findings[-80:] if len(findings) > 1 else None,
+                    help="what the oracles reported so far, of every kind: attention on other requests' keys, "
+                         "cross-tenant cache hits, duplicates, broken page tables ...")
+    cols[-1].markdown(":red-badge[:material/warning: see the Leaks view]" if found else ":green-badge[none]")
 
 
 def _workload(m, sc, requests: pd.DataFrame | None, engine: dict, seed: int) -> dict:
@@ -186,13 +191,14 @@ def _run(name, sc, requests, engine, fault, scope_text, selection, seed, limits)
     bar = st.progress(0.0, text="starting...")
     counters = st.empty()
     pool = st.empty()
-    last = [0.0]
+    last, found = [0.0], []
 
     def on_step(s: live.LiveStep) -> None:
+        found.append(s.findings)
         bar.progress(min(1.0, s.tokens / max(1, s.total)), text=f"step {s.step}: {s.tokens} of at most {s.total} "
                                                                f"tokens generated · findings so far: {s.findings}")
         with counters.container():
-            _show_metrics(s.metrics, s.history, limits, s.findings)
+            _show_metrics(s.metrics, s.history, limits, found)
         if time.monotonic() - last[0] > 0.4:  # redraw the pool at most a few times a second
             last[0] = time.monotonic()
             pool.plotly_chart(block_fig.block_map(s.blocks, title=f"Pool after step {s.step}"), width="stretch",

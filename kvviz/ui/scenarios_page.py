@@ -69,7 +69,8 @@ def _compare(pair: dict) -> None:
         found = {r: leaks.findings(con, pair[r]) for r in roles}
         texts = {r: runs.requests_frame(con, pair[r])[["request_id", "text"]] for r in roles}
         top = found["scenario"].iloc[0].to_dict() if not found["scenario"].empty else None
-        focus = leaks.focus_of(top) if top else leaks.Focus(infos["scenario"].steps[-1], infos["scenario"].requests[0])
+        first = infos["scenario"].requests[0]
+        focus = leaks.focus_of(top) if top else leaks.busiest_focus(con, pair["scenario"], first)
         layers, heads = attention.grid_shape(con, pair["scenario"])
         grids = {r: attention.leak_grid(con, pair[r], None, focus.request) for r in roles}
         layer = focus.layer if focus.layer is not None else layers // 2

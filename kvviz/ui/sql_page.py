@@ -3,6 +3,8 @@ quick chart of the result and the schema."""
 
 from __future__ import annotations
 
+from decimal import Decimal
+
 import pandas as pd
 import plotly.express as px
 import streamlit as st
@@ -69,12 +71,13 @@ def render() -> None:
         query = st.text_area("Query", key="sql_text", height=160)
         submitted = st.form_submit_button("Run", type="primary", icon=":material/play_arrow:")
     if submitted or "sql_result" in st.session_state:
-        if submitted:
-            st.session_state.pop("sql_result", None)
+        if submitted:  # a new result: its chart starts from its own defaults, not the last query's choices
+            for key in ("sql_result", "sql_x", "sql_y", "sql_colour", "sql_kind"):
+                st.session_state.pop(key, None)
             try:
                 with reader() as con:
                     res = run_query(con, query, max_rows=MAX_ROWS)
-                st.session_state["sql_result"] = pd.DataFrame(res.rows, columns=res.columns), res.truncated
+                st.session_state["sql_result"] = _frame(res.rows, res.columns), res.truncated
             except SqlError as e:
                 st.error(f"Not run: {e}", icon=":material/block:")
         if "sql_result" in st.session_state:
@@ -108,10 +111,21 @@ def _result(df: pd.DataFrame, truncated: bool) -> None:
             st.plotly_chart(fig, width="stretch", key="sql_chart")
 
 
+def _frame(rows: list[tuple], columns: list[str]) -> pd.DataFrame:
+    """The result as a frame; DECIMAL columns (6.5 in SQL is one) as floats, so they can be charted."""
+    df = pd.DataFrame(rows, columns=columns)
+    for c in df.columns:
+        values = df[c].dropna()
+        if df[c].dtype == object and len(values) and all(isinstance(v, Decimal) for v in values):
+            df[c] = df[c].astype(float)
+    return df
+
+
 def _series_index(df: pd.DataFrame, x: str, others: list[str]) -> int:
-    """Where x repeats, the rows are several series (a request, a replica, a reason each): colour by
-    the first text column that tells them apart (0: none), so one line does not zig-zag across them."""
-    if not df[x].duplicated().any():
+    """Where x repeats or goes back, the rows are several series (a request, a replica, a reason each):
+    colour by the first text column that tells them apart (0: none), so one line does not zig-zag
+    across them."""
+    if not df[x].duplicated().any() and df[x].is_monotonic_increasing:
         return 0
     return next((i for i, n in enumerate(others, start=1) if 1 < df[n].nunique() <= 20), 0)
 
