@@ -2,6 +2,7 @@
 run the boundary scenario against its control on a tiny model, open it in the inspector, click a
 block and a finding, visit every page; a screenshot of each is kept as an artifact."""
 
+import os
 import subprocess
 import sys
 import time
@@ -117,10 +118,12 @@ def test_two_sessions_run_scenarios_at_once_while_the_cli_records(tmp_path):
     """Two people start scenarios at the same moment while a script records into the same database:
     one waits its turn on the model and says so, and every run completes with the right verdict."""
     db = tmp_path / "kvviz.duckdb"
-    with streamlit_app(db) as url, chromium() as browser:
+    own_line = {"KVVIZ_CACHE": str(tmp_path / "cache")}  # the app and the CLI share a model line of their own,
+    with streamlit_app(db, env=own_line) as url, chromium() as browser:  # apart from other tests' runs
         cli = subprocess.Popen([sys.executable, "-m", "kvviz", "run", "--scenario", "boundary", "--model",
                                 "tiny-llama", "--db", str(db), "--quiet", "--json"], cwd=ROOT,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, **own_line})
         pages = []
         for name in ("global", "early_free"):
             page = new_page(browser)

@@ -280,3 +280,25 @@ def test_both_lines_keep_one_order_even_when_a_ticket_is_slow_to_write(tmp_path,
     for t in threads:
         t.join(5)
     assert sorted(done) == [0, 1, 2]
+
+
+def test_a_zombie_holds_no_place_in_the_model_line():
+    """A process that exited but was not yet reaped still answers kill(pid, 0): its ticket must not
+    block the line for good."""
+    import subprocess
+    import sys
+    import time
+
+    from kvviz.models.queue import _alive
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        deadline = time.monotonic() + 30
+        while _alive(child.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(child.pid), "an exited, unreaped child counts as dead"
+    finally:
+        child.wait()
+    import os
+
+    assert _alive(os.getpid())

@@ -70,7 +70,10 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:  # someone else's process: alive
         return True
-    return True
+    try:  # a zombie (exited, not yet reaped by its parent) answers the signal but holds no turn
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 class ModelQueue:
