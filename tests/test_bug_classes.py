@@ -336,20 +336,17 @@ def test_every_new_fault_is_in_the_catalogue_with_its_scenario():
 # -- both tiers in the store and in a capture --------------------------------------------------------
 def test_an_offloading_run_records_both_tiers_and_its_capture_shows_them(tmp_path):
     import json
-    import subprocess
-    import sys
-    from pathlib import Path
 
     from kvviz.analysis import blocks
     from kvviz.store import RunStore
 
-    root = Path(__file__).resolve().parent.parent
+    from .cli import kvviz as cli
+
     wl, db, events = tmp_path / "w.json", tmp_path / "k.duckdb", tmp_path / "e.jsonl"
     wl.write_text(json.dumps(_pushed_out({"cpu_blocks": 16}).to_dict()))
 
     def kvviz(*args):
-        p = subprocess.run([sys.executable, "-m", "kvviz", *args, "--db", str(db)], cwd=root, capture_output=True,
-                           text=True, timeout=600)
+        p = cli(*args, "--db", db)
         assert p.returncode == 0, p.stderr
         return p.stdout
 

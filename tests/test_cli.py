@@ -10,14 +10,17 @@ from pathlib import Path
 
 import pytest
 
+from .cli import kvviz as in_process
+from .cli import kvviz_process
+
 ROOT = Path(__file__).resolve().parent.parent
 DB = Path(tempfile.mkdtemp(prefix="kvviz-cli-")) / "kvviz.duckdb"  # keep the repository's runs/ untouched
 
 
-def kvviz(*args: str) -> subprocess.CompletedProcess:
+def kvviz(*args: str, process: bool = False) -> subprocess.CompletedProcess:
+    """In this process, or (process=True) as `python -m kvviz`; a run records into DB."""
     extra = ["--db", str(DB)] if args and args[0] == "run" else []
-    return subprocess.run([sys.executable, "-m", "kvviz", *args, *extra], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+    return (kvviz_process if process else in_process)(*args, *extra)
 
 
 def test_run_json_summary_is_the_last_line(tmp_path):
@@ -26,7 +29,7 @@ def test_run_json_summary_is_the_last_line(tmp_path):
                                            {"id": "B", "parent": "A", "prompt": "!", "max_new_tokens": 3,
                                             "arrival_step": 2}],
                               "engine": {"block_size": 4, "num_blocks": 32}}))
-    p = kvviz("run", "--workload", str(wl), "--model", "tiny-llama", "--json", "--isolation", "masked")
+    p = kvviz("run", "--workload", str(wl), "--model", "tiny-llama", "--json", "--isolation", "masked", process=True)
     assert p.returncode == 0, p.stderr
     summary = json.loads(p.stdout.strip().splitlines()[-1])
     assert len(summary["run_id"]) == 12 and summary["engine"]["isolation"] == "masked"

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,7 @@ from kvviz.analysis import leaks, live
 from kvviz.models import load_model
 from kvviz.store import RunStore
 from kvviz.store.attention import AttentionSelection
+from tests.cli import kvviz
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -86,9 +85,7 @@ def test_the_inspector_shows_it(recorded, monkeypatch):
 
 
 def test_the_cli_reports_each_requests_mean_entropy(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "kvviz", "run", "--scenario", "passphrase", "--model", "tiny-llama",
-                        "--db", str(tmp_path / "k.duckdb"), "--json"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=300)
+    p = kvviz("run", "--scenario", "passphrase", "--model", "tiny-llama", "--db", tmp_path / "k.duckdb", "--json")
     assert p.returncode == 0, p.stderr
     summary = json.loads(p.stdout.splitlines()[-1])
     assert set(summary["entropy"]) == set("ABCD") and all(v > 0 for v in summary["entropy"].values())

@@ -15,14 +15,12 @@ from kvviz.analysis.explain import explain_run
 from kvviz.analysis.explained import explained, kept
 from kvviz.analysis.runs import delete_run
 from kvviz.store import RunStore, StoreError
+from tests.cli import kvviz
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = list(range(100, 124))  # six blocks of 4
 
 
-def kvviz(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvviz", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600)
 
 
 def run(tmp_path: Path, requests: list[dict], num_blocks: int = 16, budget: int = 64) -> tuple[RunStore, str, str]:

@@ -29,6 +29,7 @@ from kvviz.capture.rows import EventRows
 from kvviz.capture.zmq_capture import Endpoint, FleetCapture
 from kvviz.cli.capture import parse_sources
 from kvviz.store import RunStore
+from tests.cli import kvviz, kvviz_process
 from tests.test_capture import Publisher, batch, free_port, stored_map
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -265,11 +266,6 @@ def test_two_publishers_a_restart_and_an_unreachable_one_in_one_capture(tmp_path
     assert 17 not in per["pod-a/0"] and per["pod-a/0"][:3] == [0, 1, 2]
 
 
-def kvviz(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvviz", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
-
-
 def test_capture_cli_refuses_bad_input_before_writing(tmp_path):
     p = kvviz("capture-vllm", "--endpoint", "a=tcp://127.0.0.1:1", "--endpoint", "a=tcp://127.0.0.1:2",
               "--out", str(tmp_path / "ds"))
@@ -284,7 +280,7 @@ def test_capture_cli_writes_a_dataset_and_reports_each_replica(tmp_path):
     ports = [free_port() for _ in range(2)]
     pub = Publisher(ports[0], ports[1], count=40, skip=17)
     pub.start()
-    p = kvviz("capture-vllm", "--endpoint", f"pod-a=tcp://127.0.0.1:{ports[0]}", "--replay",
+    p = kvviz_process("capture-vllm", "--endpoint", f"pod-a=tcp://127.0.0.1:{ports[0]}", "--replay",
               f"pod-a=tcp://127.0.0.1:{ports[1]}", "--endpoint", f"tcp://127.0.0.1:{free_port()}",
               "--out", str(tmp_path / "ds"), "--duration", "4")
     pub.join(5)

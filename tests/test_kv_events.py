@@ -6,8 +6,6 @@ publishes them live over ZMQ with replay, and capture-vllm follows it."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -21,6 +19,7 @@ from kvviz.engine.hashing import hash_to_u64
 from kvviz.models import load_model
 from kvviz.serve.local import free_port
 from kvviz.store import RunStore
+from tests.cli import kvviz
 from tests.test_capture import capture
 from tests.test_serve import Server
 
@@ -49,9 +48,6 @@ def test_a_requests_blocks_in_a_row_are_one_stored_event_and_evictions_are_remov
          "token_ids": [5, 6], "block_size": 2, "lora_id": None, "medium": "GPU", "lora_name": None}]
 
 
-def kvviz(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvviz", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600)
 
 
 def tenants_workload(path: Path) -> Path:

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import io
 import random
-import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
@@ -22,6 +20,7 @@ from kvviz.recorded import record_run
 from kvviz.store import RunStore
 from kvviz.store.trace import export_run, import_trace
 from kvviz.workload import Workload
+from tests.cli import kvviz
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -238,9 +237,6 @@ def test_the_memory_bench_measures_both_allocators(tiny):
     assert f"| exact-4 | 4 | {r.capacity} | {100 * r.paged_utilisation:.1f}% |" in memory_report(tiny, [r])
 
 
-def kvviz(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvviz", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600)
 
 
 def test_the_cli_benchmarks_print_their_tables_and_refuse_bad_flags():

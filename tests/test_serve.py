@@ -24,6 +24,7 @@ from kvviz.serve.app import ServeOptions
 from kvviz.serve.local import LocalServer, free_port
 from kvviz.store import RunStore
 from kvviz.workload import RequestSpec, Workload
+from tests.cli import kvviz, kvviz_process
 
 ROOT = Path(__file__).resolve().parent.parent
 TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
@@ -262,20 +263,16 @@ def test_the_cli_serves_and_stops_cleanly_on_sigterm(tmp_path):
         assert (status, fault, generated) == ("complete", "boundary", 64)
     finally:
         p.kill()
-    bad = subprocess.run([sys.executable, "-m", "kvviz", "serve", "--port", "0"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=60)
+    bad = kvviz("serve", "--port", "0")
     assert bad.returncode == 2 and "--port must be 1-65535" in bad.stderr
-    bad = subprocess.run([sys.executable, "-m", "kvviz", "serve", "--fault", "boundary", "--isolation", "paged"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    bad = kvviz("serve", "--fault", "boundary", "--isolation", "paged")
     assert bad.returncode == 2 and "breaks the masked mechanism; --isolation is 'paged'" in bad.stderr
-    bad = subprocess.run([sys.executable, "-m", "kvviz", "serve", "--num-blocks", "0"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=60)
+    bad = kvviz("serve", "--num-blocks", "0")
     assert bad.returncode == 2 and "--num-blocks: must be a positive integer" in bad.stderr
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        bad = subprocess.run([sys.executable, "-m", "kvviz", "serve", "--port", str(taken.getsockname()[1])],
-                             cwd=ROOT, capture_output=True, text=True, timeout=60)
+        bad = kvviz_process("serve", "--port", taken.getsockname()[1], timeout=60)
     assert bad.returncode == 2 and "Address already in use" in bad.stderr and "serving" not in bad.stderr
 
 
@@ -289,9 +286,7 @@ def test_a_seed_repeats_a_sampled_reply_and_ignore_eos_runs_to_max_tokens(server
 
 
 def test_the_serve_bench_prints_its_table():
-    p = subprocess.run([sys.executable, "-m", "kvviz", "bench", "--model", "tiny-llama", "--serve", "--sizes", "2",
-                        "--cases", "uniform", "--new-tokens", "4"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=600)
+    p = kvviz("bench", "--model", "tiny-llama", "--serve", "--sizes", "2", "--cases", "uniform", "--new-tokens", "4")
     assert p.returncode == 0, p.stderr
     row = next(line for line in p.stdout.splitlines() if line.startswith("| uniform-2 |"))
     assert row.split("|")[2].strip() == "2"  # both clients measured

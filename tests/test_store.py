@@ -25,6 +25,7 @@ from kvviz.store import SCHEMA_VERSION, RunStore, SqlError, StoreError, run_quer
 from kvviz.store.attention import AttentionRecorder, AttentionSelection
 from kvviz.store.recorder import RunRecorder
 from kvviz.workload import Workload
+from tests.cli import finish, kvviz
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -232,42 +233,35 @@ def test_hostile_sql_is_refused_and_changes_nothing(con, sql, message):
 
 def test_sql_cli_formats_and_refusals(db):
     def sql(*args):
-        return subprocess.run([sys.executable, "-m", "kvviz", "sql", *args, "--db", str(db)], cwd=ROOT,
-                              capture_output=True, text=True, timeout=120)
+        return kvviz("sql", *args, "--db", str(db))
 
     ok = sql("SELECT scenario, status FROM runs ORDER BY created_at", "--format", "csv")
     assert ok.returncode == 0 and ok.stdout.splitlines()[:2] == ["scenario,status", "boundary,complete"]
     refused = sql("DELETE FROM runs")
     assert refused.returncode == 2 and "only SELECT queries are allowed" in refused.stderr
-    missing = subprocess.run([sys.executable, "-m", "kvviz", "sql", "SELECT 1", "--db", "/nonexistent/k.duckdb"],
-                             cwd=ROOT, capture_output=True, text=True, timeout=120)
+    missing = kvviz("sql", "SELECT 1", "--db", "/nonexistent/k.duckdb")
     assert missing.returncode == 2 and "no database at" in missing.stderr
-
-
-def kvviz_cli(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "kvviz", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
 
 
 def test_replay_shows_a_step_and_verify_catches_tampering(tmp_path):
     db = tmp_path / "k.duckdb"
-    p = kvviz_cli("run", "--scenario", "boundary", "--model", "tiny-llama", "--db", str(db), "--json", "--quiet")
+    p = kvviz("run", "--scenario", "boundary", "--model", "tiny-llama", "--db", str(db), "--json", "--quiet")
     assert p.returncode == 0, p.stderr
     run_id = json.loads(p.stdout.splitlines()[-1])["run_id"]
-    shown = kvviz_cli("replay", run_id, "--step", "1", "--db", str(db))
+    shown = kvviz("replay", run_id, "--step", "1", "--db", str(db))
     assert shown.returncode == 0 and "page table" in shown.stdout and "finding foreign" in shown.stdout
-    ok = kvviz_cli("replay", run_id, "--verify", "--db", str(db))
+    ok = kvviz("replay", run_id, "--verify", "--db", str(db))
     assert ok.returncode == 0 and "replays identically" in ok.stdout, ok.stdout + ok.stderr
     con = duckdb.connect(str(db))
     con.execute("UPDATE requests SET output_ids = list_concat([0], output_ids[2:]) WHERE request_id = 'A'")
     con.execute("UPDATE leak_metrics SET max_foreign = 0.5 WHERE step = 0 AND layer = 1 AND head = 2 "
                 "AND request_id = 'A'")
     con.close()
-    bad = kvviz_cli("replay", run_id, "--verify", "--db", str(db))
+    bad = kvviz("replay", run_id, "--verify", "--db", str(db))
     assert bad.returncode == 1
     assert "request A: generated token 0 differs" in bad.stdout
     assert "step 0, request A, layer 1, head 2: foreign mass recorded 0.5" in bad.stdout
-    missing = kvviz_cli("replay", "nope", "--db", str(db))
+    missing = kvviz("replay", "nope", "--db", str(db))
     assert missing.returncode == 2 and "no run 'nope'" in missing.stderr
 
 
@@ -353,9 +347,8 @@ def test_the_database_can_be_read_between_flushes(tmp_path):
 
 def test_attention_selection_by_request_step_and_layer(tmp_path):
     db = tmp_path / "k.duckdb"
-    p = subprocess.run([sys.executable, "-m", "kvviz", "run", "--scenario", "passphrase", "--model", "tiny-llama",
-                        "--db", str(db), "--quiet", "--attention-requests", "B", "--attention-steps", "1,2",
-                        "--attention-layers", "0"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    p = kvviz("run", "--scenario", "passphrase", "--model", "tiny-llama", "--db", str(db), "--quiet",
+              "--attention-requests", "B", "--attention-steps", "1,2", "--attention-layers", "0")
     assert p.returncode == 0, p.stderr
     con = duckdb.connect(str(db), read_only=True)
     got = con.execute("SELECT list(DISTINCT request_id), list(DISTINCT step ORDER BY step), "
@@ -372,18 +365,19 @@ def test_another_process_reads_all_through_a_recording_run(tmp_path):
 
     db, wl = tmp_path / "k.duckdb", tmp_path / "w.json"
     wl.write_text(json.dumps({"requests": [{"id": f"r{i}", "prompt": "one two three " * (i + 1),
-                                            "max_new_tokens": 900, "ignore_eos": True} for i in range(6)],
-                              "engine": {"block_size": 4, "num_blocks": 1500}}))  # several flushes, 2 s apart
+                                            "max_new_tokens": 120, "ignore_eos": True} for i in range(6)],
+                              "engine": {"block_size": 4, "num_blocks": 300}}))  # several flushes, 2 s apart
     proc = subprocess.Popen([sys.executable, "-m", "kvviz", "run", "--workload", str(wl), "--model", "tiny-llama",
                              "--db", str(db), "--quiet"], cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
-    seen = []
-    while proc.poll() is None:
+    seen, deadline = [], time.monotonic() + 240
+    while proc.poll() is None and time.monotonic() < deadline:
         if db.exists():
             with RunStore.open(db).read() as con:
                 seen.append(con.execute("SELECT status, (SELECT count(*) FROM steps) FROM runs").fetchall())
-        time.sleep(0.02)
-    assert proc.returncode == 0, proc.stderr.read()
+        time.sleep(0.1)  # a page that redraws ten times a second
+    _, err = finish(proc, 1)
+    assert proc.returncode == 0, err
     with RunStore.open(db).read() as con:
         final = con.execute("SELECT status, steps FROM runs").fetchall()
     assert final[0][0] == "complete", final
