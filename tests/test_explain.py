@@ -19,6 +19,7 @@ from tests.cli import kvviz
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = list(range(100, 124))  # six blocks of 4
+CHAIN_KEYS = {"continues_chain_of", "continues_block", "tenant"}  # what only a capture's segment says
 
 
 
@@ -95,6 +96,7 @@ def test_the_capture_of_the_run_gives_the_same_answers(misses):
         from_capture = {e.request: e for e in explain_run(con, capture_id)}
         cached = con.execute("SELECT request_id, hash FROM block_events WHERE run_id = ? AND kind = 'cache' "
                              "ORDER BY step, seq", [run_id]).fetchall()
+        salts = dict(con.execute("SELECT request_id, salt FROM cache_lookups WHERE run_id = ?", [run_id]).fetchall())
     first_stored, times = {}, {}  # request -> the capture's name for the chain its first new block began
     for req, h in cached:
         times[h] = times.get(h, 0) + 1
@@ -105,8 +107,10 @@ def test_the_capture_of_the_run_gives_the_same_answers(misses):
             continue  # stored nothing new: the capture never sees this lookup
         c = from_capture[first_stored[req]]
         assert (c.reason, c.hit_tokens, c.stop_block) == (e.reason, e.hit_tokens, e.stop_block), req
-        if e.reason in ("namespace", "diverged"):
-            assert c.evidence == e.evidence
+        if e.reason in ("namespace", "diverged"):  # the capture also says whose chain a segment continues
+            assert {k: v for k, v in c.evidence.items() if k not in CHAIN_KEYS} == e.evidence
+        if "tenant" in c.evidence:  # its event names no salt: the chain's tenant is said, its own is not known
+            assert c.evidence["continues_chain_of"] == e.evidence.get("hits_cached_under", salts[req]), req
         compared += 1
     assert compared >= 12
 

@@ -350,7 +350,7 @@ def test_a_dataset_registered_in_place_reads_like_its_copy_and_nothing_else_open
     folder = write_dataset(tmp_path / "ds", msgs).folder
     store = RunStore.open(tmp_path / "k.duckdb")
     copied, in_place = import_file(folder, store), import_file(folder, store, in_place=True)
-    cols = "step, replica, seq, kind, block_hash, parent_hash, token_ids, salt, repeat"
+    cols = "step, replica, seq, kind, block_hash, parent_hash, token_ids, salt, salt_named, repeat"
     with store.read() as con:
         def rows(run, table="kv_events"):
             return con.execute(f"SELECT {cols} FROM {table} WHERE run_id = ? ORDER BY step, event_index, "

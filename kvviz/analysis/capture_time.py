@@ -155,6 +155,22 @@ def cross_tenant(con: duckdb.DuckDBPyConnection, run_id: str, start: float, end:
     return int(n), events
 
 
+def untold_restores(con: duckdb.DuckDBPyConnection, run_id: str, start: float, end: float) -> int:
+    """Stores in the range of a block stored before on its replica and KV group (a later life), by an
+    event that names no salt, in a capture that names tenants: vLLM names the salt in a chain's first
+    block only, so the capture cannot tell which tenant stored them, and on a server that leaves the
+    salt out of its hashes another tenant may have (the import gives them the chain's salt). Captures
+    imported before kvviz kept `salt_named` count none."""
+    return int(con.execute(
+        "WITH st AS (SELECT coalesce(replica, 'replica-0') AS r, group_idx AS g, block_hash AS h, step, ts, salt_named "
+        "FROM kv_events WHERE run_id = $run AND kind = 'BlockStored' AND NOT coalesce(repeat, false)), "
+        "lives AS (SELECT r, g, h, min(step) AS first FROM st GROUP BY ALL HAVING count(*) > 1) "
+        "SELECT count(*) FROM st JOIN lives l ON st.r = l.r AND st.g IS NOT DISTINCT FROM l.g AND st.h = l.h "
+        "WHERE st.step > l.first AND st.salt_named = false AND st.ts BETWEEN $a AND $b "
+        "AND EXISTS (SELECT 1 FROM kv_events WHERE run_id = $run AND salt IS NOT NULL)",
+        {"run": run_id, "a": start, "b": end}).fetchone()[0])
+
+
 def chain(con: duckdb.DuckDBPyConnection, run_id: str, replica: str, block_hash: int,
           group: int | None = None) -> pd.DataFrame:
     """A block and its ancestors, root first: depth, block_hash, salt, token_ids (from each block's

@@ -18,6 +18,13 @@ where the segment begins. Reasons, checked in this order:
 - diverged: a cached chain under this salt shares the blocks before and differs inside this one (at
   which token, with both tokens), sharing at least one token;
 - cold: nothing with these tokens was cached before.
+
+Each store is its own tenant's, for that life: a block stored under a salt that is not the chain's it
+continues is kept under its own (a tenant that continued another's chain), and a lookup whose hits
+lie in another namespace says where (`hits_cached_under`). A capture's segment says the block it
+continues (`continues_block`) where it crosses; where its event names no salt (vLLM names it in a
+chain's first block only) and the capture has tenants, it says whose chain it continues and that its
+own tenant is unknown: a server that leaves salts out of its hashes lets any tenant continue it.
 """
 
 from __future__ import annotations
@@ -68,6 +75,7 @@ class Lookup:
     hit_tokens: int
     preempted_at: int | None = None  # a re-admission: the step the request was preempted
     whole_prompt: bool = True  # False for a capture's chain segment: the prompt went on past its blocks
+    chain: dict = field(default_factory=dict)  # a capture's segment: what it can say of the chain it continues
 
 
 @dataclass(frozen=True)
@@ -148,7 +156,8 @@ class CacheHistory:
         if e.parent is None:
             parent, salt = ROOT, e.salt
         elif e.parent in self._blocks:
-            parent, salt = self._blocks[e.parent][:2]
+            parent, chain_salt = self._blocks[e.parent][:2]
+            salt = chain_salt if e.salt is None else e.salt  # a salt its event names: this life is that tenant's
         else:
             return  # its chain began before the capture did: its tokens are unknown
         d = _digest(parent, e.tokens)
@@ -199,6 +208,8 @@ class CacheHistory:
         def ex(reason: str, **evidence) -> Explanation:
             if crossed is not None:  # the hits themselves crossed a namespace: whatever stopped the lookup
                 evidence["hits_cached_under"] = crossed
+            if crossed is not None or "tenant" in lookup.chain:  # where the segment's tenant is in question
+                evidence.update(lookup.chain)
             return Explanation(lookup.request, t, lookup.hit_tokens, k, k * B, reason, evidence)
 
         if lookup.whole_prompt and k >= usable:
@@ -330,26 +341,42 @@ def _explain_part(con: duckdb.DuckDBPyConnection, run_id: str, replica: str, gro
     cache (a re-reported hit, a removal of a block not cached) and are left out. The rows are read a
     batch at a time and only the history is kept; a step's lookups are explained once its last event
     is in."""
-    cur = con.execute("SELECT step, kind, block_hash, parent_hash, token_ids, salt, session_id, block_index, "
-                      "block_size FROM kv_events WHERE run_id = ? AND coalesce(replica, 'replica-0') = ? AND "
-                      "group_idx IS NOT DISTINCT FROM ? AND kind IN ('BlockStored', 'BlockRemoved') AND NOT "
+    cur = con.execute("SELECT step, kind, block_hash, parent_hash, token_ids, salt, salt_named, session_id, "
+                      "block_index, block_size FROM kv_events WHERE run_id = ? AND coalesce(replica, 'replica-0') = ? "
+                      "AND group_idx IS NOT DISTINCT FROM ? AND kind IN ('BlockStored', 'BlockRemoved') AND NOT "
                       "coalesce(repeat, false) ORDER BY step, coalesce(event_index, 0), block_index",
                       [run_id, replica, group])
-    history, out, seen, step_lookups = CacheHistory(None), [], {}, []
+    history, out, seen, step_lookups, tenants = CacheHistory(None), [], {}, [], False
     while batch := cur.fetchmany(65536):
-        for step, kind, h, parent, block, salt, session, index, size in batch:
+        for step, kind, h, parent, block, salt, named, session, index, size in batch:
             if step_lookups and step != step_lookups[0].t:  # every event of their step is in
                 out += map(history.explain, step_lookups)
                 step_lookups = []
-            e = CacheEvent(step, "store" if kind == "BlockStored" else "remove", h, parent, tokens(block or ()), salt)
+            own = salt if parent is None or named else None  # a continuation's salt is its event's, or the chain's
+            e = CacheEvent(step, "store" if kind == "BlockStored" else "remove", h, parent, tokens(block or ()), own)
             history.add(e)
             if kind != "BlockStored":
                 continue
             history.block_size = history.block_size or size or 16
+            tenants = tenants or salt is not None
             seen[h] = seen.get(h, 0) + 1  # stored again after an eviction: its n-th life
             if index == 0 and history.known(h):  # a request's new blocks begin here
                 prefix, n = history.tokens_of(parent), seen[h]
                 request = name + (session or f"chain-{h:016x}" + (f"#{n}" if n > 1 else ""))
                 step_lookups.append(Lookup(request, step, prefix + e.tokens, history.salt_of(h), len(prefix),
-                                           whole_prompt=False))
+                                           whole_prompt=False, chain=_continues(history, parent, named, tenants)))
     return out + list(map(history.explain, step_lookups))
+
+
+def _continues(history: CacheHistory, parent: int | None, named: bool | None, tenants: bool) -> dict:
+    """What a segment's lookup can say of the chain it continues: the block, and where its event names
+    no salt in a capture that has tenants, whose chain it is and that its own tenant is unknown (an
+    import from before kvviz kept `salt_named` says nothing more than it did)."""
+    if parent is None:
+        return {}
+    block = {"continues_block": f"{parent:016x}"}
+    if named is not False or not tenants:
+        return block
+    chain = history.salt_of(parent)
+    return {"continues_chain_of": "(no salt)" if chain is None else chain, **block,
+            "tenant": "unknown (its event names no salt)"}

@@ -13,7 +13,11 @@ reused blocks: a hit, not a second block), or a BlockRemoved of a hash not cache
 or cached before the capture began). `salt` is the tenant of the block: vLLM names the salt among
 the extra keys of a chain's first block only, so the blocks after it, in the same event or in a
 later one continuing a cached chain, carry the salt of the block they follow; a removal, and a hit
-that names none, carry the salt of the cached block. Each life is measured on the publisher's clock
+that names none, carry the salt of the cached block. A store's `salt_named` says whether its own
+event names that salt (a block evicted and stored again under a salt its event names is that
+tenant's, for that life); where it does not, the salt is the chain's, and the capture cannot tell
+which tenant stored the block (a server that leaves the salt out of its hashes lets another
+tenant continue the chain). Each life is measured on the publisher's clock
 (ts) as it ends or is used: a removal's `lifetime_s` (since the store that cached it) and `idle_s` (since its last use),
 a hit's `reuse_gap_s` (since the block's previous use), so the distributions are plain scans.
 """
@@ -41,13 +45,15 @@ EVENT_FIELDS = (("event_index", pa.int32()), ("kind", pa.string()), ("block_size
 BLOCK_FIELDS = (("block_index", pa.int32()), ("block_hash", pa.uint64()), ("parent_hash", pa.uint64()),
                 ("salt", pa.string()), ("repeat", pa.bool_()))
 LIFE_FIELDS = (("lifetime_s", pa.float64()), ("idle_s", pa.float64()), ("reuse_gap_s", pa.float64()))
+TENANT_FIELDS = (("salt_named", pa.bool_()),)
 ROW_SCHEMA = pa.schema([*MESSAGE_FIELDS, *EVENT_FIELDS[:2], *BLOCK_FIELDS, ("token_ids", INT_LIST),
-                        *EVENT_FIELDS[2:], *LIFE_FIELDS])
+                        *EVENT_FIELDS[2:], *LIFE_FIELDS, *TENANT_FIELDS])
 
 
 _GONE = object()
 _event_fields = attrgetter(*(name for name, _ in EVENT_FIELDS[1:]))  # an event's tuple, made in C
 _NO_EVENT = (None,) * (len(EVENT_FIELDS) - 1)
+_UNNAMED = 1 << 31  # an event that names no salt: no block_index reaches it
 
 
 def _columns(rows: list[tuple], width: int) -> list[tuple]:
@@ -67,6 +73,15 @@ def _salts(given: list[str | None] | None, n: int, parent: str | None) -> list[s
         if salts[j] is None:
             salts[j] = salts[j - 1]
     return salts
+
+
+def _first_named(given: list[str | None] | None) -> int:
+    """The first block of an event that names a salt (the blocks from it on are named by the event)."""
+    if not given:
+        return _UNNAMED
+    if given[0] is not None:
+        return 0
+    return next((j for j, s in enumerate(given) if s is not None), _UNNAMED)
 
 
 def _spread(values: pa.Array, rows: np.ndarray) -> pa.Array:
@@ -92,6 +107,7 @@ class EventRows:
         self._event_index: list[int] = []
         self._event_msg: list[int] = []  # the message of each event
         self._event_rows: list[int] = []  # the rows of each event
+        self._named_from: list[int] = []  # the first block each event names a salt for (_UNNAMED: none)
         self._hashes: list[int | None] = []  # one per row (so are the four after it)
         self._repeats: list[bool | None] = []
         self._salts: list[str | None] = []
@@ -124,6 +140,7 @@ class EventRows:
             self._events.append(_NO_EVENT)
             self._event_index.append(0)
             self._event_msg.append(m)
+            self._named_from.append(_UNNAMED)
             event_rows.append(1)
             hashes_out.append(None)
             for column in (self._repeats, self._salts, self._lifetimes, self._idles, self._gaps):
@@ -134,12 +151,15 @@ class EventRows:
         self._event_index.extend(range(len(events)))
         self._event_msg.extend(repeat(m, len(events)))
         repeats, salts, lifetimes, idles, gaps = self._repeats, self._salts, self._lifetimes, self._idles, self._gaps
+        named_from = self._named_from
         key, live, ts = None, None, batch.ts
         for e in events:
             hashes, kind = e.block_hashes, e.kind
             n = len(hashes) or 1
             event_rows.append(n)
             self.rows += n
+            if kind != "BlockStored" or not hashes:
+                named_from.append(_UNNAMED)
             if not hashes:
                 hashes_out.append(None)
                 for column in (repeats, salts, lifetimes, idles, gaps):
@@ -169,8 +189,9 @@ class EventRows:
             elif kind == "BlockStored":
                 self._parents.append(e.parent_hash)
                 self._parents.extend(hashes[:-1])
-                parent = live.get(e.parent_hash)
-                named = _salts(e.salts, n, None if parent is None else parent[0])
+                parent, given = live.get(e.parent_hash), e.salts
+                named_from.append(_first_named(given))
+                named = _salts(given, n, None if parent is None else parent[0])
                 for h, salt in zip(hashes, named, strict=True):
                     life = live.get(h)
                     if life is None:
@@ -214,9 +235,11 @@ class EventRows:
         stored = pc.fill_null(pc.equal(cols["kind"], "BlockStored"), False)
         cols["block_hash"] = pa.array(self._hashes, type=pa.uint64())
         no_hash = pc.is_null(cols["block_hash"]).to_numpy(zero_copy_only=False)
-        cols["block_index"] = pa.array((np.arange(len(event_of_row)) - event_start[event_of_row]).astype(np.int32),
-                                       mask=no_hash)
+        block_index = (np.arange(len(event_of_row)) - event_start[event_of_row]).astype(np.int32)
+        cols["block_index"] = pa.array(block_index, mask=no_hash)
         stored_np = stored.to_numpy(zero_copy_only=False)
+        named = block_index >= np.asarray(self._named_from, dtype=np.int64)[event_of_row]
+        cols["salt_named"] = pa.array(named, mask=~stored_np | no_hash)
         nth_stored = pa.array(np.cumsum(stored_np) - 1, mask=~stored_np)  # the row's place among stored rows
         cols["parent_hash"] = pa.array(self._parents, type=pa.uint64()).take(nth_stored)
         for name, typ, values in (("salt", pa.string(), self._salts), ("repeat", pa.bool_(), self._repeats),

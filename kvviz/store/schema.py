@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pyarrow as pa
 
-SCHEMA_VERSION = "9"
-UPGRADABLE = {"1", "2", "3", "4", "5", "6", "7", "8"}  # versions whose files the idempotent DDL brings up to date
+SCHEMA_VERSION = "10"
+UPGRADABLE = {"1", "2", "3", "4", "5", "6", "7", "8", "9"}  # versions whose files the idempotent DDL brings up to date
 
 _ARROW = {"VARCHAR": pa.string(), "JSON": pa.string(), "TIMESTAMP": pa.timestamp("us"), "BIGINT": pa.int64(),
           "INTEGER": pa.int32(), "DOUBLE": pa.float64(), "FLOAT": pa.float32(), "BOOLEAN": pa.bool_(),
@@ -183,7 +183,10 @@ TABLES: dict[str, Table] = {t.name: t for t in (
                      "block", added_in="6"),
               Column("idle_s", "DOUBLE", "a removal's: seconds since the block was last stored or hit", added_in="6"),
               Column("reuse_gap_s", "DOUBLE", "a hit's (a repeated store): seconds since the block's previous store "
-                     "or hit", added_in="6")), in_trace=False),
+                     "or hit", added_in="6"),
+              Column("salt_named", "BOOLEAN", "a store's: its own event names its salt (false: the salt is the "
+                     "chain's it continues, or the cached block's it hits; vLLM names it in a chain's first block "
+                     "only, so which tenant stored the block cannot be told)", added_in="10")), in_trace=False),
     Table("capture_sources", "Capture datasets registered in place (import --in-place): the view kv_events reads "
           "their Parquet files where they lie.", _cols(RUN_ID + "path VARCHAR, files INTEGER"), in_trace=False),
     Table("findings", "What the oracles found.", _cols(

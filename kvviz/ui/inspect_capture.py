@@ -246,6 +246,14 @@ def _cross_tenant(con, info: RunInfo, span: capture_time.Span, a: float, b: floa
                    "blocks apart (vLLM's cache_salt): one hash stored under two salts means one cache entry served "
                    "both, which is what a timing side channel reads. Circles: stored new; diamonds: hits reported "
                    "again (kv_cache_report_mode=\"full\").")
+    untold = capture_time.untold_restores(con, info.run_id, a, b)
+    if untold:
+        st.warning(f"{untold:,} store{'s' if untold > 1 else ''} in this range put back a block evicted earlier, "
+                   "continuing a cached chain, by an event that names no salt (vLLM names it in a chain's first "
+                   "block only): the capture cannot tell which tenant made them. They carry the salt of the chain "
+                   "they continue; on a server that leaves the salt out of its hashes, another tenant's request may "
+                   "have made them. `python -m kvviz explain` says, per stored segment, whose chain it continues.",
+                   icon=":material/help:")
     found = leaks.findings(con, info.run_id)
     if found.empty:
         st.info("No block hash was stored under two salts. A capture shows only the blocks a server "
