@@ -141,21 +141,23 @@ def engine_runs(tmp_path_factory) -> dict:
             {"id": "t2-b", "prompt_ids": SHARED + TAIL_A, "max_new_tokens": 1, "cache_salt": "tenant-2",
              "arrival_step": 9}]
     wl = Workload.from_dict({"requests": reqs, "engine": {"block_size": 4, "num_blocks": 20, "max_batch_tokens": 64}})
-    out = {}
-    for fault in ("unsalted_prefix", None):
-        folder = tmp_path_factory.mktemp(fault or "control")
-        store, now = RunStore.open(folder / "k.duckdb"), [0.0]
-        writer = CaptureWriter(folder / "e.jsonl", {DEFAULT_REPLICA: "x"})
-        emitter = KVEventEmitter(4, lambda seq, topic, payload: writer.add(
-            Message(DEFAULT_REPLICA, 0, seq, topic.decode(), payload)), clock=lambda: now[0])
+    return {fault: _recorded_with_capture(tmp_path_factory.mktemp(fault or "control"), m, wl, fault)
+            for fault in ("unsalted_prefix", None)}
 
-        def step(rec, _oracle) -> None:
-            now[0] = float(rec.step)
-            emitter.on_step(rec)
-        run = record_run(store, m, wl, fault, on_step=step, selection=AttentionSelection(mode="none")).result.run_id
-        writer.close()
-        out[fault] = (store, run, import_capture(folder / "e.jsonl", store))
-    return out
+
+def _recorded_with_capture(folder, m, wl: Workload, fault: str | None) -> tuple:
+    """The run recorded into folder's store with its own KV events captured and imported beside it."""
+    store, now = RunStore.open(folder / "k.duckdb"), [0.0]
+    writer = CaptureWriter(folder / "e.jsonl", {DEFAULT_REPLICA: "x"})
+    emitter = KVEventEmitter(4, lambda seq, topic, payload: writer.add(
+        Message(DEFAULT_REPLICA, 0, seq, topic.decode(), payload)), clock=lambda: now[0])
+
+    def step(rec, _oracle) -> None:
+        now[0] = float(rec.step)
+        emitter.on_step(rec)
+    run = record_run(store, m, wl, fault, on_step=step, selection=AttentionSelection(mode="none")).result.run_id
+    writer.close()
+    return store, run, import_capture(folder / "e.jsonl", store)
 
 
 def lookup_pairs(store: RunStore, run: str, capture: str) -> list[tuple]:
