@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+from .analysis import cross_reads
 from .engine import Engine, RunResult, StepRecord
 from .engine.observer import AttentionObserver
 from .errors import WorkloadError
@@ -33,11 +34,14 @@ class CheckedRun:
         return self.oracle.findings
 
     def summary(self) -> dict:
-        """The run's JSON summary with the keys scripts gate on: leak, divergence, findings."""
+        """The run's JSON summary with the keys scripts gate on: leak, divergence, findings; and the
+        cross-tenant reads in one sentence (no leak figure moves for them), or None."""
+        salts = {r.id: r.cache_salt for r in self.workload.requests}
         return {**self.result.summary(), "fault": self.fault, "leak": self.oracle.summary(),
                 "entropy": self.oracle.mean_entropy(),
                 "divergence": divergence_summary(self.divergences),
-                "findings": [f.to_dict() for f in self.findings]}
+                "findings": [f.to_dict() for f in self.findings],
+                "cross_tenant": cross_reads.sentence(cross_reads.from_findings(self.findings, salts))}
 
 
 def check_fault(fault: str | None, workload: Workload) -> None:

@@ -143,11 +143,25 @@ def test_run_scenario_json_has_the_gating_keys_and_fail_on_leak():
     assert set(s["leak"]["counts"]) == {"own", "foreign", "stale"}
     assert set(s["divergence"]) == {"diverged_requests", "max_logit_diff"}
     assert s["findings"] and set(s["findings"][0]) == {"kind", "request", "step", "layer", "head", "position",
-                                                       "source_request", "mass"}
-    assert s["leak"]["max_foreign_mass"] > 0 and s["fault"] == "boundary"
+                                                       "source_request", "mass", "block", "last_step"}
+    assert s["leak"]["max_foreign_mass"] > 0 and s["fault"] == "boundary" and s["cross_tenant"] is None
     clean = kvviz("run", "--scenario", "passphrase", "--model", "tiny-llama", "--json", "--fail-on-leak")
     assert clean.returncode == 0, clean.stderr
     assert json.loads(clean.stdout.strip().splitlines()[-1])["findings"] == []
+
+
+def test_run_says_the_cross_tenant_reads_in_one_sentence_and_json_lists_each_block():
+    p = kvviz("run", "--scenario", "unsalted_prefix", "--model", "tiny-llama", "--quiet")
+    assert p.returncode == 0, p.stderr
+    said = next(line for line in p.stdout.splitlines() if line.startswith("cross-tenant reads: "))
+    assert "blocks of tenant tenant-a read by tenant tenant-b (B read blocks" in said
+    assert "finding cross_tenant" not in p.stdout  # one per block: the sentence says them, --json lists them
+    s = json.loads(kvviz("run", "--scenario", "unsalted_prefix", "--model", "tiny-llama", "--json").stdout
+                   .splitlines()[-1])
+    assert s["cross_tenant"] == said.split(": the same content")[0]
+    assert {(f["kind"], f["layer"], f["head"], f["mass"]) for f in s["findings"]} == {("cross_tenant", None, None, None)}
+    assert f"{len(s['findings'])} blocks of tenant" in said and len({f["block"] for f in s["findings"]}) == \
+        len(s["findings"])
 
 
 def test_run_workload_with_a_fault_and_the_seed_table(tmp_path):

@@ -14,6 +14,7 @@ from kvviz.checked_run import FaultMismatch, run_checked
 from kvviz.engine import Engine
 from kvviz.faults import FAULTS, UnknownFault
 from kvviz.models import load_model
+from kvviz.oracle import ProvenanceOracle
 from kvviz.oracle.probe import LastPromptTokenProbe
 from kvviz.scenarios import SCENARIOS
 from kvviz.workload import Workload
@@ -81,14 +82,66 @@ def test_every_fault_is_detected_and_its_control_is_clean(sc, name):
     assert control.findings == [] and control.summary()["divergence"]["diverged_requests"] == 0
 
 
-def test_unsalted_prefix_is_a_cross_tenant_finding_not_foreign_attention():
+def unsalted_runs():
+    """The unsalted fault on tiny-llama with each step's record, and its control (salts honoured)."""
     m = model("tiny-llama")
-    run = run_checked(m, Workload.from_dict(SCENARIOS["unsalted_prefix"].build(m.tokenizer)), "unsalted_prefix")
+    wl = Workload.from_dict(SCENARIOS["unsalted_prefix"].build(m.tokenizer))
+    steps = []
+    return run_checked(m, wl, "unsalted_prefix", on_step=steps.append), steps, run_checked(m, wl)
+
+
+def test_unsalted_prefix_is_one_cross_tenant_finding_per_block_read_not_foreign_attention():
+    """B hits A's prompt blocks under another salt: one finding per block B read, naming the block,
+    B's steps (first read to last), every layer (null), no head and no mass; nothing foreign. The
+    control shares no block across tenants and has no finding."""
+    run, steps, control = unsalted_runs()
     assert {f.kind for f in run.findings} == {"cross_tenant"}
     assert run.summary()["leak"]["max_foreign_mass"] == 0
-    f = run.findings[0]
-    assert (f.request, f.source_request) == ("B", "A")
-    assert all(d.classification == "identical" or d.classification == "batch_variance" for d in run.divergences)
+    hit = [e.block for r in steps for e in r.events if e.kind == "hit" and e.request == "B"]
+    b_steps = [r.step for r in steps if "B" in r.work]
+    assert len(hit) > 1 and b_steps == list(range(b_steps[0], b_steps[-1] + 1))
+    assert sorted(f.block for f in run.findings) == sorted(hit)  # each block B was served, once
+    first = next(r.work["B"][0] for r in steps if r.step == b_steps[0])  # B's first position: after the hit
+    for f in run.findings:
+        assert (f.request, f.source_request) == ("B", "A")
+        assert (f.layer, f.head, f.mass) == (None, None, None)
+        assert (f.step, f.last_step, f.position) == (b_steps[0], b_steps[-1], first)
+    assert all(d.classification in ("identical", "batch_variance") for d in run.divergences)
+    said = run.summary()["cross_tenant"]
+    assert said.startswith(f"cross-tenant reads: {len(hit)} blocks of tenant tenant-a read by tenant tenant-b (B "
+                           f"read blocks ")
+    assert control.findings == [] and control.summary()["cross_tenant"] is None
+    assert not any(e.kind == "hit" for r in steps for e in r.events if e.request == "A")
+
+
+def test_a_cross_tenant_read_is_taken_once_it_has_ended():
+    """A server records findings as it goes: take_findings leaves a read that goes on (its last step
+    may grow) and gives it the step after its reader stopped reading; together they are the run's."""
+    m = model("tiny-llama")
+    wl = SCENARIOS["unsalted_prefix"].build(m.tokenizer)
+    wl["requests"].append({"id": "C", "prompt": wl["requests"][1]["prompt"], "max_new_tokens": 9, "arrival_step": 3,
+                           "cache_salt": "tenant-c"})  # reads A's blocks too, and goes on after B has finished
+    wl = Workload.from_dict(wl)
+    oracle = ProvenanceOracle()
+    taken: dict[int, list] = {}
+    steps = []
+
+    def on_step(r) -> None:
+        steps.append(r)
+        taken[r.step] = oracle.take_findings()
+
+    whole = run_checked(m, wl, "unsalted_prefix", reference=False)
+    run_checked(m, wl, "unsalted_prefix", oracle=oracle, reference=False, on_step=on_step)
+    rest = oracle.take_findings(final=True)
+    b_last = max(r.step for r in steps if "B" in r.work)
+    assert b_last < steps[-1].step
+    assert {f.request for f in taken[b_last + 1]} == {"B"} and all(f.last_step == b_last for f in taken[b_last + 1])
+    assert all(not found for s, found in taken.items() if s != b_last + 1)  # C reads up to the last step
+    assert {f.request for f in rest} == {"C"} and oracle.findings == [] and oracle.open_reads == {}
+    key = lambda f: (f.request, f.block)  # noqa: E731
+    assert sorted(map(key, taken[b_last + 1] + rest)) == sorted(map(key, whole.findings))
+    assert [f.to_dict() for f in sorted(taken[b_last + 1] + rest, key=key)] == \
+        [f.to_dict() for f in sorted(whole.findings, key=key)]
 
 
 def test_findings_name_the_source_request():

@@ -325,3 +325,28 @@ def test_served_traffic_is_recorded_as_one_run(tiny, tmp_path, fault):
         assert findings == 0 and leak == 0
     else:
         assert findings > 0 and leak > 0
+
+
+def test_a_served_cross_tenant_read_is_recorded_once_it_has_ended(tiny, tmp_path):
+    """Per-user sharing with the salt left out of the hash: b's request reads a's blocks. The server
+    writes findings as it goes; a read is written once ended, with its whole range of steps."""
+    store = RunStore.open(tmp_path / "k.duckdb")
+    s = Server(tiny, sharing="per-user", oracle=True, fault="unsalted_prefix", record=store)
+    prompt = "a system prompt both tenants send, long enough for whole blocks"
+    try:
+        for user, text in (("a", prompt), ("b", prompt), ("c", "and then something else entirely")):
+            s.client.completions.create(model="tiny", prompt=text, max_tokens=4, user=user, temperature=0)
+    finally:
+        s.close()
+    run_id = s.worker.recording.run_id
+    with store.read() as con:
+        found = con.execute("SELECT request_id, step, last_step, layer, head, mass, block FROM findings "
+                            "WHERE run_id = ?", [run_id]).fetchall()
+        b = con.execute("SELECT request_id FROM requests WHERE run_id = ? AND tenant = 'user:b'", [run_id]).fetchone()[0]
+        steps = con.execute("SELECT min(step), max(step) FROM step_work WHERE run_id = ? AND request_id = ?",
+                            [run_id, b]).fetchone()
+        hit = sorted(r[0] for r in con.execute("SELECT block FROM block_events WHERE run_id = ? AND kind = 'hit' AND "
+                                               "request_id = ?", [run_id, b]).fetchall())
+    assert s.worker.findings == {"cross_tenant": len(found)} and hit
+    assert sorted(f[6] for f in found) == hit
+    assert {f[:6] for f in found} == {(b, *steps, None, None, None)}

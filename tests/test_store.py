@@ -389,8 +389,9 @@ def test_another_process_reads_all_through_a_recording_run(tmp_path):
 
 @pytest.mark.parametrize("fault, kind", [("boundary", "foreign"), ("unsalted_prefix", "cross_tenant")])
 def test_default_recording_keeps_every_head_where_a_leak_was_seen(tmp_path, fault, kind):
-    """A finding's own head can always be shown (a cross-tenant one too); a clean run keeps only the
-    default layers' heads."""
+    """A finding's own head can always be shown; a cross-tenant read (every layer, no one head) has
+    every head of every layer kept at each of its steps; a clean run keeps only the default layers'
+    heads."""
     from kvviz.analysis import live
 
     m = tiny()
@@ -400,12 +401,21 @@ def test_default_recording_keeps_every_head_where_a_leak_was_seen(tmp_path, faul
                       selection=AttentionSelection(full_layers=frozenset())).run_id
     clean = live.run(RunStore.open(db), m, wl, None, selection=AttentionSelection(full_layers=frozenset())).run_id
     con = duckdb.connect(str(db), read_only=True)
-    findings = con.execute("SELECT step, layer, head FROM findings WHERE run_id = ? AND kind = ?",
-                           [faulty, kind]).fetchall()
+    findings = con.execute("SELECT request_id, step, last_step, layer, head FROM findings WHERE run_id = ? AND "
+                           "kind = ?", [faulty, kind]).fetchall()
+    cells = con.execute("SELECT count(DISTINCT (layer, head)) FROM leak_metrics WHERE run_id = ?",
+                        [faulty]).fetchone()[0]
     assert findings
-    for step, layer, head in findings:
-        assert con.execute("SELECT count(*) FROM attention WHERE run_id = ? AND step = ? AND layer = ? AND head = ?",
-                           [faulty, step, layer, head]).fetchone()[0] > 0
+    for request, step, last_step, layer, head in findings:
+        if kind == "cross_tenant":
+            assert layer is None and head is None
+            for s in range(step, last_step + 1):
+                assert con.execute("SELECT count(DISTINCT (layer, head)) FROM attention WHERE run_id = ? AND "
+                                   "request_id = ? AND step = ? AND head >= 0", [faulty, request, s]).fetchone()[0] \
+                    == cells
+        else:
+            assert con.execute("SELECT count(*) FROM attention WHERE run_id = ? AND step = ? AND layer = ? AND "
+                               "head = ?", [faulty, step, layer, head]).fetchone()[0] > 0
     assert con.execute("SELECT list(DISTINCT head) FROM attention WHERE run_id = ?", [clean]).fetchone()[0] == [-1]
 
 

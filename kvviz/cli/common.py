@@ -10,3 +10,15 @@ def fail(reason: object, topic: str = "error") -> int:
     """Print the reason (no traceback) and return the exit status for bad input."""
     print(f"kvviz: {topic}: {reason}", file=sys.stderr)
     return 2
+
+
+def finding_text(kind: str, request: str, step: int, layer: int | None, head: int | None, position: int | None,
+                 source_request: str | None, mass: float | None, block: int | None = None,
+                 last_step: int | None = None) -> str:
+    """One finding on one line; a cross-tenant read names its block and steps (every layer, no mass)."""
+    src = f" from {source_request}" if source_request else ""
+    steps = f"step {step:3d}" if last_step in (None, step) else f"steps {step}-{last_step}"
+    where = (f"block {block}, every layer" if block is not None else
+             f"layer {layer:2d} head {head:2d}" if layer is not None and head is not None else "")
+    pos = f" pos {position:4d}" if position is not None else ""
+    return f"{kind:13} {request:>8} {steps} {where}{pos}{src}" + (f"  mass {mass:.4f}" if mass is not None else "")

@@ -12,6 +12,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .common import finding_text
+
 if TYPE_CHECKING:
     from ..capture.emit import KVEventEmitter
     from ..engine import StepRecord
@@ -70,7 +72,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                 raise WorkloadError("--fail-on-leak needs the leak oracle, which reads attention weights that "
                                     "--compute fast does not compute; use --compute inspect")
             summary = Engine(m, wl.engine).run(wl, on_step=progress, on_wait=waiting).summary()
-            summary.update(fault=None, leak=None, entropy=None, divergence=None, findings=None, db=None)
+            summary.update(fault=None, leak=None, entropy=None, divergence=None, findings=None, cross_tenant=None,
+                           db=None)
             note = "--compute fast runs are not judged or recorded (no attention weights); --compute inspect is"
         else:
             if wl.engine.compute == "fast":
@@ -172,9 +175,12 @@ def _print_run(s: dict) -> None:
           f"{dv['max_logit_diff']:.2e})")
     print("positional entropy, nats (mean over queries, layers and heads): "
           + ", ".join(f"{req} {h:.3f}" for req, h in s["entropy"].items()))
-    for f in s["findings"][:20]:
-        src = f" from {f['source_request']}" if f["source_request"] else ""
-        print(f"  finding {f['kind']:13} {f['request']:>8} step {f['step']:3d} layer {f['layer']:2d} "
-              f"head {f['head']:2d} pos {f['position']:4d}{src}  mass {f['mass']:.4f}")
-    if len(s["findings"]) > 20:
-        print(f"  ... {len(s['findings']) - 20} more findings (use --json for all)")
+    listed = [f for f in s["findings"] if f["block"] is None]  # cross-tenant reads: one per block, said below
+    for f in listed[:20]:
+        print(f"  finding {finding_text(**f)}")
+    if len(listed) > 20:
+        print(f"  ... {len(listed) - 20} more findings (use --json for all)")
+    if s["cross_tenant"]:
+        n = len(s["findings"]) - len(listed)
+        print(f"{s['cross_tenant']}: the same content, so no attention leak, but a trust boundary crossed "
+              f"({n} cross_tenant finding{'s' if n != 1 else ''}, one per block and run of steps; --json lists them)")

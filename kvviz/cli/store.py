@@ -9,7 +9,7 @@ import json
 import sys
 from collections import Counter
 
-from .common import fail
+from .common import fail, finding_text
 
 
 def cmd_sql(args: argparse.Namespace) -> int:
@@ -84,9 +84,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
           f"refcounts {[b[1] for b in st.blocks if b[1]]}")
     for req, mass in st.leak.items():
         print(f"  {req:>10} max foreign mass {mass:.4f}")
-    for kind, req, layer, head, pos, src, mass in st.findings:
-        print(f"  finding {kind} {req} layer {layer} head {head} pos {pos}" + (f" from {src}" if src else "") +
-              f" mass {mass:.4f}")
+    for f in st.findings:
+        print(f"  finding {finding_text(**f)}")
     return 0
 
 

@@ -6,6 +6,12 @@ page tables it is checking. A key slot s is *own* for a query of request q at po
 written in its block's current lifetime, pos(s) <= j and prefix_id(s) == p_q(pos(s)); otherwise it
 is *foreign* (written by another prefix, attributed to its writer) or *stale* (not written in this
 lifetime).
+
+A key that is own by content but was written under another tenant's salt (a prefix block shared
+across tenants) is no attention leak: the weights are right, a trust boundary is crossed. It is
+reported per block, not per attention row: one `cross_tenant` finding per (reader request, physical
+block, run of consecutive steps that read it), for every layer at once (the block holds every
+layer's K/V), with no head or mass.
 """
 
 from __future__ import annotations
@@ -26,18 +32,27 @@ class OracleConfig:
     norm_tolerance: float = 1e-4  # |1 - own mass| allowed when no foreign or stale mass explains it
 
 
-@dataclass(frozen=True)
+@dataclass
 class Finding:
-    """The worst instance of one kind of anomaly for one request, step and source."""
+    """The worst instance of one kind of anomaly for one request, step and source; or, for
+    cross_tenant, one block another tenant wrote that a request read at steps step..last_step
+    (layer, head and mass None: every layer, no attention figure; position: its first query that
+    read the block; source_request: the writer of the first slot read)."""
 
     kind: str
     request: str
     step: int
-    layer: int
-    head: int
+    layer: int | None
+    head: int | None
     position: int
     source_request: str | None
-    mass: float
+    mass: float | None
+    block: int | None = None  # cross_tenant: the physical block read
+    last_step: int | None = None  # the last step the finding spans (a cross_tenant read grows while it goes on)
+
+    def __post_init__(self) -> None:
+        if self.last_step is None:
+            self.last_step = self.step
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -63,11 +78,10 @@ class _Layer:
     foreign: torch.Tensor
     stale: torch.Tensor
     own: torch.Tensor
-    cross: torch.Tensor
+    cross: torch.Tensor  # mass on other tenants' keys (which heads' rows a recorder keeps, not a finding)
     nonfinite: torch.Tensor  # how many NaN or infinite weights the row holds
     duplicate: torch.Tensor
     source: torch.Tensor  # writer id (provenance interner) of the largest foreign source, 0 = none
-    cross_source: torch.Tensor  # writer id of the largest other-tenant source
     entropy: torch.Tensor  # the seed's positional entropy of the row, in nats
 
 
@@ -92,6 +106,7 @@ class ProvenanceOracle:
     findings: list[Finding] = field(default_factory=list)
     steps: list[StepLeak] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=lambda: {"own": 0, "foreign": 0, "stale": 0})
+    open_reads: dict[tuple[str, int, int], Finding] = field(default_factory=dict)  # (reader, block, lifetime)
 
     def begin_step(self, ctx: StepContext) -> None:
         dev = ctx.q_pos.device
@@ -110,6 +125,7 @@ class ProvenanceOracle:
         self.writer_names = prov.requests.names
         self.layers: dict[int, _Layer] = {}
         self.classes: dict[int, _KeyClasses] = {}
+        self.cross_read: dict[int, tuple[AttentionGroup, torch.Tensor]] = {}  # [R, Q, L] keys read, any layer
 
     def key_classes(self, group: AttentionGroup) -> torch.Tensor:
         """[R, Q, L] uint8 per (query row, key): 0 own, 1 foreign, 2 stale (for recorders)."""
@@ -157,17 +173,19 @@ class ProvenanceOracle:
             self.counts["stale"] += int(((p > 0) & (k.not_own & ~k.foreign)[:, None]).sum())
         own_visible = ((p > 0) & k.own[:, None]).sum(-1)
         self.counts["own"] += int(own_visible.sum())
-        cross_m, cross_source = zero, zero.long()
+        cross_m = zero
         if k.cross is not None:
             cross_w = p * k.cross[:, None]
-            cross_m, cross_source = cross_w.sum(-1), self._top_writer(cross_w, k.writers)
+            cross_m, read = cross_w.sum(-1), (cross_w > 0).any(1)
+            before = self.cross_read.get(id(group))
+            self.cross_read[id(group)] = (group, read if before is None else before[1] | read)
 
         def per_token(x: torch.Tensor) -> torch.Tensor:  # [R, H, Q] -> [R*Q, H] in packed order
             return x.permute(0, 2, 1).reshape(R * Q, H)
 
         rows = _Layer(per_token(foreign_m), per_token(stale_m), per_token(torch.where(finite, total, 0) - leak),
                       per_token(cross_m), per_token(nonfinite), per_token(own_visible > k.q_pos[:, None] + 1),
-                      per_token(source), per_token(cross_source), per_token(torch.special.entr(p).sum(-1)))
+                      per_token(source), per_token(torch.special.entr(p).sum(-1)))
         self._store(layer, group, rows)
 
     def leaked_in(self, layer: int, group: AttentionGroup) -> bool:
@@ -217,12 +235,59 @@ class ProvenanceOracle:
             ("stale", stack["stale"], cfg.threshold, None),
             ("normalisation", unexplained, cfg.norm_tolerance, None),
             ("non_finite", stack["nonfinite"].float(), 0.5, None),
-            ("cross_tenant", stack["cross"], cfg.threshold, stack["cross_source"]),
             ("duplicate", stack["duplicate"].float(), 0.5, None),
         ]
         for kind, values, limit, source in checks:
             self._findings(kind, values, limit, source, order, names)
-        del self.layers, self.classes
+        self._block_reads()
+        del self.layers, self.classes, self.cross_read
+
+    def _block_reads(self) -> None:
+        """Extend the cross-tenant reads the previous step had open and this one continued; open a
+        finding for each new (reader, block, lifetime); a read not continued this step is closed."""
+        ctx, now = self.ctx, {}
+        for group, read in self.cross_read.values():
+            reader, slot, pos = self._reads(group, read)
+            block = slot // ctx.block_size
+            pair, at = torch.unique(reader * len(self.block_life) + block, return_inverse=True)
+            big = torch.iinfo(torch.long).max
+            first_pos = torch.full_like(pair, big).scatter_reduce(0, at, pos, "amin")
+            first_slot = torch.full_like(pair, big).scatter_reduce(0, at, slot, "amin")
+            for p, q, s in zip(pair.tolist(), first_pos.tolist(), first_slot.tolist(), strict=True):
+                r, b = divmod(p, len(self.block_life))
+                key = (ctx.work[r].seq_id, b, int(self.block_life[b]))
+                f = self.open_reads.get(key)
+                if f is None:
+                    f = Finding("cross_tenant", key[0], ctx.step, None, None, q,
+                                self.writer_names[int(self.slot_writer[s])], None, block=b)
+                    self.findings.append(f)
+                f.last_step = ctx.step
+                now[key] = f
+        self.open_reads = now
+
+    def _reads(self, group: AttentionGroup, read: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(reader work row, key slot, first query position) of every key read, as flat tensors; a
+        row whose queries all belong to one request (paged) is reduced over its queries first."""
+        R, Q, L = read.shape
+        qr, qp = self.ctx.q_row[group.span].view(R, Q), self.ctx.q_pos[group.span].view(R, Q)
+        if bool((qr == qr[:, :1]).all()):
+            big = torch.iinfo(torch.long).max
+            first = torch.where(read, qp[..., None], big).amin(1)  # [R, L]
+            r, k = (first < big).nonzero(as_tuple=True)
+            return qr[r, 0], group.key_slots[r, k], first[r, k]
+        r, q, k = read.nonzero(as_tuple=True)
+        return qr[r, q], group.key_slots[r, k], qp[r, q]
+
+    def take_findings(self, final: bool = False) -> list[Finding]:
+        """Remove and return the findings that can no longer change: all but the cross-tenant reads
+        still open (their last_step may grow), or every one when final (a server that runs for days
+        records findings as it goes)."""
+        keep = set() if final else {id(f) for f in self.open_reads.values()}
+        taken = [f for f in self.findings if id(f) not in keep]
+        self.findings = [f for f in self.findings if id(f) in keep]
+        if final:
+            self.open_reads = {}
+        return taken
 
     def _findings(self, kind, values, limit, source, layers, names) -> None:
         """One finding per (request, source) for each kind: its worst (layer, head, query)."""

@@ -46,8 +46,9 @@ class _WorkerCollector(Collector):
             yield from gauge("foreign_attention_mass_max", "The largest share of one query's attention on keys "
                              "not its own.", values["max_foreign"] or 0.0)
             findings = CounterMetricFamily("kvviz_leak_findings", "Findings of the leak oracle, by kind (foreign, "
-                                           "stale, cross_tenant, duplicate, normalisation, non_finite).",
-                                           labels=["kind"])
+                                           "stale, cross_tenant, duplicate, normalisation, non_finite); cross_tenant "
+                                           "counts blocks another tenant wrote that a request read (a read of the "
+                                           "same content, counted once it has ended).", labels=["kind"])
             for kind, n in sorted(w.findings.items()):
                 findings.add_metric([kind], n)
             yield findings

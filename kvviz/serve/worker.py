@@ -153,7 +153,10 @@ class EngineWorker:
     def _run(self) -> None:
         try:
             self._serve(self.engine.open(observers=[self.oracle] if self.oracle else []))
+            rest = self.oracle.take_findings(final=True) if self.oracle is not None else []  # reads still open
+            self.findings.update(f.kind for f in rest)
             if self.recording is not None:
+                self.recording.add_findings(rest)
                 v = self.metrics.values()
                 self.recording.complete(self.stats.steps, self.stats.generated_tokens, v["max_foreign"],
                                         v["leak_rate"])
@@ -202,12 +205,11 @@ class EngineWorker:
         self.metrics.update(rec, self.oracle)
         if self.on_step is not None:
             self.on_step(rec)
-        found = list(self.oracle.findings) if self.oracle is not None else []
+        found = self.oracle.take_findings() if self.oracle is not None else []  # cross-tenant reads once ended
         if self.recording is not None:
             self.recording.on_step(rec, found)  # it writes the oracle's steps and then drops them
         if self.oracle is not None:  # a server runs for days: keep the running totals, not every step
             self.findings.update(f.kind for f in found)
-            self.oracle.findings.clear()
             if self.recording is None:
                 self.oracle.steps.clear()
         self.stats.steps += 1

@@ -204,7 +204,8 @@ class RunRecorder:
     def add_findings(self, findings: Iterable[Finding]) -> None:
         for f in findings:
             self._add("findings", run_id=self.run_id, kind=f.kind, request_id=f.request, step=f.step, layer=f.layer,
-                      head=f.head, position=f.position, source_request=f.source_request, mass=f.mass)
+                      head=f.head, position=f.position, source_request=f.source_request, mass=f.mass, block=f.block,
+                      last_step=f.last_step)
 
     def complete(self, steps: int, seconds: float, generated: int, max_foreign: float | None, leak_rate: float | None,
                  findings: int, workload: dict | None = None) -> None:

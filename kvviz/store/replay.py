@@ -12,6 +12,8 @@ from ..errors import StoreError
 from .run_store import RunStore
 
 LEAK_TOLERANCE = 1e-5  # max foreign mass per (step, request, layer, head), recomputed vs recorded
+FINDING_FIELDS = ("kind", "request", "step", "layer", "head", "position", "source_request", "mass", "block",
+                  "last_step")  # oracle.Finding's, without loading the oracle (torch)
 
 
 @dataclass
@@ -33,7 +35,7 @@ class StepState:
     page_tables: dict[str, list[int]]
     blocks: list[tuple]  # (block, refcount, state, lifetime, hash)
     leak: dict[str, float]  # request -> max foreign + stale mass at this step
-    findings: list[tuple]  # (kind, request, layer, head, position, source, mass)
+    findings: list[dict]  # the findings spanning this step: Finding's fields (cli.common.finding_text's arguments)
 
 
 def load_run(con: duckdb.DuckDBPyConnection, run_id: str) -> RunRecord:
@@ -63,8 +65,10 @@ def state_at(con: duckdb.DuckDBPyConnection, run_id: str, step: int) -> StepStat
         q("SELECT block, refcount, state, lifetime, hash FROM blocks WHERE run_id = ? AND step = ? ORDER BY block"),
         dict(q("SELECT request_id, max(max_foreign) FROM leak_metrics WHERE run_id = ? AND step = ? "
                "GROUP BY request_id")),
-        q("SELECT kind, request_id, layer, head, position, source_request, mass FROM findings "
-          "WHERE run_id = ? AND step = ? ORDER BY mass DESC"),
+        [dict(zip(FINDING_FIELDS, r, strict=True)) for r in q(
+            "SELECT kind, request_id, step, layer, head, position, source_request, mass, block, last_step "
+            "FROM findings WHERE run_id = ? AND ? BETWEEN step AND coalesce(last_step, step) "
+            "ORDER BY mass DESC NULLS LAST, block")],
     )
 
 

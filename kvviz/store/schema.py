@@ -8,7 +8,8 @@ kv_slot_utilisation view, the timing audits, cache_lookups and the cache detail 
 block's lifetime, idle time and reuse gap, version 7 the host tier of offloading (block_events.medium,
 host_blocks), adapters and disaggregated prefill (kv_transfers), version 8 what each transfer moved
 (kv_transfers.from_blocks, to_blocks, kv_of, intact), version 9 the explanations `kvviz explain` keeps
-(lookup_explanations, runs.explained_at); older files are upgraded in place by the idempotent DDL.
+(lookup_explanations, runs.explained_at), version 10 the block and step range of a cross-tenant read
+(findings.block, last_step); older files are upgraded in place by the idempotent DDL.
 """
 
 from __future__ import annotations
@@ -189,9 +190,22 @@ TABLES: dict[str, Table] = {t.name: t for t in (
                      "only, so which tenant stored the block cannot be told)", added_in="10")), in_trace=False),
     Table("capture_sources", "Capture datasets registered in place (import --in-place): the view kv_events reads "
           "their Parquet files where they lie.", _cols(RUN_ID + "path VARCHAR, files INTEGER"), in_trace=False),
-    Table("findings", "What the oracles found.", _cols(
-        RUN_ID + "kind VARCHAR, request_id VARCHAR, step INTEGER, layer INTEGER, head INTEGER, position INTEGER, "
-        "source_request VARCHAR, mass DOUBLE")),
+    Table("findings", "What the oracles found: the worst query of one kind of anomaly per request, step and "
+          "source; a cross_tenant finding is one block another tenant wrote that a request read (own by content: "
+          "no attention leak, a trust boundary crossed), for every layer, at steps step..last_step.", (
+              *_cols(RUN_ID + "kind VARCHAR, request_id VARCHAR, step INTEGER"),
+              Column("layer", "INTEGER", "null: every layer (a cross_tenant read: the block holds every layer's K/V)"),
+              Column("head", "INTEGER", "null: no one head (cross_tenant, a capture's findings)"),
+              Column("position", "INTEGER", "the query's position (cross_tenant: the first that read the block)"),
+              Column("source_request", "VARCHAR", "who wrote the keys (cross_tenant: the writer of the first slot "
+                     "read); a capture's: the salt that stored the block first"),
+              Column("mass", "DOUBLE", "the query's attention on such keys at that layer and head (duplicate and "
+                     "non_finite: 1; normalisation: how far the weights are from 1); null for cross_tenant, which "
+                     "is no attention figure"),
+              Column("block", "INTEGER", "cross_tenant: the physical block read", added_in="10"),
+              Column("last_step", "INTEGER", "the last step the finding spans: a cross_tenant read goes on at every "
+                     "step from step to last_step; the others are of one step (null in files before version 10)",
+                     added_in="10"))),
     Table("lookup_explanations", "Why each prefix-cache lookup of a run (each stored chain of a capture) stopped "
           "where it did, as `kvviz explain` says; kept the first time a complete run is explained (a capture's "
           "replay takes 13-20 s per million events).", (
