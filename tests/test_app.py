@@ -186,9 +186,37 @@ def test_inspector_shows_no_finding_for_the_control(with_runs):
     assert "#d62728" not in outlines
     at.segmented_control(key="insp_view").set_value("Leaks").run()
     assert any("No findings" in s.value for s in at.success)
+    assert not any("cross-tenant reads" in w.value for w in at.warning)
     at.segmented_control(key="insp_view").set_value("Attention").run()
     heatmap = charts(at)["insp_heatmap"]
     assert {t.get("name") for t in heatmap["data"]} == {"own"}
+
+
+def test_an_unsalted_run_says_its_cross_tenant_reads_beside_the_zero_leak_figures(empty_db):
+    """Run from the Run page: the inspector it opens, the Leaks view and the heatmap say which blocks of
+    tenant-a tenant-b read and when, and the heatmap draws them as another tenant's."""
+    at = page("run")
+    at.selectbox(key="run_model").set_value("tiny-llama").run()
+    at.selectbox(key="run_scenario").set_value("unsalted_prefix").run()
+    at.button(key="run_go").click().run()
+    assert not at.exception and not at.error and at.title[0].value == "Inspector"
+    [run_id] = run_ids(empty_db)
+    with RunStore.open(empty_db).read() as con:
+        hit = sorted(b for (b,) in con.execute("SELECT block FROM block_events WHERE run_id = ? AND kind = 'hit' "
+                                               "AND request_id = 'B'", [run_id]).fetchall())
+    said = f"cross-tenant reads: {len(hit)} blocks of tenant tenant-a read by tenant tenant-b (B read blocks "
+    assert any(said in w.value for w in at.warning), [w.value for w in at.warning]  # under findings and mass 0
+    at = page("inspector", run_id=run_id)  # a rerun here would run the Run page again
+    at.segmented_control(key="insp_view").set_value("Leaks").run()
+    assert any(said in m.value for m in at.markdown)
+    found = at.dataframe(key="insp_findings").value
+    assert set(found.kind) == {"cross_tenant"} and sorted(found.block) == hit
+    assert found[["layer", "head", "mass"]].isna().all().all()
+    at.segmented_control(key="insp_view").set_value("Attention").run()
+    heatmap = charts(at)["insp_heatmap"]
+    assert "another tenant's (same content)" in {t.get("name") for t in heatmap["data"]}
+    assert "cross-tenant reads: " in heatmap["layout"]["title"]["text"]
+    assert not at.exception
 
 
 def test_upload_imports_a_trace_and_refuses_a_broken_one(with_runs, tmp_path, monkeypatch):

@@ -11,12 +11,12 @@ import pandas as pd
 import plotly.graph_objects as go
 import pytest
 
-from kvviz.analysis import attention, blocks, leaks, live, runs
+from kvviz.analysis import attention, blocks, cross_reads, leaks, live, runs
 from kvviz.figures import attention as fig_attention
 from kvviz.figures import blocks as fig_blocks
 from kvviz.figures import captures as fig_captures
 from kvviz.figures import timeline
-from kvviz.figures.palette import LEAK, STATE_COLOURS, grid_columns, request_colours
+from kvviz.figures.palette import CROSS_TENANT, LEAK, STATE_COLOURS, grid_columns, request_colours
 from kvviz.models import load_model
 from kvviz.store import RunStore
 
@@ -32,6 +32,13 @@ def recorded(tmp_path_factory):
     m = tiny()
     wl = live.scenario_workload("boundary", m)
     return db, live.run(RunStore.open(db), m, wl, "boundary").run_id, live.run(RunStore.open(db), m, wl, None).run_id
+
+
+@pytest.fixture(scope="module")
+def unsalted(tmp_path_factory):
+    db = tmp_path_factory.mktemp("unsalted") / "kvviz.duckdb"
+    m = tiny()
+    return db, live.run(RunStore.open(db), m, live.scenario_workload("unsalted_prefix", m), "unsalted_prefix").run_id
 
 
 def markers(fig: go.Figure) -> list[tuple]:
@@ -185,6 +192,44 @@ def test_attention_heatmap_stale_and_unseen():
     empty = np.full((1, 2), np.nan, np.float32)
     assert set(heatmap_traces(fig_attention.attention_heatmap(empty, np.full((1, 2), -1, np.int8), ["0"],
                                                               ["k0", "k1"], ["", ""]))) == {"own"}
+
+
+def test_attention_heatmap_draws_another_tenants_keys_apart_and_its_title_says_the_reads():
+    """Keys another tenant wrote (same content) are neither own blue nor foreign red: a trace of their own."""
+    w = np.array([[0.6, 0.4, np.nan], [0.2, 0.3, 0.5]], np.float32)
+    c = np.array([[attention.CROSS, 0, -1], [attention.CROSS, 0, 1]], np.int8)
+    said = "cross-tenant reads: 1 block of tenant t-a read by tenant t-b (B read block 0, written by A, at steps 4-5)"
+    title = fig_attention.heatmap_title("B", 5, 1, "mean of heads", 0.5, said)
+    fig = fig_attention.attention_heatmap(w, c, ["4 a", "5 b"], ["A:0 x [t-a]", "B:1 y", "C:0 z"], ["A", "B", "C"],
+                                          title)
+    traces = heatmap_traces(fig)
+    assert set(traces) == {"own", fig_attention.CROSS_NAME, "foreign"}
+    for name, cls in (("own", attention.OWN), (fig_attention.CROSS_NAME, attention.CROSS),
+                      ("foreign", attention.FOREIGN)):
+        assert (~np.isnan(np.asarray(traces[name].z, dtype=float)) == (c == cls)).all(), name
+    cross = traces[fig_attention.CROSS_NAME]
+    assert cross.colorscale[-1][1] == CROSS_TENANT and CROSS_TENANT not in (LEAK, STATE_COLOURS["used"])
+    assert "another tenant's" in cross.colorbar.title.text
+    assert said in fig.layout.title.text and fig.layout.title.text.startswith("B, step 5, layer 1, mean of heads")
+    assert "cross-tenant" not in fig_attention.heatmap_title("B", 5, 1, "head 2", 0.0, None)
+
+
+def test_the_unsalted_runs_heatmap_marks_the_other_tenants_blocks(unsalted):
+    db, rid = unsalted
+    with RunStore.open(db).read() as con:
+        B = runs.run_info(con, rid).block_size
+        last = con.execute("SELECT max(step) FROM step_work WHERE run_id = ? AND request_id = 'B'", [rid]).fetchone()[0]
+        v = attention.attention_view(con, rid, "B", last, 1, -1, B, upto=True)
+        stored = cross_reads.sentence(cross_reads.from_store(con, rid))
+        a = attention.attention_view(con, rid, "A", last, 1, -1, B, upto=True)
+    by_a = np.array([o == "A" for o in v.key_owners])
+    seen = v.classes != attention.UNSEEN
+    assert by_a.any() and (v.classes[:, by_a][seen[:, by_a]] == attention.CROSS).all()  # every key A wrote
+    assert not (v.classes[:, ~by_a] == attention.CROSS).any()
+    assert cross_reads.sentence(v.cross_reads) == stored  # the heatmap's rows read every block the findings name
+    fig = fig_attention.attention_heatmap(v.weights, v.classes, v.query_labels, v.key_labels, v.key_owners)
+    assert fig_attention.CROSS_NAME in heatmap_traces(fig) and a.cross_reads == []
+    assert not (a.classes == attention.CROSS).any()  # A's own keys are its own
 
 
 @pytest.mark.parametrize("layers, heads", [(2, 4), (30, 9), (1, 1), (12, 16)])

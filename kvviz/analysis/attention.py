@@ -1,19 +1,26 @@
 """Attention as pictures need it: a request's query x key matrix with each key's owner and class,
-and the layer x head grid of foreign mass."""
+and the layer x head grid of foreign mass.
+
+The recorded classes are the oracle's (own, foreign, stale); the view adds one: an own key (an exact
+copy) that another tenant wrote, which a shared prefix block across tenants gives. It is no leak, but
+it is not the request's own either, so it is drawn apart and its blocks are named."""
 
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import duckdb
 import numpy as np
 import pandas as pd
 
+from .cross_reads import BlockRead, tenant_name
 from .tokens import label, request_tokens, slot_contents, slot_contents_at, token_texts
 
-UNSEEN, OWN, FOREIGN, STALE = -1, 0, 1, 2
+UNSEEN, OWN, FOREIGN, STALE = -1, 0, 1, 2  # as recorded
+CROSS = 3  # own by content, written by another tenant (the view's, never recorded)
 HEAD_MEAN = -1
+_MERGE_RANK = np.array([0, 1, 3, 4, 2])  # by code + 1: unseen < own < cross < foreign < stale, what a merged cell shows
 
 
 @dataclass
@@ -29,6 +36,7 @@ class AttentionView:
     head: int  # the head shown (-1: mean), which differs from the one asked for when that was not recorded
     binned: bool  # rows or columns were merged (max) to fit the screen
     query_rows: list[tuple[int, int]]  # (step, position) of each row (its first, when rows were merged)
+    cross_reads: list[BlockRead] = field(default_factory=list)  # blocks of CROSS keys the rows read (before merging)
 
     def row_of(self, step: int, position: int | None) -> int | None:
         """The row holding this step's query at this position (a finding's), if shown."""
@@ -39,7 +47,7 @@ class AttentionView:
     @property
     def foreign_mass(self) -> np.ndarray:
         """Per query row: the weight on foreign and stale keys."""
-        return np.nansum(np.where(self.classes >= FOREIGN, self.weights, 0.0), axis=1)
+        return np.nansum(np.where(np.isin(self.classes, (FOREIGN, STALE)), self.weights, 0.0), axis=1)
 
 
 def recorded_heads(con: duckdb.DuckDBPyConnection, run_id: str, layer: int) -> list[int]:
@@ -88,12 +96,30 @@ def attention_view(con: duckdb.DuckDBPyConnection, run_id: str, request: str, st
     owners = [str(held[s][0]) if s in held else "" for s in slots]
     tenant = dict(con.execute("SELECT request_id, tenant FROM requests WHERE run_id = ?", [run_id]).fetchall())
     crossed = {o: f" [{tenant[o] or 'no tenant'}]" for o in set(owners)  # an exact copy, written under another salt
-               if o in tenant and tenant[o] != tenant.get(request)}
+               if o in tenant and request in tenant and tenant[o] != tenant[request]}
     k_labels = [f"{held[s][0]}:{held[s][1]} {label(texts, held[s][2])}{crossed.get(owners[i], '')}" if s in held
                 else f"slot {s}" for i, s in enumerate(slots)]
-    view = AttentionView(weights, classes, q_labels, k_labels, owners, slots, head, False,
-                         [(int(st), int(pos)) for st, pos, *_ in rows])
+    other = np.array([o in crossed for o in owners], bool)
+    classes[(classes == OWN) & other[None, :]] = CROSS
+    query_rows = [(int(st), int(pos)) for st, pos, *_ in rows]
+    view = AttentionView(weights, classes, q_labels, k_labels, owners, slots, head, False, query_rows,
+                         _cross_reads(weights, classes, slots, owners, query_rows, request, tenant, block_size))
     return downsample(view, max_rows, max_cols)
+
+
+def _cross_reads(weights: np.ndarray, classes: np.ndarray, slots: list[int], owners: list[str],
+                 query_rows: list[tuple[int, int]], request: str, tenant: dict, block_size: int) -> list[BlockRead]:
+    """Per block holding CROSS keys that a row gave weight: its writer and the first and last step read."""
+    hit = (classes == CROSS) & (np.nan_to_num(weights) > 0)
+    steps = np.array([s for s, _ in query_rows])
+    spans: dict[tuple[int, str], tuple[int, int]] = {}
+    for j in np.flatnonzero(hit.any(0)):
+        read = steps[hit[:, j]]
+        key = (slots[j] // block_size, owners[j])
+        a, b = spans.get(key, (int(read.min()), int(read.max())))
+        spans[key] = (min(a, int(read.min())), max(b, int(read.max())))
+    return [BlockRead(request, tenant_name(tenant[request]), writer, tenant_name(tenant[writer]), block, a, b)
+            for (block, writer), (a, b) in sorted(spans.items())]
 
 
 def downsample(v: AttentionView, max_rows: int, max_cols: int) -> AttentionView:
@@ -102,10 +128,11 @@ def downsample(v: AttentionView, max_rows: int, max_cols: int) -> AttentionView:
     if Q <= max_rows and K <= max_cols:
         return v
     rb, cb = -(-Q // max_rows), -(-K // max_cols)
-    w, c = _bin_max(v.weights, rb, cb), _bin_max(v.classes.astype(np.float32), rb, cb).astype(np.int8)
+    ranks = _bin_max(_MERGE_RANK[v.classes + 1].astype(np.float32), rb, cb).astype(np.int64)
+    w, c = _bin_max(v.weights, rb, cb), np.argsort(_MERGE_RANK)[ranks].astype(np.int8) - 1
     return AttentionView(w, c, [lab + ("…" if rb > 1 else "") for lab in v.query_labels[::rb]],
                          [lab + ("…" if cb > 1 else "") for lab in v.key_labels[::cb]], v.key_owners[::cb],
-                         v.key_slots[::cb], v.head, True, v.query_rows[::rb])
+                         v.key_slots[::cb], v.head, True, v.query_rows[::rb], v.cross_reads)
 
 
 def _bin_max(a: np.ndarray, rb: int, cb: int) -> np.ndarray:

@@ -57,10 +57,12 @@ KIND_ORDER = ("foreign", "stale", "cross_tenant", "non_finite", "normalisation",
 
 
 def findings(con: duckdb.DuckDBPyConnection, run_id: str, limit: int = 2000) -> pd.DataFrame:
-    """Leaks first (foreign, then stale, ...), the heaviest first within a kind."""
-    return con.execute("SELECT kind, request_id, step, layer, head, position, source_request, round(mass, 6) AS mass "
-                       "FROM findings WHERE run_id = ? ORDER BY coalesce(list_position(?, kind), 99), "
-                       "mass DESC NULLS LAST, step, request_id LIMIT ?", [run_id, list(KIND_ORDER), limit]).df()
+    """Leaks first (foreign, then stale, ...), the heaviest first within a kind; a cross-tenant read
+    names its block and last step (null layer and head: every layer, no one head)."""
+    return con.execute("SELECT kind, request_id, step, last_step, layer, head, position, source_request, block, "
+                       "round(mass, 6) AS mass FROM findings WHERE run_id = ? "
+                       "ORDER BY coalesce(list_position(?, kind), 99), mass DESC NULLS LAST, step, request_id, block "
+                       "LIMIT ?", [run_id, list(KIND_ORDER), limit]).df()
 
 
 def divergence(con: duckdb.DuckDBPyConnection, run_id: str) -> pd.DataFrame:

@@ -18,6 +18,7 @@ from ..scenarios import scenario
 from ..store import RunStore
 from ..store.attention import AttentionSelection
 from ..workload import Workload
+from . import cross_reads
 from .run_metrics import LiveMetrics
 
 
@@ -28,6 +29,7 @@ class LiveStep:
     total: int  # tokens the workload asks for (an upper bound: EOS may stop a request early)
     blocks: pd.DataFrame  # block, state, refcount, owners: what figures.blocks.block_map draws
     findings: int
+    cross_tenant: str | None  # "cross-tenant reads: ..." so far (no attention figure moves for them), or None
     metrics: dict[str, float | None]  # run_metrics.METRICS after this step (None: nothing to count yet)
     history: dict[str, list[float | None]]  # each metric after every step so far (grows as the run goes)
 
@@ -58,13 +60,15 @@ def run(store: RunStore, m: LoadedModel, workload: dict, fault: str | None = Non
     wl = Workload.from_dict(workload)
     total = sum(r.max_new_tokens for r in wl.requests)
     done, metrics = 0, LiveMetrics()
+    salts = {r.id: r.cache_salt for r in wl.requests}
 
     def step(rec: StepRecord, oracle: ProvenanceOracle) -> None:
         nonlocal done
         done += len(rec.sampled)
         metrics.update(rec, oracle)  # running totals: the step's own figures, not a rescan of every step
         if on_step is not None:
-            on_step(LiveStep(rec.step, done, total, pool_frame(rec), len(oracle.findings), metrics.values(),
+            said = cross_reads.sentence(cross_reads.from_findings(oracle.findings, salts))
+            on_step(LiveStep(rec.step, done, total, pool_frame(rec), len(oracle.findings), said, metrics.values(),
                              metrics.history))
 
     checked = record_run(store, m, wl, fault, scenario=scenario_name, scope=scope, selection=selection, on_step=step,

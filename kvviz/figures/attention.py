@@ -6,33 +6,38 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from .palette import GRID_BG, LEAK, STALE, request_colours
+from .palette import CROSS_TENANT, GRID_BG, LEAK, STALE, request_colours
 
-FOREIGN, STALE_CLASS = 1, 2
+FOREIGN, STALE_CLASS, CROSS = 1, 2, 3  # as analysis.attention codes them
+CROSS_NAME = "another tenant's (same content)"
 
 
 def attention_heatmap(weights: np.ndarray, classes: np.ndarray, query_labels: list[str], key_labels: list[str],
                       key_owners: list[str], title: str = "", mark_row: int | None = None) -> go.Figure:
     """Queries (rows) x keys (columns, physical slot order). Own weights in blue, weights on foreign
-    keys in red and stale keys in orange; unseen cells (future, masked) stay grey. Key labels take
+    keys in red and stale keys in orange, on exact copies another tenant wrote in purple (no leak, but
+    not the request's own either); unseen cells (future, masked) stay grey. Key labels take
     their writer's colour, and where the owner changes along the key axis a band boundary is drawn,
     as in the seed's shared-buffer table. mark_row (a finding's query) is outlined."""
     own = np.where(classes == 0, weights, np.nan)
     foreign = np.where(classes == FOREIGN, weights, np.nan)
     stale = np.where(classes == STALE_CLASS, weights, np.nan)
+    cross = np.where(classes == CROSS, weights, np.nan)
     x, y = _unique(key_labels), _unique(query_labels)  # category axes: the labels are the coordinates
     hover = "query %{y}<br>key %{x}<br>weight %{z:.4f}<extra>%{fullData.name}</extra>"
     fig = go.Figure()
     zmax = float(np.nanmax(weights)) if np.isfinite(weights).any() else 1.0
     short = len(query_labels) < 8  # a short heatmap: colour bars its full height, few ticks
     shown = [(name, z, scale) for name, z, scale in (
-        ("own", own, "Blues"), ("foreign", foreign, [[0, "#fde0dd"], [1, LEAK]]),
+        ("own", own, "Blues"), (CROSS_NAME, cross, [[0, "#efedf5"], [1, CROSS_TENANT]]),
+        ("foreign", foreign, [[0, "#fde0dd"], [1, LEAK]]),
         ("stale", stale, [[0, "#fee6ce"], [1, STALE]])) if name == "own" or not np.isnan(z).all()]
     for i, (name, z, scale) in enumerate(shown):
-        top = zmax if name == "own" else max(float(np.nanmax(z)), 1e-6)  # a small leak still shows in full red,
+        top = zmax if name in ("own", CROSS_NAME) else max(float(np.nanmax(z)), 1e-6)  # a small leak: full red,
         fig.add_trace(go.Heatmap(z=z, x=x, y=y, zmin=0, zmax=top, colorscale=scale, name=name,  # its bar says how small
                                  hovertemplate=hover, colorbar={
-                                     "title": {"text": f"{name}<br>weight", "side": "top"}, "x": 1.0 + 0.1 * i,
+                                     "title": {"text": f"{name.replace(' (', '<br>(')}<br>weight", "side": "top"},
+                                     "x": 1.0 + 0.1 * i,
                                      "len": 1.0 if short else 0.6, "nticks": 3 if short else 6, "thickness": 12}))
     colours = request_colours(o for o in key_owners if o)
     ticks = [f"<span style='color:{colours.get(o, '#333')}'>{lab}</span>" for lab, o in zip(key_labels, key_owners,
@@ -51,6 +56,13 @@ def attention_heatmap(weights: np.ndarray, classes: np.ndarray, query_labels: li
     fig.update_layout(title=title, plot_bgcolor=GRID_BG, height=min(900, max(380, 260 + 14 * len(query_labels))),
                       margin={"l": 10, "r": 10, "t": 40, "b": 10})
     return fig
+
+
+def heatmap_title(request: str, step: int, layer: int, shown: str, leak: float, cross_tenant: str | None) -> str:
+    """What the heatmap shows and its foreign + stale mass; then, on a line of its own, the
+    cross-tenant reads it shows (they move no mass: without the sentence the picture looks clean)."""
+    title = f"{request}, step {step}, layer {layer}, {shown}: foreign + stale mass up to {leak:.4f}"
+    return title if not cross_tenant else f"{title}<br><sup>{cross_tenant}</sup>"
 
 
 def leak_grid(cells: pd.DataFrame, num_layers: int, num_heads: int,

@@ -13,6 +13,7 @@ STATE_COLOURS = {"free": "#eceff1", "cached": "#b0bec5", "used": "#4c78a8", "sha
                  "offloaded": "#59a14f", "restored": "#f28e2b", "dropped": "#9c755f"}
 LEAK = "#d62728"
 STALE = "#ff7f0e"
+CROSS_TENANT = "#6a3d9a"  # an exact copy another tenant wrote: the shared-block purple, neither own blue nor leak red
 GRID_BG = "#f5f5f5"  # what unseen cells (future, masked) show through
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import duckdb
 import streamlit as st
 
-from ..analysis import live, runs
+from ..analysis import cross_reads, live, runs
 from ..models import ModelError
 from ..store import RunStore, StoreError
 
@@ -119,3 +119,9 @@ def empty_store_hint() -> None:
     st.info("No runs yet. Run a scenario (Scenarios page), run a workload (Run page), upload a trace or a "
             "vLLM/SGLang capture (Upload page), or from a shell:", icon=":material/lightbulb:")
     st.code(f"python -m kvviz run --scenario boundary --model tiny-llama --db {db_path()}", language="bash")
+
+
+def cross_tenant_warning(sentence: str | None) -> None:
+    """Say the cross-tenant reads, and why the leak figures beside them are 0 (nothing when none)."""
+    if sentence:
+        st.warning(f"**{sentence}.** {cross_reads.WHY}", icon=":material/domain_disabled:")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import streamlit as st
 
-from ..analysis import attention
+from ..analysis import attention, cross_reads
 from ..analysis.runs import RunInfo
 from ..figures import attention as fig
 
@@ -70,15 +70,14 @@ def _heatmap(con, info: RunInfo, step: int, request: str, layers: int, heads: in
                    "attention recorded 'all' (Run page) or `--attention all`.")
     shown = "mean of heads" if view.head == attention.HEAD_MEAN else f"head {view.head}"
     leak = float(np.max(view.foreign_mass)) if view.foreign_mass.size else 0.0
-    title = f"{request}, step {step}, layer {layer}, {shown}: foreign + stale mass up to {leak:.4f}"
-    if any(lab.endswith("]") for lab in view.key_labels):  # keys another tenant wrote: exact copies, so blue
-        title += " (reads keys another tenant wrote: [tenant])"
+    title = fig.heatmap_title(request, step, layer, shown, leak, cross_reads.sentence(view.cross_reads))
     mark = view.row_of(step, st.session_state.get("insp_position"))
     st.plotly_chart(fig.attention_heatmap(view.weights, view.classes, view.query_labels, view.key_labels,
                                           view.key_owners, title, mark), width="stretch", key="insp_heatmap")
     note = " Rows or columns were merged (max) to fit." if view.binned else ""
     st.caption("Blue: the request's own keys (or exact copies: the same tokens at the same positions, as a shared "
-               "prefix gives). Red: another request's keys. Orange: stale keys (a freed "
-               "block's old contents). Grey: keys the query could not see (future or masked). Key labels are "
-               "writer:position token, coloured by writer, as the slot held it when the request last read it (a slot "
-               f"reused since says what was read); lines mark where the writer changes.{note}")
+               "prefix gives). Purple: exact copies another tenant wrote (a prefix block shared across tenants: no "
+               "leak, a trust boundary crossed; their labels end [tenant]). Red: another request's keys. Orange: "
+               "stale keys (a freed block's old contents). Grey: keys the query could not see (future or masked). "
+               "Key labels are writer:position token, coloured by writer, as the slot held it when the request last "
+               f"read it (a slot reused since says what was read); lines mark where the writer changes.{note}")

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import streamlit as st
 
-from ..analysis import leaks, runs
+from ..analysis import cross_reads, leaks, runs
 from ..analysis.runs import RunInfo
 from ..figures import timeline
 
@@ -18,6 +18,9 @@ def render(con, info: RunInfo, step: int, focus: Callable[[leaks.Focus, str | No
         st.plotly_chart(timeline.leak_timeline(over_time, step), width="stretch", key="insp_timeline")
     found = leaks.findings(con, info.run_id)
     st.subheader(f"Findings ({len(found)})")
+    said = cross_reads.sentence(cross_reads.from_store(con, info.run_id))
+    if said:  # the header says why they move no figure
+        st.markdown(f":violet-badge[:material/domain_disabled: cross_tenant] {said}")
     if found.empty:
         st.success("No findings: every attention weight of every request stayed on its own tokens.",
                    icon=":material/verified_user:")
@@ -33,7 +36,9 @@ def render(con, info: RunInfo, step: int, focus: Callable[[leaks.Focus, str | No
         st.caption("Click a finding to jump to its step, request, layer and head. Kinds: **foreign**, weight on "
                    "another request's keys (source_request); **stale**, on a slot not written since its block was "
                    "reallocated; **duplicate**, two visible keys for one position (the weights may all be own, the "
-                   "output still differs); **cross_tenant**, a key written under another tenant's salt; "
+                   "output still differs); **cross_tenant**, a block another tenant wrote (the same content, "
+                   "under another salt) that request_id read from step to last_step, in every layer (no layer, "
+                   "head or mass), one row per block; "
                    "**normalisation** and **non_finite**, weights that do not sum to 1 or are not numbers. "
                    "**mass**: the share of the query's attention on such keys at that layer and head (for "
                    "duplicate and non_finite, 1 marks it; for normalisation, how far the weights are from 1).")

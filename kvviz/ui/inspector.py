@@ -8,11 +8,11 @@ import time
 import pandas as pd
 import streamlit as st
 
-from ..analysis import blocks, leaks, runs
+from ..analysis import blocks, cross_reads, leaks, runs
 from ..analysis.runs import RunInfo
 from ..store import RunStore
 from . import inspect_attention, inspect_blocks, inspect_cache, inspect_capture, inspect_leaks
-from .common import reader, runs_or_hint
+from .common import cross_tenant_warning, reader, runs_or_hint
 
 ENGINE_VIEWS = ("Blocks", "Attention", "Leaks", "Cache", "Requests")
 TICK_S = 0.8  # play: seconds per step
@@ -30,7 +30,8 @@ def render() -> None:
         info = runs.run_info(con, run_id)
         if info.steps and st.session_state.get("insp_for") != run_id:
             _reset(con, info)
-    _header(listing[listing.run_id == run_id].iloc[0], info)
+        crossed = cross_reads.sentence(cross_reads.from_store(con, run_id))
+    _header(listing[listing.run_id == run_id].iloc[0], info, crossed)
     if not info.steps:
         st.warning("This run has no recorded steps (yet): it failed before its first step, or it is still "
                    "recording its first steps.", icon=":material/hourglass_empty:")
@@ -84,7 +85,7 @@ def focus(f: leaks.Focus, view: str | None = None) -> None:
         st.session_state["insp_view"] = view
 
 
-def _header(row, info: RunInfo) -> None:
+def _header(row, info: RunInfo, cross_tenant: str | None) -> None:
     # names as text, which wraps (fault and model names are too long for a metric tile), numbers as tiles
     fault = "" if info.has_kv_events else f" · fault `{row.fault or 'none'}`"  # a capture's server had no injected one
     st.markdown(f"**{row.status}** · model `{row.model}`{fault}")
@@ -93,6 +94,7 @@ def _header(row, info: RunInfo) -> None:
                    help="KV-event messages (batches) the capture holds" if info.has_kv_events else None)
     cols[1].metric("findings", "-" if pd.isna(row.findings) else int(row.findings))
     cols[2].metric("max foreign mass", "-" if pd.isna(row.max_foreign_mass) else f"{row.max_foreign_mass:.4f}")
+    cross_tenant_warning(cross_tenant)  # no attention figure moves for these: said beside the zeros
     if info.fault_scope:
         scope = info.fault_scope
         beyond = scope.get("steps") and info.steps and min(scope["steps"]) > info.steps[-1]

@@ -15,7 +15,7 @@ from ..faults import FAULTS, Scope
 from ..figures import blocks as block_fig
 from ..scenarios import SCENARIOS
 from ..store.attention import AttentionSelection
-from .common import MODELS, db_path, load_model_or_error, open_run, store
+from .common import MODELS, cross_tenant_warning, db_path, load_model_or_error, open_run, store
 
 LOCAL = "a local path..."
 CUSTOM = pd.DataFrame([
@@ -141,10 +141,11 @@ def _thresholds() -> dict[str, float]:
                 for i, m in enumerate(METRICS.values())}
 
 
-def _show_metrics(values: dict, history: dict, limits: dict[str, float], findings: list[int]) -> None:
+def _show_metrics(values: dict, history: dict, limits: dict[str, float], findings: list[int],
+                  cross_tenant: str | None = None) -> None:
     """One tile per metric with its course so far, red with a warning once it crosses its threshold;
-    then the findings so far (their count after each step), of every kind: a cross-tenant hit moves
-    no attention metric."""
+    then the findings so far (their count after each step), of every kind; a cross-tenant read moves
+    no attention metric, so it is said in words below the tiles."""
     cols = st.columns(len(METRICS) + 1)
     for col, m in zip(cols, METRICS.values(), strict=False):
         v, limit = values[m.key], limits[m.key]
@@ -162,8 +163,10 @@ def _show_metrics(values: dict, history: dict, limits: dict[str, float], finding
     cols[-1].metric("findings", found, delta=f"+{new} this step" if new else None, delta_color="inverse", border=True,
                     chart_data=findings[-80:] if len(findings) > 1 else None,
                     help="what the oracles reported so far, of every kind: attention on other requests' keys, "
-                         "cross-tenant cache hits, duplicates, broken page tables ...")
+                         "blocks another tenant wrote that a request read (a finding per block), duplicates, "
+                         "broken page tables ...")
     cols[-1].markdown(":red-badge[:material/warning: see the Leaks view]" if found else ":green-badge[none]")
+    cross_tenant_warning(cross_tenant)
 
 
 def _workload(m, sc, requests: pd.DataFrame | None, engine: dict, seed: int) -> dict:
@@ -198,7 +201,7 @@ def _run(name, sc, requests, engine, fault, scope_text, selection, seed, limits)
         bar.progress(min(1.0, s.tokens / max(1, s.total)), text=f"step {s.step}: {s.tokens} of at most {s.total} "
                                                                f"tokens generated · findings so far: {s.findings}")
         with counters.container():
-            _show_metrics(s.metrics, s.history, limits, found)
+            _show_metrics(s.metrics, s.history, limits, found, s.cross_tenant)
         if time.monotonic() - last[0] > 0.4:  # redraw the pool at most a few times a second
             last[0] = time.monotonic()
             pool.plotly_chart(block_fig.block_map(s.blocks, title=f"Pool after step {s.step}"), width="stretch",
