@@ -8,8 +8,9 @@ kv_slot_utilisation view, the timing audits, cache_lookups and the cache detail 
 block's lifetime, idle time and reuse gap, version 7 the host tier of offloading (block_events.medium,
 host_blocks), adapters and disaggregated prefill (kv_transfers), version 8 what each transfer moved
 (kv_transfers.from_blocks, to_blocks, kv_of, intact), version 9 the explanations `kvviz explain` keeps
-(lookup_explanations, runs.explained_at), version 10 the block and step range of a cross-tenant read
-(findings.block, last_step); older files are upgraded in place by the idempotent DDL.
+(lookup_explanations, runs.explained_at), version 10 whether a capture's store names its own salt
+(kv_event_rows.salt_named) and the block and step range of a cross-tenant read (findings.block,
+last_step); older files are upgraded in place by the idempotent DDL.
 """
 
 from __future__ import annotations
