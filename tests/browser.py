@@ -16,6 +16,7 @@ Playwright's own browser download cannot work here: chromium comes from apt (/us
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -85,6 +86,18 @@ def _tail(log: IO[bytes], limit: int = 8000) -> str:
     return log.read().decode("utf-8", "replace")[-limit:]
 
 
+def _stacks(proc: subprocess.Popen, log: IO[bytes]) -> str:
+    """Every thread's stack of a running app (PYTHONFAULTHANDLER, set by conftest.py, prints them on
+    SIGABRT, which ends it), then its output."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGABRT)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+    return _tail(log, 40_000)
+
+
 def _stop(proc: subprocess.Popen) -> None:
     if proc.poll() is not None:
         return
@@ -109,7 +122,7 @@ def streamlit_app(db_path: str | os.PathLike, *, timeout: float = 60.0, app: str
         port = free_port()
         cmd = [sys.executable, "-m", "streamlit", "run", app,
                "--server.headless", "true", "--server.port", str(port), "--server.address", "127.0.0.1",
-               "--browser.gatherUsageStats", "false"]
+               "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none"]  # no polling of sources
         log = tempfile.TemporaryFile()
         proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdin=subprocess.DEVNULL, stdout=log,
                                 stderr=subprocess.STDOUT)
@@ -124,7 +137,12 @@ def streamlit_app(db_path: str | os.PathLike, *, timeout: float = 60.0, app: str
                     raise RuntimeError(f"streamlit exited with code {proc.returncode} before it was "
                                        f"healthy:\n{out}")
                 if _health(f"{base}/_stcore/health") == "ok":
-                    yield base
+                    try:
+                        yield base
+                    except BaseException:  # the test failed or hit its deadline: what was the app doing?
+                        print(f"streamlit's stacks and output when the test failed:\n{_stacks(proc, log)}",
+                              file=sys.stderr)
+                        raise
                     return
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"streamlit not healthy on {base} after {timeout:.0f} s:\n{_tail(log)}")

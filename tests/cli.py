@@ -60,12 +60,33 @@ def kvviz_process(*args: str, env: Mapping[str, str] | None = None,
 
 
 def finish(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
-    """proc's output once it ends; at the deadline its stacks (PYTHONFAULTHANDLER, set by conftest.py
-    for every child, prints them on SIGABRT) and a failure instead of a stall."""
+    """proc's output once it ends; at the deadline its stacks and a failure instead of a stall."""
     try:
         return proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGABRT)
-        out, err = proc.communicate(timeout=30)
         raise AssertionError(f"{' '.join(map(str, proc.args))} still ran after {timeout:g} s; its stacks and "
-                             f"output:\n{err}\n{out}") from None
+                             f"output:\n{_stacks(proc)}") from None
+
+
+@contextmanager
+def stacks_on_failure(proc: subprocess.Popen) -> Iterator[subprocess.Popen]:
+    """Where the block fails while proc still runs, proc's stacks are printed with the failure."""
+    try:
+        yield proc
+    except BaseException:
+        if proc.poll() is None:
+            print(f"{' '.join(map(str, proc.args))} was still running; its stacks and output:\n{_stacks(proc)}",
+                  file=sys.stderr)
+        raise
+
+
+def _stacks(proc: subprocess.Popen) -> str:
+    """A running child's threads' stacks (PYTHONFAULTHANDLER, set by conftest.py for every child,
+    prints them on SIGABRT, which ends it) and what it printed."""
+    proc.send_signal(signal.SIGABRT)
+    try:
+        out, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+    return f"{err or ''}\n{out or ''}"

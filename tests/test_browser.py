@@ -15,6 +15,7 @@ import pytest
 from kvviz.scenarios import scenario
 
 from .browser import SKIP_REASON, chromium, new_page, shot, streamlit_app, wait_for_app
+from .cli import finish, stacks_on_failure
 
 pytestmark = [pytest.mark.browser, pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")]
 RUN_TIMEOUT_MS = 240_000
@@ -114,18 +115,16 @@ def test_boundary_scenario_inspected_in_chromium(tmp_path):
         assert hosts - {None} <= {"127.0.0.1"}, f"the app fetched from {hosts}: it must work offline"
 
 
-@pytest.mark.xfail(strict=False, reason="hangs now and then on this 2-core machine (2 of 2 full-suite runs, 1 of 3 "
-                   "module runs in session 11; alone it passes): under investigation, see the session 11 note")
 def test_two_sessions_run_scenarios_at_once_while_the_cli_records(tmp_path):
     """Two people start scenarios at the same moment while a script records into the same database:
     one waits its turn on the model and says so, and every run completes with the right verdict."""
     db = tmp_path / "kvviz.duckdb"
     own_line = {"KVVIZ_CACHE": str(tmp_path / "cache")}  # the app and the CLI share a model line of their own,
-    with streamlit_app(db, env=own_line) as url, chromium() as browser:  # apart from other tests' runs
-        cli = subprocess.Popen([sys.executable, "-m", "kvviz", "run", "--scenario", "boundary", "--model",
-                                "tiny-llama", "--db", str(db), "--quiet", "--json"], cwd=ROOT,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, **own_line})
+    with (streamlit_app(db, env=own_line) as url, chromium() as browser,  # apart from other tests' runs
+          stacks_on_failure(subprocess.Popen(
+              [sys.executable, "-m", "kvviz", "run", "--scenario", "boundary", "--model", "tiny-llama", "--db",
+               str(db), "--quiet", "--json"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+              env={**os.environ, **own_line})) as cli):
         pages = []
         for name in ("global", "early_free"):
             page = new_page(browser)
@@ -150,7 +149,7 @@ def test_two_sessions_run_scenarios_at_once_while_the_cli_records(tmp_path):
             assert page.get_by_text("clean", exact=True).count() == 1
             shot(page, f"two-sessions-{i}")
         assert waited, "neither session said it was waiting for the model"
-        _, err = cli.communicate(timeout=300)
+        _, err = finish(cli, 300)
         assert cli.returncode == 0, err
     con = duckdb.connect(str(db), read_only=True)
     assert con.execute("SELECT status, count(*) FROM runs GROUP BY 1").fetchall() == [("complete", 5)]
