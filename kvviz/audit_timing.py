@@ -1,31 +1,40 @@
 """`kvviz audit-timing`: does an OpenAI-compatible server share its prompt cache across users, seen
-from the outside by time to first token (TTFT)? The published protocol (Gu et al. 2025, see
-shared/reference/production-debugging.md): for each sample a fresh random prompt (a miss) and a
-prompt sent just before by someone else (a hit), then a one-sided two-sample Kolmogorov-Smirnov
-test that hits come faster.
+from the outside by time to first token (TTFT)? After the published protocol (Gu et al. 2025, see
+shared/reference/production-debugging.md): a hit is a prompt someone else sent just before, a miss a
+prompt no one sent, and a one-sided two-sample Kolmogorov-Smirnov test asks whether hits come faster.
 
-`level` says who sent the prompt before: `global`, another user with another API key (do tenants
-share a cache?); `per-user`, the same user and key (does caching work at all within a user?). A
-server that salts its cache per user is detected at the per-user level and not at the global one.
+`level` says who sends first: `global`, another user with another API key (do tenants share a
+cache?); `per-user`, the same user and key (does caching work at all within a user?). A server that
+salts its cache per user is detected at the per-user level and not at the global one.
+
+The schedule is symmetric, so nothing but the cache can tell hits from misses: every timed request,
+hit or miss, follows an untimed primer of the same token count from the first sender (the same prompt
+for a hit, a fresh one for a miss), which also takes any work the server or this process still had
+from before. Each round times a hit, a miss and a null (a second miss) in one of the six orders in
+turn, then a one-word floor. The null against the misses is the control: when it too "comes faster",
+the measurement is biased and the verdict is inconclusive (kvviz/audit_verdict.py).
 """
 
 from __future__ import annotations
 
-import math
+import itertools
 import random
-import statistics
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
+from .audit_verdict import Verdict, fewest_samples, judge, smallest_p
 from .errors import AuditError
 from .ids import new_run_id
 from .store import RunStore
 
 LEVELS = ("global", "per-user")
 ENDPOINTS = ("completions", "chat")
+KINDS = ("hit", "miss", "null")  # timed and tested; "floor" is timed and only compared
+ORDERS = tuple(itertools.permutations(KINDS))  # a round's order: each kind first, second and last equally
+# Common English words, each one token after a space in SmolLM2's tokenizer (and in most BPE
+# vocabularies): a prompt of n of them is about n tokens; the server's usage.prompt_tokens says exactly.
 WORDS = ("time year people way day man thing woman life child world school state family student group country "
          "problem hand part place case week company system program question work government number night point "
          "home water room mother area money story fact month lot right study book eye job word business issue side "
@@ -40,12 +49,13 @@ class AuditConfig:
     base_url: str
     model: str
     level: str = "global"
-    samples: int = 250  # per side
-    prompt_tokens: int = 512  # words, about one token each in common tokenizers
-    interval: float = 0.0  # seconds to wait between requests
+    samples: int = 250  # rounds: hits, misses and nulls each
+    prompt_tokens: int = 512  # words of WORDS, a token each
+    interval: float = 0.0  # seconds of quiet after each round, before the next one's first primer
     alpha: float = 1e-8
     endpoint: str = "completions"
-    api_key: str = "kvviz-audit"  # the victim's key; the attacker's is this with "-other" at global level
+    api_key: str = "kvviz-audit"  # the prober's key (and the first sender's at per-user level; at global
+    # level the first sender's is this with "-other" appended)
     timeout: float = 120.0
     target: str | None = None  # what was audited, in words (a kvviz server the app started: its model and policy)
 
@@ -55,7 +65,7 @@ class AuditConfig:
         if self.endpoint not in ENDPOINTS:
             raise AuditError(f"endpoint must be one of {', '.join(ENDPOINTS)}, got {self.endpoint!r}")
         if self.prompt_tokens < 16:
-            raise AuditError(f"prompt length must be >= 16 words, got {self.prompt_tokens}")
+            raise AuditError(f"prompt length must be >= 16 tokens, got {self.prompt_tokens}")
         if self.interval < 0:
             raise AuditError(f"interval must be >= 0 seconds, got {self.interval}")
         if not 0 < self.alpha < 1:
@@ -69,56 +79,36 @@ class AuditConfig:
                              f"got {self.base_url!r}")
 
 
-def smallest_p(n: int) -> float:
-    """The one-sided KS p-value of complete separation with n samples a side: 1 / C(2n, n)."""
-    return 1 / math.comb(2 * n, n)
-
-
-def fewest_samples(alpha: float) -> int:
-    """The fewest samples a side with which complete separation is significant at alpha."""
-    n = 2
-    while smallest_p(n) >= alpha:
-        n += 1
-    return n
-
-
 @dataclass(frozen=True)
 class Sample:
-    kind: str  # hit | miss
-    index: int
+    kind: str  # hit | miss | null | floor
+    index: int  # the round
     ttft_ms: float
-    cached_tokens: int | None  # what the server reported for the measured request, when it does
+    cached_tokens: int | None  # what the server reported for the timed request, when it does
+    prompt_tokens: int | None = None  # the timed prompt's length as the server counted it, when it does
+    primer_tokens: int | None = None  # the same of the primer sent just before it
 
 
 @dataclass
 class AuditResult:
     config: AuditConfig
     samples: list[Sample] = field(default_factory=list)
-    ks_statistic: float = 0.0
-    p_value: float = 1.0
+    stopped: str = ""  # why the audit ended before its last round, in one sentence
 
     def times(self, kind: str) -> list[float]:
         return [s.ttft_ms for s in self.samples if s.kind == kind]
 
-    @property
-    def detected(self) -> bool:
-        return self.p_value < self.config.alpha
-
-    def verdict(self) -> dict:
-        hit, miss = self.times("hit"), self.times("miss")
-        return {"level": self.config.level, "samples": len(hit), "ks_statistic": round(self.ks_statistic, 6),
-                "p_value": self.p_value, "median_hit_ms": round(statistics.median(hit), 3),
-                "median_miss_ms": round(statistics.median(miss), 3),
-                "hit_faster_than_all_misses": max(hit) < min(miss), "detected": self.detected}
+    def judge(self) -> Verdict:
+        tokens = {k: [s.prompt_tokens for s in self.samples if s.kind == k and s.prompt_tokens is not None]
+                  for k in KINDS}
+        return judge({k: self.times(k) for k in (*KINDS, "floor")}, tokens, self.config.alpha, self.stopped)
 
 
-def ks_test(hit: list[float], miss: list[float]) -> tuple[float, float]:
-    """One-sided two-sample KS: the alternative is that hit times are stochastically smaller, i.e.
-    the hits' distribution function lies above the misses'."""
-    from scipy.stats import ks_2samp
-
-    r = ks_2samp(hit, miss, alternative="greater")
-    return float(r.statistic), float(r.pvalue)
+@dataclass(frozen=True)
+class Reply:
+    ttft_ms: float
+    cached_tokens: int | None
+    prompt_tokens: int | None
 
 
 class _Prober:
@@ -130,12 +120,12 @@ class _Prober:
         self.cfg, self.user = cfg, user
         self.client = openai.OpenAI(base_url=cfg.base_url, api_key=key, max_retries=0, timeout=cfg.timeout)
 
-    def send(self, prompt: str) -> tuple[float, int | None]:
-        """Milliseconds to the first chunk that carries the reply (text or its end), and the cached
-        tokens the server reported, if it did."""
+    def send(self, prompt: str) -> Reply:
+        """Milliseconds to the first chunk that carries the reply (text or its end), and the cached and
+        prompt tokens the server reported, if it did."""
         import openai
 
-        c, first, cached = self.cfg, None, None
+        c, first, cached, counted = self.cfg, None, None, None
         t0 = time.perf_counter()
         try:
             if c.endpoint == "chat":
@@ -149,16 +139,20 @@ class _Prober:
             for chunk in stream:
                 if first is None and chunk.choices and _carries_reply(chunk.choices[0], c.endpoint):
                     first = time.perf_counter()
-                details = getattr(chunk.usage, "prompt_tokens_details", None) if chunk.usage else None
-                if details is not None and details.cached_tokens is not None:
-                    cached = details.cached_tokens
+                if chunk.usage is not None:
+                    counted = chunk.usage.prompt_tokens
+                    details = chunk.usage.prompt_tokens_details
+                    if details is not None and details.cached_tokens is not None:
+                        cached = details.cached_tokens
         except openai.APIConnectionError as e:
             raise AuditError(f"cannot reach {c.base_url}: {e}") from None
         except openai.APIStatusError as e:
             raise AuditError(f"{c.base_url} refused a request with HTTP {e.status_code}: {e.message}") from None
+        except (openai.APIError, ValueError) as e:  # a stream cut short, or not JSON
+            raise AuditError(f"{c.base_url} broke off a reply: {e}") from None
         if first is None:
             raise AuditError(f"{c.base_url} streamed no reply to a request")
-        return 1000 * (first - t0), cached
+        return Reply(1000 * (first - t0), cached, counted)
 
 
 def _carries_reply(choice, endpoint: str) -> bool:
@@ -168,47 +162,67 @@ def _carries_reply(choice, endpoint: str) -> bool:
 
 
 def _prompt(rng: random.Random, words: int) -> str:
-    """A prompt no one sent before: a fresh nonce first, so it shares not even a first block."""
-    return f"{uuid.UUID(int=rng.getrandbits(128)).hex} " + " ".join(rng.choice(WORDS) for _ in range(words - 1))
+    """A prompt no one sent before: its first block of random words is new with near certainty
+    (100^16 choices), so it shares no cached block with anything."""
+    return " ".join(rng.choice(WORDS) for _ in range(words))
 
 
 def run_audit(cfg: AuditConfig, progress: Callable[[Sample], None] | None = None,
-              seed: int | None = None) -> AuditResult:
-    """Interleave misses and hits (alternating which goes first), then test."""
+              between: Callable[[AuditResult], None] | None = None, seed: int | None = None) -> AuditResult:
+    """Time `cfg.samples` rounds. `progress` hears each sample as it is timed (keep it cheap);
+    `between` hears the result so far after each round, before the quiet interval and the next
+    round's first primer, so work it does (drawing) never overlaps a timed request. A server that
+    fails after the first sample ends the audit with the timings so far and `stopped` saying why."""
     rng = random.Random(seed)
-    victim = _Prober(cfg, cfg.api_key, "kvviz-audit-victim")
-    attacker = victim if cfg.level == "per-user" else _Prober(cfg, cfg.api_key + "-other", "kvviz-audit-other")
+    prober = _Prober(cfg, cfg.api_key, "kvviz-audit")
+    first = prober if cfg.level == "per-user" else _Prober(cfg, cfg.api_key + "-other", "kvviz-audit-other")
     out = AuditResult(cfg)
-    for i in range(cfg.samples):
-        for kind in (("miss", "hit") if i % 2 == 0 else ("hit", "miss")):
-            prompt = _prompt(rng, cfg.prompt_tokens)
-            if kind == "hit":
-                victim.send(prompt)  # someone sends it first ...
-                time.sleep(cfg.interval)
-            ms, cached = attacker.send(prompt)  # ... and the prober times it
-            out.samples.append(Sample(kind, i, ms, cached))
-            if progress is not None:
-                progress(out.samples[-1])
+    try:
+        for i in range(cfg.samples):
+            for kind in ORDERS[i % len(ORDERS)]:
+                prompt = _prompt(rng, cfg.prompt_tokens)
+                primer = first.send(prompt if kind == "hit" else _prompt(rng, cfg.prompt_tokens))
+                _add(out, kind, i, prober.send(prompt), primer, progress)
+            _add(out, "floor", i, prober.send(rng.choice(WORDS)), None, progress)
+            if between is not None:
+                between(out)
             time.sleep(cfg.interval)
-    out.ks_statistic, out.p_value = ks_test(out.times("hit"), out.times("miss"))
+    except AuditError as e:
+        if not out.samples:
+            raise
+        out.stopped = f"stopped in round {i + 1} of {cfg.samples}: {e}"
     return out
 
 
-def record(store: RunStore, result: AuditResult) -> str:
-    """The audit and its raw timings into the run store, in one transaction; its id."""
+def _add(out: AuditResult, kind: str, i: int, r: Reply, primer: Reply | None,
+         progress: Callable[[Sample], None] | None) -> None:
+    out.samples.append(Sample(kind, i, r.ttft_ms, r.cached_tokens, r.prompt_tokens,
+                              primer.prompt_tokens if primer else None))
+    if progress is not None:
+        progress(out.samples[-1])
+
+
+def record(store: RunStore, result: AuditResult, verdict: Verdict | None = None) -> str:
+    """The audit, its verdict and its raw timings (partial ones too) into the run store, in one
+    transaction; its id."""
     from .store.schema import arrow_table
 
-    audit_id, cfg, v = new_run_id(), result.config, result.verdict()
+    audit_id, cfg, v = new_run_id(), result.config, verdict or result.judge()
+    hit, miss = result.times("hit"), result.times("miss")
     head = {"audit_id": [audit_id], "created_at": [datetime.now(UTC).replace(tzinfo=None)],
             "base_url": [cfg.base_url], "target": [cfg.target], "model": [cfg.model], "level": [cfg.level],
-            "endpoint": [cfg.endpoint],
-            "samples": [v["samples"]], "prompt_tokens": [cfg.prompt_tokens], "alpha": [cfg.alpha],
-            "ks_statistic": [result.ks_statistic], "p_value": [result.p_value], "median_hit_ms": [v["median_hit_ms"]],
-            "median_miss_ms": [v["median_miss_ms"]],
-            "hit_faster_than_all_misses": [v["hit_faster_than_all_misses"]], "detected": [v["detected"]]}
+            "endpoint": [cfg.endpoint], "samples": [v.samples], "prompt_tokens": [cfg.prompt_tokens],
+            "alpha": [cfg.alpha], "ks_statistic": [v.ks_statistic], "p_value": [v.p_value],
+            "median_hit_ms": [v.median_hit_ms], "median_miss_ms": [v.median_miss_ms],
+            "hit_faster_than_all_misses": [bool(hit and miss) and max(hit) < min(miss)],
+            "detected": [v.detected], "verdict": [v.verdict], "reason": [v.reason or None],
+            "null_ks_statistic": [v.null_ks_statistic], "null_p_value": [v.null_p_value],
+            "median_null_ms": [v.median_null_ms], "median_floor_ms": [v.median_floor_ms],
+            "counted_prompt_tokens": [v.prompt_tokens]}
     s = result.samples
     rows = {"audit_id": [audit_id] * len(s), "kind": [x.kind for x in s], "sample": [x.index for x in s],
-            "ttft_ms": [x.ttft_ms for x in s], "cached_tokens": [x.cached_tokens for x in s]}
+            "ttft_ms": [x.ttft_ms for x in s], "cached_tokens": [x.cached_tokens for x in s],
+            "prompt_tokens": [x.prompt_tokens for x in s], "primer_tokens": [x.primer_tokens for x in s]}
     with store.write() as con:
         con.execute("BEGIN TRANSACTION")
         store.insert(con, "timing_audits", arrow_table("timing_audits", head))

@@ -20,39 +20,39 @@ LOCAL_ENGINE = EngineConfig(block_size=16, num_blocks=1024, max_batch_tokens=204
 
 
 def list_audits(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
-    """Newest first."""
-    return con.execute("SELECT audit_id, created_at, coalesce(target, base_url) AS target, model, level, samples, "
-                       "prompt_tokens AS prompt_words, "
+    """Newest first. Audits from before version 11 have no null control: their verdict is read from
+    `detected`."""
+    return con.execute("SELECT audit_id, created_at, coalesce(target, base_url) AS target, model, level, "
+                       "coalesce(verdict, CASE WHEN detected THEN 'detected' ELSE 'not detected' END) AS verdict, "
+                       "samples, prompt_tokens, "
                        "round(median_hit_ms, 1) AS median_hit_ms, round(median_miss_ms, 1) AS median_miss_ms, "
-                       "round(ks_statistic, 3) AS ks_statistic, p_value, detected FROM timing_audits "
+                       "round(median_null_ms, 1) AS median_null_ms, "
+                       "round(ks_statistic, 3) AS ks_statistic, p_value, null_p_value, reason FROM timing_audits "
                        "ORDER BY created_at DESC").df()
 
 
-def timings(con: duckdb.DuckDBPyConnection, audit_id: str) -> tuple[list[float], list[float]]:
-    """An audit's hit and miss times to first token (ms)."""
+def timings(con: duckdb.DuckDBPyConnection, audit_id: str) -> dict[str, list[float]]:
+    """An audit's times to first token (ms) by kind: hit, miss, null, floor (empty where it has none)."""
     rows = con.execute("SELECT kind, ttft_ms FROM timing_samples WHERE audit_id = ? ORDER BY sample",
                        [audit_id]).fetchall()
-    return [t for k, t in rows if k == "hit"], [t for k, t in rows if k == "miss"]
+    return {k: [t for kind, t in rows if kind == k] for k in ("hit", "miss", "null", "floor")}
 
 
-def audit_url(store: RunStore, cfg: AuditConfig, progress: Callable[[AuditResult], None]) -> tuple[str, AuditResult]:
-    """Run and record an audit; progress hears the result so far after every sample."""
-    partial = AuditResult(cfg)
-
-    def each(sample: Sample) -> None:
-        partial.samples.append(sample)
-        progress(partial)
-
-    result = run_audit(cfg, progress=each)
+def audit_url(store: RunStore, cfg: AuditConfig, progress: Callable[[Sample], None] | None = None,
+              between: Callable[[AuditResult], None] | None = None) -> tuple[str, AuditResult]:
+    """Run and record an audit (a partial one too, when the server fails part way); `progress` hears
+    each timed request, `between` the result so far between rounds (where the page draws)."""
+    result = run_audit(cfg, progress, between)
     return record(store, result), result
 
 
 def audit_local(store: RunStore, m: LoadedModel, sharing: str, cfg: AuditConfig,
-                progress: Callable[[AuditResult], None]) -> tuple[str, AuditResult]:
+                progress: Callable[[Sample], None] | None = None,
+                between: Callable[[AuditResult], None] | None = None) -> tuple[str, AuditResult]:
     """The same against a kvviz server on this model with this cache-sharing policy, started for the
     audit and stopped after it (cfg's base_url and model are filled in)."""
     config = EngineConfig(**{**LOCAL_ENGINE.to_dict(), "prefix_caching": sharing != "off"})
     with LocalServer(m, config, ServeOptions(m.name, sharing)) as server:
         local = replace(cfg, base_url=server.url + "/v1", model=m.name,
                         target=f"kvviz serve on {m.name}, cache sharing {sharing}")
-        return audit_url(store, local, progress)
+        return audit_url(store, local, progress, between)

@@ -1,11 +1,18 @@
 """`kvviz audit-timing`: the cross-tenant timing audit against any OpenAI-compatible server; a CI
-gate for a deployment (exit 1 when its prompt cache is shared at the level asked)."""
+gate for a deployment: exit 1 when its prompt cache is shared at the level asked, 0 when not, 3 when
+the null control says the measurement is biased, 2 when there is no verdict (or an error)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from dataclasses import asdict
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..audit_timing import AuditConfig
+    from ..audit_verdict import Verdict
 
 
 def cmd_audit_timing(args: argparse.Namespace) -> int:
@@ -16,24 +23,38 @@ def cmd_audit_timing(args: argparse.Namespace) -> int:
     cfg = AuditConfig(args.base_url.rstrip("/"), args.model, args.level, args.samples, args.prompt_tokens,
                       args.interval, args.alpha, args.endpoint, args.api_key)
     store = args.store
-    with tqdm(total=2 * cfg.samples, unit="request", desc=f"auditing ({cfg.level})", file=sys.stderr,
-              disable=args.quiet) as bar:
-        result = run_audit(cfg, progress=lambda s: bar.update(1))
-    verdict = result.verdict()
-    audit_id = record(store, result)
+    with tqdm(total=7 * cfg.samples, unit="request", desc=f"auditing ({cfg.level})", file=sys.stderr,
+              disable=args.quiet) as bar:  # a round: three primers, hit, miss, null and the floor
+        result = run_audit(cfg, progress=lambda s: bar.update(2 if s.kind in ("hit", "miss", "null") else 1))
+    v = result.judge()
+    audit_id = record(store, result, v)
     if args.json:
-        print(json.dumps({**verdict, "audit_id": audit_id}))
+        print(json.dumps({"audit_id": audit_id, "level": cfg.level, **asdict(v), "detected": v.detected}))
     else:
-        says = ("DETECTED: hits reach their first token sooner; this server shares its prompt cache "
-                + ("across users" if cfg.level == "global" else "within a user"))
-        print(f"timing audit {audit_id} of {cfg.base_url} ({cfg.model}), level {cfg.level}, "
-              f"{verdict['samples']} hits and {verdict['samples']} misses of {cfg.prompt_tokens} words")
-        print(f"  median TTFT      hit {verdict['median_hit_ms']:.1f} ms   miss {verdict['median_miss_ms']:.1f} ms")
-        print(f"  KS statistic     {verdict['ks_statistic']:.3f}   p-value {verdict['p_value']:.3g} "
-              f"(alpha {cfg.alpha:g})")
-        print(f"  every hit faster than every miss: {'yes' if verdict['hit_faster_than_all_misses'] else 'no'}")
-        print(f"  {says if verdict['detected'] else 'not detected at this level'}")
-    return 1 if verdict["detected"] else 0
+        _say(audit_id, cfg, v)
+    return v.exit_status
+
+
+def _say(audit_id: str, cfg: AuditConfig, v: Verdict) -> None:
+    print(f"timing audit {audit_id} of {cfg.base_url} ({cfg.model}), level {cfg.level}, {v.samples} rounds of a "
+          f"hit, a miss and a null of {v.prompt_tokens or cfg.prompt_tokens} tokens"
+          + ("" if v.prompt_tokens else " (words; the server reports no usage)"))
+    print(f"  median TTFT      hit {_ms(v.median_hit_ms)}   miss {_ms(v.median_miss_ms)}   null "
+          f"{_ms(v.median_null_ms)}   floor (one word) {_ms(v.median_floor_ms)}")
+    if v.p_value is not None:
+        print(f"  hit vs miss      KS D {v.ks_statistic:.3f}   p-value {v.p_value:.3g} (alpha {cfg.alpha:g})")
+    if v.null_p_value is not None:
+        print(f"  null vs miss     KS D {v.null_ks_statistic:.3f}   p-value {v.null_p_value:.3g} (the control: "
+              f"must not reject)")
+    where = "across users" if cfg.level == "global" else "within a user"
+    says = {"detected": f"DETECTED: hits reach their first token sooner; this server shares its prompt cache {where}",
+            "not detected": "not detected at this level",
+            "inconclusive": "INCONCLUSIVE", "no verdict": "NO VERDICT"}[v.verdict]
+    print(f"  {says}" + (f": {v.reason}" if v.reason else ""))
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f} ms"
 
 
 def add_audit_timing(sub, add_db) -> None:
@@ -42,13 +63,15 @@ def add_audit_timing(sub, add_db) -> None:
     p.add_argument("--model", required=True, help="the model name the server serves")
     p.add_argument("--level", default="global", help="global: the hit's prompt is sent first by another user and "
                    "API key; per-user: by the same one (default global)")
-    p.add_argument("--samples", type=int, default=250, help="hits and misses each (default 250)")
-    p.add_argument("--prompt-tokens", type=int, default=512, help="length of each prompt, in words (default 512)")
-    p.add_argument("--interval", type=float, default=0.0, help="seconds between requests (default 0)")
+    p.add_argument("--samples", type=int, default=250, help="rounds, each timing a hit, a miss and a null "
+                   "control (default 250)")
+    p.add_argument("--prompt-tokens", type=int, default=512, help="length of each prompt, in words "
+                   "of one token each (default 512)")
+    p.add_argument("--interval", type=float, default=0.0, help="seconds of quiet between rounds (default 0)")
     p.add_argument("--alpha", type=float, default=1e-8, help="significance level of the KS test (default 1e-8)")
     p.add_argument("--endpoint", default="completions", help="completions (default) or chat")
-    p.add_argument("--api-key", default="kvviz-audit", help="the first user's API key; the other user's is this "
-                   "with -other appended")
+    p.add_argument("--api-key", default="kvviz-audit", help="the prober's API key; at the global level the other "
+                   "user's is this with -other appended")
     p.add_argument("--json", action="store_true", help="print the verdict as one JSON line")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_db(p, "run store to record the audit into")

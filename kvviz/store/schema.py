@@ -20,8 +20,9 @@ from pathlib import Path
 
 import pyarrow as pa
 
-SCHEMA_VERSION = "10"
-UPGRADABLE = {"1", "2", "3", "4", "5", "6", "7", "8", "9"}  # versions whose files the idempotent DDL brings up to date
+SCHEMA_VERSION = "11"
+# Versions whose files the idempotent DDL brings up to date.
+UPGRADABLE = {"1", "2", "3", "4", "5", "6", "7", "8", "9", "10"}
 
 _ARROW = {"VARCHAR": pa.string(), "JSON": pa.string(), "TIMESTAMP": pa.timestamp("us"), "BIGINT": pa.int64(),
           "INTEGER": pa.int32(), "DOUBLE": pa.float64(), "FLOAT": pa.float32(), "BOOLEAN": pa.bool_(),
@@ -228,10 +229,27 @@ TABLES: dict[str, Table] = {t.name: t for t in (
               Column("prompt_tokens", "INTEGER"), Column("alpha", "DOUBLE"), Column("ks_statistic", "DOUBLE"),
               Column("p_value", "DOUBLE"), Column("median_hit_ms", "DOUBLE"), Column("median_miss_ms", "DOUBLE"),
               Column("hit_faster_than_all_misses", "BOOLEAN"),
-              Column("detected", "BOOLEAN", "p_value < alpha: the server shares its cache at this level")),
+              Column("detected", "BOOLEAN", "verdict = 'detected': the server shares its cache at this level"),
+              Column("verdict", "VARCHAR", "detected | not detected | inconclusive (the null control rejects too: "
+                     "the measurement is biased) | no verdict (too few samples, unequal prompts, too fast to time); "
+                     "null before version 11", added_in="11"),
+              Column("reason", "VARCHAR", "why the verdict, or why the audit stopped early, in one sentence",
+                     added_in="11"),
+              Column("null_ks_statistic", "DOUBLE", "the null control: misses against misses, the same test",
+                     added_in="11"),
+              Column("null_p_value", "DOUBLE", added_in="11"), Column("median_null_ms", "DOUBLE", added_in="11"),
+              Column("median_floor_ms", "DOUBLE", "a one-word prompt's: the server's time for no prompt work",
+                     added_in="11"),
+              Column("counted_prompt_tokens", "INTEGER", "the median timed prompt as the server counted it "
+                     "(usage.prompt_tokens), when it reports usage", added_in="11")),
           in_trace=False, key="audit_id"),
-    Table("timing_samples", "Each timed request of a timing audit: time to first token in milliseconds.", _cols(
-        "audit_id VARCHAR, kind VARCHAR, sample INTEGER, ttft_ms DOUBLE, cached_tokens INTEGER"), in_trace=False),
+    Table("timing_samples", "Each timed request of a timing audit: time to first token in milliseconds.", (
+        *_cols("audit_id VARCHAR"),
+        Column("kind", "VARCHAR", "hit | miss | null (a second miss: the control) | floor (a one-word prompt)"),
+        Column("sample", "INTEGER", "the round"), *_cols("ttft_ms DOUBLE, cached_tokens INTEGER"),
+        Column("prompt_tokens", "INTEGER", "the timed prompt as the server counted it", added_in="11"),
+        Column("primer_tokens", "INTEGER", "the prompt sent just before it, as the server counted it",
+               added_in="11")), in_trace=False),
     Table("divergence", "Each request against itself run alone (the reference oracle).", _cols(
         RUN_ID + "request_id VARCHAR, first_divergent_step INTEGER, max_logit_diff DOUBLE, max_kl DOUBLE, "
         "classification VARCHAR")),

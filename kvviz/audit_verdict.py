@@ -1,0 +1,118 @@
+"""What a timing audit's samples say: the one-sided KS test of hits against misses, the same test of
+the null control (misses against misses), and the verdict with its reason.
+
+Four verdicts, each with an exit status for CI: `detected` (1), `not detected` (0), `inconclusive`
+(3: the null control rejects too, so the measurement itself is biased and a difference between hits
+and misses means nothing), `no verdict` (2: too few samples to ever reach alpha, prompts of unequal
+length, or a server that answers a long prompt as fast as a one-word one, so a cached prefix cannot
+show in time).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+
+VERDICTS = {"not detected": 0, "detected": 1, "no verdict": 2, "inconclusive": 3}  # and their exit statuses
+
+
+def smallest_p(n: int) -> float:
+    """The one-sided KS p-value of complete separation with n samples a side: 1 / C(2n, n)."""
+    return 1 / math.comb(2 * n, n)
+
+
+def fewest_samples(alpha: float) -> int:
+    """The fewest samples a side with which complete separation is significant at alpha."""
+    n = 2
+    while smallest_p(n) >= alpha:
+        n += 1
+    return n
+
+
+def samples_to_separate(d: float, alpha: float) -> int:
+    """The fewest samples a side at which two samples a KS distance d apart reach alpha, by the test's
+    exact p-value, not its asymptotic tail exp(-n d^2), which is off by a few samples at this size."""
+    n = fewest_samples(alpha)
+    while ks_test(*_apart(n, d))[1] >= alpha:
+        n += 1
+    return n
+
+
+def _apart(n: int, d: float) -> tuple[list[float], list[float]]:
+    """n fast and n slow values whose one-sided KS distance is d rounded up to a step of 1/n."""
+    shift = math.ceil(d * n - 1e-9)
+    return [float(x) for x in range(n)], [float(x + shift) for x in range(n)]
+
+
+def ks_test(fast: list[float], slow: list[float]) -> tuple[float, float]:
+    """One-sided two-sample KS: the alternative is that `fast` times are stochastically smaller, i.e.
+    their distribution function lies above `slow`'s."""
+    from scipy.stats import ks_2samp
+
+    r = ks_2samp(fast, slow, alternative="greater")
+    return float(r.statistic), float(r.pvalue)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    verdict: str  # a key of VERDICTS
+    reason: str  # one sentence: why (empty for a plain detected / not detected)
+    samples: int  # the fewest of hit, miss and null
+    ks_statistic: float | None
+    p_value: float | None
+    null_ks_statistic: float | None
+    null_p_value: float | None
+    median_hit_ms: float | None
+    median_miss_ms: float | None
+    median_null_ms: float | None
+    median_floor_ms: float | None
+    prompt_tokens: int | None  # the median the server counted for timed prompts, when it reports usage
+
+    @property
+    def detected(self) -> bool:
+        return self.verdict == "detected"
+
+    @property
+    def exit_status(self) -> int:
+        return VERDICTS[self.verdict]
+
+
+def _median(x: list[float]) -> float | None:
+    return round(statistics.median(x), 3) if x else None
+
+
+def _iqr(x: list[float]) -> float:
+    q = statistics.quantiles(x, n=4) if len(x) > 1 else [0.0, 0.0, 0.0]
+    return q[2] - q[0]
+
+
+def judge(times: dict[str, list[float]], tokens: dict[str, list[int]], alpha: float, stopped: str = "") -> Verdict:
+    """The verdict on timings by kind (hit, miss, null, floor) and the server's prompt token counts by
+    kind (hit, miss, null; empty where it reports none). `stopped` says why the audit ended early."""
+    hit, miss, null, floor = (times.get(k, []) for k in ("hit", "miss", "null", "floor"))
+    d, p = ks_test(hit, miss) if hit and miss else (None, None)
+    nd, np_ = ks_test(null, miss) if null and miss else (None, None)
+    n, need = min(len(hit), len(miss), len(null)), fewest_samples(alpha)
+    counted = {k: statistics.median(v) for k, v in tokens.items() if v}
+    lengths = sorted(counted.values())
+    tail = f" ({stopped})" if stopped else ""
+    if n < need:
+        verdict, reason = "no verdict", (f"{n} samples a side: at alpha {alpha:g} the test needs at least {need} "
+                                         f"(even complete separation of {n} gives p = {smallest_p(max(n, 1)):.2g})"
+                                         f"{tail}")
+    elif lengths and lengths[-1] - lengths[0] > max(1.0, 0.02 * lengths[-1]):
+        verdict, reason = "no verdict", ("the server counted prompts of unequal length ("
+                                         + ", ".join(f"{k} {v:g}" for k, v in counted.items())
+                                         + " tokens), so their times do not compare" + tail)
+    elif floor and statistics.median(miss) - statistics.median(floor) <= max(_iqr(floor), 0.05):
+        verdict, reason = "no verdict", (f"the server answers a full prompt about as fast as a one-word one "
+                                         f"({statistics.median(miss):.2f} against {statistics.median(floor):.2f} "
+                                         f"ms), so a cached prefix cannot show in time: use longer prompts{tail}")
+    elif np_ < alpha:
+        verdict, reason = "inconclusive", (f"the null control (a miss against a miss, same schedule) rejects too "
+                                           f"(D = {nd:.2f}, p = {np_:.2g}): the measurement is biased{tail}")
+    else:
+        verdict, reason = ("detected" if p < alpha else "not detected"), stopped
+    return Verdict(verdict, reason, n, d, p, nd, np_, _median(hit), _median(miss), _median(null), _median(floor),
+                   round(statistics.median([t for v in tokens.values() for t in v])) if lengths else None)
