@@ -497,14 +497,14 @@ def test_downsample_is_the_identity_within_limits_and_bins_by_max():
 
 
 def test_downsample_shows_a_leak_over_another_tenants_keys_and_those_over_own():
-    X, C, O, F = attention.UNSEEN, attention.CROSS, attention.OWN, attention.FOREIGN
-    c = np.array([[O, O, C, O, X, X], [O, O, O, C, X, X], [C, O, O, O, O, X], [O, F, O, O, O, O]], np.int8)
+    X, C, W, F = attention.UNSEEN, attention.CROSS, attention.OWN, attention.FOREIGN  # W: own
+    c = np.array([[W, W, C, W, X, X], [W, W, W, C, X, X], [C, W, W, W, W, X], [W, F, W, W, W, W]], np.int8)
     w = np.where(c == X, np.nan, 0.01).astype(np.float32)
     w[3, 1] = 0.9
     v = attention.AttentionView(w, c, [f"{i} q" for i in range(4)], [f"X:{j} k" for j in range(6)], ["X"] * 6,
                                 list(range(6)), -1, False, [(0, i) for i in range(4)])
     d = attention.downsample(v, 2, 3)
-    assert d.classes.tolist() == [[O, C, X], [F, O, O]]  # foreign over another tenant's, those over own
+    assert d.classes.tolist() == [[W, C, X], [F, W, W]]  # foreign over another tenant's, those over own
     assert d.foreign_mass.tolist() == pytest.approx([0.0, 0.9])
     assert v.foreign_mass[0] == 0  # another tenant's weight is no foreign mass
 

@@ -342,7 +342,8 @@ def test_a_served_cross_tenant_read_is_recorded_once_it_has_ended(tiny, tmp_path
     with store.read() as con:
         found = con.execute("SELECT request_id, step, last_step, layer, head, mass, block FROM findings "
                             "WHERE run_id = ?", [run_id]).fetchall()
-        b = con.execute("SELECT request_id FROM requests WHERE run_id = ? AND tenant = 'user:b'", [run_id]).fetchone()[0]
+        b = con.execute("SELECT request_id FROM requests WHERE run_id = ? AND tenant = 'user:b'",
+                        [run_id]).fetchone()[0]
         steps = con.execute("SELECT min(step), max(step) FROM step_work WHERE run_id = ? AND request_id = ?",
                             [run_id, b]).fetchone()
         hit = sorted(r[0] for r in con.execute("SELECT block FROM block_events WHERE run_id = ? AND kind = 'hit' AND "

@@ -15,7 +15,7 @@ from ..serve import SHARING
 from .common import MODELS, has_db, load_model_or_error, reader, store
 
 LOCAL, REMOTE = "a kvviz server started for the audit", "a server at a URL"
-DEFAULTS = {"audit_samples": 32, "audit_words": 256, "audit_alpha": 1e-8}  # set once, then the user's (kept)
+DEFAULTS = {"audit_samples": 40, "audit_words": 256, "audit_alpha": 1e-8}  # set once, then the user's (kept)
 SETTLE = 0.1  # seconds of quiet after drawing a round, before the next round's first (untimed) primer
 
 
