@@ -120,8 +120,49 @@ def test_the_cross_tenant_view_says_what_the_capture_cannot_tell(tmp_path, monke
         at.segmented_control(key="insp_view").set_value("Cross-tenant").run()
         assert not at.exception and any("No block hash was stored under two salts" in i.value for i in at.info)
         warned[path.stem] = [w.value for w in at.warning]
-    assert len(warned["u"]) == 1 and warned["u"][0].startswith("1 store in this range put back a block evicted")
-    assert "the capture cannot tell which tenant made them" in warned["u"][0] and warned["n"] == []
+    assert len(warned["u"]) == 1 and warned["u"][0].startswith(
+        "1 stored segment continues tenant-1's chain, naming no salt: the capture cannot tell which tenant stored "
+        "it. 1 of their stores put back a block evicted earlier.")
+    assert warned["n"] == []
+
+
+@pytest.mark.parametrize("salted", [False, True], ids=["continued-naming-no-salt", "control-naming-its-salt"])
+def test_the_capture_views_say_the_segments_whose_tenant_is_unknown_and_show_the_evidence(tmp_path, monkeypatch,
+                                                                                          salted):
+    """As vLLM sends the unsalted-prefix scenario: tenant-a caches 1-2-3, then three segments continue
+    its chain (no eviction, nothing stored twice) by events that name no salt. The Cross-tenant view
+    says so beside 'no hash under two salts', and the Activity view's explanation lists the evidence;
+    the control, the same segments naming tenant-a, says nothing of the kind."""
+    from tests.test_app import page
+
+    db = tmp_path / "kvviz.duckdb"
+    monkeypatch.setenv("KVVIZ_DB", str(db))
+    stored = sglang if salted else (lambda hashes, parent, tokens, salt: stored_map(hashes, parent, tokens))
+    run = import_capture(write_capture(tmp_path / "c.jsonl", [
+        batch(stored_map([1, 2, 3], None, [1, 2, 3, 4, 5, 6], salt="tenant-a"), ts=1.0),
+        batch(stored([4, 5], 3, [7, 8, 9, 10], "tenant-a"), stored([6], 3, [7, 11], "tenant-a"),
+              ts=2.0),
+        batch(stored([7], 5, [12, 13], "tenant-a"), ts=3.0)]), RunStore.open(db))
+    with RunStore.open(db).read() as con:
+        assert capture_time.untold_segments(con, run, 0, 10) == ({} if salted else {"tenant-a": 3})
+    at = page("inspector", run_id=run)
+    at.segmented_control(key="insp_view").set_value("Cross-tenant").run()
+    assert not at.exception and any("No block hash was stored under two salts" in i.value for i in at.info)
+    warned = [w.value for w in at.warning]
+    at.segmented_control(key="insp_view").set_value("Activity").run()
+    at.toggle(key="insp_explain").set_value(True).run()
+    lookups = at.dataframe[-1].value
+    assert not at.exception and list(lookups.request) == [f"chain-{h:016x}" for h in (1, 4, 6, 7)]
+    unknown = lookups.evidence.str.contains("tenant unknown")
+    if salted:
+        assert warned == [] and not unknown.any()
+    else:
+        assert len(warned) == 1 and warned[0].startswith(
+            "3 stored segments continue tenant-a's chain, naming no salt: the capture cannot tell which tenant "
+            "stored them. vLLM names")
+        assert list(unknown) == [False, True, True, True]
+        assert lookups.evidence[1].endswith(f"continues chain of tenant-a, continues block {3:016x}, tenant unknown "
+                                            "(its event names no salt)")
 
 
 SHARED, TAIL_A, TAIL_B = list(range(100, 140)), list(range(150, 158)), list(range(160, 168))

@@ -171,6 +171,18 @@ def untold_restores(con: duckdb.DuckDBPyConnection, run_id: str, start: float, e
         {"run": run_id, "a": start, "b": end}).fetchone()[0])
 
 
+def untold_segments(con: duckdb.DuckDBPyConnection, run_id: str, start: float, end: float) -> dict[str, int]:
+    """Stored segments in the range (an event's new blocks continuing a cached chain) whose event names
+    no salt, per tenant of the chain they continue, in a capture that names tenants: the capture cannot
+    tell which tenant stored them (explain says so of each: continues_chain_of, tenant unknown)."""
+    return dict(con.execute(
+        "SELECT coalesce(salt, '(no salt)') AS chain, count(*) FROM kv_events WHERE run_id = $run AND "
+        "kind = 'BlockStored' AND NOT coalesce(repeat, false) AND block_index = 0 AND parent_hash IS NOT NULL "
+        "AND salt_named = false AND ts BETWEEN $a AND $b "
+        "AND EXISTS (SELECT 1 FROM kv_events WHERE run_id = $run AND salt IS NOT NULL) GROUP BY chain ORDER BY chain",
+        {"run": run_id, "a": start, "b": end}).fetchall())
+
+
 def chain(con: duckdb.DuckDBPyConnection, run_id: str, replica: str, block_hash: int,
           group: int | None = None) -> pd.DataFrame:
     """A block and its ancestors, root first: depth, block_hash, salt, token_ids (from each block's

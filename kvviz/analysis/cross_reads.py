@@ -35,6 +35,11 @@ def tenant_name(salt: str | None) -> str:
     return NO_SALT if salt is None else salt
 
 
+def tenant(name: str) -> str:
+    """'tenant X' said once: a tenant already named like tenant-a is not 'tenant tenant-a'."""
+    return name if name.lower().startswith("tenant") else f"tenant {name}"
+
+
 def from_findings(findings: Iterable[Finding], salts: Mapping[str, str | None]) -> list[BlockRead]:
     """The oracle's cross_tenant findings so far (a run in progress), with each request's salt."""
     return [BlockRead(f.request, tenant_name(salts.get(f.request)), f.source_request,
