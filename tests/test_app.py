@@ -335,8 +335,10 @@ def test_an_uploaded_capture_opens_with_the_views_it_supports(empty_db, tmp_path
     assert any("#d62728" in values(t["marker"]["line"]["color"]) for t in tree["data"][1:]), "11: two salts"
     at.segmented_control(key="insp_view").set_value("Occupancy").run()
     at.radio(key="insp_split").set_value("tenant").run()
-    [tenant] = charts(at)["insp_occupancy"]["data"]  # b's store of 11 was a hit on a's block: b caches nothing
-    assert tenant["name"] == "tenant-a" and values(tenant["y"])[-1] == 1, "21 inherits a's salt; 21, 12 removed"
+    tenant, untold = charts(at)["insp_occupancy"]["data"]  # b's store of 11 was a hit on a's block: b caches nothing
+    assert tenant["name"] == "tenant-a" and values(tenant["y"])[-1] == 1, "12 removed, 11 left"
+    assert untold["name"] == "tenant-a's chain, own tenant unknown" and values(untold["y"])[-1] == 0, \
+        "21 continues a's chain by an event naming no salt; removed"
     at.segmented_control(key="insp_view").set_value("Lifetimes").run()
     assert "insp_durations" in charts(at) and not at.exception
     at.segmented_control(key="insp_view").set_value("Cross-tenant").run()

@@ -165,6 +165,37 @@ def test_the_capture_views_say_the_segments_whose_tenant_is_unknown_and_show_the
                                             "(its event names no salt)")
 
 
+@pytest.mark.parametrize("salted", [False, True], ids=["continued-naming-no-salt", "control-naming-its-salt"])
+def test_the_tree_and_occupancy_label_a_block_whose_event_names_no_salt_as_its_chains_own_tenant_unknown(
+        tmp_path, salted):
+    """tenant-a caches 1-2-3; 4 continues 3 by an event naming no salt, and is evicted; 5 continues 3
+    the same way and stays. The tree draws 4 and 5 as tenant-a's chain with their own tenant unknown,
+    and the occupancy counts them apart from tenant-a's own blocks, through 4's eviction; the control,
+    whose events name tenant-a, has tenant-a's blocks only."""
+    from kvviz.analysis import captures
+    from kvviz.figures import captures as tree_fig
+
+    stored = sglang if salted else (lambda hashes, parent, tokens, salt: stored_map(hashes, parent, tokens))
+    store, run = imported(tmp_path, [
+        batch(stored_map([1, 2, 3], None, [1, 2, 3, 4, 5, 6], salt="tenant-a"), ts=0.0),
+        batch(stored([4], 3, [7, 8], "tenant-a"), ts=1.0), batch(stored([5], 3, [7, 9], "tenant-a"), ts=2.0),
+        batch(REMOVED | {"block_hashes": [4]}, ts=3.0), batch(stored_map([9], None, [0, 0], salt="tenant-a"), ts=4.0)])
+    with store.read() as con:
+        tree = captures.prefix_tree(con, run)
+        occupancy = capture_time.occupancy(con, run, 0.0, 4.0, 1.0, "tenant")
+    untold = "tenant-a's chain, own tenant unknown"
+    levels = {name: list(part.cached) for name, part in occupancy.groupby("series")}
+    drawn = {t.name: t.marker.symbol for t in tree_fig.prefix_tree(tree).data[1:]}
+    if salted:
+        assert not tree.untold.any() and levels == {"tenant-a": [3, 4, 5, 4, 5]}
+        assert drawn == {"salt tenant-a": "circle", "salt tenant-a (evicted)": "circle-open"}
+    else:
+        assert dict(zip(tree.block_hash, tree.untold, strict=True)) == {1: False, 2: False, 3: False, 4: True,
+                                                                       5: True, 9: False}
+        assert levels == {"tenant-a": [3, 3, 3, 3, 4], untold: [0, 1, 2, 1, 1]}
+        assert drawn == {"salt tenant-a": "circle", untold: "diamond", f"{untold} (evicted)": "diamond-open"}
+
+
 SHARED, TAIL_A, TAIL_B = list(range(100, 140)), list(range(150, 158)), list(range(160, 168))
 
 

@@ -18,9 +18,20 @@ MAX_INTERVALS = 300
 BINS_PER_DECADE = 10  # duration histograms: durations span milliseconds to hours, so bins are logarithmic
 NICE_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800,
           3600, 7200, 10800, 21600, 43200, 86400)
+UNTOLD = "'s chain, own tenant unknown"  # after the salt of a block whose store event named none
 SPLITS = {"replica": "coalesce(replica, 'replica-0')", "tier": "coalesce(medium, '(no medium)')",
-          "tenant": "coalesce(salt, '(no salt)')"}
+          "tenant": "CASE WHEN NOT coalesce(named, true) AND salt IS NOT NULL THEN salt || $untold "
+                    "ELSE coalesce(salt, '(no salt)') END"}
 _NEW = "NOT coalesce(repeat, false)"
+# kv_events with `named`: whether the store that cached the block (a removal's: the last before it on
+# its replica, KV group and tier) named its salt
+_UNTOLD_NAMED = (
+    "(SELECT e.*, coalesce(e.salt_named, s.salt_named) AS named FROM kv_events e ASOF LEFT JOIN "
+    "(SELECT coalesce(replica, 'replica-0') AS r, coalesce(group_idx, -1) AS g, coalesce(medium, '') AS m, "
+    "block_hash AS h, step AS s_step, salt_named FROM kv_events WHERE run_id = $run AND kind = 'BlockStored' "
+    f"AND {_NEW}) s "
+    "ON s.r = coalesce(e.replica, 'replica-0') AND s.g = coalesce(e.group_idx, -1) AND s.m = coalesce(e.medium, '') "
+    "AND s.h = e.block_hash AND s.s_step <= e.step WHERE e.run_id = $run)")
 
 
 @dataclass(frozen=True)
@@ -69,7 +80,8 @@ def occupancy(con: duckdb.DuckDBPyConnection, run_id: str, start: float, end: fl
               "restart, step, ts FROM kv_events WHERE run_id = $run AND kind = 'AllBlocksCleared' AND ts <= $b)")
     clears = con.execute(epochs, {"run": run_id, "b": end}).df()
     ev = (f"SELECT coalesce(replica, 'replica-0') AS replica, coalesce(restart, 0) AS restart, step, ts, "
-          f"{SPLITS[split]} AS series, CASE WHEN kind = 'BlockStored' THEN 1 ELSE -1 END AS delta FROM kv_events "
+          f"{SPLITS[split]} AS series, CASE WHEN kind = 'BlockStored' THEN 1 ELSE -1 END AS delta FROM "
+          f"{_UNTOLD_NAMED if split == 'tenant' else 'kv_events'} "
           f"WHERE run_id = $run AND kind IN ('BlockStored', 'BlockRemoved') AND {_NEW} AND ts <= $b")
     if clears.empty:  # the common case: no epoch to look up for every row
         changes = (f"SELECT replica, restart, 0 AS epoch, series, {bucket} AS t, sum(delta) AS delta FROM ({ev}) "
@@ -80,7 +92,8 @@ def occupancy(con: duckdb.DuckDBPyConnection, run_id: str, start: float, end: fl
                    f"({epochs}) k ON e.replica = k.replica AND e.restart = k.restart AND k.step <= e.step GROUP BY ALL")
     levels = con.execute(
         f"SELECT replica, restart, epoch, series, t, sum(delta) OVER (PARTITION BY replica, restart, epoch, series "
-        f"ORDER BY t) AS cached FROM ({changes}) ORDER BY t, restart, epoch", args).df()
+        f"ORDER BY t) AS cached FROM ({changes}) ORDER BY t, restart, epoch",
+        args | ({"untold": UNTOLD} if split == "tenant" else {})).df()
     if levels.empty:
         return pd.DataFrame({"interval_start": [], "series": [], "cached": []})
     restarts = con.execute(  # where each replica's restarts begin (a new process caches nothing)

@@ -168,7 +168,9 @@ def _occupancy(con, info: RunInfo, span: capture_time.Span, a: float, b: float) 
     st.plotly_chart(time_fig.occupancy(df, span.start, split), width="stretch", key="insp_occupancy")
     st.caption(f"Blocks cached at the end of each {width:g} s, stacked. A store of a block already cached (a hit) "
                "and a removal of one not cached change nothing; a replica's AllBlocksCleared or restart empties it; "
-               "a block moved to another tier counts on the new one.")
+               "a block moved to another tier counts on the new one." +
+               (" A block whose store event named no salt (vLLM names it in a chain's first block only) counts as "
+                "its chain's, own tenant unknown." if split == "tenant" else ""))
 
 
 def _lifetimes(con, info: RunInfo, a: float, b: float) -> None:
@@ -246,7 +248,9 @@ def _tree(con, info: RunInfo, names: list[str], a: float, b: float) -> None:
     total = captures.stored_blocks(con, info.run_id, replica, step, group, since)
     shown = f"All {len(nodes):,} blocks" if total == len(nodes) else f"The first {len(nodes):,} of {total:,} blocks"
     st.caption(f"{shown} stored in the range (messages {since} to {step}){where}; hollow: removed (evicted) by "
-               "its end. Colour: cache salt (tenant).")
+               "its end. Colour: cache salt (tenant); diamonds: blocks whose store event named no salt, in the "
+               "colour of the chain they continue (vLLM names the salt in a chain's first block only): their own "
+               "tenant is unknown.")
 
 
 def _cross_tenant(con, info: RunInfo, span: capture_time.Span, a: float, b: float) -> None:
