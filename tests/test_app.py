@@ -219,6 +219,24 @@ def test_an_unsalted_run_says_its_cross_tenant_reads_beside_the_zero_leak_figure
     assert not at.exception
 
 
+def test_the_scenarios_side_by_side_says_the_faults_cross_tenant_reads_and_not_the_controls(empty_db):
+    """unsalted_prefix leaks no attention (its heatmap shows none): the side by side says the reads beside
+    it, under the fault's column only."""
+    from kvviz.analysis import cross_reads
+
+    at = page("scenarios")
+    at.selectbox(key="sc_name").set_value("unsalted_prefix")
+    at.selectbox(key="sc_model").set_value("tiny-llama")
+    at.button(key="sc_go").click().run()
+    assert not at.exception and not at.error
+    pair = at.session_state["sc_pair"]
+    with RunStore.open(empty_db).read() as con:
+        said = cross_reads.sentence(cross_reads.from_store(con, pair["scenario"]))
+        assert said and cross_reads.from_store(con, pair["control"]) == []
+    warned = [w.value for w in at.warning if "cross-tenant reads" in w.value]
+    assert len(warned) == 1 and warned[0].startswith(f"**{said}.**")
+
+
 def test_upload_imports_a_trace_and_refuses_a_broken_one(with_runs, tmp_path, monkeypatch):
     db, faulty, _ = with_runs
     trace = export_run(RunStore.open(db), faulty, tmp_path / "t.zip")
