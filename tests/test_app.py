@@ -219,6 +219,41 @@ def test_an_unsalted_run_says_its_cross_tenant_reads_beside_the_zero_leak_figure
     assert not at.exception
 
 
+@pytest.mark.parametrize("fault", ["unsalted_prefix", None], ids=["unsalted", "control"])
+def test_the_inspector_opens_a_cross_tenant_run_where_b_read_a_s_blocks_and_outlines_them(tiny, tmp_path,
+                                                                                          monkeypatch, fault):
+    """B writes one token, as on smollm2: it arrives, reads A's blocks and finishes in one step. The
+    inspector opens the Blocks view at that step with the blocks B read outlined, and does not send the
+    user a step back (where B was not there yet); the control outlines nothing."""
+    from kvviz.figures.palette import CROSS_READ
+
+    db = tmp_path / "kvviz.duckdb"
+    monkeypatch.setenv("KVVIZ_DB", str(db))
+    wl = live.scenario_workload("unsalted_prefix", tiny)
+    wl["requests"] = [r | {"max_new_tokens": 1} if r["id"] == "B" else r for r in wl["requests"]]
+    run_id = live.run(RunStore.open(db), tiny, wl, fault).run_id
+    with RunStore.open(db).read() as con:
+        read = dict(con.execute("SELECT block, step FROM findings WHERE run_id = ? AND kind = 'cross_tenant'",
+                                [run_id]).fetchall())
+        b_ran = con.execute("SELECT list(DISTINCT step) FROM step_work WHERE run_id = ? AND request_id = 'B'",
+                            [run_id]).fetchone()[0]
+    at = page("inspector", run_id=run_id)
+    assert at.session_state["insp_view"] == "Blocks" and not at.exception
+    block_map = charts(at)["insp_blockmap"]
+    outlined = {row[0] for t in block_map["data"]
+                for row, c in zip(t["customdata"], values(t["marker"]["line"]["color"]), strict=True)
+                if c == CROSS_READ}
+    said = " ".join(c.value for c in at.caption)
+    assert "step back one" not in said
+    if fault:
+        assert len(b_ran) == 1 and set(read.values()) == set(b_ran), "B ran one step: it read A's blocks then"
+        assert at.session_state["insp_step"] == b_ran[0] and outlined == set(read)
+        assert f"{len(read)} read by another tenant" in block_map["layout"]["title"]["text"]
+        assert "B ran in this step only" in said and "Black outline" in said
+    else:
+        assert read == {} and outlined == set() and "Black outline" not in said
+
+
 def test_the_scenarios_side_by_side_says_the_faults_cross_tenant_reads_and_not_the_controls(empty_db):
     """unsalted_prefix leaks no attention (its heatmap shows none): the side by side says the reads beside
     it, under the fault's column only."""

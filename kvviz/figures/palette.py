@@ -14,6 +14,7 @@ STATE_COLOURS = {"free": "#eceff1", "cached": "#b0bec5", "used": "#4c78a8", "sha
 LEAK = "#d62728"
 STALE = "#ff7f0e"
 CROSS_TENANT = "#6a3d9a"  # an exact copy another tenant wrote: the shared-block purple, neither own blue nor leak red
+CROSS_READ = "#111111"  # the outline of a block another tenant read: dark on any fill, the shared purple included
 GRID_BG = "#f5f5f5"  # what unseen cells (future, masked) show through
 
 
