@@ -170,7 +170,8 @@ def test_inspector_shows_the_leak_of_a_faulty_run(with_runs):
     assert "#d62728" in outlines  # a block read by the leak is outlined in red
     at.segmented_control(key="insp_view").set_value("Leaks").run()
     found = at.dataframe(key="insp_findings").value
-    assert len(found) > 0 and set(found.kind) == {"foreign"}
+    assert len(found) > 0 and set(found.kind) == {"foreign"} and found.position.notna().all()
+    assert at.button(key="insp_top_finding").label == "Go to the heaviest finding"
     at.button(key="insp_top_finding").click().run()
     assert at.session_state["insp_view"] == "Attention"
     heatmap = charts(at)["insp_heatmap"]
@@ -211,7 +212,9 @@ def test_an_unsalted_run_says_its_cross_tenant_reads_beside_the_zero_leak_figure
     assert any(said in m.value for m in at.markdown)
     found = at.dataframe(key="insp_findings").value
     assert set(found.kind) == {"cross_tenant"} and sorted(found.block) == hit
-    assert found[["layer", "head", "mass"]].isna().all().all()
+    assert found[["layer", "head", "mass", "position"]].isna().all().all(), "a block read: no query position"
+    assert list(found.columns[:5]) == ["kind", "request_id", "step", "last_step", "block"]
+    assert at.button(key="insp_top_finding").label == "Go to the first finding", "no mass: none is heaviest"
     at.segmented_control(key="insp_view").set_value("Attention").run()
     heatmap = charts(at)["insp_heatmap"]
     assert "another tenant's (same content)" in {t.get("name") for t in heatmap["data"]}
