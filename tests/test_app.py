@@ -113,6 +113,13 @@ def test_run_page_stores_a_run_and_opens_it(empty_db):
     assert (status, fault) == ("complete", "boundary") and findings > 0
 
 
+def test_a_scenarios_request_that_names_no_arrival_step_arrives_at_step_0(empty_db):
+    at = page("run")
+    at.selectbox(key="run_scenario").set_value("unsalted_prefix").run()
+    requests = at.dataframe[0].value
+    assert dict(zip(requests.id, requests.arrival_step, strict=True)) == {"A": 0, "B": 2}
+
+
 def test_a_scenario_sized_to_the_tokenizer_says_so_and_runs_with_its_sized_pool(empty_db):
     at = page("run")
     at.selectbox(key="run_model").set_value("tiny-llama").run()
@@ -205,7 +212,7 @@ def test_an_unsalted_run_says_its_cross_tenant_reads_beside_the_zero_leak_figure
     with RunStore.open(empty_db).read() as con:
         hit = sorted(b for (b,) in con.execute("SELECT block FROM block_events WHERE run_id = ? AND kind = 'hit' "
                                                "AND request_id = 'B'", [run_id]).fetchall())
-    said = f"cross-tenant reads: {len(hit)} blocks of tenant tenant-a read by tenant tenant-b (B read blocks "
+    said = f"cross-tenant reads: {len(hit)} blocks of tenant-a read by tenant-b (B read blocks "
     assert any(said in w.value for w in at.warning), [w.value for w in at.warning]  # under findings and mass 0
     at = page("inspector", run_id=run_id)  # a rerun here would run the Run page again
     at.segmented_control(key="insp_view").set_value("Leaks").run()

@@ -281,6 +281,16 @@ def test_leak_timeline_has_a_line_per_request_and_panel(recorded):
     assert fig.layout.yaxis.rangemode == "nonnegative", "a clean run's zeros sit at the bottom, not mid -1..1"
 
 
+def test_a_request_of_one_point_is_drawn_as_a_marker_not_an_invisible_line():
+    df = pd.DataFrame({"step": [2, 2, 3], "request_id": ["A", "B", "A"], "leak_rate": [0.0, 0.0, 0.0],
+                       "max_foreign_mass": [0.0, 0.0, 0.0]})
+    modes = {(t.name, t.yaxis): t.mode for t in timeline.leak_timeline(df).data}
+    assert modes == {("A", "y"): "lines+markers", ("A", "y2"): "lines+markers", ("B", "y"): "markers",
+                     ("B", "y2"): "markers"}
+    entropy = df.rename(columns={"step": "position", "max_foreign_mass": "entropy"})
+    assert {t.name: t.mode for t in timeline.entropy_by_position(entropy).data} == {"A": "lines", "B": "markers"}
+
+
 def test_capture_activity_is_per_second_and_a_horizontal_brush():
     from kvviz.figures import capture_time as time_fig
 

@@ -136,7 +136,11 @@ def lookups_table(found: list) -> pd.DataFrame:
                                                    "evidence"])
 
 
+EVIDENCE = {"before": "{} steps before this lookup",
+            "tokens_after": "{} prompt tokens after the cached ones (computed: a block not full, or the last token)"}
+
+
 def evidence_text(evidence: dict) -> str:
     """A lookup's evidence as a reader says it (explain's keys are terse for JSON)."""
-    return ", ".join(f"{v} steps before this lookup" if k == "before" else f"{k.replace('_', ' ')} {v}"
+    return ", ".join(EVIDENCE[k].format(v) if k in EVIDENCE else f"{k.replace('_', ' ')} {v}"
                      for k, v in evidence.items())
