@@ -171,7 +171,8 @@ def test_attention_heatmap_puts_foreign_weights_in_their_own_trace(recorded):
     np.testing.assert_allclose(np.nansum(foreign) + np.nansum(own), np.nansum(v.weights), rtol=1e-5)
     assert traces["foreign"].zmax == pytest.approx(np.nanmax(foreign))  # a small leak still shows in full red,
     assert traces["foreign"].showscale is not False and "foreign" in traces["foreign"].colorbar.title.text  # scaled
-    assert traces["own"].colorbar.x != traces["foreign"].colorbar.x, "two bars side by side"
+    own_bar, foreign_bar = traces["own"].colorbar, traces["foreign"].colorbar
+    assert own_bar.x == foreign_bar.x and own_bar.y - own_bar.len >= foreign_bar.y - 1e-9, "two bars, one above"
     # a band boundary wherever the writer changes along the key axis
     changes = sum(a != b for a, b in zip(v.key_owners, v.key_owners[1:], strict=False))
     assert len(fig.layout.shapes) == changes > 0
@@ -210,6 +211,11 @@ def test_attention_heatmap_draws_another_tenants_keys_apart_and_its_title_says_t
     cross = traces[fig_attention.CROSS_NAME]
     assert cross.colorscale[-1][1] == CROSS_TENANT and CROSS_TENANT not in (LEAK, STATE_COLOURS["used"])
     assert "another tenant's" in cross.colorbar.title.text
+    bars = sorted(((t.colorbar.y - t.colorbar.len, t.colorbar.y) for t in traces.values()), reverse=True)
+    assert all(low >= high_below - 1e-9 for (low, _), (_, high_below) in zip(bars, bars[1:], strict=False)), \
+        "stacked, so no title overlaps another where the figure is narrow (half a page)"
+    assert len({t.colorbar.x for t in traces.values()}) == 1 and all(
+        "<br>" not in t.colorbar.title.text for t in traces.values())
     assert said in fig.layout.title.text and fig.layout.title.text.startswith("B, step 5, layer 1, mean of heads")
     assert "cross-tenant" not in fig_attention.heatmap_title("B", 5, 1, "head 2", 0.0, None)
 
