@@ -16,7 +16,15 @@ from kvviz.figures import attention as fig_attention
 from kvviz.figures import blocks as fig_blocks
 from kvviz.figures import captures as fig_captures
 from kvviz.figures import timeline
-from kvviz.figures.palette import CROSS_TENANT, LEAK, STATE_COLOURS, grid_columns, request_colours
+from kvviz.figures.palette import (
+    CROSS_TENANT,
+    LEAK,
+    REQUEST_COLOURS,
+    STALE,
+    STATE_COLOURS,
+    grid_columns,
+    request_colours,
+)
 from kvviz.models import load_model
 from kvviz.store import RunStore
 
@@ -392,9 +400,31 @@ def test_prefix_tree_of_a_single_root_and_of_nothing():
 def test_palette_is_stable_and_grid_is_wide_enough():
     assert request_colours(["B", "A"]) == request_colours(["A", "B", "A"])
     assert request_colours(["A"])["A"] == request_colours(["A", "B"])["A"]
+    for name in "ABCDEFGH":  # a writer keeps its colour whichever others a panel shows (the heatmap's keys, the map)
+        panels = ([], ["A"], ["B", "C"], list("ABCDEFGH"))
+        assert len({request_colours(others + [name])[name] for others in panels}) == 1, name
+    many = [f"r{i}" for i in range(len(REQUEST_COLOURS))]
+    assert len(set(request_colours(many).values())) == len(many), "no two share a colour while colours are left"
     for n in (0, 1, 8, 9, 33, 128, 129, 5000):
         cols = grid_columns(n)
         assert cols >= 8 and cols * cols >= 2 * n and (cols == 8 or (cols // 2) ** 2 < 2 * n)
+
+
+def test_writer_colours_stay_clear_of_what_provenance_colours_mean():
+    """Key labels and block owners take writer colours: none may read as own blue, shared or another
+    tenant's purple, leak red or stale orange (hues at least 20 degrees away), or as grey."""
+    import colorsys
+
+    def hue_sat(c: str) -> tuple[float, float]:
+        h, _, s = colorsys.rgb_to_hls(*(int(c[i:i + 2], 16) / 255 for i in (1, 3, 5)))
+        return h * 360, s
+
+    meaning = [hue_sat(c)[0] for c in (LEAK, STALE, CROSS_TENANT, STATE_COLOURS["used"], STATE_COLOURS["shared"],
+                                       "#08519c")]  # "#08519c": the own heatmap's blue
+    for c in REQUEST_COLOURS:
+        hue, sat = hue_sat(c)
+        assert sat > 0.3, c
+        assert all(min(abs(hue - m), 360 - abs(hue - m)) >= 20 for m in meaning), c
 
 
 def test_miss_reasons_do_not_share_a_colour_with_the_block_churn_above_them():
