@@ -72,9 +72,9 @@ def occupancy(con: duckdb.DuckDBPyConnection, run_id: str, start: float, end: fl
     """interval_start, series, cached: blocks cached at the end of each interval, per replica, tier or
     tenant (summed over replicas). Each replica's count goes back to zero at its AllBlocksCleared and
     at a publisher restart (each begins an epoch); the level at `start` counts everything before it."""
-    a0 = float(np.floor(start / width) * width)
-    args = {"run": run_id, "w": width, "a0": a0, "b": end}
-    bucket = "greatest(floor(ts / $w) * $w, $a0)"
+    k0 = float(np.floor(start / width))  # intervals by number, so the last one is the one `end` falls in exactly
+    args = {"run": run_id, "w": width, "k0": k0, "b": end}  # (seconds added up along a grid drift past it)
+    bucket = "greatest(floor(ts / $w), $k0)"
     epochs = ("SELECT replica, restart, step, ts, row_number() OVER (PARTITION BY replica, restart ORDER BY step) "
               "AS epoch FROM (SELECT DISTINCT coalesce(replica, 'replica-0') AS replica, coalesce(restart, 0) AS "
               "restart, step, ts FROM kv_events WHERE run_id = $run AND kind = 'AllBlocksCleared' AND ts <= $b)")
@@ -100,9 +100,9 @@ def occupancy(con: duckdb.DuckDBPyConnection, run_id: str, start: float, end: fl
         f"SELECT coalesce(replica, 'replica-0') AS replica, restart, 0 AS epoch, {bucket.replace('ts', 'min(ts)')} "
         "AS t FROM kv_events WHERE run_id = $run AND restart > 0 AND ts <= $b GROUP BY ALL", args).df()
     first = levels.groupby("replica", as_index=False).t.min().assign(restart=0, epoch=0)
-    begins = pd.concat([first, restarts, clears.assign(t=np.maximum(np.floor(clears.ts / width) * width, a0))
+    begins = pd.concat([first, restarts, clears.assign(t=np.maximum(np.floor(clears.ts / width), k0))
                         [["replica", "restart", "epoch", "t"]]], ignore_index=True)
-    grid = np.arange(a0, np.floor(end / width) * width + width / 2, width)  # the intervals holding [start, end]
+    grid = np.arange(k0, np.floor(end / width) + 1)  # the intervals holding [start, end]
     out = []
     for replica, mine in levels.groupby("replica"):
         now = (begins[begins.replica == replica].sort_values(["t", "restart", "epoch"])
@@ -110,7 +110,7 @@ def occupancy(con: duckdb.DuckDBPyConnection, run_id: str, start: float, end: fl
         for name, part in mine.groupby("series"):
             level = part.drop_duplicates("t", keep="last").set_index("t").reindex(grid, method="ffill")
             alive = (level.restart == now.restart) & (level.epoch == now.epoch)  # an older epoch is gone
-            out.append(pd.DataFrame({"interval_start": grid, "series": name,
+            out.append(pd.DataFrame({"interval_start": grid * width, "series": name,
                                      "cached": level.cached.where(alive, 0).fillna(0).to_numpy()}))
     return (pd.concat(out).groupby(["interval_start", "series"], as_index=False).cached.sum()
             .sort_values(["interval_start", "series"], ignore_index=True))
