@@ -113,6 +113,13 @@ def test_run_page_stores_a_run_and_opens_it(empty_db):
     assert (status, fault) == ("complete", "boundary") and findings > 0
 
 
+def test_a_scenarios_request_that_names_no_arrival_step_arrives_at_step_0(empty_db):
+    at = page("run")
+    at.selectbox(key="run_scenario").set_value("unsalted_prefix").run()
+    requests = at.dataframe[0].value
+    assert dict(zip(requests.id, requests.arrival_step, strict=True)) == {"A": 0, "B": 2}
+
+
 def test_a_scenario_sized_to_the_tokenizer_says_so_and_runs_with_its_sized_pool(empty_db):
     at = page("run")
     at.selectbox(key="run_model").set_value("tiny-llama").run()
@@ -170,7 +177,8 @@ def test_inspector_shows_the_leak_of_a_faulty_run(with_runs):
     assert "#d62728" in outlines  # a block read by the leak is outlined in red
     at.segmented_control(key="insp_view").set_value("Leaks").run()
     found = at.dataframe(key="insp_findings").value
-    assert len(found) > 0 and set(found.kind) == {"foreign"}
+    assert len(found) > 0 and set(found.kind) == {"foreign"} and found.position.notna().all()
+    assert at.button(key="insp_top_finding").label == "Go to the heaviest finding"
     at.button(key="insp_top_finding").click().run()
     assert at.session_state["insp_view"] == "Attention"
     heatmap = charts(at)["insp_heatmap"]
@@ -204,19 +212,74 @@ def test_an_unsalted_run_says_its_cross_tenant_reads_beside_the_zero_leak_figure
     with RunStore.open(empty_db).read() as con:
         hit = sorted(b for (b,) in con.execute("SELECT block FROM block_events WHERE run_id = ? AND kind = 'hit' "
                                                "AND request_id = 'B'", [run_id]).fetchall())
-    said = f"cross-tenant reads: {len(hit)} blocks of tenant tenant-a read by tenant tenant-b (B read blocks "
+    said = f"cross-tenant reads: {len(hit)} blocks of tenant-a read by tenant-b (B read blocks "
     assert any(said in w.value for w in at.warning), [w.value for w in at.warning]  # under findings and mass 0
     at = page("inspector", run_id=run_id)  # a rerun here would run the Run page again
     at.segmented_control(key="insp_view").set_value("Leaks").run()
     assert any(said in m.value for m in at.markdown)
     found = at.dataframe(key="insp_findings").value
     assert set(found.kind) == {"cross_tenant"} and sorted(found.block) == hit
-    assert found[["layer", "head", "mass"]].isna().all().all()
+    assert found[["layer", "head", "mass", "position"]].isna().all().all(), "a block read: no query position"
+    assert list(found.columns[:5]) == ["kind", "request_id", "step", "last_step", "block"]
+    assert at.button(key="insp_top_finding").label == "Go to the first finding", "no mass: none is heaviest"
     at.segmented_control(key="insp_view").set_value("Attention").run()
     heatmap = charts(at)["insp_heatmap"]
     assert "another tenant's (same content)" in {t.get("name") for t in heatmap["data"]}
     assert "cross-tenant reads: " in heatmap["layout"]["title"]["text"]
     assert not at.exception
+
+
+@pytest.mark.parametrize("fault", ["unsalted_prefix", None], ids=["unsalted", "control"])
+def test_the_inspector_opens_a_cross_tenant_run_where_b_read_a_s_blocks_and_outlines_them(tiny, tmp_path,
+                                                                                          monkeypatch, fault):
+    """B writes one token, as on smollm2: it arrives, reads A's blocks and finishes in one step. The
+    inspector opens the Blocks view at that step with the blocks B read outlined, and does not send the
+    user a step back (where B was not there yet); the control outlines nothing."""
+    from kvviz.figures.palette import CROSS_READ
+
+    db = tmp_path / "kvviz.duckdb"
+    monkeypatch.setenv("KVVIZ_DB", str(db))
+    wl = live.scenario_workload("unsalted_prefix", tiny)
+    wl["requests"] = [r | {"max_new_tokens": 1} if r["id"] == "B" else r for r in wl["requests"]]
+    run_id = live.run(RunStore.open(db), tiny, wl, fault).run_id
+    with RunStore.open(db).read() as con:
+        read = dict(con.execute("SELECT block, step FROM findings WHERE run_id = ? AND kind = 'cross_tenant'",
+                                [run_id]).fetchall())
+        b_ran = con.execute("SELECT list(DISTINCT step) FROM step_work WHERE run_id = ? AND request_id = 'B'",
+                            [run_id]).fetchone()[0]
+    at = page("inspector", run_id=run_id)
+    assert at.session_state["insp_view"] == "Blocks" and not at.exception
+    block_map = charts(at)["insp_blockmap"]
+    outlined = {row[0] for t in block_map["data"]
+                for row, c in zip(t["customdata"], values(t["marker"]["line"]["color"]), strict=True)
+                if c == CROSS_READ}
+    said = " ".join(c.value for c in at.caption)
+    assert "step back one" not in said
+    if fault:
+        assert len(b_ran) == 1 and set(read.values()) == set(b_ran), "B ran one step: it read A's blocks then"
+        assert at.session_state["insp_step"] == b_ran[0] and outlined == set(read)
+        assert f"{len(read)} read by another tenant" in block_map["layout"]["title"]["text"]
+        assert "B ran in this step only" in said and "Black outline" in said
+    else:
+        assert read == {} and outlined == set() and "Black outline" not in said
+
+
+def test_the_scenarios_side_by_side_says_the_faults_cross_tenant_reads_and_not_the_controls(empty_db):
+    """unsalted_prefix leaks no attention (its heatmap shows none): the side by side says the reads beside
+    it, under the fault's column only."""
+    from kvviz.analysis import cross_reads
+
+    at = page("scenarios")
+    at.selectbox(key="sc_name").set_value("unsalted_prefix")
+    at.selectbox(key="sc_model").set_value("tiny-llama")
+    at.button(key="sc_go").click().run()
+    assert not at.exception and not at.error
+    pair = at.session_state["sc_pair"]
+    with RunStore.open(empty_db).read() as con:
+        said = cross_reads.sentence(cross_reads.from_store(con, pair["scenario"]))
+        assert said and cross_reads.from_store(con, pair["control"]) == []
+    warned = [w.value for w in at.warning if "cross-tenant reads" in w.value]
+    assert len(warned) == 1 and warned[0].startswith(f"**{said}.**")
 
 
 def test_upload_imports_a_trace_and_refuses_a_broken_one(with_runs, tmp_path, monkeypatch):
@@ -335,8 +398,10 @@ def test_an_uploaded_capture_opens_with_the_views_it_supports(empty_db, tmp_path
     assert any("#d62728" in values(t["marker"]["line"]["color"]) for t in tree["data"][1:]), "11: two salts"
     at.segmented_control(key="insp_view").set_value("Occupancy").run()
     at.radio(key="insp_split").set_value("tenant").run()
-    [tenant] = charts(at)["insp_occupancy"]["data"]  # b's store of 11 was a hit on a's block: b caches nothing
-    assert tenant["name"] == "tenant-a" and values(tenant["y"])[-1] == 1, "21 inherits a's salt; 21, 12 removed"
+    tenant, untold = charts(at)["insp_occupancy"]["data"]  # b's store of 11 was a hit on a's block: b caches nothing
+    assert tenant["name"] == "tenant-a" and values(tenant["y"])[-1] == 1, "12 removed, 11 left"
+    assert untold["name"] == "tenant-a's chain, own tenant unknown" and values(untold["y"])[-1] == 0, \
+        "21 continues a's chain by an event naming no salt; removed"
     at.segmented_control(key="insp_view").set_value("Lifetimes").run()
     assert "insp_durations" in charts(at) and not at.exception
     at.segmented_control(key="insp_view").set_value("Cross-tenant").run()

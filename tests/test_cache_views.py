@@ -127,3 +127,11 @@ def test_the_cache_chart_spans_the_run_and_its_rate_axis_reads_in_percent():
     fig = cache_fig.hit_rate(one, current=0, steps=(0, 5))
     assert list(fig.layout.xaxis.range) == [-0.5, 5.5], "one lookup at step 0 still shows the run's steps"
     assert fig.layout.yaxis2.tickformat == ".0%" and fig.layout.yaxis2.dtick == 0.25
+
+
+def test_evidence_says_what_its_numbers_count():
+    from kvviz.ui.common import evidence_text
+
+    assert evidence_text({"tokens_after": 2, "before": 3, "new_from_token": 8}) == (
+        "2 prompt tokens after the cached ones (computed: a block not full, or the last token), "
+        "3 steps before this lookup, new from token 8")

@@ -120,8 +120,80 @@ def test_the_cross_tenant_view_says_what_the_capture_cannot_tell(tmp_path, monke
         at.segmented_control(key="insp_view").set_value("Cross-tenant").run()
         assert not at.exception and any("No block hash was stored under two salts" in i.value for i in at.info)
         warned[path.stem] = [w.value for w in at.warning]
-    assert len(warned["u"]) == 1 and warned["u"][0].startswith("1 store in this range put back a block evicted")
-    assert "the capture cannot tell which tenant made them" in warned["u"][0] and warned["n"] == []
+    assert len(warned["u"]) == 1 and warned["u"][0].startswith(
+        "1 stored segment continues tenant-1's chain, naming no salt: the capture cannot tell which tenant stored "
+        "it. 1 of their stores put back a block evicted earlier.")
+    assert warned["n"] == []
+
+
+@pytest.mark.parametrize("salted", [False, True], ids=["continued-naming-no-salt", "control-naming-its-salt"])
+def test_the_capture_views_say_the_segments_whose_tenant_is_unknown_and_show_the_evidence(tmp_path, monkeypatch,
+                                                                                          salted):
+    """As vLLM sends the unsalted-prefix scenario: tenant-a caches 1-2-3, then three segments continue
+    its chain (no eviction, nothing stored twice) by events that name no salt. The Cross-tenant view
+    says so beside 'no hash under two salts', and the Activity view's explanation lists the evidence;
+    the control, the same segments naming tenant-a, says nothing of the kind."""
+    from tests.test_app import page
+
+    db = tmp_path / "kvviz.duckdb"
+    monkeypatch.setenv("KVVIZ_DB", str(db))
+    stored = sglang if salted else (lambda hashes, parent, tokens, salt: stored_map(hashes, parent, tokens))
+    run = import_capture(write_capture(tmp_path / "c.jsonl", [
+        batch(stored_map([1, 2, 3], None, [1, 2, 3, 4, 5, 6], salt="tenant-a"), ts=1.0),
+        batch(stored([4, 5], 3, [7, 8, 9, 10], "tenant-a"), stored([6], 3, [7, 11], "tenant-a"),
+              ts=2.0),
+        batch(stored([7], 5, [12, 13], "tenant-a"), ts=3.0)]), RunStore.open(db))
+    with RunStore.open(db).read() as con:
+        assert capture_time.untold_segments(con, run, 0, 10) == ({} if salted else {"tenant-a": 3})
+    at = page("inspector", run_id=run)
+    at.segmented_control(key="insp_view").set_value("Cross-tenant").run()
+    assert not at.exception and any("No block hash was stored under two salts" in i.value for i in at.info)
+    warned = [w.value for w in at.warning]
+    at.segmented_control(key="insp_view").set_value("Activity").run()
+    at.toggle(key="insp_explain").set_value(True).run()
+    lookups = at.dataframe[-1].value
+    assert not at.exception and list(lookups.request) == [f"chain-{h:016x}" for h in (1, 4, 6, 7)]
+    unknown = lookups.evidence.str.contains("tenant unknown")
+    if salted:
+        assert warned == [] and not unknown.any()
+    else:
+        assert len(warned) == 1 and warned[0].startswith(
+            "3 stored segments continue tenant-a's chain, naming no salt: the capture cannot tell which tenant "
+            "stored them. vLLM names")
+        assert list(unknown) == [False, True, True, True]
+        assert lookups.evidence[1].endswith(f"continues chain of tenant-a, continues block {3:016x}, tenant unknown "
+                                            "(its event names no salt)")
+
+
+@pytest.mark.parametrize("salted", [False, True], ids=["continued-naming-no-salt", "control-naming-its-salt"])
+def test_the_tree_and_occupancy_label_a_block_whose_event_names_no_salt_as_its_chains_own_tenant_unknown(
+        tmp_path, salted):
+    """tenant-a caches 1-2-3; 4 continues 3 by an event naming no salt, and is evicted; 5 continues 3
+    the same way and stays. The tree draws 4 and 5 as tenant-a's chain with their own tenant unknown,
+    and the occupancy counts them apart from tenant-a's own blocks, through 4's eviction; the control,
+    whose events name tenant-a, has tenant-a's blocks only."""
+    from kvviz.analysis import captures
+    from kvviz.figures import captures as tree_fig
+
+    stored = sglang if salted else (lambda hashes, parent, tokens, salt: stored_map(hashes, parent, tokens))
+    store, run = imported(tmp_path, [
+        batch(stored_map([1, 2, 3], None, [1, 2, 3, 4, 5, 6], salt="tenant-a"), ts=0.0),
+        batch(stored([4], 3, [7, 8], "tenant-a"), ts=1.0), batch(stored([5], 3, [7, 9], "tenant-a"), ts=2.0),
+        batch(REMOVED | {"block_hashes": [4]}, ts=3.0), batch(stored_map([9], None, [0, 0], salt="tenant-a"), ts=4.0)])
+    with store.read() as con:
+        tree = captures.prefix_tree(con, run)
+        occupancy = capture_time.occupancy(con, run, 0.0, 4.0, 1.0, "tenant")
+    untold = "tenant-a's chain, own tenant unknown"
+    levels = {name: list(part.cached) for name, part in occupancy.groupby("series")}
+    drawn = {t.name: t.marker.symbol for t in tree_fig.prefix_tree(tree).data[1:]}
+    if salted:
+        assert not tree.untold.any() and levels == {"tenant-a": [3, 4, 5, 4, 5]}
+        assert drawn == {"salt tenant-a": "circle", "salt tenant-a (evicted)": "circle-open"}
+    else:
+        assert dict(zip(tree.block_hash, tree.untold, strict=True)) == {1: False, 2: False, 3: False, 4: True,
+                                                                       5: True, 9: False}
+        assert levels == {"tenant-a": [3, 3, 3, 3, 4], untold: [0, 1, 2, 1, 1]}
+        assert drawn == {"salt tenant-a": "circle", untold: "diamond", f"{untold} (evicted)": "diamond-open"}
 
 
 SHARED, TAIL_A, TAIL_B = list(range(100, 140)), list(range(150, 158)), list(range(160, 168))

@@ -78,6 +78,26 @@ def test_occupancy_per_tenant_replica_and_tier_through_evictions_clears_and_rest
     assert list(late[late.series == "a"].cached) == [1, 0, 1]
 
 
+def test_occupancy_counts_a_store_at_the_very_end_of_the_range(tmp_path):
+    """Timestamps of a real capture (the publisher's clock, 20 ms long): the intervals are a millisecond
+    wide, and a grid of seconds added up drifted below the last store's interval, which never showed."""
+    start, end = 1796371672.7924254, 1796371672.8129652
+    path = tmp_path / "c.jsonl"
+    w = CaptureWriter(path, {"pod-a": "tcp://a:1"})
+    for seq, (ts, events) in enumerate([(start, [stored_map([1, 2], None, [1, 1, 2, 2], salt="a")]),
+                                        (start + 0.0077, [stored_map([3], 2, [3, 3])]),
+                                        (end, [stored_map([4], 3, [4, 4])])]):
+        w.add(Message("pod-a", 0, seq, "kv", msgpack.packb([ts, events, 0]), None))
+    w.close()
+    store = RunStore.open(tmp_path / "k.duckdb")
+    run_id = import_capture(path, store)
+    width = capture_time.interval_s(start, end)
+    with store.read() as con:
+        df = capture_time.occupancy(con, run_id, start, end, width, "replica")
+    assert width == 0.001 and list(df.cached)[-1] == 4, "every stored block, the last one included"
+    assert df.interval_start.iloc[-1] == pytest.approx(end, abs=width)
+
+
 def test_churn_hits_and_the_most_reused_prefix_with_its_chain(run):
     store, run_id = run
     with store.read() as con:

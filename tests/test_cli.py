@@ -154,7 +154,7 @@ def test_run_says_the_cross_tenant_reads_in_one_sentence_and_json_lists_each_blo
     p = kvviz("run", "--scenario", "unsalted_prefix", "--model", "tiny-llama", "--quiet")
     assert p.returncode == 0, p.stderr
     said = next(line for line in p.stdout.splitlines() if line.startswith("cross-tenant reads: "))
-    assert "blocks of tenant tenant-a read by tenant tenant-b (B read blocks" in said
+    assert "blocks of tenant-a read by tenant-b (B read blocks" in said
     assert "finding cross_tenant" not in p.stdout  # one per block: the sentence says them, --json lists them
     s = json.loads(kvviz("run", "--scenario", "unsalted_prefix", "--model", "tiny-llama", "--json").stdout
                    .splitlines()[-1])

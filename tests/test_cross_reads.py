@@ -29,6 +29,15 @@ def test_the_sentence_counts_blocks_per_pair_of_tenants_and_names_blocks_and_ste
     assert cross_reads.sentence([]) is None
 
 
+def test_a_tenant_named_tenant_something_is_not_said_twice():
+    reads = [BlockRead("B", "tenant-b", "A", "tenant-a", 0, 2, 2), BlockRead("C", "Tenant C", "A", "tenant-a", 1, 3, 3)]
+    assert cross_reads.sentence(reads) == (
+        "cross-tenant reads: 1 block of tenant-a read by Tenant C (C read block 1, written by A, at step 3); "
+        "1 block of tenant-a read by tenant-b (B read block 0, written by A, at step 2)")
+    assert [cross_reads.tenant(t) for t in ("acme", "tenant-a", "(no salt)")] == \
+        ["tenant acme", "tenant-a", "tenant (no salt)"]
+
+
 @pytest.mark.parametrize("intervals, said", [([(0, 0), (1, 2), (5, 5)], "0-2, 5"), ([(3, 9), (4, 5)], "3-9"),
                                              ([(7, 7)], "7"), ([(9, 12), (1, 1), (13, 13)], "1, 9-13")])
 def test_spans_merge_what_touches_or_overlaps(intervals, said):
@@ -52,7 +61,7 @@ def test_the_live_reads_and_the_stored_reads_are_the_same(tmp_path):
     assert {(r.reader, r.reader_tenant, r.writer, r.writer_tenant, r.first, r.last) for r in stored} == \
         {("B", "tenant-b", "A", "tenant-a", b_first, b_last)}
     assert said[0] is None and said[-1] == cross_reads.sentence(stored)  # nothing before B's first step
-    assert said[-1].startswith(f"cross-tenant reads: {len(blocks)} blocks of tenant tenant-a read by tenant tenant-b")
+    assert said[-1].startswith(f"cross-tenant reads: {len(blocks)} blocks of tenant-a read by tenant-b")
     control = live.run(RunStore.open(db), m, live.scenario_workload("unsalted_prefix", m), None)
     with RunStore.open(db).write() as con:
         assert cross_reads.from_store(con, control.run_id) == []

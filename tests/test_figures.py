@@ -16,7 +16,15 @@ from kvviz.figures import attention as fig_attention
 from kvviz.figures import blocks as fig_blocks
 from kvviz.figures import captures as fig_captures
 from kvviz.figures import timeline
-from kvviz.figures.palette import CROSS_TENANT, LEAK, STATE_COLOURS, grid_columns, request_colours
+from kvviz.figures.palette import (
+    CROSS_TENANT,
+    LEAK,
+    REQUEST_COLOURS,
+    STALE,
+    STATE_COLOURS,
+    grid_columns,
+    request_colours,
+)
 from kvviz.models import load_model
 from kvviz.store import RunStore
 
@@ -171,7 +179,8 @@ def test_attention_heatmap_puts_foreign_weights_in_their_own_trace(recorded):
     np.testing.assert_allclose(np.nansum(foreign) + np.nansum(own), np.nansum(v.weights), rtol=1e-5)
     assert traces["foreign"].zmax == pytest.approx(np.nanmax(foreign))  # a small leak still shows in full red,
     assert traces["foreign"].showscale is not False and "foreign" in traces["foreign"].colorbar.title.text  # scaled
-    assert traces["own"].colorbar.x != traces["foreign"].colorbar.x, "two bars side by side"
+    own_bar, foreign_bar = traces["own"].colorbar, traces["foreign"].colorbar
+    assert own_bar.x == foreign_bar.x and own_bar.y - own_bar.len >= foreign_bar.y - 1e-9, "two bars, one above"
     # a band boundary wherever the writer changes along the key axis
     changes = sum(a != b for a, b in zip(v.key_owners, v.key_owners[1:], strict=False))
     assert len(fig.layout.shapes) == changes > 0
@@ -210,6 +219,11 @@ def test_attention_heatmap_draws_another_tenants_keys_apart_and_its_title_says_t
     cross = traces[fig_attention.CROSS_NAME]
     assert cross.colorscale[-1][1] == CROSS_TENANT and CROSS_TENANT not in (LEAK, STATE_COLOURS["used"])
     assert "another tenant's" in cross.colorbar.title.text
+    bars = sorted(((t.colorbar.y - t.colorbar.len, t.colorbar.y) for t in traces.values()), reverse=True)
+    assert all(low >= high_below - 1e-9 for (low, _), (_, high_below) in zip(bars, bars[1:], strict=False)), \
+        "stacked, so no title overlaps another where the figure is narrow (half a page)"
+    assert len({t.colorbar.x for t in traces.values()}) == 1 and all(
+        "<br>" not in t.colorbar.title.text for t in traces.values())
     assert said in fig.layout.title.text and fig.layout.title.text.startswith("B, step 5, layer 1, mean of heads")
     assert "cross-tenant" not in fig_attention.heatmap_title("B", 5, 1, "head 2", 0.0, None)
 
@@ -281,6 +295,16 @@ def test_leak_timeline_has_a_line_per_request_and_panel(recorded):
     assert fig.layout.yaxis.rangemode == "nonnegative", "a clean run's zeros sit at the bottom, not mid -1..1"
 
 
+def test_a_request_of_one_point_is_drawn_as_a_marker_not_an_invisible_line():
+    df = pd.DataFrame({"step": [2, 2, 3], "request_id": ["A", "B", "A"], "leak_rate": [0.0, 0.0, 0.0],
+                       "max_foreign_mass": [0.0, 0.0, 0.0]})
+    modes = {(t.name, t.yaxis): t.mode for t in timeline.leak_timeline(df).data}
+    assert modes == {("A", "y"): "lines+markers", ("A", "y2"): "lines+markers", ("B", "y"): "markers",
+                     ("B", "y2"): "markers"}
+    entropy = df.rename(columns={"step": "position", "max_foreign_mass": "entropy"})
+    assert {t.name: t.mode for t in timeline.entropy_by_position(entropy).data} == {"A": "lines", "B": "markers"}
+
+
 def test_capture_activity_is_per_second_and_a_horizontal_brush():
     from kvviz.figures import capture_time as time_fig
 
@@ -306,6 +330,8 @@ def test_capture_occupancy_stacks_a_series_each_and_durations_are_log_histograms
     fig = time_fig.occupancy(df, origin=10.0, split="tenant")
     assert [t.name for t in fig.data] == ["a", "b"] and all(t.stackgroup == "one" for t in fig.data)
     assert list(fig.data[1].x) == [0.0, 1.0] and list(fig.data[1].y) == [3, 0]
+    one = time_fig.occupancy(df[df.series == "a"], origin=10.0, split="tenant")
+    assert one.layout.showlegend and [t.name for t in one.data] == ["a"], "one tenant is still named"
     d = pd.DataFrame({"measure": ["lifetime", "reuse gap"], "seconds": [1.0, 0.01], "count": [5, 2]})
     fig = time_fig.durations(d, bins_per_decade=10)
     assert [list(t.y) for t in fig.data] == [[5], [], [2]]
@@ -374,9 +400,31 @@ def test_prefix_tree_of_a_single_root_and_of_nothing():
 def test_palette_is_stable_and_grid_is_wide_enough():
     assert request_colours(["B", "A"]) == request_colours(["A", "B", "A"])
     assert request_colours(["A"])["A"] == request_colours(["A", "B"])["A"]
+    for name in "ABCDEFGH":  # a writer keeps its colour whichever others a panel shows (the heatmap's keys, the map)
+        panels = ([], ["A"], ["B", "C"], list("ABCDEFGH"))
+        assert len({request_colours(others + [name])[name] for others in panels}) == 1, name
+    many = [f"r{i}" for i in range(len(REQUEST_COLOURS))]
+    assert len(set(request_colours(many).values())) == len(many), "no two share a colour while colours are left"
     for n in (0, 1, 8, 9, 33, 128, 129, 5000):
         cols = grid_columns(n)
         assert cols >= 8 and cols * cols >= 2 * n and (cols == 8 or (cols // 2) ** 2 < 2 * n)
+
+
+def test_writer_colours_stay_clear_of_what_provenance_colours_mean():
+    """Key labels and block owners take writer colours: none may read as own blue, shared or another
+    tenant's purple, leak red or stale orange (hues at least 20 degrees away), or as grey."""
+    import colorsys
+
+    def hue_sat(c: str) -> tuple[float, float]:
+        h, _, s = colorsys.rgb_to_hls(*(int(c[i:i + 2], 16) / 255 for i in (1, 3, 5)))
+        return h * 360, s
+
+    meaning = [hue_sat(c)[0] for c in (LEAK, STALE, CROSS_TENANT, STATE_COLOURS["used"], STATE_COLOURS["shared"],
+                                       "#08519c")]  # "#08519c": the own heatmap's blue
+    for c in REQUEST_COLOURS:
+        hue, sat = hue_sat(c)
+        assert sat > 0.3, c
+        assert all(min(abs(hue - m), 360 - abs(hue - m)) >= 20 for m in meaning), c
 
 
 def test_miss_reasons_do_not_share_a_colour_with_the_block_churn_above_them():

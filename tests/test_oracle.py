@@ -108,7 +108,7 @@ def test_unsalted_prefix_is_one_cross_tenant_finding_per_block_read_not_foreign_
         assert (f.step, f.last_step, f.position) == (b_steps[0], b_steps[-1], first)
     assert all(d.classification in ("identical", "batch_variance") for d in run.divergences)
     said = run.summary()["cross_tenant"]
-    assert said.startswith(f"cross-tenant reads: {len(hit)} blocks of tenant tenant-a read by tenant tenant-b (B "
+    assert said.startswith(f"cross-tenant reads: {len(hit)} blocks of tenant-a read by tenant-b (B "
                            f"read blocks ")
     assert control.findings == [] and control.summary()["cross_tenant"] is None
     assert not any(e.kind == "hit" for r in steps for e in r.events if e.request == "A")

@@ -65,6 +65,15 @@ def leaky_blocks(con: duckdb.DuckDBPyConnection, run_id: str, step: int, block_s
     return {int(r[0]) for r in rows}
 
 
+def cross_read_blocks(con: duckdb.DuckDBPyConnection, run_id: str, step: int) -> set[int]:
+    """Blocks another tenant wrote that a request read at this step (its cross_tenant findings): the
+    same content, so no attention figure shows them."""
+    rows = con.execute("SELECT DISTINCT block FROM findings WHERE run_id = $run AND kind = 'cross_tenant' AND "
+                       "block IS NOT NULL AND step <= $step AND coalesce(last_step, step) >= $step",
+                       {"run": run_id, "step": step}).fetchall()
+    return {int(r[0]) for r in rows}
+
+
 def occupancy(con: duckdb.DuckDBPyConnection, run_id: str, max_steps: int = 400,
               max_blocks: int = 512) -> tuple[np.ndarray, list[int], int]:
     """[blocks, steps] state codes (see STATES), the steps shown and blocks per row: long runs are

@@ -18,9 +18,20 @@ MAX_INTERVALS = 300
 BINS_PER_DECADE = 10  # duration histograms: durations span milliseconds to hours, so bins are logarithmic
 NICE_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800,
           3600, 7200, 10800, 21600, 43200, 86400)
+UNTOLD = "'s chain, own tenant unknown"  # after the salt of a block whose store event named none
 SPLITS = {"replica": "coalesce(replica, 'replica-0')", "tier": "coalesce(medium, '(no medium)')",
-          "tenant": "coalesce(salt, '(no salt)')"}
+          "tenant": "CASE WHEN NOT coalesce(named, true) AND salt IS NOT NULL THEN salt || $untold "
+                    "ELSE coalesce(salt, '(no salt)') END"}
 _NEW = "NOT coalesce(repeat, false)"
+# kv_events with `named`: whether the store that cached the block (a removal's: the last before it on
+# its replica, KV group and tier) named its salt
+_UNTOLD_NAMED = (
+    "(SELECT e.*, coalesce(e.salt_named, s.salt_named) AS named FROM kv_events e ASOF LEFT JOIN "
+    "(SELECT coalesce(replica, 'replica-0') AS r, coalesce(group_idx, -1) AS g, coalesce(medium, '') AS m, "
+    "block_hash AS h, step AS s_step, salt_named FROM kv_events WHERE run_id = $run AND kind = 'BlockStored' "
+    f"AND {_NEW}) s "
+    "ON s.r = coalesce(e.replica, 'replica-0') AND s.g = coalesce(e.group_idx, -1) AND s.m = coalesce(e.medium, '') "
+    "AND s.h = e.block_hash AND s.s_step <= e.step WHERE e.run_id = $run)")
 
 
 @dataclass(frozen=True)
@@ -61,15 +72,16 @@ def occupancy(con: duckdb.DuckDBPyConnection, run_id: str, start: float, end: fl
     """interval_start, series, cached: blocks cached at the end of each interval, per replica, tier or
     tenant (summed over replicas). Each replica's count goes back to zero at its AllBlocksCleared and
     at a publisher restart (each begins an epoch); the level at `start` counts everything before it."""
-    a0 = float(np.floor(start / width) * width)
-    args = {"run": run_id, "w": width, "a0": a0, "b": end}
-    bucket = "greatest(floor(ts / $w) * $w, $a0)"
+    k0 = float(np.floor(start / width))  # intervals by number, so the last one is the one `end` falls in exactly
+    args = {"run": run_id, "w": width, "k0": k0, "b": end}  # (seconds added up along a grid drift past it)
+    bucket = "greatest(floor(ts / $w), $k0)"
     epochs = ("SELECT replica, restart, step, ts, row_number() OVER (PARTITION BY replica, restart ORDER BY step) "
               "AS epoch FROM (SELECT DISTINCT coalesce(replica, 'replica-0') AS replica, coalesce(restart, 0) AS "
               "restart, step, ts FROM kv_events WHERE run_id = $run AND kind = 'AllBlocksCleared' AND ts <= $b)")
     clears = con.execute(epochs, {"run": run_id, "b": end}).df()
     ev = (f"SELECT coalesce(replica, 'replica-0') AS replica, coalesce(restart, 0) AS restart, step, ts, "
-          f"{SPLITS[split]} AS series, CASE WHEN kind = 'BlockStored' THEN 1 ELSE -1 END AS delta FROM kv_events "
+          f"{SPLITS[split]} AS series, CASE WHEN kind = 'BlockStored' THEN 1 ELSE -1 END AS delta FROM "
+          f"{_UNTOLD_NAMED if split == 'tenant' else 'kv_events'} "
           f"WHERE run_id = $run AND kind IN ('BlockStored', 'BlockRemoved') AND {_NEW} AND ts <= $b")
     if clears.empty:  # the common case: no epoch to look up for every row
         changes = (f"SELECT replica, restart, 0 AS epoch, series, {bucket} AS t, sum(delta) AS delta FROM ({ev}) "
@@ -80,16 +92,17 @@ def occupancy(con: duckdb.DuckDBPyConnection, run_id: str, start: float, end: fl
                    f"({epochs}) k ON e.replica = k.replica AND e.restart = k.restart AND k.step <= e.step GROUP BY ALL")
     levels = con.execute(
         f"SELECT replica, restart, epoch, series, t, sum(delta) OVER (PARTITION BY replica, restart, epoch, series "
-        f"ORDER BY t) AS cached FROM ({changes}) ORDER BY t, restart, epoch", args).df()
+        f"ORDER BY t) AS cached FROM ({changes}) ORDER BY t, restart, epoch",
+        args | ({"untold": UNTOLD} if split == "tenant" else {})).df()
     if levels.empty:
         return pd.DataFrame({"interval_start": [], "series": [], "cached": []})
     restarts = con.execute(  # where each replica's restarts begin (a new process caches nothing)
         f"SELECT coalesce(replica, 'replica-0') AS replica, restart, 0 AS epoch, {bucket.replace('ts', 'min(ts)')} "
         "AS t FROM kv_events WHERE run_id = $run AND restart > 0 AND ts <= $b GROUP BY ALL", args).df()
     first = levels.groupby("replica", as_index=False).t.min().assign(restart=0, epoch=0)
-    begins = pd.concat([first, restarts, clears.assign(t=np.maximum(np.floor(clears.ts / width) * width, a0))
+    begins = pd.concat([first, restarts, clears.assign(t=np.maximum(np.floor(clears.ts / width), k0))
                         [["replica", "restart", "epoch", "t"]]], ignore_index=True)
-    grid = np.arange(a0, np.floor(end / width) * width + width / 2, width)  # the intervals holding [start, end]
+    grid = np.arange(k0, np.floor(end / width) + 1)  # the intervals holding [start, end]
     out = []
     for replica, mine in levels.groupby("replica"):
         now = (begins[begins.replica == replica].sort_values(["t", "restart", "epoch"])
@@ -97,7 +110,7 @@ def occupancy(con: duckdb.DuckDBPyConnection, run_id: str, start: float, end: fl
         for name, part in mine.groupby("series"):
             level = part.drop_duplicates("t", keep="last").set_index("t").reindex(grid, method="ffill")
             alive = (level.restart == now.restart) & (level.epoch == now.epoch)  # an older epoch is gone
-            out.append(pd.DataFrame({"interval_start": grid, "series": name,
+            out.append(pd.DataFrame({"interval_start": grid * width, "series": name,
                                      "cached": level.cached.where(alive, 0).fillna(0).to_numpy()}))
     return (pd.concat(out).groupby(["interval_start", "series"], as_index=False).cached.sum()
             .sort_values(["interval_start", "series"], ignore_index=True))
@@ -169,6 +182,18 @@ def untold_restores(con: duckdb.DuckDBPyConnection, run_id: str, start: float, e
         "WHERE st.step > l.first AND st.salt_named = false AND st.ts BETWEEN $a AND $b "
         "AND EXISTS (SELECT 1 FROM kv_events WHERE run_id = $run AND salt IS NOT NULL)",
         {"run": run_id, "a": start, "b": end}).fetchone()[0])
+
+
+def untold_segments(con: duckdb.DuckDBPyConnection, run_id: str, start: float, end: float) -> dict[str, int]:
+    """Stored segments in the range (an event's new blocks continuing a cached chain) whose event names
+    no salt, per tenant of the chain they continue, in a capture that names tenants: the capture cannot
+    tell which tenant stored them (explain says so of each: continues_chain_of, tenant unknown)."""
+    return dict(con.execute(
+        "SELECT coalesce(salt, '(no salt)') AS chain, count(*) FROM kv_events WHERE run_id = $run AND "
+        "kind = 'BlockStored' AND NOT coalesce(repeat, false) AND block_index = 0 AND parent_hash IS NOT NULL "
+        "AND salt_named = false AND ts BETWEEN $a AND $b "
+        "AND EXISTS (SELECT 1 FROM kv_events WHERE run_id = $run AND salt IS NOT NULL) GROUP BY chain ORDER BY chain",
+        {"run": run_id, "a": start, "b": end}).fetchall())
 
 
 def chain(con: duckdb.DuckDBPyConnection, run_id: str, replica: str, block_hash: int,

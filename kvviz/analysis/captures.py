@@ -25,7 +25,8 @@ def prefix_tree(con: duckdb.DuckDBPyConnection, run_id: str, max_nodes: int = 30
     """One row per stored block hash (of one replica and KV group, or all): its parent, its salts
     (more than one: shared across tenants), LoRA, the tiers (media) it was stored on, when it was first
     stored and when it left the cache for good (its BlockRemoved or an AllBlocksCleared at or after its
-    last store; null while it is still cached at the end), and its tokens; the first `max_nodes` stored
+    last store; null while it is still cached at the end), and its tokens, and untold: every store of
+    it named no salt (its salt is the chain's, its own tenant unknown); the first `max_nodes` stored
     from message `since` on.
 
     The first blocks are found among the earliest stores (a top-N over the capture, not a grouping of
@@ -33,7 +34,8 @@ def prefix_tree(con: duckdb.DuckDBPyConnection, run_id: str, max_nodes: int = 30
     them out."""
     def first(window: int | None) -> pd.DataFrame:
         return con.execute(
-            "WITH ev AS (SELECT step, kind, block_hash, parent_hash, salt, lora_name, medium, token_ids FROM kv_events "
+            "WITH ev AS (SELECT step, kind, block_hash, parent_hash, salt, salt_named, lora_name, medium, token_ids "
+            "FROM kv_events "
             "WHERE run_id = $run AND ($replica IS NULL OR coalesce(replica, 'replica-0') = $replica) "
             "AND ($group IS NULL OR group_idx = $group)), "
             "earliest AS (SELECT block_hash, step FROM ev WHERE kind = 'BlockStored' AND step >= $since "
@@ -44,6 +46,7 @@ def prefix_tree(con: duckdb.DuckDBPyConnection, run_id: str, max_nodes: int = 30
             "stored AS (SELECT block_hash, any_value(parent_hash) AS parent_hash, min(step) AS stored_step, "
             "max(step) AS last_stored, string_agg(DISTINCT coalesce(salt, '(no salt)'), ', ' ORDER BY "
             "coalesce(salt, '(no salt)')) AS salt, count(DISTINCT coalesce(salt, '')) AS salts, "
+            "bool_and(NOT coalesce(salt_named, true) AND salt IS NOT NULL) AS untold, "
             "any_value(lora_name) AS lora_name, string_agg(DISTINCT medium, ', ' ORDER BY medium) AS media, "
             "any_value(token_ids) AS token_ids FROM ev "
             "SEMI JOIN chosen USING (block_hash) WHERE kind = 'BlockStored' GROUP BY block_hash), "

@@ -35,6 +35,11 @@ def tenant_name(salt: str | None) -> str:
     return NO_SALT if salt is None else salt
 
 
+def tenant(name: str) -> str:
+    """'tenant X' said once: a tenant already named like tenant-a is not 'tenant tenant-a'."""
+    return name if name.lower().startswith("tenant") else f"tenant {name}"
+
+
 def from_findings(findings: Iterable[Finding], salts: Mapping[str, str | None]) -> list[BlockRead]:
     """The oracle's cross_tenant findings so far (a run in progress), with each request's salt."""
     return [BlockRead(f.request, tenant_name(salts.get(f.request)), f.source_request,
@@ -59,7 +64,7 @@ def from_store(con: duckdb.DuckDBPyConnection, run_id: str) -> list[BlockRead]:
 
 def sentence(reads: list[BlockRead]) -> str | None:
     """'cross-tenant reads: N blocks of tenant X read by tenant Y (R read blocks ..., written by W, at
-    steps ...)', one clause per pair of tenants; None when there is no read."""
+    steps ...)', one clause per pair of tenants (tenant-a, not 'tenant tenant-a'); None when there is no read."""
     if not reads:
         return None
     pairs: dict[tuple[str, str], list[BlockRead]] = {}
@@ -72,7 +77,7 @@ def sentence(reads: list[BlockRead]) -> str | None:
         for r in group:
             readers.setdefault(r.reader, []).append(r)
         detail = "; ".join(_reader_detail(name, rs) for name, rs in readers.items())
-        clauses.append(f"{n} block{'s' if n != 1 else ''} of tenant {writer_tenant} read by tenant {reader_tenant} "
+        clauses.append(f"{n} block{'s' if n != 1 else ''} of {tenant(writer_tenant)} read by {tenant(reader_tenant)} "
                        f"({detail})")
     return "cross-tenant reads: " + "; ".join(clauses)
 

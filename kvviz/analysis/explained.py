@@ -56,6 +56,18 @@ def reasons_per_interval(con: duckdb.DuckDBPyConnection, run_id: str, start: flo
                        {"run": run_id, "w": width, "a": start, "b": end}).df()
 
 
+def explained_in(con: duckdb.DuckDBPyConnection, run_id: str, start: float, end: float,
+                 most: int = 1000) -> tuple[int, list[Explanation]]:
+    """How many lookups a kept capture explanation holds in a time range, and the first `most` of them
+    with their evidence (a capture's can be millions: a table shows a page of them)."""
+    args = {"run": run_id, "a": start, "b": end}
+    where = "WHERE run_id = $run AND ts BETWEEN $a AND $b"
+    n = con.execute(f"SELECT count(*) FROM lookup_explanations {where}", args).fetchone()[0]
+    rows = con.execute(f"SELECT {', '.join(FIELDS)}, evidence FROM lookup_explanations {where} "
+                       "ORDER BY step, rowid LIMIT $most", {**args, "most": most}).fetchall()
+    return n, [Explanation(*row[:-1], json.loads(row[-1])) for row in rows]
+
+
 def _read(con: duckdb.DuckDBPyConnection, run_id: str) -> list[Explanation]:
     rows = con.execute(f"SELECT {', '.join(FIELDS)}, evidence FROM lookup_explanations WHERE run_id = ? "
                        "ORDER BY step, rowid", [run_id]).fetchall()

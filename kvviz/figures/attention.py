@@ -27,18 +27,20 @@ def attention_heatmap(weights: np.ndarray, classes: np.ndarray, query_labels: li
     hover = "query %{y}<br>key %{x}<br>weight %{z:.4f}<extra>%{fullData.name}</extra>"
     fig = go.Figure()
     zmax = float(np.nanmax(weights)) if np.isfinite(weights).any() else 1.0
-    short = len(query_labels) < 8  # a short heatmap: colour bars its full height, few ticks
     shown = [(name, z, scale) for name, z, scale in (
         ("own", own, "Blues"), (CROSS_NAME, cross, [[0, "#efedf5"], [1, CROSS_TENANT]]),
         ("foreign", foreign, [[0, "#fde0dd"], [1, LEAK]]),
         ("stale", stale, [[0, "#fee6ce"], [1, STALE]])) if name == "own" or not np.isnan(z).all()]
+    # the colour bars stacked down the right edge, each under its one-line title (within its length): side by
+    # side, their titles overlapped wherever the figure is narrow (half a page, as the Scenarios page draws two)
+    slot = 1 / len(shown)
     for i, (name, z, scale) in enumerate(shown):
         top = zmax if name in ("own", CROSS_NAME) else max(float(np.nanmax(z)), 1e-6)  # a small leak: full red,
         fig.add_trace(go.Heatmap(z=z, x=x, y=y, zmin=0, zmax=top, colorscale=scale, name=name,  # its bar says how small
                                  hovertemplate=hover, colorbar={
-                                     "title": {"text": f"{name.replace(' (', '<br>(')}<br>weight", "side": "top"},
-                                     "x": 1.0 + 0.1 * i,
-                                     "len": 1.0 if short else 0.6, "nticks": 3 if short else 6, "thickness": 12}))
+                                     "title": {"text": f"{name.split(' (')[0]} weight", "side": "top"},
+                                     "x": 1.0, "y": 1 - i * slot, "yanchor": "top", "len": slot, "ypad": 4,
+                                     "nticks": 3 if slot < 0.5 else 6, "thickness": 12}))
     colours = request_colours(o for o in key_owners if o)
     ticks = [f"<span style='color:{colours.get(o, '#333')}'>{lab}</span>" for lab, o in zip(key_labels, key_owners,
                                                                                             strict=True)]

@@ -8,15 +8,16 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from .palette import LEAK, STATE_COLOURS, grid_columns, request_colours
+from .palette import CROSS_READ, LEAK, STATE_COLOURS, grid_columns, request_colours
 
 
 def block_map(blocks: pd.DataFrame, leaky: set[int] = frozenset(), colour_by: str = "owner",
-              title: str | None = None, split: int | None = None) -> go.Figure:
+              title: str | None = None, split: int | None = None, crossed: set[int] = frozenset()) -> go.Figure:
     """blocks: block, state, refcount, owners ("A,B"). One square per physical block, block 0 top
     left; colour by owning request (shared blocks in the shared colour) or by state; refcount in
-    the square; blocks holding leaked keys outlined in red; a line before block `split` where one
-    arena holds two instances' pools. Clicks return (x, y): see block_at."""
+    the square; blocks holding leaked keys outlined in red, blocks another tenant read (`crossed`)
+    in near-black; a line before block `split` where one arena holds two instances' pools. Clicks
+    return (x, y): see block_at."""
     cols = grid_columns(len(blocks))
     size = max(10, min(34, 900 // cols))
     owners = blocks.owners.fillna("")
@@ -28,15 +29,16 @@ def block_map(blocks: pd.DataFrame, leaky: set[int] = frozenset(), colour_by: st
         palette = {**STATE_COLOURS, **colours}
     else:
         palette = STATE_COLOURS
-    df = blocks.assign(x=blocks.block % cols, y=blocks.block // cols, category=category,
-                       leaky=blocks.block.isin(leaky), owners=owners)
+    outline = np.where(blocks.block.isin(leaky), LEAK, np.where(blocks.block.isin(crossed), CROSS_READ, "white"))
+    df = blocks.assign(x=blocks.block % cols, y=blocks.block // cols, category=category, outline=outline,
+                       owners=owners)
     fig = go.Figure()
     for cat, part in df.groupby("category", sort=False):
         fig.add_trace(go.Scatter(
             x=part.x, y=part.y, mode="markers+text", name=str(cat),
             text=[str(r) if r > 0 and size >= 16 else "" for r in part.refcount], textfont={"size": size * 0.45},
             marker={"symbol": "square", "size": size, "color": palette.get(cat, STATE_COLOURS["used"]),
-                    "line": {"color": np.where(part.leaky, LEAK, "white"), "width": np.where(part.leaky, 3, 1)}},
+                    "line": {"color": part.outline, "width": np.where(part.outline != "white", 3, 1)}},
             customdata=np.stack([part.block, part.refcount, part.state, part.owners], axis=1),
             hovertemplate="block %{customdata[0]}<br>%{customdata[2]}, refcount %{customdata[1]}"
                           "<br>held by: %{customdata[3]}<extra></extra>"))

@@ -54,7 +54,7 @@ def occupancy(df: pd.DataFrame, origin: float, split: str) -> go.Figure:
         fig.add_trace(go.Scatter(x=part.interval_start - origin, y=part.cached, name=str(name), stackgroup="one",
                                  line={"color": colours[name], "shape": "hv", "width": 1}))
     fig.update_layout(height=400, margin=MARGIN, legend={"orientation": "h", "y": -0.25, "traceorder": "normal"},
-                      title=f"blocks cached, per {split}")
+                      showlegend=True, title=f"blocks cached, per {split}")  # named even when there is one
     fig.update_xaxes(title="seconds since the capture began")
     fig.update_yaxes(title="blocks")
     return fig

@@ -39,8 +39,9 @@ def tree_layout(nodes: pd.DataFrame) -> pd.DataFrame:
 
 def prefix_tree(nodes: pd.DataFrame, token_text=lambda ids: str(list(ids)[:8])) -> go.Figure:
     """nodes: block_hash, parent_hash, salt, lora_name, stored_step, removed_step, token_ids (and
-    salts: how many, a hash stored under several is outlined in red; media: the tiers that held it).
-    Colour: salt; hollow: evicted."""
+    salts: how many, a hash stored under several is outlined in red; media: the tiers that held it;
+    untold: its store events named no salt, so the salt is the chain's and its own tenant unknown).
+    Colour: salt; hollow: evicted; diamond: own tenant unknown."""
     laid = tree_layout(nodes)
     pos = dict(zip(laid.block_hash, zip(laid.depth, laid.row, strict=True), strict=True))
     ex, ey = [], []
@@ -52,16 +53,21 @@ def prefix_tree(nodes: pd.DataFrame, token_text=lambda ids: str(list(ids)[:8])) 
                                showlegend=False))
     colours = request_colours(laid.salt.fillna("(no salt)"))
     laid = laid.assign(salt=laid.salt.fillna("(no salt)"), evicted=laid.removed_step.notna(),
-                       shared=laid.get("salts", pd.Series(1, index=laid.index)).fillna(1) > 1)
-    for (salt, evicted), part in laid.groupby(["salt", "evicted"]):
+                       shared=laid.get("salts", pd.Series(1, index=laid.index)).fillna(1) > 1,
+                       untold=laid.get("untold", pd.Series(False, index=laid.index)).fillna(False).astype(bool))
+    for (salt, untold, evicted), part in laid.groupby(["salt", "untold", "evicted"]):
+        name = f"{salt}'s chain, own tenant unknown" if untold else f"salt {salt}"
+        shape = "diamond" if untold else "circle"
         fig.add_trace(go.Scatter(
-            x=part.depth, y=part.row, mode="markers", name=f"salt {salt}" + (" (evicted)" if evicted else ""),
-            marker={"size": 9, "color": colours[salt], "symbol": "circle-open" if evicted else "circle",
+            x=part.depth, y=part.row, mode="markers", name=name + (" (evicted)" if evicted else ""),
+            marker={"size": 9, "color": colours[salt], "symbol": f"{shape}-open" if evicted else shape,
                     "line": {"width": [3 if s else 2 for s in part.shared],
                              "color": [LEAK if s else colours[salt] for s in part.shared]}},
             text=[f"{h:016x}<br>stored at {s}" + (f", removed at {int(r)}" if pd.notna(r) else "") +
                   (f"<br>on {m}" if isinstance(m, str) else "") + (f"<br>LoRA {lo}" if lo else "") +
-                  (" <b>shared across salts</b>" if sh else "") + f"<br>{token_text(t) if t is not None else ''}"
+                  (" <b>shared across salts</b>" if sh else "") +
+                  (f"<br>its store named no salt: {name}" if untold else "") +
+                  f"<br>{token_text(t) if t is not None else ''}"
                   for h, s, r, m, lo, t, sh in zip(part.block_hash, part.stored_step, part.removed_step,
                                                    part.get("media", pd.Series(None, index=part.index)),
                                                    part.lora_name, part.token_ids, part.shared, strict=True)],

@@ -12,14 +12,16 @@ from .palette import request_colours
 
 def _per_request_panels(df: pd.DataFrame, x: str, top: str, bottom: str, titles: tuple[str, str],
                         row_heights: list[float] | None = None, mode: str = "lines") -> go.Figure:
-    """Two stacked panels sharing x, one line per request in each (the legend once)."""
+    """Two stacked panels sharing x, one line per request in each (the legend once; a request of one
+    point is a marker)."""
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.16, subplot_titles=titles,
                         row_heights=row_heights)
     colours = request_colours(df.request_id)
     for req, part in df.groupby("request_id"):
         for row, col in ((1, top), (2, bottom)):
-            fig.add_trace(go.Scatter(x=part[x], y=part[col], mode=mode, name=str(req), legendgroup=str(req),
-                                     showlegend=row == 1, line={"color": colours[req]}), row=row, col=1)
+            fig.add_trace(go.Scatter(x=part[x], y=part[col], mode=mode if len(part) > 1 else "markers",
+                                     name=str(req), legendgroup=str(req), showlegend=row == 1,
+                                     line={"color": colours[req]}, marker={"color": colours[req]}), row=row, col=1)
     fig.update_layout(height=420, margin={"l": 10, "r": 10, "t": 40, "b": 10})
     fig.update_yaxes(rangemode="nonnegative", row=1, col=1)  # a mass or an entropy: 0..1 when all is 0, not -1..1
     fig.update_yaxes(range=[0, 1.05], row=2, col=1)  # a rate: never below 0, at most 1

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import duckdb
+import pandas as pd
 import streamlit as st
 
 from ..analysis import cross_reads, live, runs
@@ -125,3 +126,21 @@ def cross_tenant_warning(sentence: str | None) -> None:
     """Say the cross-tenant reads, and why the leak figures beside them are 0 (nothing when none)."""
     if sentence:
         st.warning(f"**{sentence}.** {cross_reads.WHY}", icon=":material/domain_disabled:")
+
+
+def lookups_table(found: list) -> pd.DataFrame:
+    """Explained lookups (analysis.explain's Explanation) as the Cache and capture views list them."""
+    return pd.DataFrame([{"request": e.request, "step": e.step, "hit tokens": e.hit_tokens,
+                          "stopped at block": e.stop_block, "reason": e.reason, "evidence": evidence_text(e.evidence)}
+                         for e in found], columns=["request", "step", "hit tokens", "stopped at block", "reason",
+                                                   "evidence"])
+
+
+EVIDENCE = {"before": "{} steps before this lookup",
+            "tokens_after": "{} prompt tokens after the cached ones (computed: a block not full, or the last token)"}
+
+
+def evidence_text(evidence: dict) -> str:
+    """A lookup's evidence as a reader says it (explain's keys are terse for JSON)."""
+    return ", ".join(EVIDENCE[k].format(v) if k in EVIDENCE else f"{k.replace('_', ' ')} {v}"
+                     for k, v in evidence.items())

@@ -16,13 +16,15 @@ MAX_DRAWN_BLOCKS = 2048  # a grid of more markers is unreadable and slow to draw
 def render(con, info: RunInfo, step: int) -> None:
     pool = blocks.block_map(con, info.run_id, step)
     leaky = blocks.leaky_blocks(con, info.run_id, step, info.block_size) if info.has_attention else set()
+    crossed = blocks.cross_read_blocks(con, info.run_id, step) - leaky
     used = int((pool.state == "used").sum())
     left, right = st.columns([3, 2])
     with left:
         colour_by = st.radio("Colour by", ("owner", "state"), horizontal=True, key="insp_colour_by")
         title = (f"Pool after step {step}: {used} of {len(pool)} blocks used, {int((pool.refcount > 1).sum())} "
                  f"shared, {int((pool.state == 'cached').sum())} cached" + (f", {len(leaky)} read by a leak"
-                                                                             if leaky else ""))
+                                                                             if leaky else "")
+                 + (f", {len(crossed)} read by another tenant" if crossed else ""))
         n = len(pool)
         touched = pool.block[pool.state != "free"]
         shown = n if n <= MAX_DRAWN_BLOCKS else min(MAX_DRAWN_BLOCKS, max(256, int(touched.max()) + 1
@@ -40,10 +42,13 @@ def render(con, info: RunInfo, step: int) -> None:
                 st.session_state["insp_block"] = picked
 
         split = int(info.engine.get("num_blocks", 0)) if info.engine.get("disaggregated") else None
-        st.plotly_chart(fig.block_map(pool, leaky, colour_by, title, split), key="insp_blockmap", on_select=clicked,
-                        selection_mode="points", width="stretch")
+        st.plotly_chart(fig.block_map(pool, leaky, colour_by, title, split, crossed), key="insp_blockmap",
+                        on_select=clicked, selection_mode="points", width="stretch")
         st.caption("Click a block to see who holds it. Red outline: a query read a foreign or stale key "
-                   "from this block at this step." + _finished(con, info, step))
+                   "from this block at this step." + (" Black outline: a request of another tenant read this block "
+                                                      "at this step (the same content: a cross-tenant read, no "
+                                                      "attention leak)." if crossed else "")
+                   + _finished(con, info, step))
         _prefill_instance(con, info, step)
         _host_tier(con, info, step)
     with right:
@@ -67,14 +72,23 @@ def render(con, info: RunInfo, step: int) -> None:
 
 def _finished(con, info: RunInfo, step: int) -> str:
     """Requests that finished in the step: their blocks are gone from the map of the pool after it,
-    though a leak may have read them in it."""
-    done = [r for (r,) in con.execute("SELECT request_id FROM requests WHERE run_id = ? AND finish_step = ? ORDER BY "
-                                      "request_id", [info.run_id, step]).fetchall()]
-    if not done:
-        return ""
-    names = ", ".join(done[:8]) + (" ..." if len(done) > 8 else "")
-    return (f" {names} finished in this step and released {'its' if len(done) == 1 else 'their'} blocks: the map "
-            "shows the pool after the step, so step back one to see them.")
+    though a leak may have read them in it. One that ran before holds them in the step before; one
+    that ran in this step only held them in no map at all."""
+    done = con.execute("SELECT r.request_id, coalesce(min(w.step) < any_value(r.finish_step), true) FROM requests r "
+                       "LEFT JOIN step_work w ON w.run_id = r.run_id AND w.request_id = r.request_id "
+                       "WHERE r.run_id = ? AND r.finish_step = ? GROUP BY r.request_id ORDER BY r.request_id",
+                       [info.run_id, step]).fetchall()
+    said = []
+    for before, names in ((True, [r for r, b in done if b]), (False, [r for r, b in done if not b])):
+        if not names:
+            continue
+        who = ", ".join(names[:8]) + (" ..." if len(names) > 8 else "")
+        its = "its" if len(names) == 1 else "their"
+        said.append(f" {who} finished in this step and released {its} blocks: the map shows the pool after the "
+                    "step, so step back one to see them." if before else
+                    f" {who} ran in this step only (arrived and finished in it): {its} blocks were held within the "
+                    "step and released at its end, so no step's map shows them.")
+    return "".join(said)
 
 
 def _prefill_instance(con, info: RunInfo, step: int) -> None:

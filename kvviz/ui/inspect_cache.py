@@ -3,7 +3,6 @@ the hit rate over steps, and how long cached blocks lived before eviction."""
 
 from __future__ import annotations
 
-import pandas as pd
 import streamlit as st
 
 from ..analysis import cache_stats
@@ -11,6 +10,7 @@ from ..analysis.explain import explain_run
 from ..analysis.runs import RunInfo
 from ..errors import StoreError
 from ..figures import cache as cache_fig
+from .common import lookups_table
 
 
 def render(con, info: RunInfo, step: int) -> None:
@@ -36,9 +36,7 @@ def render(con, info: RunInfo, step: int) -> None:
                "up to it.")
     st.plotly_chart(cache_fig.hit_rate(rates, current=step, steps=(info.steps[0], info.steps[-1])), width="stretch",
                     key="insp_hits")
-    table = pd.DataFrame([{"request": e.request, "step": e.step, "hit tokens": e.hit_tokens,
-                           "stopped at block": e.stop_block, "reason": e.reason,
-                           "evidence": ", ".join(_evidence(k, v) for k, v in e.evidence.items())} for e in found])
+    table = lookups_table(found)
     st.caption("Each lookup (a request's admission, and a re-admission after preemption), up to the step "
                "shown; reasons as `python -m kvviz explain` gives them.")
     st.dataframe(table[table.step <= step], hide_index=True, width="stretch", key="insp_lookups")
@@ -47,9 +45,3 @@ def render(con, info: RunInfo, step: int) -> None:
     else:
         st.caption("No block was evicted in this run, so there are no lifetimes to draw.")
 
-
-def _evidence(key: str, value: object) -> str:
-    """One piece of evidence as a reader says it (explain's keys are terse for JSON)."""
-    if key == "before":
-        return f"{value} steps before this lookup"
-    return f"{key.replace('_', ' ')} {value}"

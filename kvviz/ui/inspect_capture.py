@@ -10,12 +10,12 @@ from datetime import UTC, datetime
 import pandas as pd
 import streamlit as st
 
-from ..analysis import capture_time, captures, leaks
-from ..analysis.explained import explained, kept, reasons_per_interval, replay_seconds
+from ..analysis import capture_time, captures, cross_reads, leaks
+from ..analysis.explained import explained, explained_in, kept, reasons_per_interval, replay_seconds
 from ..analysis.runs import RunInfo
 from ..figures import capture_time as time_fig
 from ..figures import captures as tree_fig
-from .common import reader, store
+from .common import lookups_table, reader, store
 
 VIEWS = ("Activity", "Occupancy", "Lifetimes", "Shared prefixes", "Prefix tree", "Cross-tenant")
 EXPLAIN_MAX_EVENTS = 1_000_000  # past this, explaining the misses is for the CLI (the app shows what it kept)
@@ -104,6 +104,8 @@ def _activity(info: RunInfo, span: capture_time.Span, a: float, b: float) -> Non
     st.caption(f"Each bar is {width:g} s" + (f", summed over {churn.replica.nunique()} replicas" if
                                              churn.replica.nunique() > 1 else "") +
                ". Drag across the chart to look at that time range.")
+    if reasons is not None:
+        _lookups(info, a, b)
     boxes = (event or {}).get("selection", {}).get("box", []) if event else []
     if boxes and boxes[0].get("x"):
         x0, x1 = sorted(float(x) for x in boxes[0]["x"][:2])
@@ -141,6 +143,19 @@ def _reasons(info: RunInfo, a: float, b: float, width: float) -> pd.DataFrame:
         return reasons_per_interval(con, info.run_id, a, b, width)
 
 
+def _lookups(info: RunInfo, a: float, b: float) -> None:
+    """The explained lookups of the range with their evidence: whose chain a segment continues, and
+    that its own tenant is unknown where its event names no salt."""
+    with reader() as con:
+        n, found = explained_in(con, info.run_id, a, b)
+    if not n:
+        return
+    st.caption("Each stored chain segment of the range is a lookup that stopped where the segment begins"
+               + (f" ({len(found):,} of {n:,} shown, the earliest)" if len(found) < n else "") +
+               "; reasons and evidence as `python -m kvviz explain` gives them. Step: the capture's message.")
+    st.dataframe(lookups_table(found), hide_index=True, width="stretch", key="insp_capture_lookups")
+
+
 def _occupancy(con, info: RunInfo, span: capture_time.Span, a: float, b: float) -> None:
     split = st.radio("Split by", list(capture_time.SPLITS), horizontal=True, key="insp_split",
                      format_func={"replica": "replica", "tier": "tier (medium)", "tenant": "tenant (cache salt)"}.get)
@@ -153,7 +168,9 @@ def _occupancy(con, info: RunInfo, span: capture_time.Span, a: float, b: float) 
     st.plotly_chart(time_fig.occupancy(df, span.start, split), width="stretch", key="insp_occupancy")
     st.caption(f"Blocks cached at the end of each {width:g} s, stacked. A store of a block already cached (a hit) "
                "and a removal of one not cached change nothing; a replica's AllBlocksCleared or restart empties it; "
-               "a block moved to another tier counts on the new one.")
+               "a block moved to another tier counts on the new one." +
+               (" A block whose store event named no salt (vLLM names it in a chain's first block only) counts as "
+                "its chain's, own tenant unknown." if split == "tenant" else ""))
 
 
 def _lifetimes(con, info: RunInfo, a: float, b: float) -> None:
@@ -231,7 +248,9 @@ def _tree(con, info: RunInfo, names: list[str], a: float, b: float) -> None:
     total = captures.stored_blocks(con, info.run_id, replica, step, group, since)
     shown = f"All {len(nodes):,} blocks" if total == len(nodes) else f"The first {len(nodes):,} of {total:,} blocks"
     st.caption(f"{shown} stored in the range (messages {since} to {step}){where}; hollow: removed (evicted) by "
-               "its end. Colour: cache salt (tenant).")
+               "its end. Colour: cache salt (tenant); diamonds: blocks whose store event named no salt, in the "
+               "colour of the chain they continue (vLLM names the salt in a chain's first block only): their own "
+               "tenant is unknown.")
 
 
 def _cross_tenant(con, info: RunInfo, span: capture_time.Span, a: float, b: float) -> None:
@@ -246,14 +265,16 @@ def _cross_tenant(con, info: RunInfo, span: capture_time.Span, a: float, b: floa
                    "blocks apart (vLLM's cache_salt): one hash stored under two salts means one cache entry served "
                    "both, which is what a timing side channel reads. Circles: stored new; diamonds: hits reported "
                    "again (kv_cache_report_mode=\"full\").")
+    segments = capture_time.untold_segments(con, info.run_id, a, b)
     untold = capture_time.untold_restores(con, info.run_id, a, b)
-    if untold:
-        st.warning(f"{untold:,} store{'s' if untold > 1 else ''} in this range put back a block evicted earlier, "
-                   "continuing a cached chain, by an event that names no salt (vLLM names it in a chain's first "
-                   "block only): the capture cannot tell which tenant made them. They carry the salt of the chain "
-                   "they continue; on a server that leaves the salt out of its hashes, another tenant's request may "
-                   "have made them. `python -m kvviz explain` says, per stored segment, whose chain it continues.",
-                   icon=":material/help:")
+    if segments:
+        them = "them" if sum(segments.values()) > 1 else "it"
+        restores = f" {untold:,} of their stores put back a block evicted earlier." if untold else ""
+        st.warning(f"{_untold(segments)}: the capture cannot tell which tenant stored {them}.{restores} vLLM names "
+                   "the salt in a chain's first block only, so the import gives each the salt of the chain it "
+                   "continues; on a server that leaves the salt out of its hashes, another tenant's request may have "
+                   "stored it. `python -m kvviz explain` (or *Explain the misses* in the Activity view) says, per "
+                   "stored segment, whose chain it continues.", icon=":material/help:")
     found = leaks.findings(con, info.run_id)
     if found.empty:
         st.info("No block hash was stored under two salts. A capture shows only the blocks a server "
@@ -264,3 +285,9 @@ def _cross_tenant(con, info: RunInfo, span: capture_time.Span, a: float, b: floa
         st.caption("Findings of the whole capture. cross_tenant: one block hash stored under two salts on one "
                    "replica (request_id: the salt; source_request: the salt that stored it first).")
         st.dataframe(found, hide_index=True, width="stretch", key="insp_capture_findings")
+
+
+def _untold(segments: dict[str, int]) -> str:
+    """'3 stored segments continue tenant-a's chain, naming no salt' (a clause per chain's tenant)."""
+    return ", ".join(f"{n:,} stored segment{'s' if n > 1 else ''} continue{'' if n > 1 else 's'} "
+                     f"{cross_reads.tenant(t)}'s chain" for t, n in segments.items()) + ", naming no salt"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pandas as pd
 import streamlit as st
 
 from ..analysis import cross_reads, leaks, runs
@@ -16,7 +17,7 @@ def render(con, info: RunInfo, step: int, focus: Callable[[leaks.Focus, str | No
     over_time = leaks.leak_over_time(con, info.run_id)
     if not over_time.empty:
         st.plotly_chart(timeline.leak_timeline(over_time, step), width="stretch", key="insp_timeline")
-    found = leaks.findings(con, info.run_id)
+    found = _shown(leaks.findings(con, info.run_id))
     st.subheader(f"Findings ({len(found)})")
     said = cross_reads.sentence(cross_reads.from_store(con, info.run_id))
     if said:  # the header says why they move no figure
@@ -38,14 +39,15 @@ def render(con, info: RunInfo, step: int, focus: Callable[[leaks.Focus, str | No
                    "reallocated; **duplicate**, two visible keys for one position (the weights may all be own, the "
                    "output still differs); **cross_tenant**, a block another tenant wrote (the same content, "
                    "under another salt) that request_id read from step to last_step, in every layer (no layer, "
-                   "head or mass), one row per block; "
+                   "head, position or mass), one row per block; "
                    "**normalisation** and **non_finite**, weights that do not sum to 1 or are not numbers. "
                    "**mass**: the share of the query's attention on such keys at that layer and head (for "
                    "duplicate and non_finite, 1 marks it; for normalisation, how far the weights are from 1).")
         st.dataframe(found, hide_index=True, width="stretch", on_select=clicked, selection_mode="single-row",
                      key="insp_findings", height=min(400, 38 + 35 * len(found)))
-        st.button("Go to the heaviest finding", key="insp_top_finding", on_click=jump_to, args=(0,),
-                  icon=":material/my_location:")
+        heaviest = found.mass.notna().iloc[0]  # a cross-tenant read carries no mass: the first is no heaviest
+        st.button("Go to the heaviest finding" if heaviest else "Go to the first finding", key="insp_top_finding",
+                  on_click=jump_to, args=(0,), icon=":material/my_location:")
     div = leaks.divergence(con, info.run_id)
     if not div.empty:
         st.subheader("Divergence from each request run alone")
@@ -55,6 +57,15 @@ def render(con, info: RunInfo, step: int, focus: Callable[[leaks.Focus, str | No
                    "the same logits.")
         st.dataframe(div, hide_index=True, width="stretch")
     render_entropy(con, info)
+
+
+def _shown(found: pd.DataFrame) -> pd.DataFrame:
+    """The findings as the table shows them: a cross-tenant read is a block over a range of steps, so
+    its block and steps come first and it has no position (the first query that read the block says
+    nothing of the block)."""
+    first = ["kind", "request_id", "step", "last_step", "block", "source_request"]
+    return found.assign(position=found.position.mask(found.kind == "cross_tenant"))[
+        first + [c for c in found.columns if c not in first]]
 
 
 def render_entropy(con, info: RunInfo) -> None:

@@ -61,12 +61,20 @@ def render() -> None:
         engine0 = {"block_size": 4, "num_blocks": 64, "max_batch_tokens": 256, "isolation": "paged",
                    "prefix_caching": True}
     else:
-        st.dataframe(pd.DataFrame(sc.workload["requests"]), hide_index=True, width="stretch")
+        st.dataframe(_requests_table(sc.workload["requests"]), hide_index=True, width="stretch")
         requests, engine0 = None, sc.workload.get("engine", {})
     engine, fault, scope_text, selection, seed = _settings(sc, engine0)
     limits = _thresholds()
     if st.button("Run", type="primary", icon=":material/play_arrow:", key="run_go", disabled=not name):
         _run(name, sc, requests, engine, fault, scope_text, selection, seed, limits)
+
+
+def _requests_table(requests: list[dict]) -> pd.DataFrame:
+    """A scenario's requests; one that names no arrival step arrives at step 0, the workload's default."""
+    df = pd.DataFrame(requests)
+    if "arrival_step" in df:
+        df["arrival_step"] = df.arrival_step.fillna(0).astype(int)
+    return df
 
 
 def _key(name: str, tag: str, default) -> str:

@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import streamlit as st
 
-from ..analysis import attention, leaks, live, runs
+from ..analysis import attention, cross_reads, leaks, live, runs
 from ..faults import FAULTS
 from ..figures import attention as fig
 from ..scenarios import SCENARIOS
-from .common import MODELS, load_model_or_error, open_run, reader, store
+from .common import MODELS, cross_tenant_warning, load_model_or_error, open_run, reader, store
 
 
 def render() -> None:
@@ -67,6 +67,7 @@ def _compare(pair: dict) -> None:
     with reader() as con:
         infos = {r: runs.run_info(con, pair[r]) for r in roles}
         found = {r: leaks.findings(con, pair[r]) for r in roles}
+        crossed = {r: cross_reads.sentence(cross_reads.from_store(con, pair[r])) for r in roles}
         texts = {r: runs.requests_frame(con, pair[r])[["request_id", "text"]] for r in roles}
         top = found["scenario"].iloc[0].to_dict() if not found["scenario"].empty else None
         first = infos["scenario"].requests[0]
@@ -89,6 +90,7 @@ def _compare(pair: dict) -> None:
                 (st.success if n else st.error)("the detector fired" if n else "the detector missed this fault")
             if r == "control" or "control" not in roles:
                 (st.success if not n else st.error)("clean" if not n else "the control is not clean")
+            cross_tenant_warning(crossed[r])  # the heatmap shows no leak for these: said beside it
             v = views[r]
             if v is not None:
                 st.plotly_chart(fig.attention_heatmap(v.weights, v.classes, v.query_labels, v.key_labels,
