@@ -43,6 +43,7 @@ def test_the_audit_on_smollm2_detects_sharing_exactly_where_it_is(sharing, level
 
 
 @pytest.mark.published
+@pytest.mark.timeout(2400)  # 250 rounds: 11-15 minutes a policy on two cores
 @pytest.mark.parametrize(("sharing", "level", "detected"), EXPECTED)
 def test_the_audit_on_smollm2_at_the_published_size(sharing, level, detected, tmp_path):
     code, v = smollm2_audit(sharing, level, 250, 1e-8, tmp_path / "k.duckdb")
@@ -72,6 +73,7 @@ def test_the_pages_code_path_with_its_drawing_does_not_accuse_a_server_without_a
 
 
 @pytest.mark.published
+@pytest.mark.timeout(2400)  # 250 rounds: 11-15 minutes a policy on two cores
 @pytest.mark.parametrize(("sharing", "level", "detected"), EXPECTED)
 def test_the_pages_code_path_at_the_published_size(sharing, level, detected, tmp_path):
     result, drawn = page_audit(sharing, 250, 1e-8, tmp_path / "k.duckdb")
