@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import duckdb
 import pyarrow as pa
 
 SCHEMA_VERSION = "11"
@@ -447,10 +448,11 @@ def datasets_gone(con) -> bool:
 
 def capture_dirs(con) -> list[str]:
     """The folders readers may read: the datasets registered in place (nothing else)."""
-    if not con.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = 'capture_sources'"
-                       ).fetchone()[0]:
+    try:
+        rows = con.execute("SELECT path FROM capture_sources").fetchall()
+    except duckdb.CatalogException:  # a file from before capture datasets
         return []
-    return [str(Path(p)) + "/" for (p,) in con.execute("SELECT path FROM capture_sources").fetchall()]
+    return [str(Path(p)) + "/" for (p,) in rows]
 
 
 TRACE_TABLES: dict[str, list[str]] = {t.name: t.trace_columns() for t in TABLES.values() if t.in_trace}
