@@ -47,6 +47,7 @@ def test_the_audit_on_smollm2_detects_sharing_exactly_where_it_is(sharing, level
 @pytest.mark.parametrize(("sharing", "level", "detected"), EXPECTED)
 def test_the_audit_on_smollm2_at_the_published_size(sharing, level, detected, tmp_path):
     code, v = smollm2_audit(sharing, level, 250, 1e-8, tmp_path / "k.duckdb")
+    print(v)  # for docs/benchmarks.md: pytest -m published -rP
     assert v["detected"] is detected and code == int(detected) and v["null_p_value"] >= 1e-8, v
 
 
@@ -78,4 +79,5 @@ def test_the_pages_code_path_with_its_drawing_does_not_accuse_a_server_without_a
 def test_the_pages_code_path_at_the_published_size(sharing, level, detected, tmp_path):
     result, drawn = page_audit(sharing, 250, 1e-8, tmp_path / "k.duckdb")
     v = result.judge()
+    print(v)  # for docs/benchmarks.md: pytest -m published -rP
     assert v.detected is detected and v.null_p_value >= 1e-8 and drawn == 250, v
