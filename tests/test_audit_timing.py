@@ -224,3 +224,11 @@ def test_the_figure_marks_the_ks_distance_and_draws_the_null_and_the_floor():
     segment = fig.data[3]
     assert segment.x[0] == segment.x[1] == 7.0 and (segment.y[1] - segment.y[0]) == 0.75
     assert [s.x0 for s in fig.layout.shapes] == [2.0] and "floor 2.0 ms" in fig.layout.annotations[0].text
+
+
+def test_each_curve_rises_from_zero_so_the_first_round_draws_a_step():
+    from kvviz.figures.audit import ttft_ecdf
+
+    fig = ttft_ecdf([5.0], [9.0], null=[7.0, 8.0])
+    assert [(list(t.x), list(t.y)) for t in fig.data[:3]] == [([5.0, 5.0], [0.0, 1.0]), ([9.0, 9.0], [0.0, 1.0]),
+                                                             ([7.0, 7.0, 8.0], [0.0, 0.5, 1.0])]

@@ -11,8 +11,10 @@ HIT, MISS, NULL = "#2ca02c", "#d62728", "#7f7f7f"
 
 
 def _ecdf(x: list[float]) -> tuple[np.ndarray, np.ndarray]:
+    """The step curve from 0 at the first time: without that point a curve starts in mid-air at 1/n,
+    and a single time draws nothing at all (the first round of a live audit)."""
     xs = np.sort(np.asarray(x, dtype=float))
-    return xs, np.arange(1, len(xs) + 1) / len(xs)
+    return np.concatenate([xs[:1], xs]), np.arange(len(xs) + 1) / len(xs)
 
 
 def ttft_ecdf(hit: list[float], miss: list[float], title: str = "", null: list[float] | None = None,
