@@ -201,7 +201,9 @@ def test_the_audit_page_runs_an_audit_and_shows_it_beside_the_past(tmp_path, mon
     said = [s.value for s in [*at.success, *at.info, *at.error, *at.warning]]
     assert len(said) == 1 and said[0].startswith(("**Detected**", "**Not detected**", "**Inconclusive**",
                                                   "**No verdict**")), said
-    assert "for the null control" in said[0]
+    assert "for the null control" in said[0] and "alpha 0.5" in said[0]
+    if said[0].startswith(("**Detected**", "**Not detected**")):  # what it means for the server, said in words
+        assert "shares its prompt cache across users" in said[0]
     with RunStore.open(tmp_path / "k.duckdb").read() as con:
         (audit_id,) = con.execute("SELECT audit_id FROM timing_audits").fetchone()
         assert con.execute("SELECT count(*) FROM timing_samples").fetchone()[0] == 12
@@ -212,6 +214,7 @@ def test_the_audit_page_runs_an_audit_and_shows_it_beside_the_past(tmp_path, mon
     at.text_input(key="audit_remote_model").input("m").run()
     at.button(key="audit_go").click().run()
     assert "cannot reach http://127.0.0.1:9/v1" in at.error[0].value  # said in one sentence, no traceback
+    assert f"audit_past_{audit_id}" in {el.key for el in at.get("plotly_chart")}, "the past audits stay below"
 
 
 def test_the_figure_marks_the_ks_distance_and_draws_the_null_and_the_floor():
