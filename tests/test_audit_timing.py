@@ -177,12 +177,15 @@ def test_bad_settings_and_unreachable_servers_are_refused(tiny, tmp_path):
     p = kvviz("audit-timing", "--base-url", "http://x/v1", "--model", "m", "--level", "tenant", "--db", db)
     assert p.returncode == 2 and "level must be one of global, per-user" in p.stderr
     p = kvviz("audit-timing", "--base-url", "http://x/v1", "--model", "m", "--samples", "8", "--db", db)
-    assert p.returncode == 2 and "8 samples a side cannot reach alpha 1e-08" in p.stderr
-    assert "use at least 15 samples" in p.stderr  # an audit that could never say "detected" is refused
+    assert p.returncode == 2 and "8 rounds (samples a side) cannot reach alpha 1e-08" in p.stderr
+    assert "use at least 15 rounds" in p.stderr  # an audit that could never say "detected" is refused
     p = kvviz("audit-timing", "--base-url", "localhost:8000", "--model", "m", "--db", db)
     assert p.returncode == 2 and "the base URL must be an http(s) URL" in p.stderr
-    with Server(tiny) as s, pytest.raises(AuditError, match="HTTP 404"):
-        run_audit(AuditConfig(s.url + "/v1", "not-served", samples=2, prompt_tokens=20, alpha=0.5))
+    with Server(tiny) as s:
+        with pytest.raises(AuditError, match="HTTP 404: the model 'not-served' does not exist; this server serves"):
+            run_audit(AuditConfig(s.url + "/v1", "not-served", samples=2, prompt_tokens=20, alpha=0.5))
+        with pytest.raises(AuditError, match=r"HTTP 404: Not Found \(is the base URL right\? .* ends in /v1\)$"):
+            run_audit(AuditConfig(s.url, "tiny", samples=2, prompt_tokens=20, alpha=0.5))
 
 
 def test_the_audit_page_runs_an_audit_and_shows_it_beside_the_past(tmp_path, monkeypatch):
