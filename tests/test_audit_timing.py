@@ -238,3 +238,11 @@ def test_each_curve_rises_from_zero_so_the_first_round_draws_a_step():
     fig = ttft_ecdf([5.0], [9.0], null=[7.0, 8.0])
     assert [(list(t.x), list(t.y)) for t in fig.data[:3]] == [([5.0, 5.0], [0.0, 1.0]), ([9.0, 9.0], [0.0, 1.0]),
                                                              ([7.0, 7.0, 8.0], [0.0, 0.5, 1.0])]
+
+
+
+def test_audits_drawn_side_by_side_share_one_time_axis():
+    from kvviz.figures.audit import ttft_ecdf
+
+    assert ttft_ecdf([5.0], [9.0], x_max=100.0).layout.xaxis.range == (0, 102.0)
+    assert ttft_ecdf([5.0], [9.0]).layout.xaxis.range is None  # alone: plotly fits it

@@ -129,12 +129,13 @@ def _past() -> None:
                             format_func=lambda a: f"{a}: {rows.level[a]} level, {rows.target[a]} ({rows.verdict[a]})")
     if not picked:
         return
-    for col, audit_id in zip(st.columns(len(picked)), picked, strict=True):
+    with reader() as con:
+        drawn = {a: audits.timings(con, a) for a in picked}
+    x_max = max((x for t in drawn.values() for kind in ("hit", "miss", "null") for x in t[kind]), default=None)
+    for col, (audit_id, t) in zip(st.columns(len(picked)), drawn.items(), strict=True):
         row = rows.loc[audit_id]
-        with reader() as con:
-            t = audits.timings(con, audit_id)
         col.plotly_chart(ttft_ecdf(t["hit"], t["miss"], f"{audit_id}: {row.level}, {row.verdict}", null=t["null"],
-                                   floor=t["floor"]), key=f"audit_past_{audit_id}")
+                                   floor=t["floor"], x_max=x_max), key=f"audit_past_{audit_id}")
         null = "" if pd.isna(row.null_p_value) else f" · null p = {row.null_p_value:.2g}"
         col.caption(f"{row.target} · {row.model} · D = {row.ks_statistic:.2f} · p = {row.p_value:.2g}{null} · "
                     f"alpha {row.alpha:g}"
