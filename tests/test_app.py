@@ -283,7 +283,8 @@ def test_the_scenarios_side_by_side_says_the_faults_cross_tenant_reads_and_not_t
     served = [dict(zip(t.value.request_id, t.value.cached_tokens, strict=True)) for t in at.dataframe[:2]]
     assert served[0]["B"] > 0 and served[1]["B"] == 0, "B's prompt came from A's cache under the fault only"
     assert "sc_diff" not in {el.key for el in at.get("plotly_chart")}, "no blank grid of equal foreign mass"
-    assert any("the fault changed no attention weight's class" in m.value for m in at.markdown)
+    assert any("the same as in the control run at every layer and head: the keys read across tenants" in m.value
+               for m in at.markdown)
 
 
 def test_the_scenarios_side_by_side_draws_the_foreign_mass_a_fault_adds(empty_db):

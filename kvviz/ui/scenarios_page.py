@@ -113,7 +113,8 @@ def _compare(pair: dict) -> None:
         largest = float(np.nanmax(diff.max_foreign.abs())) if diff.max_foreign.notna().any() else 0.0
         if largest == 0:  # a blank grid of every layer and head would only say this, at a screen's height
             st.markdown(f"**Foreign attention mass:** {focus.request}'s is the same as in the control run at every "
-                        "layer and head: the fault changed no attention weight's class.")
+                        "layer and head" + (": the keys read across tenants hold the content it would have written "
+                                            "itself, so they count as its own" if crossed["scenario"] else "") + ".")
         else:
             st.plotly_chart(fig.leak_grid(diff[["layer", "head", "max_foreign"]], layers, heads,
                                           title=f"{focus.request}: foreign mass, scenario minus control (whole run)"),
