@@ -71,9 +71,9 @@ class AuditConfig:
         if not 0 < self.alpha < 1:
             raise AuditError(f"alpha must be between 0 and 1, got {self.alpha}")
         if self.samples < 2 or smallest_p(self.samples) >= self.alpha:  # it could never say "detected"
-            raise AuditError(f"{self.samples} samples a side cannot reach alpha {self.alpha:g}: even every hit "
-                             f"faster than every miss gives p = {smallest_p(max(self.samples, 1)):.2g}; use at "
-                             f"least {fewest_samples(self.alpha)} samples (or a larger alpha)")
+            raise AuditError(f"{self.samples} rounds (samples a side) cannot reach alpha {self.alpha:g}: even every "
+                             f"hit faster than every miss gives p = {smallest_p(max(self.samples, 1)):.2g}; use at "
+                             f"least {fewest_samples(self.alpha)} rounds (or a larger alpha)")
         if not self.base_url.startswith(("http://", "https://")):
             raise AuditError(f"the base URL must be an http(s) URL such as http://127.0.0.1:8000/v1, "
                              f"got {self.base_url!r}")
@@ -147,12 +147,22 @@ class _Prober:
         except openai.APIConnectionError as e:
             raise AuditError(f"cannot reach {c.base_url}: {e}") from None
         except openai.APIStatusError as e:
-            raise AuditError(f"{c.base_url} refused a request with HTTP {e.status_code}: {e.message}") from None
+            raise AuditError(f"{c.base_url} refused a request with HTTP {e.status_code}: {_said(e)}") from None
         except (openai.APIError, ValueError) as e:  # a stream cut short, or not JSON
             raise AuditError(f"{c.base_url} broke off a reply: {e}") from None
         if first is None:
             raise AuditError(f"{c.base_url} streamed no reply to a request")
         return Reply(1000 * (first - t0), cached, counted)
+
+
+def _said(e) -> str:
+    """What the server said, without the client's "Error code: N - " and the body's wrapping; a 404
+    that is not about the model is most likely a base URL without its /v1."""
+    body = e.body
+    said = str(((body.get("message") or body.get("detail")) if isinstance(body, dict) else body) or e.message)
+    if e.status_code == 404 and "model" not in said.lower():
+        said += " (is the base URL right? an OpenAI-compatible API's usually ends in /v1)"
+    return said
 
 
 def _carries_reply(choice, endpoint: str) -> bool:

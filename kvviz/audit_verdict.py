@@ -78,6 +78,15 @@ class Verdict:
         return VERDICTS[self.verdict]
 
 
+def in_words(verdict: str, level: str) -> str:
+    """What a detected or not detected verdict says about the server (the CLI and the app say the
+    same); empty for the other two, whose reason says it."""
+    where = "across users" if level == "global" else "within a user"
+    return {"detected": f"hits reach their first token sooner, so this server shares its prompt cache {where}",
+            "not detected": f"hits reach their first token no sooner than misses, so this audit found no sign that "
+                            f"the server shares its prompt cache {where}"}.get(verdict, "")
+
+
 def _median(x: list[float]) -> float | None:
     return round(statistics.median(x), 3) if x else None
 

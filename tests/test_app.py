@@ -280,6 +280,23 @@ def test_the_scenarios_side_by_side_says_the_faults_cross_tenant_reads_and_not_t
         assert said and cross_reads.from_store(con, pair["control"]) == []
     warned = [w.value for w in at.warning if "cross-tenant reads" in w.value]
     assert len(warned) == 1 and warned[0].startswith(f"**{said}.**")
+    served = [dict(zip(t.value.request_id, t.value.cached_tokens, strict=True)) for t in at.dataframe[:2]]
+    assert served[0]["B"] > 0 and served[1]["B"] == 0, "B's prompt came from A's cache under the fault only"
+    assert "sc_diff" not in {el.key for el in at.get("plotly_chart")}, "no blank grid of equal foreign mass"
+    assert any("the same as in the control run at every layer and head: the keys read across tenants" in m.value
+               for m in at.markdown)
+
+
+def test_the_scenarios_side_by_side_draws_the_foreign_mass_a_fault_adds(empty_db):
+    """The positive case of the one above: a leak of attention draws its layer x head difference."""
+    at = page("scenarios")
+    at.selectbox(key="sc_name").set_value("boundary")
+    at.selectbox(key="sc_model").set_value("tiny-llama")
+    at.button(key="sc_go").click().run()
+    assert not at.exception and not at.error
+    assert "sc_diff" in {el.key for el in at.get("plotly_chart")}
+    assert any(c.value.startswith("Largest difference: ") and float(c.value.split(": ")[1].rstrip(".")) > 0
+               for c in at.caption)
 
 
 def test_upload_imports_a_trace_and_refuses_a_broken_one(with_runs, tmp_path, monkeypatch):

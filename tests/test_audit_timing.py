@@ -177,12 +177,15 @@ def test_bad_settings_and_unreachable_servers_are_refused(tiny, tmp_path):
     p = kvviz("audit-timing", "--base-url", "http://x/v1", "--model", "m", "--level", "tenant", "--db", db)
     assert p.returncode == 2 and "level must be one of global, per-user" in p.stderr
     p = kvviz("audit-timing", "--base-url", "http://x/v1", "--model", "m", "--samples", "8", "--db", db)
-    assert p.returncode == 2 and "8 samples a side cannot reach alpha 1e-08" in p.stderr
-    assert "use at least 15 samples" in p.stderr  # an audit that could never say "detected" is refused
+    assert p.returncode == 2 and "8 rounds (samples a side) cannot reach alpha 1e-08" in p.stderr
+    assert "use at least 15 rounds" in p.stderr  # an audit that could never say "detected" is refused
     p = kvviz("audit-timing", "--base-url", "localhost:8000", "--model", "m", "--db", db)
     assert p.returncode == 2 and "the base URL must be an http(s) URL" in p.stderr
-    with Server(tiny) as s, pytest.raises(AuditError, match="HTTP 404"):
-        run_audit(AuditConfig(s.url + "/v1", "not-served", samples=2, prompt_tokens=20, alpha=0.5))
+    with Server(tiny) as s:
+        with pytest.raises(AuditError, match="HTTP 404: the model 'not-served' does not exist; this server serves"):
+            run_audit(AuditConfig(s.url + "/v1", "not-served", samples=2, prompt_tokens=20, alpha=0.5))
+        with pytest.raises(AuditError, match=r"HTTP 404: Not Found \(is the base URL right\? .* ends in /v1\)$"):
+            run_audit(AuditConfig(s.url, "tiny", samples=2, prompt_tokens=20, alpha=0.5))
 
 
 def test_the_audit_page_runs_an_audit_and_shows_it_beside_the_past(tmp_path, monkeypatch):
@@ -201,7 +204,9 @@ def test_the_audit_page_runs_an_audit_and_shows_it_beside_the_past(tmp_path, mon
     said = [s.value for s in [*at.success, *at.info, *at.error, *at.warning]]
     assert len(said) == 1 and said[0].startswith(("**Detected**", "**Not detected**", "**Inconclusive**",
                                                   "**No verdict**")), said
-    assert "for the null control" in said[0]
+    assert "for the null control" in said[0] and "alpha 0.5" in said[0]
+    if said[0].startswith(("**Detected**", "**Not detected**")):  # what it means for the server, said in words
+        assert "shares its prompt cache across users" in said[0]
     with RunStore.open(tmp_path / "k.duckdb").read() as con:
         (audit_id,) = con.execute("SELECT audit_id FROM timing_audits").fetchone()
         assert con.execute("SELECT count(*) FROM timing_samples").fetchone()[0] == 12
@@ -212,6 +217,7 @@ def test_the_audit_page_runs_an_audit_and_shows_it_beside_the_past(tmp_path, mon
     at.text_input(key="audit_remote_model").input("m").run()
     at.button(key="audit_go").click().run()
     assert "cannot reach http://127.0.0.1:9/v1" in at.error[0].value  # said in one sentence, no traceback
+    assert f"audit_past_{audit_id}" in {el.key for el in at.get("plotly_chart")}, "the past audits stay below"
 
 
 def test_the_figure_marks_the_ks_distance_and_draws_the_null_and_the_floor():
@@ -224,3 +230,19 @@ def test_the_figure_marks_the_ks_distance_and_draws_the_null_and_the_floor():
     segment = fig.data[3]
     assert segment.x[0] == segment.x[1] == 7.0 and (segment.y[1] - segment.y[0]) == 0.75
     assert [s.x0 for s in fig.layout.shapes] == [2.0] and "floor 2.0 ms" in fig.layout.annotations[0].text
+
+
+def test_each_curve_rises_from_zero_so_the_first_round_draws_a_step():
+    from kvviz.figures.audit import ttft_ecdf
+
+    fig = ttft_ecdf([5.0], [9.0], null=[7.0, 8.0])
+    assert [(list(t.x), list(t.y)) for t in fig.data[:3]] == [([5.0, 5.0], [0.0, 1.0]), ([9.0, 9.0], [0.0, 1.0]),
+                                                             ([7.0, 7.0, 8.0], [0.0, 0.5, 1.0])]
+
+
+
+def test_audits_drawn_side_by_side_share_one_time_axis():
+    from kvviz.figures.audit import ttft_ecdf
+
+    assert ttft_ecdf([5.0], [9.0], x_max=100.0).layout.xaxis.range == (0, 102.0)
+    assert ttft_ecdf([5.0], [9.0]).layout.xaxis.range is None  # alone: plotly fits it

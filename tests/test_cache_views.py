@@ -135,3 +135,15 @@ def test_evidence_says_what_its_numbers_count():
     assert evidence_text({"tokens_after": 2, "before": 3, "new_from_token": 8}) == (
         "2 prompt tokens after the cached ones (computed: a block not full, or the last token), "
         "3 steps before this lookup, new from token 8")
+
+
+def test_a_hit_on_another_tenants_blocks_is_a_column_of_its_own():
+    from kvviz.analysis.explain import Explanation
+    from kvviz.ui.common import lookups_table
+
+    own = Explanation("A", 0, 0, 0, 0, "cold", {"new_from_token": 0})
+    crossed = Explanation("B", 2, 12, 3, 12, "partial_block", {"tokens_after": 2, "hits_cached_under": "tenant-a"})
+    assert "hits cached under" not in lookups_table([own]).columns  # no column where no hit crossed tenants
+    table = lookups_table([own, crossed])
+    assert list(table["hits cached under"].fillna("")) == ["", "tenant-a"]
+    assert "cached under" not in table.evidence[1] and table.evidence[1].startswith("2 prompt tokens after")

@@ -24,7 +24,7 @@ def list_audits(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
     `detected`."""
     return con.execute("SELECT audit_id, created_at, coalesce(target, base_url) AS target, model, level, "
                        "coalesce(verdict, CASE WHEN detected THEN 'detected' ELSE 'not detected' END) AS verdict, "
-                       "samples, prompt_tokens, "
+                       "samples, prompt_tokens, alpha, "
                        "round(median_hit_ms, 1) AS median_hit_ms, round(median_miss_ms, 1) AS median_miss_ms, "
                        "round(median_null_ms, 1) AS median_null_ms, "
                        "round(ks_statistic, 3) AS ks_statistic, p_value, null_p_value, reason FROM timing_audits "

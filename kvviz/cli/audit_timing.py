@@ -36,6 +36,8 @@ def cmd_audit_timing(args: argparse.Namespace) -> int:
 
 
 def _say(audit_id: str, cfg: AuditConfig, v: Verdict) -> None:
+    from ..audit_verdict import in_words
+
     print(f"timing audit {audit_id} of {cfg.base_url} ({cfg.model}), level {cfg.level}, {v.samples} rounds of a "
           f"hit, a miss and a null of {v.prompt_tokens or cfg.prompt_tokens} tokens"
           + ("" if v.prompt_tokens else " (words; the server reports no usage)"))
@@ -46,11 +48,9 @@ def _say(audit_id: str, cfg: AuditConfig, v: Verdict) -> None:
     if v.null_p_value is not None:
         print(f"  null vs miss     KS D {v.null_ks_statistic:.3f}   p-value {v.null_p_value:.3g} (the control: "
               f"must not reject)")
-    where = "across users" if cfg.level == "global" else "within a user"
-    says = {"detected": f"DETECTED: hits reach their first token sooner; this server shares its prompt cache {where}",
-            "not detected": "not detected at this level",
-            "inconclusive": "INCONCLUSIVE", "no verdict": "NO VERDICT"}[v.verdict]
-    print(f"  {says}" + (f": {v.reason}" if v.reason else ""))
+    says = {"detected": "DETECTED", "not detected": "not detected", "inconclusive": "INCONCLUSIVE",
+            "no verdict": "NO VERDICT"}[v.verdict]
+    print(f"  {says}: " + "; ".join(x for x in (in_words(v.verdict, cfg.level), v.reason) if x))
 
 
 def _ms(x: float | None) -> str:

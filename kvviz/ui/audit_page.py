@@ -9,7 +9,8 @@ import streamlit as st
 
 from ..analysis import audits
 from ..audit_timing import LEVELS, AuditConfig, AuditResult
-from ..audit_verdict import Verdict, fewest_samples
+from ..audit_verdict import Verdict, fewest_samples, in_words
+from ..errors import KvvizError
 from ..figures.audit import ttft_ecdf
 from ..serve import SHARING
 from .common import MODELS, has_db, load_model_or_error, reader, store
@@ -55,13 +56,16 @@ def render() -> None:
     alpha = c[3].number_input("alpha", 1e-15, 0.5, format="%.0e", key="audit_alpha")
     ready = bool(name) or bool(url and model)
     if st.button("Run the audit", type="primary", icon=":material/timer:", key="audit_go", disabled=not ready):
-        _run(name, sharing, url, model, key, level, int(samples), int(words), float(alpha))
+        try:
+            _run(name, sharing, url, model, key, level, int(samples), int(words), float(alpha))
+        except KvvizError as e:  # said here, not by the app, so that the past audits still show below
+            st.error(str(e), icon=":material/error:")
     _past()
 
 
 def _run(name, sharing, url, model, key, level, samples, words, alpha) -> None:
     cfg = AuditConfig(url or "http://127.0.0.1/v1", model or "local", level, samples, words, interval=SETTLE,
-                      alpha=alpha, api_key=key or "kvviz-audit")  # a refusal (KvvizError) is shown by the app
+                      alpha=alpha, api_key=key or "kvviz-audit")
     bar, chart = st.progress(0.0, text="starting..."), st.empty()
 
     def between(r: AuditResult) -> None:  # after a round, never during one: drawing is not timed
@@ -87,14 +91,15 @@ def _run(name, sharing, url, model, key, level, samples, words, alpha) -> None:
 def _verdict(v: Verdict, level: str, what: str, alpha: float) -> None:
     """One message, coloured by what it means: sharing across users red, a biased or too short
     measurement amber, no sharing green."""
-    figures = (f"median first token {v.median_hit_ms or 0:.1f} ms for hits, {v.median_miss_ms or 0:.1f} ms for "
+    figures = (f"Median first token {v.median_hit_ms or 0:.1f} ms for hits, {v.median_miss_ms or 0:.1f} ms for "
                f"misses and {v.median_null_ms or 0:.1f} ms for the null control")
     if v.p_value is not None:
         figures += (f"; hits against misses KS D = {v.ks_statistic:.2f}, p = {v.p_value:.2g}, null against misses "
                     f"p = {v.null_p_value:.2g} (alpha {alpha:g})")
     head = {"detected": "Detected", "not detected": "Not detected", "inconclusive": "Inconclusive",
             "no verdict": "No verdict"}[v.verdict]
-    say = f"**{head}** at the {level} level on {what}: " + (f"{v.reason}. " if v.reason else "") + figures + "."
+    why = "; ".join(x for x in (in_words(v.verdict, level), v.reason) if x)
+    say = f"**{head}** at the {level} level on {what}: {why}. {figures}."
     if v.verdict in ("inconclusive", "no verdict"):
         st.warning(say)
     else:
@@ -116,19 +121,22 @@ def _past() -> None:
                                 "null_p_value": st.column_config.NumberColumn("null p-value", format="%.2e"),
                                 "median_hit_ms": "median hit ms", "median_miss_ms": "median miss ms",
                                 "median_null_ms": "median null ms", "ks_statistic": "KS D",
-                                "prompt_tokens": "prompt tokens", "samples": "rounds"})
+                                "prompt_tokens": "prompt tokens", "samples": "rounds", "audit_id": "audit",
+                                "alpha": st.column_config.NumberColumn("alpha", format="%.0e")})
     rows = listing.set_index("audit_id")
-    picked = st.multiselect("Side by side", list(rows.index), default=list(rows.index[:1]), max_selections=3,
-                            key="audit_show",
+    st.session_state.setdefault("audit_show", list(rows.index[:1]))  # the newest, or the one just run
+    picked = st.multiselect("Side by side", list(rows.index), max_selections=3, key="audit_show",
                             format_func=lambda a: f"{a}: {rows.level[a]} level, {rows.target[a]} ({rows.verdict[a]})")
     if not picked:
         return
-    for col, audit_id in zip(st.columns(len(picked)), picked, strict=True):
+    with reader() as con:
+        drawn = {a: audits.timings(con, a) for a in picked}
+    x_max = max((x for t in drawn.values() for kind in ("hit", "miss", "null") for x in t[kind]), default=None)
+    for col, (audit_id, t) in zip(st.columns(len(picked)), drawn.items(), strict=True):
         row = rows.loc[audit_id]
-        with reader() as con:
-            t = audits.timings(con, audit_id)
         col.plotly_chart(ttft_ecdf(t["hit"], t["miss"], f"{audit_id}: {row.level}, {row.verdict}", null=t["null"],
-                                   floor=t["floor"]), key=f"audit_past_{audit_id}")
+                                   floor=t["floor"], x_max=x_max), key=f"audit_past_{audit_id}")
         null = "" if pd.isna(row.null_p_value) else f" · null p = {row.null_p_value:.2g}"
-        col.caption(f"{row.target} · {row.model} · D = {row.ks_statistic:.2f} · p = {row.p_value:.2g}{null}"
+        col.caption(f"{row.target} · {row.model} · D = {row.ks_statistic:.2f} · p = {row.p_value:.2g}{null} · "
+                    f"alpha {row.alpha:g}"
                     + ("" if pd.isna(row.reason) or not row.reason else f" · {row.reason}"))

@@ -128,12 +128,19 @@ def cross_tenant_warning(sentence: str | None) -> None:
         st.warning(f"**{sentence}.** {cross_reads.WHY}", icon=":material/domain_disabled:")
 
 
+CROSSED = "hits_cached_under"  # the evidence of a cross-tenant hit: a column of its own, not the evidence's tail
+
+
 def lookups_table(found: list) -> pd.DataFrame:
-    """Explained lookups (analysis.explain's Explanation) as the Cache and capture views list them."""
-    return pd.DataFrame([{"request": e.request, "step": e.step, "hit tokens": e.hit_tokens,
-                          "stopped at block": e.stop_block, "reason": e.reason, "evidence": evidence_text(e.evidence)}
-                         for e in found], columns=["request", "step", "hit tokens", "stopped at block", "reason",
-                                                   "evidence"])
+    """Explained lookups (analysis.explain's Explanation) as the Cache and capture views list them; where
+    a hit came from blocks cached under another tenant, whose, in a column beside the hit tokens."""
+    table = pd.DataFrame([{"request": e.request, "step": e.step, "hit tokens": e.hit_tokens,
+                           "hits cached under": e.evidence.get(CROSSED), "stopped at block": e.stop_block,
+                           "reason": e.reason,
+                           "evidence": evidence_text({k: v for k, v in e.evidence.items() if k != CROSSED})}
+                          for e in found], columns=["request", "step", "hit tokens", "hits cached under",
+                                                    "stopped at block", "reason", "evidence"])
+    return table if table["hits cached under"].notna().any() else table.drop(columns="hits cached under")
 
 
 EVIDENCE = {"before": "{} steps before this lookup",

@@ -68,7 +68,8 @@ def _compare(pair: dict) -> None:
         infos = {r: runs.run_info(con, pair[r]) for r in roles}
         found = {r: leaks.findings(con, pair[r]) for r in roles}
         crossed = {r: cross_reads.sentence(cross_reads.from_store(con, pair[r])) for r in roles}
-        texts = {r: runs.requests_frame(con, pair[r])[["request_id", "text"]] for r in roles}
+        shown = ["request_id", "tenant", "cached_tokens", "finish_reason", "text"]  # whose cache served a prompt,
+        texts = {r: runs.requests_frame(con, pair[r])[shown] for r in roles}  # why a text ended (or is empty)
         top = found["scenario"].iloc[0].to_dict() if not found["scenario"].empty else None
         first = infos["scenario"].requests[0]
         focus = leaks.focus_of(top) if top else leaks.busiest_focus(con, pair["scenario"], first)
@@ -95,7 +96,9 @@ def _compare(pair: dict) -> None:
             if v is not None:
                 st.plotly_chart(fig.attention_heatmap(v.weights, v.classes, v.query_labels, v.key_labels,
                                                       v.key_owners, where), width="stretch", key=f"sc_hm_{r}")
-            st.dataframe(texts[r], hide_index=True, width="stretch")
+            st.dataframe(texts[r], hide_index=True, width="stretch",
+                         column_config={"request_id": "request", "cached_tokens": "prompt tokens from the cache",
+                                        "finish_reason": "ended by"})
             if st.button("Open in the inspector", key=f"sc_open_{r}"):
                 open_run(pair[r])
     if len(roles) == 2:
@@ -107,7 +110,13 @@ def _compare(pair: dict) -> None:
     if len(roles) == 2 and layers:
         diff = grids["scenario"].merge(grids["control"], on=["layer", "head"], suffixes=("", "_control"))
         diff["max_foreign"] = diff["max_foreign"] - diff["max_foreign_control"]
-        st.plotly_chart(fig.leak_grid(diff[["layer", "head", "max_foreign"]], layers, heads,
-                                      title=f"{focus.request}: foreign mass, scenario minus control (whole run)"),
-                        width="stretch", key="sc_diff")
-        st.caption(f"Largest difference: {float(np.nanmax(diff.max_foreign)) if len(diff) else 0:.4f}.")
+        largest = float(np.nanmax(diff.max_foreign.abs())) if diff.max_foreign.notna().any() else 0.0
+        if largest == 0:  # a blank grid of every layer and head would only say this, at a screen's height
+            st.markdown(f"**Foreign attention mass:** {focus.request}'s is the same as in the control run at every "
+                        "layer and head" + (": the keys read across tenants hold the content it would have written "
+                                            "itself, so they count as its own" if crossed["scenario"] else "") + ".")
+        else:
+            st.plotly_chart(fig.leak_grid(diff[["layer", "head", "max_foreign"]], layers, heads,
+                                          title=f"{focus.request}: foreign mass, scenario minus control (whole run)"),
+                            width="stretch", key="sc_diff")
+            st.caption(f"Largest difference: {float(np.nanmax(diff.max_foreign)):.4f}.")
