@@ -101,7 +101,8 @@ class AuditResult:
     def judge(self) -> Verdict:
         tokens = {k: [s.prompt_tokens for s in self.samples if s.kind == k and s.prompt_tokens is not None]
                   for k in KINDS}
-        return judge({k: self.times(k) for k in (*KINDS, "floor")}, tokens, self.config.alpha, self.stopped)
+        cached = [s.cached_tokens for s in self.samples if s.kind == "hit" and s.cached_tokens is not None]
+        return judge({k: self.times(k) for k in (*KINDS, "floor")}, tokens, self.config.alpha, self.stopped, cached)
 
 
 @dataclass(frozen=True)
@@ -228,7 +229,7 @@ def record(store: RunStore, result: AuditResult, verdict: Verdict | None = None)
             "detected": [v.detected], "verdict": [v.verdict], "reason": [v.reason or None],
             "null_ks_statistic": [v.null_ks_statistic], "null_p_value": [v.null_p_value],
             "median_null_ms": [v.median_null_ms], "median_floor_ms": [v.median_floor_ms],
-            "counted_prompt_tokens": [v.prompt_tokens]}
+            "counted_prompt_tokens": [v.prompt_tokens], "reported_cached_hits": [v.reported_hits]}
     s = result.samples
     rows = {"audit_id": [audit_id] * len(s), "kind": [x.kind for x in s], "sample": [x.index for x in s],
             "ttft_ms": [x.ttft_ms for x in s], "cached_tokens": [x.cached_tokens for x in s],

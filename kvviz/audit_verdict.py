@@ -68,6 +68,8 @@ class Verdict:
     median_null_ms: float | None
     median_floor_ms: float | None
     prompt_tokens: int | None  # the median the server counted for timed prompts, when it reports usage
+    reported_hits: int | None = None  # hits the server said it served partly from its cache (cached_tokens > 0)
+    reported_of: int = 0  # hits whose reply said how many tokens were cached
 
     @property
     def detected(self) -> bool:
@@ -96,9 +98,12 @@ def _iqr(x: list[float]) -> float:
     return q[2] - q[0]
 
 
-def judge(times: dict[str, list[float]], tokens: dict[str, list[int]], alpha: float, stopped: str = "") -> Verdict:
+def judge(times: dict[str, list[float]], tokens: dict[str, list[int]], alpha: float, stopped: str = "",
+          hits_cached: list[int] | None = None) -> Verdict:
     """The verdict on timings by kind (hit, miss, null, floor) and the server's prompt token counts by
-    kind (hit, miss, null; empty where it reports none). `stopped` says why the audit ended early."""
+    kind (hit, miss, null; empty where it reports none). `stopped` says why the audit ended early;
+    `hits_cached` is what the server reported as cached for each hit, where it did: not part of the
+    verdict (which is what timing shows an outsider), said beside it."""
     hit, miss, null, floor = (times.get(k, []) for k in ("hit", "miss", "null", "floor"))
     d, p = ks_test(hit, miss) if hit and miss else (None, None)
     nd, np_ = ks_test(null, miss) if null and miss else (None, None)
@@ -124,4 +129,21 @@ def judge(times: dict[str, list[float]], tokens: dict[str, list[int]], alpha: fl
     else:
         verdict, reason = ("detected" if p < alpha else "not detected"), stopped
     return Verdict(verdict, reason, n, d, p, nd, np_, _median(hit), _median(miss), _median(null), _median(floor),
-                   round(statistics.median([t for v in tokens.values() for t in v])) if lengths else None)
+                   round(statistics.median([t for v in tokens.values() for t in v])) if lengths else None,
+                   sum(c > 0 for c in hits_cached) if hits_cached else None, len(hits_cached or []))
+
+
+def server_says(v: Verdict) -> str:
+    """What the server itself reported of the hits (usage.prompt_tokens_details.cached_tokens), in
+    words; empty where it reported nothing."""
+    if v.reported_hits is None:
+        return ""
+    if v.reported_hits == 0:
+        return f"the server reported no cached tokens for any of {v.reported_of} hits"
+    return f"the server itself reported serving {v.reported_hits} of {v.reported_of} hits partly from its cache"
+
+
+def contradicted(v: Verdict) -> bool:
+    """Timing found nothing while the server says the hits hit its cache: too few rounds or too noisy
+    a machine to see what is there, not a server that shares nothing."""
+    return v.verdict == "not detected" and bool(v.reported_hits)

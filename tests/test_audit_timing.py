@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvviz.audit_timing import ORDERS, AuditConfig, record, run_audit
-from kvviz.audit_verdict import fewest_samples, judge, ks_test, samples_to_separate
+from kvviz.audit_verdict import contradicted, fewest_samples, judge, ks_test, samples_to_separate, server_says
 from kvviz.errors import AuditError
 from kvviz.models import load_model
 from kvviz.store import RunStore
@@ -50,6 +50,19 @@ def test_the_verdict_is_detected_only_when_the_null_control_passes():
     assert biased.verdict == "inconclusive" and biased.exit_status == 3 and not biased.detected
     assert "the null control (a miss against a miss, same schedule) rejects too" in biased.reason
     assert "the measurement is biased" in biased.reason and biased.null_p_value < 1e-8
+
+
+def test_what_the_server_reports_of_the_hits_is_said_beside_the_verdict():
+    rng, tokens = random.Random(3), {}
+    quiet = judge(_times(rng, 20, 30, 30, 30), tokens, 1e-8, hits_cached=[64] * 12 + [0] * 8)
+    assert quiet.verdict == "not detected" and contradicted(quiet)  # timing saw nothing, the server says hits
+    assert server_says(quiet) == "the server itself reported serving 12 of 20 hits partly from its cache"
+    clean = judge(_times(rng, 20, 30, 30, 30), tokens, 1e-8, hits_cached=[0] * 20)
+    assert not contradicted(clean) and server_says(clean) == "the server reported no cached tokens for any of 20 hits"
+    silent = judge(_times(rng, 20, 30, 30, 30), tokens, 1e-8)
+    assert silent.reported_hits is None and server_says(silent) == "" and not contradicted(silent)
+    seen = judge(_times(rng, 20, 10, 30, 30), tokens, 1e-8, hits_cached=[64] * 20)
+    assert seen.detected and not contradicted(seen)
 
 
 def test_no_verdict_from_too_few_samples_unequal_prompts_or_a_server_too_fast_to_time():
@@ -109,6 +122,17 @@ def test_every_timed_request_follows_a_primer_of_its_length_in_rotating_orders()
     assert [s.prompt_tokens for s in r.samples if s.kind == "floor"] == [1] * 10
     rounds = [tuple(s.kind for s in r.samples if s.index == i and s.kind != "floor") for i in range(10)]
     assert rounds == [ORDERS[i % 6] for i in range(10)] and len(set(rounds)) == 6
+
+
+def test_the_cli_says_the_verdict_and_what_the_server_reported(tmp_path):
+    with FakeOpenAI(Behaviour("global", per_token=2e-4)) as server:
+        p = kvviz("audit-timing", "--base-url", server.url, "--model", "fake", "--samples", 10, "--prompt-tokens", 64,
+                  "--alpha", 1e-3, "--quiet", "--db", tmp_path / "k.duckdb")
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "DETECTED: hits reach their first token sooner, so this server shares its prompt cache across users" \
+        in p.stdout and "the server itself reported serving 10 of 10 hits partly from its cache" in p.stdout
+    with RunStore.open(tmp_path / "k.duckdb").read() as con:
+        assert con.execute("SELECT reported_cached_hits FROM timing_audits").fetchone() == (10,)
 
 
 def test_a_server_too_fast_to_time_gets_no_verdict(tmp_path):

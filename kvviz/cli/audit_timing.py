@@ -36,7 +36,7 @@ def cmd_audit_timing(args: argparse.Namespace) -> int:
 
 
 def _say(audit_id: str, cfg: AuditConfig, v: Verdict) -> None:
-    from ..audit_verdict import in_words
+    from ..audit_verdict import contradicted, in_words, server_says
 
     print(f"timing audit {audit_id} of {cfg.base_url} ({cfg.model}), level {cfg.level}, {v.samples} rounds of a "
           f"hit, a miss and a null of {v.prompt_tokens or cfg.prompt_tokens} tokens"
@@ -51,6 +51,9 @@ def _say(audit_id: str, cfg: AuditConfig, v: Verdict) -> None:
     says = {"detected": "DETECTED", "not detected": "not detected", "inconclusive": "INCONCLUSIVE",
             "no verdict": "NO VERDICT"}[v.verdict]
     print(f"  {says}: " + "; ".join(x for x in (in_words(v.verdict, cfg.level), v.reason) if x))
+    if server_says(v):
+        print(f"  {'but ' if contradicted(v) else ''}{server_says(v)}"
+              + (": timing could not see it (more rounds, a quieter machine)" if contradicted(v) else ""))
 
 
 def _ms(x: float | None) -> str:

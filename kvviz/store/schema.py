@@ -242,7 +242,9 @@ TABLES: dict[str, Table] = {t.name: t for t in (
               Column("median_floor_ms", "DOUBLE", "a one-word prompt's: the server's time for no prompt work",
                      added_in="11"),
               Column("counted_prompt_tokens", "INTEGER", "the median timed prompt as the server counted it "
-                     "(usage.prompt_tokens), when it reports usage", added_in="11")),
+                     "(usage.prompt_tokens), when it reports usage", added_in="11"),
+              Column("reported_cached_hits", "INTEGER", "hits the server itself reported serving partly from its "
+                     "cache (cached_tokens > 0), when it reports them: said beside the verdict", added_in="11")),
           in_trace=False, key="audit_id"),
     Table("timing_samples", "Each timed request of a timing audit: time to first token in milliseconds.", (
         *_cols("audit_id VARCHAR"),

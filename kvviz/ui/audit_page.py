@@ -9,7 +9,7 @@ import streamlit as st
 
 from ..analysis import audits
 from ..audit_timing import LEVELS, AuditConfig, AuditResult
-from ..audit_verdict import Verdict, fewest_samples, in_words
+from ..audit_verdict import Verdict, contradicted, fewest_samples, in_words, server_says
 from ..errors import KvvizError
 from ..figures.audit import ttft_ecdf
 from ..serve import SHARING
@@ -51,7 +51,7 @@ def render() -> None:
                                 help="each round times a hit, a miss, a null control and a one-word floor. The "
                                      f"published protocol uses 250; fewer than {fewest_samples(alpha_now)} can "
                                      f"never reach alpha {alpha_now:g}")
-    words = c[2].number_input("Prompt length (tokens)", 16, 8192, key="audit_words",
+    words = c[2].number_input("Prompt length (words, a token each on SmolLM2)", 16, 8192, key="audit_words",
                               help="words of one token each; the server's own count is checked where it reports it")
     alpha = c[3].number_input("alpha", 1e-15, 0.5, format="%.0e", key="audit_alpha")
     ready = bool(name) or bool(url and model)
@@ -84,6 +84,7 @@ def _run(name, sharing, url, model, key, level, samples, words, alpha) -> None:
         audit_id, result = audits.audit_url(store(), cfg, between=between)
         what = url
     bar.progress(1.0, text=f"done: audit {audit_id}")
+    chart.empty()  # the audit is drawn below with the past ones, with its verdict
     _verdict(result.judge(), level, what, alpha)
     st.session_state["audit_show"] = [audit_id]  # the audit just run is the one drawn below
 
@@ -99,8 +100,12 @@ def _verdict(v: Verdict, level: str, what: str, alpha: float) -> None:
     head = {"detected": "Detected", "not detected": "Not detected", "inconclusive": "Inconclusive",
             "no verdict": "No verdict"}[v.verdict]
     why = "; ".join(x for x in (in_words(v.verdict, level), v.reason) if x)
-    say = f"**{head}** at the {level} level on {what}: {why}. {figures}."
-    if v.verdict in ("inconclusive", "no verdict"):
+    says = server_says(v)
+    if contradicted(v):
+        says = f"But {says}: timing could not see it (more rounds, or a quieter machine)"
+    say = f"**{head}** at the {level} level on {what}: {why}. {figures}." + (f" {says[:1].upper()}{says[1:]}."
+                                                                            if says else "")
+    if v.verdict in ("inconclusive", "no verdict") or contradicted(v):  # timing missed what the server says
         st.warning(say)
     else:
         (st.error if v.detected and level == "global" else st.success if not v.detected else st.info)(say)
