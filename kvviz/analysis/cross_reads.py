@@ -13,7 +13,8 @@ from ..oracle import Finding
 
 NO_SALT = "(no salt)"
 UNKNOWN = "(unknown)"  # a request the store holds no row for (a served run records requests as they end)
-WHY = ("The content is identical (own by content), so no attention leaks and the leak rate and foreign mass stay 0; "
+WHY = ("These keys hold the same tokens at the same positions as the request's own prompt would, so its attention "
+       "sees nothing foreign and the leak rate and foreign mass stay 0; "
        "yet each block was computed under another tenant's salt and served to this one: a trust boundary crossed "
        "(the prompt cache's timing side channel).")
 

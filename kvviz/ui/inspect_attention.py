@@ -80,4 +80,5 @@ def _heatmap(con, info: RunInfo, step: int, request: str, layers: int, heads: in
                "leak, a trust boundary crossed; their labels end [tenant]). Red: another request's keys. Orange: "
                "stale keys (a freed block's old contents). Grey: keys the query could not see (future or masked). "
                "Key labels are writer:position token, coloured by writer, as the slot held it when the request last "
-               f"read it (a slot reused since says what was read); lines mark where the writer changes.{note}")
+               "read it (a slot reused since says what was read); lines mark where the writer changes; a black "
+               f"frame marks the query at the position chosen (a finding's, when you came from one).{note}")
