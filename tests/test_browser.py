@@ -138,11 +138,11 @@ def test_two_sessions_run_scenarios_at_once_while_the_cli_records(tmp_path):
             page.get_by_role("button", name="Run it with its control").click()
         waited = False
         deadline = time.monotonic() + RUN_TIMEOUT_MS / 1000
-        while any(p.get_by_text("Side by side").count() == 0 for p in pages) and time.monotonic() < deadline:
+        while not all(p.get_by_text("Side by side").is_visible() for p in pages) and time.monotonic() < deadline:
             waited = waited or any(p.get_by_text("waiting for the model").count() for p in pages)
             pages[0].wait_for_timeout(50)
-        for i, page in enumerate(pages):
-            page.get_by_text("Side by side").wait_for(timeout=1000)
+        for i, page in enumerate(pages):  # a heading seen in the DOM once was not yet visible in 1 of 20 runs
+            page.get_by_text("Side by side").wait_for(timeout=30_000)
             settle(page)
             no_exception(page)
             assert page.get_by_text("the detector fired").count() == 1
