@@ -1,7 +1,8 @@
-"""The timing audit on SmolLM2 behind kvviz serve: global sharing detected at the global level, a
-per-user salt and no cache at all not detected there, each with its null control passing; the same
-through the Audit page's code path with its drawing on; and all three at the published 250 rounds
-(marker `published`, about 35 minutes: `python -m pytest -m published`)."""
+"""The timing audit on SmolLM2 behind kvviz serve, through the CLI: global sharing detected at the
+global level, a per-user salt and no cache at all not detected there, each with its null control
+passing; and all three at the published 250 rounds (marker `published`: `python -m pytest -m
+published`). The Audit page's code path: tests/test_audit_page_smollm2.py (a file of its own, so the
+two workers share these minutes)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kvviz.audit_timing import AuditConfig, AuditResult
 from kvviz.audit_verdict import samples_to_separate
 from kvviz.models import load_model
-from kvviz.store import RunStore
 from tests.cli import kvviz
 from tests.test_serve import Server
 
@@ -49,35 +48,3 @@ def test_the_audit_on_smollm2_at_the_published_size(sharing, level, detected, tm
     code, v = smollm2_audit(sharing, level, 250, 1e-8, tmp_path / "k.duckdb")
     print(v)  # for docs/benchmarks.md: pytest -m published -rP
     assert v["detected"] is detected and code == int(detected) and v["null_p_value"] >= 1e-8, v
-
-
-def page_audit(sharing: str, rounds: int, alpha: float, db: Path) -> tuple[AuditResult, int]:
-    """What the page runs: audit_local, drawing the figure between rounds; and how many it drew."""
-    from kvviz.analysis.audits import audit_local
-    from kvviz.figures.audit import ttft_ecdf
-
-    drawn = []
-
-    def between(r: AuditResult) -> None:
-        drawn.append(ttft_ecdf(r.times("hit"), r.times("miss"), null=r.times("null"), floor=r.times("floor")).to_json())
-
-    cfg = AuditConfig("http://127.0.0.1/v1", "local", "global", rounds, 256, interval=0.1, alpha=alpha)
-    _, result = audit_local(RunStore.open(db), load_model("smollm2"), sharing, cfg, between=between)
-    return result, len(drawn)
-
-
-@pytest.mark.slow
-def test_the_pages_code_path_with_its_drawing_does_not_accuse_a_server_without_a_cache(tmp_path):
-    result, drawn = page_audit("off", ROUNDS, ALPHA, tmp_path / "k.duckdb")
-    v = result.judge()
-    assert v.verdict == "not detected" and v.null_p_value >= ALPHA and drawn == ROUNDS, v
-
-
-@pytest.mark.published
-@pytest.mark.timeout(2400)  # 250 rounds: 11-15 minutes a policy on two cores
-@pytest.mark.parametrize(("sharing", "level", "detected"), EXPECTED)
-def test_the_pages_code_path_at_the_published_size(sharing, level, detected, tmp_path):
-    result, drawn = page_audit(sharing, 250, 1e-8, tmp_path / "k.duckdb")
-    v = result.judge()
-    print(v)  # for docs/benchmarks.md: pytest -m published -rP
-    assert v.detected is detected and v.null_p_value >= 1e-8 and drawn == 250, v
