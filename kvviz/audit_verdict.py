@@ -93,11 +93,6 @@ def _median(x: list[float]) -> float | None:
     return round(statistics.median(x), 3) if x else None
 
 
-def _iqr(x: list[float]) -> float:
-    q = statistics.quantiles(x, n=4) if len(x) > 1 else [0.0, 0.0, 0.0]
-    return q[2] - q[0]
-
-
 def judge(times: dict[str, list[float]], tokens: dict[str, list[int]], alpha: float, stopped: str = "",
           hits_cached: list[int] | None = None) -> Verdict:
     """The verdict on timings by kind (hit, miss, null, floor) and the server's prompt token counts by
@@ -119,10 +114,11 @@ def judge(times: dict[str, list[float]], tokens: dict[str, list[int]], alpha: fl
         verdict, reason = "no verdict", ("the server counted prompts of unequal length ("
                                          + ", ".join(f"{k} {v:g}" for k, v in counted.items())
                                          + " tokens), so their times do not compare" + tail)
-    elif floor and statistics.median(miss) - statistics.median(floor) <= max(_iqr(floor), 0.05):
+    elif floor and (slower := ks_test(floor, miss)[1]) >= alpha:  # the same test: is a prompt's work seen?
         verdict, reason = "no verdict", (f"the server answers a full prompt about as fast as a one-word one "
                                          f"({statistics.median(miss):.2f} against {statistics.median(floor):.2f} "
-                                         f"ms), so a cached prefix cannot show in time: use longer prompts{tail}")
+                                         f"ms, p = {slower:.2g}), so a cached prefix cannot show in time: use "
+                                         f"longer prompts{tail}")
     elif np_ < alpha:
         verdict, reason = "inconclusive", (f"the null control (a miss against a miss, same schedule) rejects too "
                                            f"(D = {nd:.2f}, p = {np_:.2g}): the measurement is biased{tail}")
@@ -133,17 +129,34 @@ def judge(times: dict[str, list[float]], tokens: dict[str, list[int]], alpha: fl
                    sum(c > 0 for c in hits_cached) if hits_cached else None, len(hits_cached or []))
 
 
+HEADLINES = {"detected": "Detected", "not detected": "Not detected", "inconclusive": "Inconclusive",
+             "no verdict": "No verdict"}
+
+
 def server_says(v: Verdict) -> str:
     """What the server itself reported of the hits (usage.prompt_tokens_details.cached_tokens), in
-    words; empty where it reported nothing."""
+    words, led by "but" where it contradicts a timing that found nothing; empty where it reported
+    nothing."""
     if v.reported_hits is None:
         return ""
     if v.reported_hits == 0:
         return f"the server reported no cached tokens for any of {v.reported_of} hits"
-    return f"the server itself reported serving {v.reported_hits} of {v.reported_of} hits partly from its cache"
+    said = f"the server itself reported serving {v.reported_hits} of {v.reported_of} hits partly from its cache"
+    return f"but {said}: timing could not see it (more rounds, or a quieter machine)" if contradicted(v) else said
 
 
 def contradicted(v: Verdict) -> bool:
     """Timing found nothing while the server says the hits hit its cache: too few rounds or too noisy
     a machine to see what is there, not a server that shares nothing."""
     return v.verdict == "not detected" and bool(v.reported_hits)
+
+
+def tone(v: Verdict, level: str) -> str:
+    """How the app colours a verdict: sharing across users is an error, sharing within a user (caching
+    that works) information, nothing found success, and a measurement that cannot tell (inconclusive,
+    no verdict, or timing contradicted by the server's own report) a warning."""
+    if v.verdict in ("inconclusive", "no verdict") or contradicted(v):
+        return "warning"
+    if v.detected:
+        return "error" if level == "global" else "info"
+    return "success"

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvviz.audit_timing import ORDERS, AuditConfig, record, run_audit
-from kvviz.audit_verdict import contradicted, fewest_samples, judge, ks_test, samples_to_separate, server_says
+from kvviz.audit_verdict import contradicted, fewest_samples, judge, ks_test, samples_to_separate, server_says, tone
 from kvviz.errors import AuditError
 from kvviz.models import load_model
 from kvviz.store import RunStore
@@ -56,13 +56,17 @@ def test_what_the_server_reports_of_the_hits_is_said_beside_the_verdict():
     rng, tokens = random.Random(3), {}
     quiet = judge(_times(rng, 20, 30, 30, 30), tokens, 1e-8, hits_cached=[64] * 12 + [0] * 8)
     assert quiet.verdict == "not detected" and contradicted(quiet)  # timing saw nothing, the server says hits
-    assert server_says(quiet) == "the server itself reported serving 12 of 20 hits partly from its cache"
+    assert server_says(quiet) == ("but the server itself reported serving 12 of 20 hits partly from its cache: timing "
+                                  "could not see it (more rounds, or a quieter machine)")
+    assert tone(quiet, "global") == "warning"  # amber, not the green of a server found to share nothing
     clean = judge(_times(rng, 20, 30, 30, 30), tokens, 1e-8, hits_cached=[0] * 20)
     assert not contradicted(clean) and server_says(clean) == "the server reported no cached tokens for any of 20 hits"
     silent = judge(_times(rng, 20, 30, 30, 30), tokens, 1e-8)
     assert silent.reported_hits is None and server_says(silent) == "" and not contradicted(silent)
     seen = judge(_times(rng, 20, 10, 30, 30), tokens, 1e-8, hits_cached=[64] * 20)
     assert seen.detected and not contradicted(seen)
+    assert server_says(seen) == "the server itself reported serving 20 of 20 hits partly from its cache"
+    assert (tone(seen, "global"), tone(seen, "per-user"), tone(clean, "global")) == ("error", "info", "success")
 
 
 def test_no_verdict_from_too_few_samples_unequal_prompts_or_a_server_too_fast_to_time():

@@ -36,7 +36,7 @@ def cmd_audit_timing(args: argparse.Namespace) -> int:
 
 
 def _say(audit_id: str, cfg: AuditConfig, v: Verdict) -> None:
-    from ..audit_verdict import contradicted, in_words, server_says
+    from ..audit_verdict import HEADLINES, in_words, server_says
 
     print(f"timing audit {audit_id} of {cfg.base_url} ({cfg.model}), level {cfg.level}, {v.samples} rounds of a "
           f"hit, a miss and a null of {v.prompt_tokens or cfg.prompt_tokens} tokens"
@@ -48,12 +48,10 @@ def _say(audit_id: str, cfg: AuditConfig, v: Verdict) -> None:
     if v.null_p_value is not None:
         print(f"  null vs miss     KS D {v.null_ks_statistic:.3f}   p-value {v.null_p_value:.3g} (the control: "
               f"must not reject)")
-    says = {"detected": "DETECTED", "not detected": "not detected", "inconclusive": "INCONCLUSIVE",
-            "no verdict": "NO VERDICT"}[v.verdict]
+    says = HEADLINES[v.verdict] if v.verdict == "not detected" else HEADLINES[v.verdict].upper()
     print(f"  {says}: " + "; ".join(x for x in (in_words(v.verdict, cfg.level), v.reason) if x))
     if server_says(v):
-        print(f"  {'but ' if contradicted(v) else ''}{server_says(v)}"
-              + (": timing could not see it (more rounds, a quieter machine)" if contradicted(v) else ""))
+        print(f"  {server_says(v)}")
 
 
 def _ms(x: float | None) -> str:

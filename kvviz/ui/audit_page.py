@@ -9,7 +9,7 @@ import streamlit as st
 
 from ..analysis import audits
 from ..audit_timing import LEVELS, AuditConfig, AuditResult
-from ..audit_verdict import Verdict, contradicted, fewest_samples, in_words, server_says
+from ..audit_verdict import HEADLINES, Verdict, fewest_samples, in_words, server_says, tone
 from ..errors import KvvizError
 from ..figures.audit import ttft_ecdf
 from ..serve import SHARING
@@ -97,18 +97,11 @@ def _verdict(v: Verdict, level: str, what: str, alpha: float) -> None:
     if v.p_value is not None:
         figures += (f"; hits against misses KS D = {v.ks_statistic:.2f}, p = {v.p_value:.2g}, null against misses "
                     f"p = {v.null_p_value:.2g} (alpha {alpha:g})")
-    head = {"detected": "Detected", "not detected": "Not detected", "inconclusive": "Inconclusive",
-            "no verdict": "No verdict"}[v.verdict]
     why = "; ".join(x for x in (in_words(v.verdict, level), v.reason) if x)
     says = server_says(v)
-    if contradicted(v):
-        says = f"But {says}: timing could not see it (more rounds, or a quieter machine)"
-    say = f"**{head}** at the {level} level on {what}: {why}. {figures}." + (f" {says[:1].upper()}{says[1:]}."
-                                                                            if says else "")
-    if v.verdict in ("inconclusive", "no verdict") or contradicted(v):  # timing missed what the server says
-        st.warning(say)
-    else:
-        (st.error if v.detected and level == "global" else st.success if not v.detected else st.info)(say)
+    say = f"**{HEADLINES[v.verdict]}** at the {level} level on {what}: {why}. {figures}." + (
+        f" {says[:1].upper()}{says[1:]}." if says else "")
+    getattr(st, tone(v, level))(say)
 
 
 def _past() -> None:
