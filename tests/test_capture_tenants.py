@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from kvviz.analysis import capture_time
-from kvviz.analysis.explain import explain_run
 from kvviz.capture.capture_file import DEFAULT_REPLICA, CaptureWriter, Message
 from kvviz.capture.emit import KVEventEmitter
 from kvviz.capture.import_vllm import import_capture
@@ -21,6 +20,7 @@ from kvviz.recorded import record_run
 from kvviz.store import RunStore
 from kvviz.store.attention import AttentionSelection
 from kvviz.workload import Workload
+from tests.explain_replay import agreed
 from tests.test_capture import batch, stored_map, write_capture
 
 UNKNOWN = "unknown (its event names no salt)"
@@ -62,7 +62,7 @@ def test_a_block_stored_again_is_the_tenant_its_event_names_for_that_life(tmp_pa
                             "kind = 'cross_tenant' ORDER BY step, position", [run]).fetchall()
         n, events = capture_time.cross_tenant(con, run, 0, 10)
         untold = capture_time.untold_restores(con, run, 0, 10)
-        said = {e.request: e for e in explain_run(con, run)}
+        said = {e.request: e for e in agreed(con, run)}
     assert untold == 0, "every store names its tenant"
     restored = said[f"chain-{3:016x}#2"]
     assert restored.hit_tokens == 4, "it continues 1-2"
@@ -92,7 +92,7 @@ def test_a_store_whose_event_names_no_salt_is_of_a_tenant_the_capture_cannot_tel
         restore = stores(con, run)[-1]
         untold = capture_time.untold_restores(con, run, 0, 10)
         findings = con.execute("SELECT count(*) FROM findings WHERE run_id = ?", [run]).fetchone()[0]
-        said = explain_run(con, run)[-1]
+        said = agreed(con, run)[-1]
     assert restore == (2, 3, salt, False) and findings == 0, "the chain's salt, not named by its own event"
     assert (said.request, said.hit_tokens, said.reason) == (f"chain-{3:016x}#2", 4, "evicted")
     if salted:
@@ -236,8 +236,8 @@ def lookup_pairs(store: RunStore, run: str, capture: str) -> list[tuple]:
     """(the run's lookup, its salt, the capture's lookup of the segment the request's first new block
     began) for every request that stored a block."""
     with store.read() as con:
-        from_run = explain_run(con, run)
-        from_capture = {e.request: e for e in explain_run(con, capture)}
+        from_run = agreed(con, run)
+        from_capture = {e.request: e for e in agreed(con, capture)}
         cached = con.execute("SELECT request_id, hash FROM block_events WHERE run_id = ? AND kind = 'cache' "
                              "ORDER BY step, seq", [run]).fetchall()
         salts = dict(con.execute("SELECT request_id, salt FROM cache_lookups WHERE run_id = ?", [run]).fetchall())
@@ -302,7 +302,7 @@ def test_a_dataset_written_before_salt_named_imports_with_it_unknown(tmp_path):
         with store.read() as con:
             stored, named = con.execute("SELECT count(*), count(salt_named) FROM kv_events WHERE run_id = ? AND "
                                         "kind = 'BlockStored'", [run]).fetchone()
-            said = explain_run(con, run)[-1]
+            said = agreed(con, run)[-1]
             untold = capture_time.untold_restores(con, run, 0, 10)
         assert (stored, named, untold) == (4, 0, 0)
         assert (said.hit_tokens, said.evidence) == (4, {"stored_at": 0, "removed_at": 1, "before": 1})

@@ -1,5 +1,7 @@
 """Why did it miss: engine workloads built to miss for each reason are explained with exactly that
-reason and evidence, and the capture of the same run (run --kv-events) gives the same answers."""
+reason and evidence, and the capture of the same run (run --kv-events) gives the same answers. Every
+run here is explained by SQL and by the replay the SQL replaced (tests/explain_replay.py), which
+agree on every lookup."""
 
 from __future__ import annotations
 
@@ -11,17 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from kvviz.analysis.explain import explain_run
 from kvviz.analysis.explained import explained, kept
 from kvviz.analysis.runs import delete_run
 from kvviz.store import RunStore, StoreError
 from tests.cli import kvviz
+from tests.explain_replay import agreed
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = list(range(100, 124))  # six blocks of 4
 CHAIN_KEYS = {"continues_chain_of", "continues_block", "tenant"}  # what only a capture's segment says
-
-
 
 
 def run(tmp_path: Path, requests: list[dict], num_blocks: int = 16, budget: int = 64) -> tuple[RunStore, str, str]:
@@ -56,7 +56,7 @@ def misses(tmp_path_factory):
     store, run_id, capture_id = run(tmp_path_factory.mktemp("misses"), reqs)
     with store.read() as con:
         first: dict = {}
-        for e in explain_run(con, run_id):  # each request's first lookup (a preempted one has more)
+        for e in agreed(con, run_id):  # each request's first lookup (a preempted one has more)
             first.setdefault(e.request, e)
         return store, run_id, capture_id, first
 
@@ -81,7 +81,7 @@ def test_a_preempted_request_is_explained_as_preempted(tmp_path):
             {"id": "Q", "prompt_ids": list(range(150, 162)), "max_new_tokens": 14}]
     store, run_id, _ = run(tmp_path, reqs, num_blocks=10)
     with store.read() as con:
-        got = explain_run(con, run_id)
+        got = agreed(con, run_id)
         preempted = con.execute("SELECT DISTINCT request_id, step FROM block_events WHERE run_id = ? AND "
                                 "kind = 'preempt' ORDER BY step", [run_id]).fetchall()
     assert preempted, "the pool was meant to be too small for both"
@@ -93,7 +93,7 @@ def test_a_preempted_request_is_explained_as_preempted(tmp_path):
 def test_the_capture_of_the_run_gives_the_same_answers(misses):
     store, run_id, capture_id, got = misses
     with store.read() as con:
-        from_capture = {e.request: e for e in explain_run(con, capture_id)}
+        from_capture = {e.request: e for e in agreed(con, capture_id)}
         cached = con.execute("SELECT request_id, hash FROM block_events WHERE run_id = ? AND kind = 'cache' "
                              "ORDER BY step, seq", [run_id]).fetchall()
         salts = dict(con.execute("SELECT request_id, salt FROM cache_lookups WHERE run_id = ?", [run_id]).fetchall())
@@ -127,7 +127,7 @@ def test_the_cli_explains_as_a_table_or_json(misses):
     assert p.returncode == 0 and "namespace" in p.stdout and "chain-" in p.stdout
     p = kvviz("explain", run_id, "--db", str(store.path), "--summary", "--json")
     with store.read() as con:
-        reasons = [e.reason for e in explain_run(con, run_id)]
+        reasons = [e.reason for e in agreed(con, run_id)]
     summary = json.loads(p.stdout)
     assert {r["reason"]: r["lookups"] for r in summary} == {r: reasons.count(r) for r in set(reasons)}
     assert [r["lookups"] for r in summary] == sorted((r["lookups"] for r in summary), reverse=True)
@@ -148,7 +148,7 @@ def test_an_explanation_is_kept_once_then_read_back_by_sql_the_cli_and_the_app(m
         con.execute("DELETE FROM lookup_explanations")
         con.execute("UPDATE runs SET explained_at = NULL")
     with copy.read() as con:
-        replayed = explain_run(con, capture_id)
+        replayed = agreed(con, capture_id)
         assert not kept(con, capture_id)
     p = kvviz("explain", capture_id, "--db", str(copy.path), "--json")  # the first time: a replay, said
     assert "replaying the capture's" in p.stderr and len(replayed) >= 12
@@ -196,7 +196,7 @@ def test_a_captures_lookups_are_named_by_session_and_repeats_are_not_lookups(tmp
     store = RunStore.open(tmp_path / "k.duckdb")
     run = import_file(tmp_path / "c.jsonl", store)
     with store.read() as con:
-        found = [(e.request, e.step, e.hit_tokens) for e in explain_run(con, run)]
+        found = [(e.request, e.step, e.hit_tokens) for e in agreed(con, run)]
     assert found == [("conv-7", 0, 0), ("conv-7", 2, 4), ("chain-0000000000000004", 3, 0)]
 
 
@@ -262,93 +262,45 @@ def test_each_replica_of_a_fleet_capture_is_explained_from_its_own_cache(tmp_pat
     store = RunStore.open(tmp_path / "k.duckdb")
     run = import_file(tmp_path / "c.jsonl", store)
     with store.read() as con:
-        found = [(e.request, e.step, e.hit_tokens, e.reason) for e in explain_run(con, run)]
+        found = [(e.request, e.step, e.hit_tokens, e.reason) for e in agreed(con, run)]
     one = f"chain-{1:016x}"
     assert found == [(f"pod-a/{one}", 0, 0, "cold"), (f"pod-b/{one}", 1, 0, "cold"),
                      (f"pod-a/{one}#2", 3, 0, "evicted"), (f"pod-b/chain-{3:016x}", 4, 4, "cold")]
 
 
-def test_the_closest_cached_sibling_is_the_one_cached_at_the_lookups_time():
-    """(1, 4, 1) shares two tokens with the lookup's (1, 4, 5) while it is cached (steps 2..3), then
-    only (1, 2, 9) is left, sharing one. The history is built as events come, and refuses to go back."""
-    from kvviz.analysis.explain import CacheEvent, CacheHistory, Lookup, tokens
+def test_the_closest_cached_sibling_is_the_one_cached_at_the_lookups_time(tmp_path):
+    """The lookup (1, 4, 5) diverges from the closest cached sibling: (1, 4, 1), sharing two tokens,
+    where it was cached before the lookup's message (`after`), else (1, 2, 9), sharing one: stored in
+    the lookup's own message (`same-message`), or removed in it (`removed`). Between two siblings
+    sharing as much, the one cached first (`tie`, `tie-reversed`)."""
+    from kvviz.analysis.uploads import import_file
+    from kvviz.capture.capture_file import CaptureWriter, Message
+    from tests.test_capture import batch, stored_map
 
-    events = [CacheEvent(0, "store", 1, None, tokens((1, 2, 9))), CacheEvent(1, "store", 2, None, tokens((1, 4, 1))),
-              CacheEvent(1, "store", 3, None, tokens((7, 7, 7))), CacheEvent(4, "remove", 2)]
-    history = CacheHistory(block_size=3)
-
-    def at(t):
-        while events and events[0].t <= t:
-            history.add(events.pop(0))
-        e = history.explain(Lookup("x", t, tokens((1, 4, 5, 0)), None, 0, whole_prompt=False))
-        return e.reason, e.evidence
-
-    assert at(1) == ("diverged", {"shared_tokens": 1, "ours": 4, "theirs": 2}), "(1, 4, 1) not cached before step 2"
-    assert at(2) == ("diverged", {"shared_tokens": 2, "ours": 5, "theirs": 1})
-    assert at(3) == ("diverged", {"shared_tokens": 2, "ours": 5, "theirs": 1})
-    assert at(4) == ("diverged", {"shared_tokens": 1, "ours": 4, "theirs": 2}), "removed in step 4"
-    with pytest.raises(ValueError, match="time order"):
-        at(2)
-
-
-def test_the_streamed_history_answers_as_a_replay_of_the_whole_history():
-    """Random histories (salts, chains that share and diverge, evictions in a lookup's own step,
-    contents cached twice at once) explained as events stream in agree with a plain replay that
-    keeps every life and asks, per lookup, which were alive at its step."""
-    import random
-
-    from kvviz.analysis.explain import CacheEvent, CacheHistory, Lookup, tokens
-
-    def whole_history_answer(events, lookup):
-        """The reason by the rule itself: lives over the whole history, alive in (stored, removed)."""
-        lives, prefix = {}, {}  # (salt, prefix) -> [[stored, removed]]; hash -> (salt, prefix)
-        for e in events:
-            if e.kind == "store":
-                if e.parent is not None and e.parent not in prefix:
-                    continue
-                salt, before = (e.salt, ()) if e.parent is None else prefix[e.parent]
-                prefix[e.hash] = (salt, before + tuple(e.tokens))
-                lives.setdefault(prefix[e.hash], []).append([e.t, None])
-            elif e.hash in prefix and lives[prefix[e.hash]][-1][1] is None:
-                lives[prefix[e.hash]][-1][1] = e.t
-        t, node = lookup.t, (lookup.salt, tuple(lookup.tokens))
-        alive = lambda life: life[0] < t and (life[1] is None or life[1] > t)  # noqa: E731
-        past = [life for life in lives.get(node, []) if life[0] < t]
-        if past:
-            return "unexplained" if any(map(alive, past)) else ("capacity" if past[-1][1] == t else "evicted")
-        if any(any(map(alive, ls)) for (salt, p), ls in lives.items() if p == node[1] and salt != lookup.salt):
-            return "namespace"
-        return None  # diverged or cold: the sibling search, checked by the test above
-
-    rng = random.Random(7)
-    checked = 0
-    for _ in range(300):
-        events, known, lookups = [], {}, []
-        for t in range(rng.randint(1, 30)):
-            for _ in range(rng.randint(0, 4)):
-                if rng.random() < 0.6 or not known:
-                    parent = rng.choice([None, *known]) if known and rng.random() < 0.7 else None
-                    salt = rng.choice(["a", "b", None]) if parent is None else None
-                    block = tokens(rng.choice([(1, 2), (1, 3), (2, 2)]))
-                    h = hash((parent, salt, tuple(block)))
-                    known[h] = parent
-                    events.append(CacheEvent(t, "store", h, parent, block, salt))
-                    lookups.append((t, h))
-                else:
-                    events.append(CacheEvent(t, "remove", rng.choice(list(known))))
-        history, todo = CacheHistory(block_size=2), list(events)
-        for t, h in lookups:
-            while todo and todo[0].t <= t:
-                history.add(todo.pop(0))
-            if not history.known(h):
-                continue
-            full = history.tokens_of(h)
-            lookup = Lookup("x", t, full, history.salt_of(h), len(full) - 2, whole_prompt=False)
-            expected = whole_history_answer(events, lookup)
-            got = history.explain(lookup).reason
-            assert got == expected if expected else got in ("diverged", "cold"), (events, lookup)
-            checked += 1
-    assert checked > 1000
+    def store(h, block):
+        return stored_map([h], None, block, size=3)
+    removed = {"type": "BlockRemoved", "block_hashes": [2], "medium": "GPU"}
+    lookup = store(9, [1, 4, 5])
+    sent = {"same-message": [[store(1, [1, 2, 9])], [store(2, [1, 4, 1]), store(3, [7, 7, 7]), lookup]],
+            "after": [[store(1, [1, 2, 9])], [store(2, [1, 4, 1]), store(3, [7, 7, 7])], [lookup]],
+            "removed": [[store(1, [1, 2, 9])], [store(2, [1, 4, 1]), store(3, [7, 7, 7])], [removed, lookup]],
+            "tie": [[store(4, [1, 4, 9])], [store(2, [1, 4, 1])], [lookup]],
+            "tie-reversed": [[store(2, [1, 4, 1])], [store(4, [1, 4, 9])], [lookup]]}
+    w = CaptureWriter(tmp_path / "c.jsonl", {name: "x" for name in sent})
+    for name, messages in sent.items():
+        for seq, events in enumerate(messages):
+            w.add(Message(name, 0, seq, "kv", batch(*events)))
+    w.close()
+    store_ = RunStore.open(tmp_path / "k.duckdb")
+    run_id = import_file(tmp_path / "c.jsonl", store_)
+    with store_.read() as con:
+        got = {e.request.split("/")[0]: (e.reason, e.evidence) for e in agreed(con, run_id)
+               if e.request.endswith(f"chain-{9:016x}")}
+    assert got == {"same-message": ("diverged", {"shared_tokens": 1, "ours": 4, "theirs": 2}),
+                   "after": ("diverged", {"shared_tokens": 2, "ours": 5, "theirs": 1}),
+                   "removed": ("diverged", {"shared_tokens": 1, "ours": 4, "theirs": 2}),
+                   "tie": ("diverged", {"shared_tokens": 2, "ours": 5, "theirs": 9}),
+                   "tie-reversed": ("diverged", {"shared_tokens": 2, "ours": 5, "theirs": 1})}
 
 
 def test_a_prefix_evicted_by_its_own_step_is_capacity_not_churn(tmp_path):
@@ -362,8 +314,8 @@ def test_a_prefix_evicted_by_its_own_step_is_capacity_not_churn(tmp_path):
             {"id": "F", "prompt_ids": a + [1, 2, 3, 4], "max_new_tokens": 1, "arrival_step": 6}]
     store, run_id, capture_id = run(tmp_path, reqs, num_blocks=12)
     with store.read() as con:
-        got = {e.request: e for e in explain_run(con, run_id)}
-        from_capture = [e for e in explain_run(con, capture_id) if e.reason == "capacity"]
+        got = {e.request: e for e in agreed(con, run_id)}
+        from_capture = [e for e in agreed(con, capture_id) if e.reason == "capacity"]
     f = got["F"]
     assert (f.reason, f.hit_tokens, f.stop_block) == ("capacity", 8, 2), f
     assert f.evidence["removed_at"] == f.step > f.evidence["stored_at"]
@@ -382,7 +334,7 @@ def test_an_adapter_is_a_namespace_like_a_salt(tmp_path):
             {"id": "L2", "prompt_ids": PROMPT, "max_new_tokens": 2, "adapter": "foo", "arrival_step": 9}]
     store, run_id, _ = run(tmp_path, reqs, num_blocks=64)
     with store.read() as con:
-        got = {e.request: e for e in explain_run(con, run_id)}
+        got = {e.request: e for e in agreed(con, run_id)}
     assert (got["L"].reason, got["L"].evidence) == ("namespace", {"cached_under": "foo"})
     assert got["SL"].reason == "namespace" and got["SL"].evidence["cached_under"] in ("foo", "adapter foo")
     assert got["L2"].hit_tokens == 20 and got["L2"].reason == "partial_block"
@@ -400,7 +352,7 @@ def test_a_hit_on_another_tenants_blocks_is_named(tmp_path, fault):
     store = RunStore.open(tmp_path / "k.duckdb")
     run_id = live.run(store, m, live.scenario_workload("unsalted_prefix", m), fault).run_id
     with store.read() as con:
-        found = {e.request: e for e in explain_run(con, run_id)}
+        found = {e.request: e for e in agreed(con, run_id)}
     crossed = {r: e.evidence.get("hits_cached_under") for r, e in found.items()}
     if fault:
         assert found["B"].hit_tokens > 0 and crossed == {"A": None, "B": "tenant-a"}

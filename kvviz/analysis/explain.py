@@ -2,22 +2,12 @@
 token the lookup stopped, and why, with the evidence (the question of LMCache #3659 and vLLM RFC
 #43711 that no tool answers).
 
+The reasons are SQL (kvviz/capture/explain_sql.py, where they are defined, in the dialect DuckDB, Spark
+and Trino share); this module gives them a run of the store as input and reads the answer back.
 One history serves engine runs and captures alike: blocks stored (hash, parent, tokens, salt) and
 removed, in order. Engine runs record it in block_events and their lookups in cache_lookups; a
-capture's kv_events are the same history, and each stored chain segment is a lookup that stopped
-where the segment begins. Reasons, checked in this order:
-
-- partial_block: every full block the lookup could use was served; the rest of the prompt is in a
-  block that is not full (or ends the prompt, whose last token is always computed);
-- preempted: a re-admission after the request lost its blocks to preemption;
-- capacity: the same block was evicted in the lookup's own step, by the allocations of the batch
-  admitted before it: the pool could not hold this step's work and keep the prefix (a sizing
-  problem, where `evicted` is churn);
-- evicted: the same block (same tokens, same salt) was cached and evicted in an earlier step;
-- namespace: the same tokens are cached under another salt (or adapter);
-- diverged: a cached chain under this salt shares the blocks before and differs inside this one (at
-  which token, with both tokens), sharing at least one token;
-- cold: nothing with these tokens was cached before.
+capture's kv_events are the same history, each replica's (and KV group's) its own, and each stored
+chain segment is a lookup that stopped where the segment begins.
 
 Each store is its own tenant's, for that life: a block stored under a salt that is not the chain's it
 continues is kept under its own (a tenant that continued another's chain), and a lookup whose hits
@@ -29,53 +19,32 @@ own tenant is unknown: a server that leaves salts out of its hashes lets any ten
 
 from __future__ import annotations
 
-import bisect
-import hashlib
 import json
-from array import array
 from dataclasses import asdict, dataclass, field
-from typing import NamedTuple
 
 import duckdb
 
-from ..gcpause import paused_gc
+from ..capture import explain_sql
 from ..store import StoreError
 
-ROOT = b"kvviz/explain-root"
-
-
-Tokens = array  # array('i'): a block's tokens in 128 bytes, where a tuple of ints takes about 600
-
-
-def tokens(values) -> Tokens:
-    return array("i", values)
-
-
-def _digest(parent: bytes, block: Tokens) -> bytes:
-    """A name for a token prefix: chained like block hashes, over tokens only (any engine's capture)."""
-    return hashlib.blake2b(parent + block.tobytes(), digest_size=16).digest()
-
-
-class CacheEvent(NamedTuple):
-    """A block stored or removed."""
-    t: int  # step (engine run) or message (capture)
-    kind: str  # store | remove
-    hash: int
-    parent: int | None = None
-    tokens: Tokens = tokens(())
-    salt: str | None = None
-
-
-@dataclass(frozen=True)
-class Lookup:
-    request: str
-    t: int
-    tokens: Tokens
-    salt: str | None
-    hit_tokens: int
-    preempted_at: int | None = None  # a re-admission: the step the request was preempted
-    whole_prompt: bool = True  # False for a capture's chain segment: the prompt went on past its blocks
-    chain: dict = field(default_factory=dict)  # a capture's segment: what it can say of the chain it continues
+# block_events kinds that change the prefix cache, as explain's kinds: a kind that empties the whole
+# cache (a reset) maps to 'clear'.
+ENGINE_KINDS = {"cache": "store", "evict": "remove"}
+UNKNOWN_TENANT = "unknown (its event names no salt)"
+# Evidence keys in the order they are said, from the result's columns.
+EVIDENCE = (
+    ("tokens_after", "tokens_after"),
+    ("preempted_at", "preempted_at"),
+    ("stored_at", "stored_at"),
+    ("removed_at", "removed_at"),
+    ("before_steps", "before"),
+    ("cached_under", "cached_under"),
+    ("shared_tokens", "shared_tokens"),
+    ("ours", "ours"),
+    ("theirs", "theirs"),
+    ("new_from_token", "new_from_token"),
+    ("hits_cached_under", "hits_cached_under"),
+)
 
 
 @dataclass(frozen=True)
@@ -92,291 +61,190 @@ class Explanation:
         return asdict(self)
 
 
-@dataclass(slots=True)
-class _Life:
-    """One time a content was cached: it served lookups in the steps after `stored`, up to and not
-    including `removed` (evictions in a lookup's own step come from allocations before or at it)."""
-    stored: int
-    removed: int | None = None
+@dataclass(frozen=True)
+class Contradictions:
+    """What a capture says that cannot be so, by kind; explain leaves those events out."""
+
+    removed_not_cached: int = 0
+    stored_before_parent: int = 0
+    sequence_back: int = 0
+
+    def sentence(self) -> str | None:
+        """One sentence for a reader, or None when the capture is consistent."""
+        said = [
+            _count(
+                self.removed_not_cached,
+                "removal",
+                "of a block not cached (removed twice, or stored before the capture began)",
+                "of blocks not cached (removed twice, or stored before the capture began)",
+            ),
+            _count(
+                self.stored_before_parent,
+                "block",
+                "stored before its parent",
+                "stored before their parent (left out, with what was stored under them)",
+            ),
+            _count(self.sequence_back, "message", "whose sequence number goes back", "whose sequence numbers go back"),
+        ]
+        said = [s for s in said if s]
+        return None if not said else "The capture contradicts itself: " + "; ".join(said) + ". The rest is explained."
 
 
-@dataclass(slots=True)
-class _Content:
-    """One token prefix cached in one namespace: its last block, and each time it was cached."""
-    parent: bytes  # the prefix digest before its last block
-    block: Tokens
-    nth: int  # among its parent's children in this namespace, in the order first cached (ties go to the first)
-    lives: list[_Life]
-
-
-Node = tuple[str | None, bytes]  # (salt, prefix digest): one cached content in one namespace
-
-
-class CacheHistory:
-    """Every stored block's token prefix and salt, and when it lived, built from events added in time
-    order; no event is kept once added. A lookup at step t is explained once every event up to t is
-    in (the step's own evictions count against it, its own stores do not). Which contents are
-    cached now is kept as events come, so the closest cached sibling is a search among those alone,
-    however many have come and gone."""
-
-    def __init__(self, block_size: int | None):
-        self.block_size = block_size  # a capture's is known from its first stored block
-        # hash -> (prefix digest, chain salt, parent hash, its tokens)
-        self._blocks: dict[int, tuple[bytes, str | None, int | None, Tokens]] = {}
-        self._contents: dict[Node, _Content] = {}
-        self._salts: dict[bytes, tuple[str | None, ...]] = {}  # digest -> every salt it was cached under
-        self._children: dict[Node, int] = {}  # (salt, parent digest) -> children seen
-        self._cached: dict[Node, list] = {}  # (salt, parent digest) -> [(block, nth, digest)] cached, in token order
-        self._count: dict[Node, int] = {}  # contents cached now: how many of their lives are
-        self._now: int | None = None  # the step of what was added last
-        self._new: list[tuple[Node, _Life]] = []  # lives begun in step _now: cached from the next step on
-
-    def add(self, e: CacheEvent) -> None:
-        self._advance(e.t)
-        if e.kind == "store":
-            self._store(e)
-        elif e.hash in self._blocks:
-            d, salt = self._blocks[e.hash][:2]
-            life = self._contents[(salt, d)].lives[-1]
-            if life.removed is None:
-                life.removed = e.t
-                if life.stored < e.t:  # it was cached (one stored in this step never was)
-                    self._turn((salt, d), -1)
-
-    def _advance(self, t: int) -> None:
-        if self._now is not None and t < self._now:
-            raise ValueError(f"step {t} comes after step {self._now}: a history is built in time order")
-        if t != self._now:
-            for node, life in self._new:
-                if life.removed is None:
-                    self._turn(node, 1)
-            self._new, self._now = [], t
-
-    def _store(self, e: CacheEvent) -> None:
-        if e.parent is None:
-            parent, salt = ROOT, e.salt
-        elif e.parent in self._blocks:
-            parent, chain_salt = self._blocks[e.parent][:2]
-            salt = chain_salt if e.salt is None else e.salt  # a salt its event names: this life is that tenant's
-        else:
-            return  # its chain began before the capture did: its tokens are unknown
-        d = _digest(parent, e.tokens)
-        self._blocks[e.hash] = (d, salt, e.parent, e.tokens)
-        node = (salt, d)
-        content = self._contents.get(node)
-        if content is None:
-            nth = self._children[(salt, parent)] = self._children.get((salt, parent), 0) + 1
-            content = self._contents[node] = _Content(parent, e.tokens, nth, [])
-            if salt not in self._salts.get(d, ()):
-                self._salts[d] = (*self._salts.get(d, ()), salt)
-        life = _Life(e.t)
-        content.lives.append(life)
-        self._new.append((node, life))
-
-    def known(self, h: int) -> bool:
-        return h in self._blocks
-
-    def salt_of(self, h: int) -> str | None:
-        return self._blocks[h][1]
-
-    def tokens_of(self, h: int | None) -> Tokens:
-        """The token prefix a stored block ends (walked up its chain)."""
-        parts = []
-        while h is not None:
-            _, _, h, block = self._blocks[h]
-            parts.append(block)
-        out = tokens(())
-        for part in reversed(parts):
-            out.extend(part)
-        return out
-
-    def _cached_now(self, node: Node) -> bool:
-        return node in self._count
-
-    def explain(self, lookup: Lookup) -> Explanation:
-        """Why `lookup` stopped where it did; every event up to its step must be added, none after."""
-        B, T, s, t = self.block_size, lookup.tokens, lookup.salt, lookup.t
-        self._advance(t)
-        k = lookup.hit_tokens // B
-        usable = (len(T) - 1) // B  # the last token is always computed
-        parent, crossed = ROOT, None
-        for j in range(k):
-            parent = _digest(parent, T[j * B:(j + 1) * B])
-            if crossed is None and not self._cached_now((s, parent)):  # a hit on a block not cached under s
-                crossed = self._cached_under_other(parent, s)
-
-        def ex(reason: str, **evidence) -> Explanation:
-            if crossed is not None:  # the hits themselves crossed a namespace: whatever stopped the lookup
-                evidence["hits_cached_under"] = crossed
-            if crossed is not None or "tenant" in lookup.chain:  # where the segment's tenant is in question
-                evidence.update(lookup.chain)
-            return Explanation(lookup.request, t, lookup.hit_tokens, k, k * B, reason, evidence)
-
-        if lookup.whole_prompt and k >= usable:
-            return ex("partial_block", tokens_after=len(T) - lookup.hit_tokens)
-        if lookup.preempted_at is not None:
-            return ex("preempted", preempted_at=lookup.preempted_at)
-        block = T[k * B:(k + 1) * B]
-        d = _digest(parent, block)
-        content = self._contents.get((s, d))
-        if content is not None and content.lives[0].stored < t:  # cached before this step, at least once
-            if self._cached_now((s, d)):
-                return ex("unexplained", note="this block was cached when the lookup ran")
-            last = next(life for life in reversed(content.lives) if life.stored < t)
-            if last.removed == t:
-                return ex("capacity", stored_at=last.stored, removed_at=last.removed)
-            return ex("evicted", stored_at=last.stored, removed_at=last.removed, before=t - last.removed)
-        other = self._cached_under_other(d, s)
-        if other is not None:
-            return ex("namespace", cached_under=other)
-        theirs = self._closest_sibling(s, parent, block)
-        if theirs is not None and k * B + _common(theirs, block) > 0:  # nothing in common is not a divergence
-            at = _common(theirs, block)
-            return ex("diverged", shared_tokens=k * B + at, ours=block[at], theirs=theirs[at])
-        return ex("cold", new_from_token=k * B)  # the tokens from here were never cached (under any salt)
-
-    def _cached_under_other(self, d: bytes, salt: str | None) -> str | None:
-        """The first namespace other than `salt` the prefix `d` is cached under now, by name."""
-        others = sorted((o for o in self._salts.get(d, ()) if o != salt and self._cached_now((o, d))),
-                        key=lambda o: (o is None, str(o)))
-        return None if not others else others[0] if others[0] is not None else "(no salt)"
-
-    def _closest_sibling(self, salt: str | None, parent: bytes, block: Tokens) -> Tokens | None:
-        """The cached sibling block sharing the most leading tokens with `block` now. In sorted order
-        the shared length falls away from where `block` would go, so the best is one of the two
-        cached siblings either side of it (ties go to the sibling cached first)."""
-        kids = self._cached.get((salt, parent), [])
-        at = bisect.bisect_left(kids, (block,))
-        near = kids[max(at - 1, 0):at + 1]
-        return max(near, key=lambda k: (_common(k[0], block), -k[1]))[0] if near else None
-
-    def _turn(self, node: Node, change: int) -> None:
-        """A life of `node` begins (+1) or ends (-1): its content enters or leaves its parent's cached list."""
-        n = self._count[node] = self._count.get(node, 0) + change
-        if n == (1 if change > 0 else 0):
-            content = self._contents[node]
-            kids = self._cached.setdefault((node[0], content.parent), [])
-            item = (content.block, content.nth, node[1])
-            if change > 0:
-                bisect.insort(kids, item)
-            else:
-                del kids[bisect.bisect_left(kids, item)]
-        if n == 0:
-            del self._count[node]
-
-
-def _common(a: Tokens, b: Tokens) -> int:
-    for n, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return n
-    return min(len(a), len(b))
+def _count(n: int, noun: str, one: str, many: str) -> str:
+    return "" if not n else f"1 {noun} {one}" if n == 1 else f"{n:,} {noun}s {many}"
 
 
 def explain_run(con: duckdb.DuckDBPyConnection, run_id: str) -> list[Explanation]:
-    """Every lookup of an engine run, or every stored chain segment of a capture, explained."""
+    """Every lookup of an engine run, or every stored chain segment of a capture, explained (by SQL, in
+    this connection's temporary tables, dropped after)."""
     head = con.execute("SELECT engine FROM runs WHERE run_id = ?", [run_id]).fetchone()
     if head is None:
         raise StoreError(f"no run {run_id!r}")
-    with paused_gc():  # the history is millions of small objects, none in a cycle
-        if con.execute("SELECT count(*) FROM kv_events WHERE run_id = ?", [run_id]).fetchone()[0]:
-            return _explain_capture(con, run_id)
-        return _explain_engine_run(con, run_id, int(json.loads(head[0] or "{}").get("block_size", 16)))
+    sql = explain_sql.DuckSql(con)
+    try:
+        if _is_capture(con, run_id):
+            _capture_input(sql, run_id)
+        else:
+            _engine_input(sql, run_id, int(json.loads(head[0] or "{}").get("block_size", 16)))
+        explain_sql.explain(sql)
+        cur = con.execute(f"SELECT {', '.join(explain_sql.RESULT_COLUMNS)} FROM explain_result")
+        rows = [dict(zip(explain_sql.RESULT_COLUMNS, r, strict=True)) for r in cur.fetchall()]
+        if "capture_events" in sql.made:
+            return _capture_explanations(sql, rows)
+        return [_explained(r["request"], r) for r in sorted(rows, key=lambda r: r["lid"])]
+    finally:
+        sql.close()
 
 
-def _explain_engine_run(con: duckdb.DuckDBPyConnection, run_id: str, B: int) -> list[Explanation]:
-    """The engine's lookups (cache_lookups) against its prefix cache's history (block_events)."""
-    events = [CacheEvent(step, "store" if kind == "cache" else "remove", h, parent, tokens(block or ()),
-                         namespace(salt, adapter))
-              for step, kind, h, parent, block, salt, adapter in con.execute(
-                  "SELECT step, kind, hash, parent_hash, token_ids, salt, adapter FROM block_events WHERE run_id = ? "
-                  "AND kind IN ('cache', 'evict') AND hash IS NOT NULL ORDER BY step, seq", [run_id]).fetchall()]
-    if not events and not con.execute("SELECT count(*) FROM cache_lookups WHERE run_id = ?", [run_id]).fetchone()[0]:
-        raise StoreError(f"run {run_id} has no cache lookups to explain (recorded before kvviz recorded them, or a "
-                         "run without the prefix cache's history)")
-    history = CacheHistory(B)
-    ids = {r: (p or []) + (o or []) for r, p, o in con.execute(
-        "SELECT request_id, prompt_ids, output_ids FROM requests WHERE run_id = ?", [run_id]).fetchall()}
-    preempted = con.execute("SELECT DISTINCT request_id, step FROM block_events WHERE run_id = ? AND "
-                            "kind = 'preempt' ORDER BY step", [run_id]).fetchall()
-    workload = json.loads(con.execute("SELECT workload FROM runs WHERE run_id = ?", [run_id]).fetchone()[0] or "{}")
-    adapters = {r.get("id"): r.get("adapter") for r in workload.get("requests", [])}
-    out, added = [], 0
-    for step, req, salt, n, hit in con.execute("SELECT step, request_id, salt, tokens, hit_tokens FROM cache_lookups "
-                                               "WHERE run_id = ? ORDER BY step, request_id", [run_id]).fetchall():
-        while added < len(events) and events[added].t <= step:  # the lookup's own step included
-            history.add(events[added])
-            added += 1
-        before = [s for r, s in preempted if r == req and s < step]
-        out.append(history.explain(Lookup(req, step, tokens(ids.get(req, [])[:n]), namespace(salt, adapters.get(req)),
-                                          hit, before[-1] if before else None)))
-    return out
+def contradictions(con: duckdb.DuckDBPyConnection, run_id: str) -> Contradictions:
+    """What a capture's events say that cannot be so (an engine run's history is consistent by
+    construction: its invariants are checked as it runs)."""
+    if not _is_capture(con, run_id):
+        return Contradictions()
+    sql = explain_sql.DuckSql(con)
+    try:
+        _capture_view(sql, run_id)
+        return Contradictions(*sql.rows(explain_sql.CONTRADICTIONS)[0])
+    finally:
+        sql.close()
 
 
-def namespace(salt: str | None, adapter: str | None) -> str | None:
+def _is_capture(con: duckdb.DuckDBPyConnection, run_id: str) -> bool:
+    return bool(
+        con.execute("SELECT count(*) FROM (SELECT 1 FROM kv_events WHERE run_id = ? LIMIT 1)", [run_id]).fetchone()[0]
+    )
+
+
+def _capture_view(sql: explain_sql.DuckSql, run_id: str) -> None:
+    sql.view("capture_events", "SELECT * FROM kv_events WHERE run_id = '" + run_id.replace("'", "''") + "'")
+
+
+def _capture_input(sql: explain_sql.DuckSql, run_id: str) -> None:
+    _capture_view(sql, run_id)
+    sql.view("explain_input", explain_sql.CAPTURE_INPUT)
+    sql.view("explain_lookups", explain_sql.NO_LOOKUPS)
+    sql.view("explain_lookup_blocks", explain_sql.NO_LOOKUP_BLOCKS)
+
+
+def _namespace(salt: str, adapter: str) -> str:
     """What a lookup's blocks are keyed under: its salt, and its adapter when it has one (a block cached
     under another adapter is another namespace, as a salt is)."""
-    if adapter is None:
-        return salt
-    return f"adapter {adapter}" if salt is None else f"{salt} + adapter {adapter}"
+    return (
+        f"CASE WHEN {adapter} IS NULL THEN {salt} WHEN {salt} IS NULL THEN 'adapter ' || {adapter} "
+        f"ELSE {salt} || ' + adapter ' || {adapter} END"
+    )
 
 
-def _explain_capture(con: duckdb.DuckDBPyConnection, run_id: str) -> list[Explanation]:
-    """Each replica's cache (each KV group's, in a hybrid model) is its own history: a chain cached on
-    one replica serves no lookup on another. Its lookups are named by replica (and group) when the
-    capture has more than one, in time order across them."""
-    parts = con.execute("SELECT DISTINCT coalesce(replica, 'replica-0'), group_idx FROM kv_events WHERE run_id = ? "
-                        "AND kind = 'BlockStored' ORDER BY ALL", [run_id]).fetchall()
-    fleet = len({replica for replica, _ in parts}) > 1
-    out = []
-    for replica, group in parts:
-        name = "/".join(([replica] if fleet else []) + ([f"group-{group}"] if group is not None else []))
-        out += _explain_part(con, run_id, replica, group, name + "/" if name else "")
-    return sorted(out, key=lambda e: e.step)
+def _engine_input(sql: explain_sql.DuckSql, run_id: str, block_size: int) -> None:
+    """The engine run's cache history (block_events), its lookups (cache_lookups) and each lookup's
+    blocks of prompt tokens up to the one it stopped at, as explain's input (in DuckDB's SQL: an
+    engine run lives in the store)."""
+    args = {"run": run_id, "b": block_size}
+    kinds = " ".join(f"WHEN '{k}' THEN '{v}'" for k, v in ENGINE_KINDS.items())
+    changes = ", ".join(f"'{k}'" for k, v in ENGINE_KINDS.items() if v != "clear")
+    clears = ", ".join([f"'{k}'" for k, v in ENGINE_KINDS.items() if v == "clear"] or ["''"])
+    sql.table(
+        "explain_input",
+        f"""
+        SELECT 'replica-0' AS replica, -1 AS grp, step, seq AS ev, 0 AS blk, CASE kind {kinds} END AS kind, hash,
+               coalesce(medium, 'GPU') AS medium, parent_hash AS parent, token_ids AS tokens,
+               {_namespace("salt", "adapter")} AS salt, {_namespace("salt", "adapter")} AS chain_salt,
+               true AS named, NULL::VARCHAR AS session, NULL::INTEGER AS bidx, $b::INTEGER AS block_size
+        FROM block_events
+        WHERE run_id = $run AND ((kind IN ({changes}) AND hash IS NOT NULL) OR kind IN ({clears}))""",
+        args,
+    )
+    sql.table(
+        "explain_lookups",
+        f"""
+        WITH adapters AS (
+            SELECT r->>'id' AS request_id, r->>'adapter' AS adapter
+            FROM (SELECT unnest(json_extract(workload, '$.requests[*]')) AS r FROM runs WHERE run_id = $run)),
+        looked AS (
+            SELECT c.step, c.request_id, c.salt, c.hit_tokens, a.adapter,
+                   list_concat(coalesce(r.prompt_ids, []), coalesce(r.output_ids, []))[1:c.tokens] AS prompt
+            FROM cache_lookups c
+            LEFT JOIN requests r ON r.run_id = c.run_id AND r.request_id = c.request_id
+            LEFT JOIN adapters a ON a.request_id = c.request_id
+            WHERE c.run_id = $run)
+        SELECT row_number() OVER (ORDER BY step, request_id) AS lid, 'replica-0' AS replica, -1 AS grp,
+               request_id AS request, step, {_namespace("salt", "adapter")} AS salt, len(prompt) AS n_tokens,
+               hit_tokens AS hit,
+               (SELECT max(p.step) FROM block_events p WHERE p.run_id = $run AND p.kind = 'preempt'
+                AND p.request_id = l.request_id AND p.step < l.step) AS preempted_at,
+               $b::INTEGER AS block_size, prompt,
+               floor(hit_tokens / $b)::BIGINT AS k, floor((len(prompt) - 1) / $b)::BIGINT AS usable
+        FROM looked l""",
+        args,
+    )
+    if not sql.rows("SELECT (SELECT count(*) FROM explain_input) + (SELECT count(*) FROM explain_lookups)")[0][0]:
+        raise StoreError(
+            f"run {run_id} has no cache lookups to explain (recorded before kvviz recorded them, or a "
+            "run without the prefix cache's history)"
+        )
+    sql.table(
+        "explain_lookup_blocks",
+        """
+        SELECT lid, j, prompt[j * $b + 1:(j + 1) * $b] AS tokens
+        FROM (SELECT lid, prompt, unnest(range(0, CASE WHEN k < usable THEN k + 1 ELSE k END)) AS j
+              FROM explain_lookups)""",
+        {"b": block_size},
+    )
 
 
-def _explain_part(con: duckdb.DuckDBPyConnection, run_id: str, replica: str, group: int | None,
-                  name: str) -> list[Explanation]:
-    """Each stored chain segment is a lookup, named by its session where the server says one (a
-    conversation's turns, one after another) or by its first block. Repeats change nothing in the
-    cache (a re-reported hit, a removal of a block not cached) and are left out. The rows are read a
-    batch at a time and only the history is kept; a step's lookups are explained once its last event
-    is in."""
-    cur = con.execute("SELECT step, kind, block_hash, parent_hash, token_ids, salt, salt_named, session_id, "
-                      "block_index, block_size FROM kv_events WHERE run_id = ? AND coalesce(replica, 'replica-0') = ? "
-                      "AND group_idx IS NOT DISTINCT FROM ? AND kind IN ('BlockStored', 'BlockRemoved') AND NOT "
-                      "coalesce(repeat, false) ORDER BY step, coalesce(event_index, 0), block_index",
-                      [run_id, replica, group])
-    history, out, seen, step_lookups, tenants = CacheHistory(None), [], {}, [], False
-    while batch := cur.fetchmany(65536):
-        for step, kind, h, parent, block, salt, named, session, index, size in batch:
-            if step_lookups and step != step_lookups[0].t:  # every event of their step is in
-                out += map(history.explain, step_lookups)
-                step_lookups = []
-            own = salt if parent is None or named else None  # a continuation's salt is its event's, or the chain's
-            e = CacheEvent(step, "store" if kind == "BlockStored" else "remove", h, parent, tokens(block or ()), own)
-            history.add(e)
-            if kind != "BlockStored":
-                continue
-            history.block_size = history.block_size or size or 16
-            tenants = tenants or salt is not None
-            seen[h] = seen.get(h, 0) + 1  # stored again after an eviction: its n-th life
-            if index == 0 and history.known(h):  # a request's new blocks begin here
-                prefix, n = history.tokens_of(parent), seen[h]
-                request = name + (session or f"chain-{h:016x}" + (f"#{n}" if n > 1 else ""))
-                step_lookups.append(Lookup(request, step, prefix + e.tokens, history.salt_of(h), len(prefix),
-                                           whole_prompt=False, chain=_continues(history, parent, named, tenants)))
-    return out + list(map(history.explain, step_lookups))
+def _evidence(row: dict) -> dict:
+    evidence = {"note": "this block was cached when the lookup ran"} if row["reason"] == "unexplained" else {}
+    evidence |= {key: row[col] for col, key in EVIDENCE if row[col] is not None}
+    if row["continues_block"] is not None:  # a capture's segment: the chain it continues, where it is in question
+        if row["tenant_unknown"]:
+            evidence["continues_chain_of"] = row["continues_chain_of"]
+        evidence["continues_block"] = f"{row['continues_block']:016x}"
+        if row["tenant_unknown"]:
+            evidence["tenant"] = UNKNOWN_TENANT
+    return evidence
 
 
-def _continues(history: CacheHistory, parent: int | None, named: bool | None, tenants: bool) -> dict:
-    """What a segment's lookup can say of the chain it continues: the block, and where its event names
-    no salt in a capture that has tenants, whose chain it is and that its own tenant is unknown (an
-    import from before kvviz kept `salt_named` says nothing more than it did)."""
-    if parent is None:
-        return {}
-    block = {"continues_block": f"{parent:016x}"}
-    if named is not False or not tenants:
-        return block
-    chain = history.salt_of(parent)
-    return {"continues_chain_of": "(no salt)" if chain is None else chain, **block,
-            "tenant": "unknown (its event names no salt)"}
+def _explained(request: str, row: dict) -> Explanation:
+    return Explanation(
+        request, row["step"], row["hit_tokens"], row["stop_block"], row["stop_token"], row["reason"], _evidence(row)
+    )
+
+
+def _capture_explanations(sql: explain_sql.DuckSql, rows: list[dict]) -> list[Explanation]:
+    """A capture's lookups, named by replica (when it has more than one) and KV group, then by session
+    where the server says one (a conversation's turns) or by the block the segment begins (#n: its
+    n-th store); in time order across replicas and groups."""
+    fleet = (
+        sql.rows(
+            "SELECT count(DISTINCT coalesce(replica, 'replica-0')) FROM capture_events WHERE kind = 'BlockStored'"
+        )[0][0]
+        > 1
+    )
+
+    def name(r: dict) -> str:
+        part = ([r["replica"]] if fleet else []) + ([f"group-{r['grp']}"] if r["grp"] != -1 else [])
+        own = r["session"] or f"chain-{r['hash']:016x}" + (f"#{r['nth']}" if r["nth"] > 1 else "")
+        return "/".join([*part, own])
+
+    rows.sort(key=lambda r: (r["step"], r["replica"], r["grp"] == -1, r["grp"], r["pos"]))
+    return [_explained(name(r), r) for r in rows]

@@ -1,0 +1,466 @@
+"""Why each prefix-cache lookup stopped where it did, as SQL that runs unchanged in DuckDB, Spark SQL and
+Trino (the dialect FLEET_VIEWS keeps to, fleet_sql.py), so a capture too large for one machine is
+explained where it lies.
+
+The history is blocks stored and removed (and whole caches cleared), in order, per replica and KV
+group; a lookup at step t sees what was cached before t and not removed by the end of t. A lookup is
+an engine run's admission (cache_lookups) or a capture's stored chain segment (it stopped where its
+new blocks begin). The reasons, in the order they are checked:
+
+- partial_block: every full block the lookup could use was served (an engine lookup; the last token is
+  always computed);
+- preempted: a re-admission after the request lost its blocks to preemption;
+- unexplained: the block it stopped at was cached when it ran;
+- capacity: the same block (same tokens, same namespace) was cached before and removed in the
+  lookup's own step (the batch admitted before it needed the room);
+- evicted: the same block was cached and removed in an earlier step;
+- namespace: the same tokens are cached under another salt (or adapter) at the lookup's step;
+- diverged: the closest cached sibling under the same parent shares tokens with it (the two cached
+  siblings either side of it in token order; ties go to the one cached first);
+- cold: nothing else.
+A lookup whose hits were on blocks cached under another namespace names it (hits_cached_under).
+
+A block's content is its whole token prefix (a block hash is no name for it: salts and adapters enter
+the hash). Prefixes are named by pointer doubling: each round joins every block to the block 2^i above
+it and names the pair, so a chain of n blocks takes log2(n) rounds, each one portable statement; the
+driver (`explain`) runs them through an `Sql` (DuckDB here, Spark or Trino the same way).
+
+Inputs, as tables or views the caller provides:
+
+  explain_input: replica, grp, step, ev, blk (the order: step, then ev, then blk), kind ('store' |
+      'remove' | 'clear': every block of the replica is removed), hash, medium, parent, tokens,
+      salt (the namespace the store names; NULL: its chain's), chain_salt (the capture's salt
+      column), named (the capture's salt_named), session, bidx (a capture store's place in its
+      event: 0 begins a segment, a lookup; NULL for an engine run), block_size
+  explain_lookups: lid, replica, grp, request, step, salt, n_tokens, hit, preempted_at, block_size
+      (an engine run's lookups; none for a capture)
+  explain_lookup_blocks: lid, j, tokens (block j of each engine lookup's tokens, up to the one it
+      stopped at)
+
+CAPTURE_INPUT makes explain_input from a capture dataset's `capture_events` (fleet_sql.py). The
+answer is the table explain_result: one row per lookup, its reason and the evidence for it (NULL
+where the reason has none). A history that contradicts itself is explained where it can be:
+CONTRADICTIONS counts what explain could not use.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+ROOT = -1  # the parent name of a chain's first block
+MAX_ROUNDS = 64  # chains are at most 2^64 blocks long: more rounds is a bug, not a long chain
+
+# A capture's events as explain's input: stores and removals that change the cache (not `repeat`),
+# and clears: AllBlocksCleared, and a replica's publisher restarting (its cache is gone, as the
+# import counts it). A store's own namespace is the salt its event names (vLLM names it in a chain's
+# first block only); the rest take their chain's.
+CAPTURE_INPUT = """
+WITH ev AS (
+    SELECT COALESCE(replica, 'replica-0') AS replica, COALESCE(group_idx, -1) AS grp, step,
+           COALESCE(event_index, 0) AS ev, COALESCE(block_index, 0) AS blk, kind, block_hash, medium,
+           parent_hash, token_ids, salt, salt_named, session_id, block_index, block_size, repeat, restart
+    FROM capture_events),
+messages AS (
+    SELECT replica, step, MAX(COALESCE(restart, 0)) AS restart FROM ev GROUP BY replica, step),
+restarts AS (
+    SELECT replica, step FROM (
+        SELECT replica, step, restart, LAG(restart) OVER (PARTITION BY replica ORDER BY step) AS previous
+        FROM messages) m
+    WHERE restart <> previous)
+SELECT replica, grp, step, ev, blk,
+       CASE WHEN kind = 'BlockStored' THEN 'store' WHEN kind = 'BlockRemoved' THEN 'remove' ELSE 'clear' END AS kind,
+       block_hash AS hash, COALESCE(medium, 'GPU') AS medium, parent_hash AS parent, token_ids AS tokens,
+       CASE WHEN parent_hash IS NULL OR salt_named THEN salt END AS salt, salt AS chain_salt, salt_named AS named,
+       session_id AS session, block_index AS bidx, block_size
+FROM ev
+WHERE (kind IN ('BlockStored', 'BlockRemoved') AND block_hash IS NOT NULL AND NOT COALESCE(repeat, false))
+   OR kind = 'AllBlocksCleared'
+UNION ALL
+SELECT replica, -1, step, -1, 0, 'clear', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+FROM restarts
+"""
+
+# No engine lookups (a capture's lookups are its segments).
+NO_LOOKUPS = """
+SELECT CAST(NULL AS BIGINT) AS lid, CAST(NULL AS VARCHAR(64)) AS replica, CAST(NULL AS INTEGER) AS grp,
+       CAST(NULL AS VARCHAR(256)) AS request, CAST(NULL AS BIGINT) AS step, CAST(NULL AS VARCHAR(256)) AS salt,
+       CAST(NULL AS BIGINT) AS n_tokens, CAST(NULL AS BIGINT) AS hit, CAST(NULL AS BIGINT) AS preempted_at,
+       CAST(NULL AS INTEGER) AS block_size
+FROM explain_input WHERE 1 = 0
+"""
+NO_LOOKUP_BLOCKS = """
+SELECT CAST(NULL AS BIGINT) AS lid, CAST(NULL AS BIGINT) AS j, tokens FROM explain_input WHERE 1 = 0
+"""
+
+# Every event numbered in order (pos, unique across replicas), with what a store's lookup needs of the
+# stores before it: the how-many-th store of its hash it is, whether any store so far named a tenant,
+# and the block size of the part (its first store's).
+EVENTS = """
+SELECT e.*,
+       ROW_NUMBER() OVER (PARTITION BY replica, grp, kind, hash ORDER BY pos) AS nth,
+       MAX(CASE WHEN kind = 'store' AND chain_salt IS NOT NULL THEN 1 ELSE 0 END) OVER (
+           PARTITION BY replica, grp ORDER BY pos ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS tenants,
+       COALESCE(NULLIF(FIRST_VALUE(block_size) OVER (
+           PARTITION BY replica, grp, kind ORDER BY pos
+           ROWS BETWEEN UNBOUNDED PRECEDING AND UNBOUNDED FOLLOWING), 0), 16) AS bsize
+FROM (SELECT i.*, ROW_NUMBER() OVER (ORDER BY replica, step, ev, blk) AS pos FROM explain_input i) e
+"""
+
+# Each block's link to its parent: the parent hash's latest store before it on its replica and group
+# (a child stored before its parent, or one whose chain began before the capture, has none: it is
+# an orphan, as is everything stored under it); the engine lookups' blocks, chained in order, after.
+LINKS = """
+WITH stores AS (SELECT replica, grp, pos, hash, parent, tokens, salt FROM xp_events WHERE kind = 'store'),
+keyed AS (
+    SELECT replica, grp, hash AS k, pos, 1 AS defines FROM stores
+    UNION ALL
+    SELECT replica, grp, parent AS k, pos, 0 AS defines FROM stores WHERE parent IS NOT NULL),
+found AS (
+    SELECT pos, defines,
+           MAX(CASE WHEN defines = 1 THEN pos END) OVER (PARTITION BY replica, grp, k ORDER BY pos, defines
+               ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS up
+    FROM keyed),
+asked AS (SELECT pos, up FROM found WHERE defines = 0),
+virtual AS (
+    SELECT b.lid, b.j, b.tokens,
+           ROW_NUMBER() OVER (ORDER BY b.lid, b.j) + (SELECT COALESCE(MAX(pos), 0) FROM xp_events) AS id
+    FROM explain_lookup_blocks b)
+SELECT s.pos AS id, a.up, s.parent IS NOT NULL AND a.up IS NULL AS orphan, s.tokens, s.salt,
+       s.parent IS NULL OR s.salt IS NOT NULL AS fixed, CAST(NULL AS BIGINT) AS lid, CAST(NULL AS BIGINT) AS j
+FROM stores s LEFT JOIN asked a ON a.pos = s.pos
+UNION ALL
+SELECT id, CASE WHEN j > 0 THEN id - 1 END, false, tokens, CAST(NULL AS VARCHAR(256)), true, lid, j
+FROM virtual
+"""
+
+# Round 0 of the doubling: each block names its own tokens (and whether it begins its chain), jumps
+# to its parent, and knows its namespace if its event names one (or it begins its chain).
+CHAIN_START = """
+SELECT id, up AS jump, orphan AS dead,
+       MIN(id) OVER (PARTITION BY tokens, CASE WHEN up IS NULL THEN 1 ELSE 0 END) AS lab,
+       fixed, salt, COALESCE(cardinality(tokens), 0) AS ntok, 1 AS depth
+FROM xp_links
+"""
+
+# Round i + 1: the name of the pair (the 2^i blocks above, the 2^i blocks ending here) names the 2^(i+1)
+# blocks ending here; the namespace is the nearest one named above; a block under an orphan is dead.
+# Once no block jumps, each name is its whole prefix's.
+CHAIN_ROUND = """
+SELECT c.id, p.jump, c.dead OR COALESCE(p.dead, false) AS dead,
+       MIN(c.id) OVER (PARTITION BY p.lab, c.lab) AS lab,
+       c.fixed OR COALESCE(p.fixed, false) AS fixed,
+       CASE WHEN c.fixed THEN c.salt ELSE p.salt END AS salt,
+       c.ntok + COALESCE(p.ntok, 0) AS ntok, c.depth + COALESCE(p.depth, 0) AS depth
+FROM {chain} c LEFT JOIN {chain} p ON p.id = c.jump
+"""
+
+# Every store whose chain is known, with its namespace, its prefix's name and its parent's.
+NODES = """
+SELECT e.replica, e.grp, e.pos, e.step, e.hash, e.medium, e.parent, e.tokens, e.bidx, e.session, e.named,
+       e.nth, e.tenants, e.bsize, f.salt, f.lab, COALESCE(pf.lab, {root}) AS plab, pf.salt AS parent_salt,
+       f.ntok, f.depth,
+       CASE WHEN pf.lab IS NULL AND COALESCE(cardinality(e.tokens), 0) > 0 THEN element_at(e.tokens, 1)
+            ELSE 0 END AS head
+FROM xp_events e
+JOIN {chain} f ON f.id = e.pos
+JOIN xp_links l ON l.id = e.pos
+LEFT JOIN {chain} pf ON pf.id = l.up
+WHERE e.kind = 'store' AND NOT f.dead
+"""
+
+# Each life of a stored block: from its store to the first removal of the same hash and medium after
+# it, or the first clear of its replica, whichever comes first (NULL: cached to the end). A block
+# serves lookups in the steps after it was stored, up to and including its removal's step less one.
+LIVES = """
+WITH removals AS (
+    SELECT pos, MIN(CASE WHEN kind = 'remove' THEN step END) OVER (
+        PARTITION BY replica, grp, hash, medium ORDER BY pos
+        ROWS BETWEEN 1 FOLLOWING AND UNBOUNDED FOLLOWING) AS removed
+    FROM xp_events WHERE kind IN ('store', 'remove')),
+clears AS (
+    SELECT pos, MIN(CASE WHEN kind = 'clear' THEN step END) OVER (
+        PARTITION BY replica ORDER BY pos ROWS BETWEEN 1 FOLLOWING AND UNBOUNDED FOLLOWING) AS cleared
+    FROM xp_events)
+SELECT n.replica, n.grp, n.salt, n.lab, n.plab, n.head, n.tokens, n.pos, n.step AS stored,
+       CASE WHEN c.cleared IS NOT NULL AND (r.removed IS NULL OR c.cleared < r.removed) THEN c.cleared
+            ELSE r.removed END AS removed
+FROM xp_nodes n JOIN removals r ON r.pos = n.pos JOIN clears c ON c.pos = n.pos
+"""
+
+# Every lookup, with the block it stopped at (its prefix's name, its parent's, its tokens): a capture's
+# segments (a store beginning its event's blocks, with a known chain) and an engine run's admissions.
+LOOKUPS = """
+SELECT n.pos AS lid, n.replica, n.grp, n.pos, n.step, CAST(NULL AS VARCHAR(256)) AS request, n.salt, n.bsize,
+       n.ntok AS n_tokens, n.ntok - COALESCE(cardinality(n.tokens), 0) AS hit, false AS whole,
+       CAST(NULL AS BIGINT) AS preempted_at, n.lab AS stop_lab, n.plab AS stop_plab, n.tokens AS stop_tokens,
+       n.head, n.hash, n.session, n.nth, n.parent, n.parent_salt, n.named, n.tenants
+FROM xp_nodes n WHERE n.bidx = 0
+UNION ALL
+SELECT l.lid, l.replica, l.grp, l.lid, l.step, l.request, l.salt, COALESCE(NULLIF(l.block_size, 0), 16),
+       l.n_tokens, l.hit, true, l.preempted_at, s.lab, COALESCE(p.lab, {root}), v.tokens,
+       CASE WHEN p.lab IS NULL AND COALESCE(cardinality(v.tokens), 0) > 0 THEN element_at(v.tokens, 1)
+            ELSE 0 END,
+       NULL, NULL, NULL, NULL, NULL, NULL, NULL
+FROM explain_lookups l
+LEFT JOIN xp_links v ON v.lid = l.lid
+     AND v.j = CAST(floor(CAST(l.hit AS DOUBLE) / COALESCE(NULLIF(l.block_size, 0), 16)) AS BIGINT)
+LEFT JOIN {chain} s ON s.id = v.id
+LEFT JOIN xp_links pv ON pv.lid = l.lid AND pv.j = v.j - 1
+LEFT JOIN {chain} p ON p.id = pv.id
+"""
+
+# A capture lookup's hit blocks are its chain above it, found by the same jumps, high bits first:
+# each round adds the blocks 2^i further up from every block found so far.
+ANCESTORS_START = "SELECT lid, lid AS a, 0 AS d FROM xp_lookups WHERE NOT whole"
+ANCESTORS_ROUND = """
+SELECT lid, a, d FROM {found}
+UNION ALL
+SELECT f.lid, c.jump, f.d + {step} FROM {found} f JOIN {chain} c ON c.id = f.a WHERE c.jump IS NOT NULL
+"""
+
+# Each lookup's hit blocks: block j's prefix name.
+HITS = """
+SELECT f.lid, c.depth - 1 AS j, c.lab FROM {found} f JOIN {chain} c ON c.id = f.a WHERE f.d > 0
+UNION ALL
+SELECT v.lid, v.j, c.lab
+FROM explain_lookups l JOIN xp_links v ON v.lid = l.lid JOIN {chain} c ON c.id = v.id
+WHERE v.j < CAST(floor(CAST(l.hit AS DOUBLE) / COALESCE(NULLIF(l.block_size, 0), 16)) AS BIGINT)
+"""
+
+# The reasons. `alive` is a life that serves a lookup at step l.step.
+ALIVE = "v.stored < l.step AND (v.removed IS NULL OR v.removed > l.step)"
+REASONS = f"""
+WITH lk AS (
+    SELECT x.*, CAST(floor(CAST(hit AS DOUBLE) / bsize) AS BIGINT) AS k,
+           CAST(floor(CAST(n_tokens - 1 AS DOUBLE) / bsize) AS BIGINT) AS usable
+    FROM xp_lookups x),
+own AS (
+    SELECT l.lid, COUNT(CASE WHEN v.removed IS NULL OR v.removed > l.step THEN 1 END) AS alive,
+           MAX_BY(v.stored, v.pos) AS stored_at, MAX_BY(v.removed, v.pos) AS removed_at
+    FROM lk l JOIN xp_lives v ON v.replica = l.replica AND v.grp = l.grp AND v.lab = l.stop_lab
+    WHERE v.salt IS NOT DISTINCT FROM l.salt AND v.stored < l.step
+    GROUP BY l.lid),
+others AS (
+    SELECT l.lid, COALESCE(MIN(v.salt), '(no salt)') AS cached_under
+    FROM lk l JOIN xp_lives v ON v.replica = l.replica AND v.grp = l.grp AND v.lab = l.stop_lab
+    WHERE v.salt IS DISTINCT FROM l.salt AND {ALIVE}
+    GROUP BY l.lid),
+near AS (
+    SELECT l.lid, MAX(CASE WHEN v.tokens < l.stop_tokens THEN v.tokens END) AS below,
+           MIN(CASE WHEN v.tokens > l.stop_tokens THEN v.tokens END) AS above
+    FROM lk l JOIN xp_lives v ON v.replica = l.replica AND v.grp = l.grp AND v.plab = l.stop_plab
+         AND v.head = l.head
+    WHERE v.salt IS NOT DISTINCT FROM l.salt AND {ALIVE}
+    GROUP BY l.lid),
+candidates AS (
+    SELECT lid, below AS tokens FROM near WHERE below IS NOT NULL
+    UNION ALL
+    SELECT lid, above FROM near WHERE above IS NOT NULL),
+firsts AS (
+    SELECT c.lid, c.tokens, MIN(v.pos) AS first_pos
+    FROM candidates c JOIN lk l ON l.lid = c.lid
+    JOIN xp_lives v ON v.replica = l.replica AND v.grp = l.grp AND v.plab = l.stop_plab AND v.tokens = c.tokens
+    WHERE v.salt IS NOT DISTINCT FROM l.salt
+    GROUP BY c.lid, c.tokens),
+shared AS (
+    SELECT f.lid, f.tokens, f.first_pos,
+           CAST(COALESCE(MIN(CASE WHEN element_at(f.tokens, p.i) <> element_at(l.stop_tokens, p.i) THEN p.i END),
+                         LEAST(cardinality(f.tokens), cardinality(l.stop_tokens)) + 1) - 1 AS BIGINT) AS shared
+    FROM firsts f JOIN lk l ON l.lid = f.lid
+    LEFT JOIN xp_positions p ON p.i <= LEAST(cardinality(f.tokens), cardinality(l.stop_tokens))
+    GROUP BY f.lid, f.tokens, f.first_pos, l.stop_tokens),
+closest AS (
+    SELECT lid, tokens, shared FROM (
+        SELECT s.*, ROW_NUMBER() OVER (PARTITION BY lid ORDER BY shared DESC, first_pos) AS rn FROM shared s) r
+    WHERE rn = 1),
+hit_blocks AS (
+    SELECT h.lid, h.j,
+           MAX(CASE WHEN v.salt IS NOT DISTINCT FROM l.salt THEN 1 ELSE 0 END) AS own,
+           MIN(CASE WHEN v.salt IS DISTINCT FROM l.salt THEN v.salt END) AS salt,
+           MAX(CASE WHEN v.salt IS NULL AND l.salt IS NOT NULL THEN 1 ELSE 0 END) AS unsalted
+    FROM xp_hits h JOIN lk l ON l.lid = h.lid
+    JOIN xp_lives v ON v.replica = l.replica AND v.grp = l.grp AND v.lab = h.lab
+    WHERE {ALIVE}
+    GROUP BY h.lid, h.j),
+crossed AS (
+    SELECT lid, MIN_BY(COALESCE(salt, '(no salt)'), j) AS hits_cached_under
+    FROM hit_blocks WHERE own = 0 AND (salt IS NOT NULL OR unsalted = 1)
+    GROUP BY lid),
+said AS (
+    SELECT l.*, o.alive, o.stored_at, o.removed_at, n.cached_under, c.tokens AS theirs_tokens, c.shared,
+           x.hits_cached_under,
+           CASE WHEN l.whole AND l.k >= l.usable THEN 'partial_block'
+                WHEN l.preempted_at IS NOT NULL THEN 'preempted'
+                WHEN o.lid IS NOT NULL AND o.alive > 0 THEN 'unexplained'
+                WHEN o.lid IS NOT NULL AND o.removed_at = l.step THEN 'capacity'
+                WHEN o.lid IS NOT NULL THEN 'evicted'
+                WHEN n.lid IS NOT NULL THEN 'namespace'
+                WHEN c.lid IS NOT NULL AND l.k * l.bsize + c.shared > 0 THEN 'diverged'
+                ELSE 'cold' END AS reason,
+           COALESCE(l.parent IS NOT NULL AND NOT l.named AND l.tenants = 1, false) AS tenant_unknown
+    FROM lk l
+    LEFT JOIN own o ON o.lid = l.lid
+    LEFT JOIN others n ON n.lid = l.lid
+    LEFT JOIN closest c ON c.lid = l.lid
+    LEFT JOIN crossed x ON x.lid = l.lid)
+SELECT lid, replica, grp, pos, step, request, hash, session, nth, hit AS hit_tokens, k AS stop_block,
+       k * bsize AS stop_token, reason,
+       CASE WHEN reason = 'partial_block' THEN n_tokens - hit END AS tokens_after,
+       CASE WHEN reason = 'preempted' THEN preempted_at END AS preempted_at,
+       CASE WHEN reason IN ('capacity', 'evicted') THEN stored_at END AS stored_at,
+       CASE WHEN reason IN ('capacity', 'evicted') THEN removed_at END AS removed_at,
+       CASE WHEN reason = 'evicted' THEN step - removed_at END AS before_steps,
+       CASE WHEN reason = 'namespace' THEN cached_under END AS cached_under,
+       CASE WHEN reason = 'diverged' THEN k * bsize + shared END AS shared_tokens,
+       CASE WHEN reason = 'diverged' AND shared < cardinality(stop_tokens) THEN element_at(stop_tokens, shared + 1)
+            END AS ours,
+       CASE WHEN reason = 'diverged' AND shared < cardinality(theirs_tokens) THEN element_at(theirs_tokens, shared + 1)
+            END AS theirs,
+       CASE WHEN reason = 'cold' THEN k * bsize END AS new_from_token,
+       hits_cached_under,
+       CASE WHEN hits_cached_under IS NOT NULL OR tenant_unknown THEN parent END AS continues_block,
+       CASE WHEN tenant_unknown THEN COALESCE(parent_salt, '(no salt)') END AS continues_chain_of,
+       tenant_unknown
+FROM said
+"""
+
+# What a capture's history says that cannot be so, counted over `capture_events`: removals of a block
+# not cached (removed twice, or stored before the capture began), stores whose parent was stored only
+# after them (or at once: a block its own parent), and publisher sequence numbers that go back
+# without a restart. Explain leaves such events out, or (a child before its parent) its chain.
+CONTRADICTIONS = """
+WITH stores AS (
+    SELECT COALESCE(replica, 'replica-0') AS replica, COALESCE(group_idx, -1) AS grp, block_hash, parent_hash,
+           ROW_NUMBER() OVER (ORDER BY COALESCE(replica, 'replica-0'), step, COALESCE(event_index, 0),
+                                       COALESCE(block_index, 0)) AS pos
+    FROM capture_events
+    WHERE kind = 'BlockStored' AND block_hash IS NOT NULL AND NOT COALESCE(repeat, false)),
+keyed AS (
+    SELECT replica, grp, block_hash AS k, pos, 1 AS defines FROM stores
+    UNION ALL
+    SELECT replica, grp, parent_hash AS k, pos, 0 AS defines FROM stores WHERE parent_hash IS NOT NULL),
+found AS (
+    SELECT pos, defines,
+           MAX(CASE WHEN defines = 1 THEN pos END) OVER (PARTITION BY replica, grp, k ORDER BY pos, defines
+               ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS up,
+           MAX(CASE WHEN defines = 1 THEN pos END) OVER (PARTITION BY replica, grp, k) AS latest
+    FROM keyed),
+messages AS (
+    SELECT COALESCE(replica, 'replica-0') AS replica, COALESCE(restart, 0) AS restart, step, MIN(seq) AS seq
+    FROM capture_events GROUP BY COALESCE(replica, 'replica-0'), COALESCE(restart, 0), step),
+sequenced AS (
+    SELECT seq, LAG(seq) OVER (PARTITION BY replica, restart ORDER BY step) AS previous FROM messages)
+SELECT (SELECT COUNT(*) FROM capture_events WHERE kind = 'BlockRemoved' AND repeat = true) AS removed_not_cached,
+       (SELECT COUNT(*) FROM found WHERE defines = 0 AND up IS NULL AND latest >= pos) AS stored_before_parent,
+       (SELECT COUNT(*) FROM sequenced WHERE seq < previous) AS sequence_back
+"""
+
+RESULT_COLUMNS = (
+    "lid",
+    "replica",
+    "grp",
+    "pos",
+    "step",
+    "request",
+    "hash",
+    "session",
+    "nth",
+    "hit_tokens",
+    "stop_block",
+    "stop_token",
+    "reason",
+    "tokens_after",
+    "preempted_at",
+    "stored_at",
+    "removed_at",
+    "before_steps",
+    "cached_under",
+    "shared_tokens",
+    "ours",
+    "theirs",
+    "new_from_token",
+    "hits_cached_under",
+    "continues_block",
+    "continues_chain_of",
+    "tenant_unknown",
+)
+
+
+class Sql(Protocol):
+    """Where the queries run: `table` materialises a query under a name the later ones read, `rows`
+    answers one."""
+
+    def table(self, name: str, query: str) -> None: ...
+
+    def rows(self, query: str) -> list[tuple]: ...
+
+
+def explain(sql: Sql) -> None:
+    """Run every step over the inputs (explain_input, explain_lookups, explain_lookup_blocks) into
+    the table explain_result (and the steps' own tables, named xp_*)."""
+    sql.table("xp_events", EVENTS)
+    sql.table("xp_links", LINKS)
+    chains = ["xp_chain_0"]
+    sql.table(chains[0], CHAIN_START)
+    while sql.rows(f"SELECT COUNT(*) FROM {chains[-1]} WHERE jump IS NOT NULL")[0][0]:
+        if len(chains) > MAX_ROUNDS:
+            raise RuntimeError(f"explain: chains still jumping after {MAX_ROUNDS} rounds")
+        chains.append(f"xp_chain_{len(chains)}")
+        sql.table(chains[-1], CHAIN_ROUND.format(chain=chains[-2]))
+    final = chains[-1]
+    sql.table("xp_nodes", NODES.format(chain=final, root=ROOT))
+    sql.table("xp_lives", LIVES)
+    sql.table("xp_lookups", LOOKUPS.format(chain=final, root=ROOT))
+    found = "xp_up_0"
+    sql.table(found, ANCESTORS_START)
+    for n, i in enumerate(reversed(range(len(chains) - 1)), 1):  # chains[i] jumps 2^i blocks
+        sql.table(f"xp_up_{n}", ANCESTORS_ROUND.format(found=found, chain=chains[i], step=1 << i))
+        found = f"xp_up_{n}"
+    sql.table("xp_hits", HITS.format(found=found, chain=final))
+    longest = sql.rows("SELECT MAX(cardinality(stop_tokens)) FROM xp_lookups")[0][0] or 0
+    sql.table("xp_positions", positions(longest))
+    sql.table("explain_result", REASONS)
+
+
+def positions(n: int) -> str:
+    """1..n as a table of one column i (a VALUES list: every engine reads it)."""
+    return "SELECT i FROM (VALUES " + ", ".join(f"({i})" for i in range(1, max(n, 1) + 1)) + ") AS t(i)"
+
+
+class DuckSql:
+    """`Sql` on a DuckDB connection: temporary tables and views, and element_at for lists (DuckDB's is
+    for maps) as a temporary macro; `close` drops them all, leaving the connection as it was."""
+
+    def __init__(self, con) -> None:
+        self.con, self.made = con, {}
+        con.execute("CREATE OR REPLACE TEMP MACRO element_at(l, i) AS l[CAST(i AS BIGINT)]")
+
+    def table(self, name: str, query: str, params: dict | None = None) -> None:
+        self.made[name] = "TABLE"
+        self.con.execute(f"CREATE OR REPLACE TEMP TABLE {name} AS {query}", params)
+
+    def view(self, name: str, query: str) -> None:
+        self.made[name] = "VIEW"
+        self.con.execute(f"CREATE OR REPLACE TEMP VIEW {name} AS {query}")
+
+    def rows(self, query: str, params: dict | None = None) -> list[tuple]:
+        return self.con.execute(query, params).fetchall()
+
+    def close(self) -> None:
+        for name, kind in reversed(self.made.items()):
+            self.con.execute(f"DROP {kind} IF EXISTS temp.{name}")
+        self.con.execute("DROP MACRO IF EXISTS temp.element_at")
+
+
+class SparkSql:
+    """`Sql` on a SparkSession: each step a checkpointed temporary view (the rounds read it more than
+    once, and a plan that grew with every round would be planned again each time)."""
+
+    def __init__(self, spark) -> None:
+        self.spark = spark
+
+    def table(self, name: str, query: str) -> None:
+        self.spark.sql(query).localCheckpoint().createOrReplaceTempView(name)
+
+    def rows(self, query: str) -> list[tuple]:
+        return [tuple(r) for r in self.spark.sql(query).collect()]
