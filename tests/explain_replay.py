@@ -354,13 +354,13 @@ def _explain_part(
     its last event is in."""
     cur = con.execute(
         "SELECT step, kind, block_hash, parent_hash, token_ids, salt, salt_named, session_id, "
-        "block_index, block_size, medium, group_idx, coalesce(restart, 0) FROM kv_events "
-        "WHERE run_id = ? AND coalesce(replica, 'replica-0') = ? AND NOT coalesce(repeat, false) "
+        "block_index, block_size, medium, group_idx, coalesce(restart, 0), coalesce(repeat, false) FROM kv_events "
+        "WHERE run_id = ? AND coalesce(replica, 'replica-0') = ? "
         "ORDER BY step, coalesce(event_index, 0), coalesce(block_index, 0)",
         [run_id, replica],
     )
     history, out, seen, step_lookups, tenants, restart = CacheHistory(None), [], {}, [], False, None
-    for step, kind, h, parent, block, salt, named, session, index, size, medium, g, started in cur.fetchall():
+    for step, kind, h, parent, block, salt, named, session, index, size, medium, g, started, rep in cur.fetchall():
         if step_lookups and step != step_lookups[0].t:  # every event of their step is in
             out += map(history.explain, step_lookups)
             step_lookups = []
@@ -369,30 +369,32 @@ def _explain_part(
         restart = started
         if kind == "AllBlocksCleared":
             history.add(CacheEvent(step, "clear"))
-        if kind not in ("BlockStored", "BlockRemoved") or h is None or g != group:
+        if kind not in ("BlockStored", "BlockRemoved") or h is None or g != group or rep:
             continue
         own = salt if parent is None or named else None  # a continuation's salt is its event's, or the chain's
         e = CacheEvent(
             step, "store" if kind == "BlockStored" else "remove", h, parent, tokens(block or ()), own, medium or "GPU"
         )
+        if kind == "BlockStored":  # what it continues, before it is in (a block may name itself as its parent)
+            tenants = tenants or salt is not None
+            chain = _continues(history, parent, named, tenants) if parent is None or history.known(parent) else {}
         history.add(e)
         if kind != "BlockStored":
             continue
         history.block_size = history.block_size or size or 16
-        tenants = tenants or salt is not None
         seen[h] = seen.get(h, 0) + 1  # stored again after an eviction: its n-th life
         if index == 0 and history.known(h):  # a request's new blocks begin here
-            prefix, n = history.tokens_of(parent), seen[h]
+            whole, n = history.tokens_of(h), seen[h]
             request = name + (session or f"chain-{h:016x}" + (f"#{n}" if n > 1 else ""))
             step_lookups.append(
                 Lookup(
                     request,
                     step,
-                    prefix + e.tokens,
+                    whole,
                     history.salt_of(h),
-                    len(prefix),
+                    len(whole) - len(e.tokens),
                     whole_prompt=False,
-                    chain=_continues(history, parent, named, tenants),
+                    chain=chain,
                 )
             )
     return out + list(map(history.explain, step_lookups))

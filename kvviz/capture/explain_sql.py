@@ -312,10 +312,10 @@ SELECT lid, replica, grp, pos, step, request, hash, session, nth, hit AS hit_tok
        CASE WHEN reason = 'evicted' THEN step - removed_at END AS before_steps,
        CASE WHEN reason = 'namespace' THEN cached_under END AS cached_under,
        CASE WHEN reason = 'diverged' THEN k * bsize + shared END AS shared_tokens,
-       CASE WHEN reason = 'diverged' AND shared < cardinality(stop_tokens) THEN element_at(stop_tokens, shared + 1)
-            END AS ours,
-       CASE WHEN reason = 'diverged' AND shared < cardinality(theirs_tokens) THEN element_at(theirs_tokens, shared + 1)
-            END AS theirs,
+       CASE WHEN reason = 'diverged' AND shared < cardinality(stop_tokens)
+            THEN element_at(stop_tokens, CAST(shared + 1 AS INTEGER)) END AS ours,
+       CASE WHEN reason = 'diverged' AND shared < cardinality(theirs_tokens)
+            THEN element_at(theirs_tokens, CAST(shared + 1 AS INTEGER)) END AS theirs,
        CASE WHEN reason = 'cold' THEN k * bsize END AS new_from_token,
        hits_cached_under,
        CASE WHEN hits_cached_under IS NOT NULL OR tenant_unknown THEN parent END AS continues_block,

@@ -127,6 +127,7 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 def cmd_explain(args: argparse.Namespace) -> int:
     """Why each lookup of a run (or each stored chain of a capture) stopped where it did."""
+    from ..analysis.explain import contradictions
     from ..analysis.explained import explained, kept, replay_seconds
 
     with args.store.read() as con:
@@ -137,6 +138,10 @@ def cmd_explain(args: argparse.Namespace) -> int:
         print(f"kvviz: replaying the capture's {events:,} events to explain each lookup (about "
               f"{replay_seconds(events):,} s); the answer is kept, so this happens once", file=sys.stderr)
     found = explained(args.store, args.run_id)
+    with args.store.read() as con:
+        said = contradictions(con, args.run_id).sentence()
+    if said:
+        print(f"kvviz: {said}", file=sys.stderr)
     if args.request is not None:
         found = [e for e in found if e.request == args.request]
         if not found:
