@@ -20,7 +20,8 @@ from typing import NamedTuple
 
 import duckdb
 
-from kvviz.analysis.explain import ENGINE_KINDS, Explanation
+from kvviz.analysis import explain as product
+from kvviz.analysis.explain import Explanation
 from kvviz.gcpause import paused_gc
 from kvviz.store import StoreError
 
@@ -268,12 +269,14 @@ def replay_run(con: duckdb.DuckDBPyConnection, run_id: str) -> list[Explanation]
 def _explain_engine_run(con: duckdb.DuckDBPyConnection, run_id: str, B: int) -> list[Explanation]:
     """The engine's lookups (cache_lookups) against its prefix cache's history (block_events)."""
     events = [
-        CacheEvent(step, ENGINE_KINDS[kind], h, parent, tokens(block or ()), namespace(salt, adapter), medium or "GPU")
+        CacheEvent(
+            step, product.ENGINE_KINDS[kind], h, parent, tokens(block or ()), namespace(salt, adapter), medium or "GPU"
+        )
         for step, kind, h, parent, block, salt, adapter, medium in con.execute(
             "SELECT step, kind, hash, parent_hash, token_ids, salt, adapter, medium FROM block_events WHERE "
             "run_id = ? AND kind IN (SELECT unnest(?)) AND (hash IS NOT NULL OR kind NOT IN ('cache', 'evict')) "
             "ORDER BY step, seq",
-            [run_id, list(ENGINE_KINDS)],
+            [run_id, list(product.ENGINE_KINDS)],
         ).fetchall()
     ]
     if not events and not con.execute("SELECT count(*) FROM cache_lookups WHERE run_id = ?", [run_id]).fetchone()[0]:
@@ -420,9 +423,7 @@ def _continues(history: CacheHistory, parent: int | None, named: bool | None, te
 def agreed(con: duckdb.DuckDBPyConnection, run_id: str) -> list[Explanation]:
     """The run explained by SQL (what kvviz says), after checking that the replay says the same of every
     lookup, evidence and order included."""
-    from kvviz.analysis.explain import explain_run
-
-    said, replayed = explain_run(con, run_id), replay_run(con, run_id)
+    said, replayed = product.explain_run(con, run_id), replay_run(con, run_id)
     differ = [(s, r) for s, r in zip(said, replayed, strict=False) if s != r]
     assert len(said) == len(replayed) and not differ, (len(said), len(replayed), differ[:3])
     return said

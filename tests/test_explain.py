@@ -139,7 +139,7 @@ def test_the_cli_explains_as_a_table_or_json(misses):
 
 
 def test_an_explanation_is_kept_once_then_read_back_by_sql_the_cli_and_the_app(misses, tmp_path):
-    """A capture's replay runs once: what it said is kept (lookup_explanations, each lookup at its
+    """A capture is explained once: what was said is kept (lookup_explanations, each lookup at its
     message's time) and read back after; a run still recording is explained but not kept; a deleted
     run leaves nothing behind."""
     store, run_id, capture_id, _ = misses
@@ -148,25 +148,25 @@ def test_an_explanation_is_kept_once_then_read_back_by_sql_the_cli_and_the_app(m
         con.execute("DELETE FROM lookup_explanations")
         con.execute("UPDATE runs SET explained_at = NULL")
     with copy.read() as con:
-        replayed = agreed(con, capture_id)
+        said = agreed(con, capture_id)
         assert not kept(con, capture_id)
-    p = kvviz("explain", capture_id, "--db", str(copy.path), "--json")  # the first time: a replay, said
-    assert "replaying the capture's" in p.stderr and len(replayed) >= 12
-    assert [x["reason"] for x in json.loads(p.stdout.splitlines()[-1])["lookups"]] == [e.reason for e in replayed]
+    p = kvviz("explain", capture_id, "--db", str(copy.path), "--json")  # the first time: worked out, said
+    assert "explaining the capture's" in p.stderr and len(said) >= 12
+    assert [x["reason"] for x in json.loads(p.stdout.splitlines()[-1])["lookups"]] == [e.reason for e in said]
     with copy.read() as con:
         assert kept(con, capture_id)
         rows, timed, first, last = con.execute(
             "SELECT count(*), count(ts), min(ts), max(ts) FROM lookup_explanations WHERE run_id = ?",
             [capture_id]).fetchone()
         start, end = con.execute("SELECT min(ts), max(ts) FROM kv_events WHERE run_id = ?", [capture_id]).fetchone()
-    assert rows == timed == len(replayed) and start <= first <= last <= end
-    assert explained(copy, capture_id) == replayed, "read back as it was said, evidence and order included"
-    with copy.write() as con:  # what is kept is what is read: no replay behind it
+    assert rows == timed == len(said) and start <= first <= last <= end
+    assert explained(copy, capture_id) == said, "read back as it was said, evidence and order included"
+    with copy.write() as con:  # what is kept is what is read: nothing worked out behind it
         con.execute("UPDATE lookup_explanations SET reason = 'kept' WHERE run_id = ?", [capture_id])
     assert {e.reason for e in explained(copy, capture_id)} == {"kept"}
     p = kvviz("explain", capture_id, "--db", str(copy.path), "--json")
     assert {x["reason"] for x in json.loads(p.stdout.splitlines()[-1])["lookups"]} == {"kept"}, p.stderr
-    assert "replaying" not in p.stderr
+    assert "explaining" not in p.stderr
     with copy.write() as con:
         con.execute("UPDATE runs SET status = 'running' WHERE run_id = ?", [run_id])
     assert explained(copy, run_id)

@@ -397,30 +397,60 @@ def test_sql_and_replay_agree_on_every_lookup_of_random_engine_runs(con):
     assert REASONS | {"partial_block", "preempted"} <= set(seen), seen
 
 
+@pytest.mark.parametrize("reset", [True, False], ids=["a-reset-clears", "control-not-a-clear"])
+def test_an_engine_event_that_empties_the_cache_is_one_line_to_add(con, monkeypatch, reset):
+    """An engine kind mapped to 'clear' in ENGINE_KINDS removes every cached block at its step: the lookup
+    after it is evicted there, where (the control, the kind not mapped) the block is still cached."""
+    from kvviz.analysis import explain
+
+    if reset:
+        monkeypatch.setitem(explain.ENGINE_KINDS, "reset", "clear")
+    prompt = [1, 2, 3, 4, 5]
+    run_id = add_engine_run(
+        con,
+        prompt,
+        [{"cut": 5, "own": [], "twin": False, "salt": None, "adapter": None}] * 4,
+        [{"op": "cache", "request": 0, "blocks": 2, "hashing": "salted"}, {"op": "step"}],
+    )
+    con.execute("INSERT INTO block_events (run_id, step, seq, kind) VALUES (?, 1, 99, 'reset')", [run_id])
+    con.execute("UPDATE cache_lookups SET hit_tokens = 0 WHERE run_id = ?", [run_id])  # at step 2
+    try:
+        [lookup] = agreed(con, run_id)
+    finally:
+        forget(con, run_id)
+    if reset:
+        assert (lookup.reason, lookup.evidence) == ("evicted", {"stored_at": 0, "removed_at": 1, "before": 1})
+    else:
+        assert lookup.reason == "unexplained"
+
+
+def contradicting(path: Path, contradict: bool) -> Path:
+    """A capture that contradicts itself (or, the control, the same without): a child stored before its
+    parent, a removal of a block never stored, a sequence number that goes back."""
+    sent = [
+        [stored_map([1, 2], None, [1, 2, 3, 4], salt="t")],
+        [stored_map([5], 4, [9, 9])] if contradict else [],  # 4 is stored only in the next message
+        [stored_map([4], 2, [5, 6]), stored_map([6], 4, [7, 8])],
+        [{"type": "BlockRemoved", "block_hashes": [77] if contradict else [6], "medium": "GPU"}],
+        [stored_map([3], 2, [5, 7])],
+    ]
+    w = CaptureWriter(path, {"replica-0": "x"})
+    for seq, events in zip([0, 1, 2, 0 if contradict else 3, 4], sent, strict=True):
+        w.add(Message("replica-0", 0, seq, "kv", batch(*events)))
+    w.close()
+    return path
+
+
 def test_a_capture_that_contradicts_itself_is_explained_where_it_can_be_and_the_contradictions_are_said(tmp_path):
-    """A removal of a block never stored, a child stored before its parent, a sequence number that goes
-    back: each counted and said (by the CLI), the rest explained as the replay explains it; the same
-    capture without them says nothing of the kind."""
-
-    def capture(name: str, contradict: bool) -> Path:
-        sent = [
-            [stored_map([1, 2], None, [1, 2, 3, 4], salt="t")],
-            [stored_map([5], 4, [9, 9])] if contradict else [],  # 4 is stored only in the next message
-            [stored_map([4], 2, [5, 6]), stored_map([6], 4, [7, 8])],
-            [{"type": "BlockRemoved", "block_hashes": [77] if contradict else [6], "medium": "GPU"}],
-            [stored_map([3], 2, [5, 7])],
-        ]
-        seqs = [0, 1, 2, 0 if contradict else 3, 4]
-        w = CaptureWriter(tmp_path / f"{name}.jsonl", {"replica-0": "x"})
-        for seq, events in zip(seqs, sent, strict=True):
-            w.add(Message("replica-0", 0, seq, "kv", batch(*events)))
-        w.close()
-        return tmp_path / f"{name}.jsonl"
-
-    store = RunStore.open(tmp_path / "k.duckdb")
+    """Each contradiction counted and said (by the CLI), the rest explained as the replay explains it;
+    the same capture without them says nothing of the kind."""
     from kvviz.analysis.uploads import import_file
 
-    runs = {name: import_file(capture(name, name == "contradicts"), store) for name in ("contradicts", "control")}
+    store = RunStore.open(tmp_path / "k.duckdb")
+    runs = {
+        name: import_file(contradicting(tmp_path / f"{name}.jsonl", name == "contradicts"), store)
+        for name in ("contradicts", "control")
+    }
     with store.read() as con:
         said = {name: [(e.request, e.reason, e.hit_tokens) for e in agreed(con, run)] for name, run in runs.items()}
         counted = {name: contradictions(con, run) for name, run in runs.items()}
@@ -442,6 +472,30 @@ def test_a_capture_that_contradicts_itself_is_explained_where_it_can_be_and_the_
     ) in p.stderr
     p = kvviz("explain", runs["control"], "--db", str(store.path))
     assert p.returncode == 0 and "contradicts" not in p.stderr
+
+
+@pytest.mark.parametrize("contradict", [True, False], ids=["contradicts", "control"])
+def test_the_activity_view_says_what_a_capture_contradicts(tmp_path, monkeypatch, contradict):
+    """Beside the explained lookups, the counts in a sentence; nothing of the kind for the control."""
+    from kvviz.analysis.uploads import import_file
+    from tests.test_app import page
+
+    db = tmp_path / "kvviz.duckdb"
+    monkeypatch.setenv("KVVIZ_DB", str(db))
+    run_id = import_file(contradicting(tmp_path / "c.jsonl", contradict), RunStore.open(db))
+    at = page("inspector", run_id=run_id)
+    at.toggle(key="insp_explain").set_value(True).run()
+    warned = [w.value for w in at.warning if "contradicts" in w.value]
+    assert not at.exception and len(at.dataframe[-1].value) == 4
+    assert warned == (
+        [
+            "The capture contradicts itself: 1 removal of a block not cached (removed twice, or stored "
+            "before the capture began); 1 block stored before its parent; 1 message whose sequence "
+            "number goes back. The rest is explained."
+        ]
+        if contradict
+        else []
+    )
 
 
 def two_replica_dataset(folder: Path, seed: int = 11) -> Path:

@@ -128,15 +128,15 @@ def cmd_import(args: argparse.Namespace) -> int:
 def cmd_explain(args: argparse.Namespace) -> int:
     """Why each lookup of a run (or each stored chain of a capture) stopped where it did."""
     from ..analysis.explain import contradictions
-    from ..analysis.explained import explained, kept, replay_seconds
+    from ..analysis.explained import explain_seconds, explained, kept
 
     with args.store.read() as con:
         args.store.require_run(con, args.run_id)
         events = 0 if kept(con, args.run_id) else con.execute(
             "SELECT count(*) FROM kv_events WHERE run_id = ?", [args.run_id]).fetchone()[0]
     if events:
-        print(f"kvviz: replaying the capture's {events:,} events to explain each lookup (about "
-              f"{replay_seconds(events):,} s); the answer is kept, so this happens once", file=sys.stderr)
+        print(f"kvviz: explaining the capture's {events:,} events, each lookup (about {explain_seconds(events):,} s); "
+              "the answer is kept, so this happens once", file=sys.stderr)
     found = explained(args.store, args.run_id)
     with args.store.read() as con:
         said = contradictions(con, args.run_id).sentence()

@@ -11,7 +11,8 @@ import pandas as pd
 import streamlit as st
 
 from ..analysis import capture_time, captures, cross_reads, leaks
-from ..analysis.explained import explained, explained_in, kept, reasons_per_interval, replay_seconds
+from ..analysis.explain import contradictions
+from ..analysis.explained import explain_seconds, explained, explained_in, kept, reasons_per_interval
 from ..analysis.runs import RunInfo
 from ..figures import capture_time as time_fig
 from ..figures import captures as tree_fig
@@ -122,9 +123,9 @@ def _explain_wanted(info: RunInfo, events: int, is_kept: bool) -> bool:
     if is_kept:
         why = "Kept from when this capture was explained: why each stored chain was not served from the cache."
     elif small:
-        why = ("Replays the capture's cache to say, for each stored chain, why it was not served from the cache: "
+        why = ("Works out from the capture's events, for each stored chain, why it was not served from the cache: "
                 "cold, evicted, namespace (cached under another salt), diverged, partial block. About "
-                f"{replay_seconds(events)} s for this capture, once: the answer is kept for everyone.")
+                f"{explain_seconds(events)} s for this capture, once: the answer is kept for everyone.")
     else:
         why = (f"This capture has {events:,} events: explain it once from the command line, "
                 f"`python -m kvviz explain {info.run_id}`, and the app shows what it kept.")
@@ -137,7 +138,7 @@ def _reasons(info: RunInfo, a: float, b: float, width: float) -> pd.DataFrame:
     with reader() as con:
         is_kept = kept(con, info.run_id)
     if not is_kept:
-        with st.spinner("Replaying the capture's cache to explain each miss (kept for next time)..."):
+        with st.spinner("Explaining each miss from the capture's events (kept for next time)..."):
             explained(store(), info.run_id)
     with reader() as con:
         return reasons_per_interval(con, info.run_id, a, b, width)
@@ -146,6 +147,9 @@ def _reasons(info: RunInfo, a: float, b: float, width: float) -> pd.DataFrame:
 def _lookups(info: RunInfo, a: float, b: float) -> None:
     """The explained lookups of the range with their evidence: whose chain a segment continues, and
     that its own tenant is unknown where its event names no salt."""
+    said = _contradictions(info)
+    if said:
+        st.warning(said, icon=":material/report:")
     with reader() as con:
         n, found = explained_in(con, info.run_id, a, b)
     if not n:
@@ -154,6 +158,16 @@ def _lookups(info: RunInfo, a: float, b: float) -> None:
                + (f" ({len(found):,} of {n:,} shown, the earliest)" if len(found) < n else "") +
                "; reasons and evidence as `python -m kvviz explain` gives them. Step: the capture's message.")
     st.dataframe(lookups_table(found), hide_index=True, width="stretch", key="insp_capture_lookups")
+
+
+def _contradictions(info: RunInfo) -> str | None:
+    """What the capture says that cannot be so, in a sentence: worked out once per session (a scan of
+    its events, which do not change once imported)."""
+    key = f"insp_contradictions_{info.run_id}"
+    if key not in st.session_state:
+        with reader() as con:
+            st.session_state[key] = contradictions(con, info.run_id).sentence()
+    return st.session_state[key]
 
 
 def _occupancy(con, info: RunInfo, span: capture_time.Span, a: float, b: float) -> None:
