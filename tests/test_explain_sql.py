@@ -544,9 +544,7 @@ def duck_explain(folder: Path) -> list[tuple]:
     con = duckdb.connect()
     register_duckdb(con, str(folder))
     sql = explain_sql.DuckSql(con)
-    sql.view("explain_input", explain_sql.CAPTURE_INPUT)
-    sql.view("explain_lookups", explain_sql.NO_LOOKUPS)
-    sql.view("explain_lookup_blocks", explain_sql.NO_LOOKUP_BLOCKS)
+    explain_sql.capture_inputs(sql.view)
     explain_sql.explain(sql)
     return con.execute(f"SELECT {', '.join(explain_sql.RESULT_COLUMNS)} FROM explain_result").fetchall()
 
@@ -601,9 +599,7 @@ def test_the_explain_queries_give_the_same_rows_in_spark(tmp_path):
         spark.sparkContext.setLogLevel("ERROR")
         spark.read.parquet(str(folder)).createOrReplaceTempView("capture_events")
         sql = explain_sql.SparkSql(spark)
-        sql.table("explain_input", explain_sql.CAPTURE_INPUT)
-        sql.table("explain_lookups", explain_sql.NO_LOOKUPS)
-        sql.table("explain_lookup_blocks", explain_sql.NO_LOOKUP_BLOCKS)
+        explain_sql.capture_inputs(sql.table)
         explain_sql.explain(sql)
         got = sql.rows(f"SELECT {', '.join(explain_sql.RESULT_COLUMNS)} FROM explain_result")
     finally:

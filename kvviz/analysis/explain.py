@@ -141,9 +141,7 @@ def _capture_view(sql: explain_sql.DuckSql, run_id: str) -> None:
 
 def _capture_input(sql: explain_sql.DuckSql, run_id: str) -> None:
     _capture_view(sql, run_id)
-    sql.view("explain_input", explain_sql.CAPTURE_INPUT)
-    sql.view("explain_lookups", explain_sql.NO_LOOKUPS)
-    sql.view("explain_lookup_blocks", explain_sql.NO_LOOKUP_BLOCKS)
+    explain_sql.capture_inputs(sql.view)
 
 
 def _namespace(salt: str, adapter: str) -> str:

@@ -37,10 +37,16 @@ Inputs, as tables or views the caller provides:
   explain_lookup_blocks: lid, j, tokens (block j of each engine lookup's tokens, up to the one it
       stopped at)
 
-CAPTURE_INPUT makes explain_input from a capture dataset's `capture_events` (fleet_sql.py). The
-answer is the table explain_result: one row per lookup, its reason and the evidence for it (NULL
-where the reason has none). A history that contradicts itself is explained where it can be:
-CONTRADICTIONS counts what explain could not use.
+CAPTURE_INPUT makes explain_input from a capture dataset's `capture_events` (fleet_sql.py;
+`capture_inputs` makes all three). The answer is the table explain_result: one row per lookup, its
+reason and the evidence for it (NULL where the reason has none). A history that contradicts itself is
+explained where it can be: CONTRADICTIONS counts what explain could not use. In Spark:
+
+    spark.read.parquet("s3a://bucket/capture/").createOrReplaceTempView("capture_events")
+    sql = SparkSql(spark)
+    capture_inputs(sql.table)
+    explain(sql)
+    spark.table("explain_result").write.parquet("s3a://bucket/explained/")
 """
 
 from __future__ import annotations
@@ -420,6 +426,13 @@ def explain(sql: Sql) -> None:
     longest = sql.rows("SELECT MAX(cardinality(stop_tokens)) FROM xp_lookups")[0][0] or 0
     sql.table("xp_positions", positions(longest))
     sql.table("explain_result", REASONS)
+
+
+def capture_inputs(make) -> None:
+    """explain's inputs over `capture_events`: `make(name, query)` makes each (a view or a table)."""
+    make("explain_input", CAPTURE_INPUT)
+    make("explain_lookups", NO_LOOKUPS)
+    make("explain_lookup_blocks", NO_LOOKUP_BLOCKS)
 
 
 def positions(n: int) -> str:

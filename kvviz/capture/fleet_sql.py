@@ -20,6 +20,7 @@ DuckDB: `register_duckdb(con, "capture/")`. Spark (pyspark):
 
 `spark.read.parquet(path)` discovers `replica` from the folders as DuckDB does. Files whose names
 start with `_` (the manifest, a part still being written) are skipped by both, and by Trino.
+Why each lookup missed is explain_sql.py's queries, over the same `capture_events`.
 """
 
 from __future__ import annotations
