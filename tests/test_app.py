@@ -11,13 +11,14 @@ from pathlib import Path
 import duckdb
 import numpy as np
 import pytest
-from streamlit.testing.v1 import AppTest
 
 from kvviz.analysis import live
 from kvviz.analysis.explained import explained, kept
 from kvviz.models import load_model
 from kvviz.store import RunStore
 from kvviz.store.trace import export_run
+
+from .apptest import AppTest
 
 APP = str(Path(__file__).resolve().parent.parent / "app.py")
 PAGES = ("home", "run", "inspector", "scenarios", "runs", "upload", "sql")

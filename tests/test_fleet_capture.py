@@ -233,6 +233,7 @@ class RestartingPublisher(Publisher):
         self.ctx.term()
 
 
+@pytest.mark.slow
 def test_two_publishers_a_restart_and_an_unreachable_one_in_one_capture(tmp_path):
     ports = [free_port() for _ in range(4)]
     plain = Publisher(ports[0], ports[1], count=30, skip=17)
@@ -276,6 +277,7 @@ def test_capture_cli_refuses_bad_input_before_writing(tmp_path):
     assert p.returncode == 2 and "--rotate-rows must be at least 1" in p.stderr
 
 
+@pytest.mark.slow
 def test_capture_cli_writes_a_dataset_and_reports_each_replica(tmp_path):
     ports = [free_port() for _ in range(2)]
     pub = Publisher(ports[0], ports[1], count=40, skip=17)

@@ -13,6 +13,7 @@ from pathlib import Path
 import msgpack
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -98,12 +99,14 @@ def mutate(data: bytes, edits: list[tuple[int, int]], cut: int | None) -> bytes:
 EDITS = st.lists(st.tuples(st.integers(0, 1 << 30), st.integers(0, 255)), max_size=8)
 
 
+@pytest.mark.slow
 @FUZZ
 @given(edits=EDITS, cut=st.none() | st.integers(0, 4000))
 def test_mutated_captures_import_whole_or_are_refused(edits, cut):
     imported_whole_or_refused(mutate(valid_capture(), edits, cut), ".jsonl")
 
 
+@pytest.mark.slow
 @FUZZ
 @given(line=st.binary(max_size=200) | JSON.map(lambda v: json.dumps(v).encode()), at=st.integers(1, 4))
 def test_captures_with_a_random_line_are_refused_or_imported(line, at):
@@ -112,6 +115,7 @@ def test_captures_with_a_random_line_are_refused_or_imported(line, at):
     imported_whole_or_refused(b"\n".join(lines), ".jsonl")
 
 
+@pytest.mark.slow
 @FUZZ
 @given(edits=EDITS, cut=st.none() | st.integers(0, 100_000))
 def test_mutated_traces_import_whole_or_are_refused(edits, cut):
@@ -126,6 +130,7 @@ def rezip(members: dict[str, bytes]) -> bytes:
     return buf.getvalue()
 
 
+@pytest.mark.slow
 @FUZZ
 @given(data=st.data())
 def test_traces_with_a_replaced_manifest_field_or_table_are_refused_or_imported(data):

@@ -232,6 +232,7 @@ def test_the_oracle_exports_leak_metrics_and_sees_a_served_fault(tiny, fault):
         assert m["kvviz_leak_findings_total{kind=foreign}"] > 0
 
 
+@pytest.mark.slow
 def test_the_cli_serves_and_stops_cleanly_on_sigterm(tmp_path):
     port = free_port()
     db = tmp_path / "served.duckdb"
@@ -285,6 +286,7 @@ def test_a_seed_repeats_a_sampled_reply_and_ignore_eos_runs_to_max_tokens(server
     assert longer.usage.completion_tokens == 600 and longer.choices[0].finish_reason == "length"  # ... vLLM's flag
 
 
+@pytest.mark.slow
 def test_the_serve_bench_prints_its_table():
     p = kvviz("bench", "--model", "tiny-llama", "--serve", "--sizes", "2", "--cases", "uniform", "--new-tokens", "4")
     assert p.returncode == 0, p.stderr
