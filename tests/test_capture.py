@@ -369,3 +369,4 @@ def test_malformed_captures_are_refused_and_change_nothing(tmp_path, name):
     con = duckdb.connect(str(db), read_only=True)
     assert con.execute("SELECT list(run_id) FROM runs").fetchone()[0] == [good]
     assert con.execute("SELECT count(*) FROM kv_events").fetchone()[0] == 1
+    assert len(list((tmp_path / "captures").iterdir())) == 1, "the refused capture left no files"

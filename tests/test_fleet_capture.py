@@ -318,11 +318,11 @@ def test_a_version_4_capture_is_upgraded_with_its_rows_on_replica_0(tmp_path):
     from kvviz.store.schema import SCHEMA_VERSION, TABLES
 
     db = tmp_path / "v4.duckdb"
-    cap = CaptureWriter(tmp_path / "c.jsonl", {"replica-0": "x"})
+    cap = DatasetWriter(tmp_path / "c", {"replica-0": "x"})  # copied in: version 4 kept captures in its table
     for m in full_mode_messages("replica-0", 8):
-        cap.add(m)
+        cap.add(m, decode_batch(m.payload, "test"))
     cap.close()
-    run = import_file(tmp_path / "c.jsonl", RunStore.open(db))
+    run = import_file(tmp_path / "c", RunStore.open(db))
     con = duckdb.connect(str(db))  # made into what version 4 wrote: a table kv_events without today's columns
     con.execute("DROP VIEW kv_cache_blocks")
     con.execute("DROP VIEW kv_events")
@@ -378,6 +378,34 @@ def test_a_dataset_registered_in_place_reads_like_its_copy_and_nothing_else_open
     with store.read() as con:
         assert con.execute("SELECT count(*) FROM kv_events WHERE run_id = ?", [in_place]).fetchone()[0] == 0
         assert con.execute("SELECT count(*) FROM capture_sources").fetchone()[0] == 0
+
+
+def test_a_jsonl_capture_becomes_a_dataset_of_the_store_that_goes_with_its_run(tmp_path):
+    from kvviz.analysis.runs import delete_run
+
+    msgs = interleaved(full_mode_messages("pod-a", 30), full_mode_messages("pod-b", 30))
+    jsonl = CaptureWriter(tmp_path / "c.jsonl", {"pod-a": "tcp://a", "pod-b": "tcp://b"})
+    for m in msgs:
+        jsonl.add(m)
+    jsonl.close()
+    store = RunStore.open(tmp_path / "runs" / "k.duckdb")
+    copied, decoded = import_file(write_dataset(tmp_path / "ds", msgs).folder, store), import_file(jsonl.f.name, store)
+    (owned,) = store.captures_dir.iterdir()
+    assert sorted(p.name for p in owned.iterdir()) == ["_kvviz_capture.json", "replica=pod-a", "replica=pod-b"]
+    assert json.loads((owned / "_kvviz_capture.json").read_text())["complete"]
+    cols = "step, replica, restart, seq, kind, block_hash, parent_hash, token_ids, salt, salt_named, repeat"
+    with store.read() as con:
+        def rows(run, table="kv_events"):
+            return con.execute(f"SELECT {cols} FROM {table} WHERE run_id = ? ORDER BY step, event_index, "
+                               "block_index", [run]).fetchall()
+        assert rows(decoded) == rows(copied) and len(rows(decoded)) > 40
+        assert rows(decoded, "kv_event_rows") == [], "nothing was copied into the database"
+        assert con.execute("SELECT path FROM capture_sources WHERE run_id = ?", [decoded]).fetchone()[0] == \
+            str(owned.resolve())
+    delete_run(store, decoded)
+    assert not owned.exists(), "deleting the run deletes the dataset the store made for it"
+    with store.read() as con:
+        assert len(rows(copied)) > 40 and con.execute("SELECT count(*) FROM runs").fetchone()[0] == 1
 
 
 def test_a_dataset_moved_after_registration_marks_its_run_and_spares_the_others(tmp_path):

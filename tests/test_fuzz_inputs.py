@@ -17,6 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvviz.analysis.runs import delete_run
 from kvviz.analysis.uploads import import_file
 from kvviz.capture.capture_file import CaptureWriter, Message
 from kvviz.cli import main
@@ -70,23 +71,26 @@ def counts(store: RunStore) -> dict[str, int]:
         return {t: con.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in (*TRACE_TABLES, "kv_events")}
 
 
+def owned_datasets(store: RunStore) -> set[str]:
+    return {p.name for p in store.captures_dir.iterdir()} if store.captures_dir.is_dir() else set()
+
+
 def imported_whole_or_refused(data: bytes, suffix: str) -> None:
     """Import one file into a fresh copy of a store; a refusal must leave every table as it was."""
     path = WORK / f"input{suffix}"
     path.write_bytes(data)
     store = RunStore.open(WORK / "target.duckdb")
-    before = counts(store)
+    before, datasets = counts(store), owned_datasets(store)
     try:
         run_id = import_file(path, store)
     except KvvizError as e:
         assert str(path) in str(e), e  # the sentence names the file
         assert counts(store) == before
+        assert owned_datasets(store) == datasets, "a refused capture leaves no files"
         return
     with store.read() as con:
         assert con.execute("SELECT count(*) FROM runs WHERE run_id = ?", [run_id]).fetchone()[0] == 1
-    with store.write() as con:  # keep the target small: remove what the example added
-        for t in (*TRACE_TABLES, "kv_event_rows"):
-            con.execute(f"DELETE FROM {t} WHERE run_id = ?", [run_id])
+    delete_run(store, run_id)  # keep the target small: remove what the example added
 
 
 def mutate(data: bytes, edits: list[tuple[int, int]], cut: int | None) -> bytes:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass
 
 import duckdb
@@ -104,12 +105,17 @@ def run_tables(con: duckdb.DuckDBPyConnection) -> list[str]:
 
 
 def delete_run(store: RunStore, run_id: str) -> None:
-    """Remove a run and every row that belongs to it, in one transaction."""
+    """Remove a run and every row that belongs to it, in one transaction, then the capture dataset
+    the store made for it (a dataset the user registered in place stays where it is)."""
     with store.write() as con:
         if not store.has_run(con, run_id):
             raise StoreError(f"no run {run_id!r} in {store.path}")
+        owned = [p for (p,) in con.execute("SELECT path FROM capture_sources WHERE run_id = ?", [run_id]).fetchall()
+                 if store.owns(p)]
         con.execute("BEGIN TRANSACTION")
         for table in run_tables(con):
             con.execute(f"DELETE FROM {table} WHERE run_id = ?", [run_id])
-        store.refresh_captures(con)  # a dataset registered in place leaves kv_events (its files stay)
+        store.refresh_captures(con)  # the dataset leaves kv_events
         con.execute("COMMIT")
+    for folder in owned:
+        shutil.rmtree(folder, ignore_errors=True)
