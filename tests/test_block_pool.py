@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvviz.engine import InvariantError, KVCacheManager, OutOfBlocks
+from kvviz.engine.block_pool import Block, FreeQueue
 from kvviz.engine.hashing import block_hash, hash_to_u64, prefix_ids
 
 B = 4
@@ -89,6 +90,28 @@ def test_free_queue_order_and_lru_eviction():
     assert evicted == [1]
     assert sorted(b.id for b in mgr.pool.cached.values()) == [0, 1, 2, 3, 4, 5]  # 0, 3 and D's four
     mgr.check()
+
+
+def test_blocks_freed_without_a_hash_go_to_the_head_as_one_batch_in_the_order_given():
+    """vLLM frees a request's blocks tail first and puts the unhashed ones at the head as one batch, so
+    the tail is reused first; pushed to the head one at a time they would come out reversed."""
+    mgr = KVCacheManager(5, B, enable_prefix_caching=False)
+    prefill(mgr, "A", list(range(10)))  # blocks 0, 1, 2; nothing hashed
+    assert mgr.snapshot().free_queue == (3, 4)
+    mgr.free("A")  # released 2, 1, 0
+    assert mgr.snapshot().free_queue == (2, 1, 0, 3, 4)
+    prefill(mgr, "B", [7] * 5)
+    assert mgr.seqs["B"].block_table == [2, 1]
+    mgr.check()
+
+
+def test_popping_an_empty_free_queue_is_refused_and_leaves_it_intact():
+    q = FreeQueue([])
+    with pytest.raises(OutOfBlocks, match="need 1 free KV blocks, only 0 available"):
+        q.pop_head()
+    assert len(q) == 0 and list(q) == []
+    q.append([Block(7)])
+    assert q.pop_head().id == 7 and list(q) == []
 
 
 def test_evicted_block_loses_its_hash_and_stops_hitting():

@@ -20,8 +20,8 @@ def ceil_div(a: int, b: int) -> int:
 
 
 class ReferenceModel:
-    def __init__(self, num_blocks: int, block_size: int):
-        self.B = block_size
+    def __init__(self, num_blocks: int, block_size: int, caching: bool = True):
+        self.B, self.caching = block_size, caching
         self.free = list(range(num_blocks))
         self.ref = [0] * num_blocks
         self.key: dict[int, tuple] = {}
@@ -44,20 +44,20 @@ class ReferenceModel:
         return b
 
     def release(self, blocks: list[int]) -> None:
+        freed = []
         for b in blocks:
             self.ref[b] -= 1
             if self.ref[b] == 0:
-                if b in self.key:
-                    self.free.append(b)
-                else:
-                    self.free.insert(0, b)
+                freed.append(b)
+        self.free[:0] = [b for b in freed if b not in self.key]  # one batch at the head, in the order given
+        self.free += [b for b in freed if b in self.key]
 
     def add(self, sid, tokens, salt):
         self.tokens[sid], self.salt[sid], self.tables[sid], self.computed[sid] = list(tokens), salt, [], 0
 
     def admit(self, sid: str, budget: int) -> bool:
         hits = []
-        for i in range((len(self.tokens[sid]) - 1) // self.B):
+        for i in range((len(self.tokens[sid]) - 1) // self.B if self.caching else 0):
             b = self.cache.get(self.block_key(sid, i))
             if b is None:
                 break
@@ -92,6 +92,8 @@ class ReferenceModel:
     def commit(self, sid: str, n: int) -> None:
         start = self.computed[sid]
         self.computed[sid] = start + n
+        if not self.caching:
+            return
         for i in range(start // self.B, (start + n) // self.B):
             k = self.block_key(sid, i)
             if k not in self.cache:
@@ -118,10 +120,14 @@ tokens_st = st.lists(st.integers(0, 2), min_size=1, max_size=24)
 
 
 class BlockPoolMachine(RuleBasedStateMachine):
-    @initialize(num_blocks=st.integers(3, 14), block_size=st.sampled_from([1, 2, 4]))
-    def setup(self, num_blocks, block_size):
-        self.mgr = KVCacheManager(num_blocks, block_size)
-        self.model = ReferenceModel(num_blocks, block_size)
+    @initialize(
+        num_blocks=st.integers(3, 14),
+        block_size=st.sampled_from([1, 2, 4]),
+        caching=st.sampled_from([True, True, True, False]),
+    )
+    def setup(self, num_blocks, block_size, caching):
+        self.mgr = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching)
+        self.model = ReferenceModel(num_blocks, block_size, caching)
         self.history: list[list[int]] = [[0, 1, 2, 0, 1, 2, 0, 1]]
         self.next_id = 0
 
