@@ -88,7 +88,7 @@ def test_free_queue_order_and_lru_eviction():
     assert mgr.seqs["D"].block_table == [4, 2, 5, 1]
     evicted = [e.block for e in mgr.pop_events() if e.kind == "evict"]
     assert evicted == [1]
-    assert sorted(b.id for b in mgr.pool.cached.values()) == [0, 1, 2, 3, 4, 5]  # 0, 3 and D's four
+    assert sorted(i for copies in mgr.pool.cached.values() for i in copies) == [0, 1, 2, 3, 4, 5]  # 0, 3, D's four
     mgr.check()
 
 
@@ -123,6 +123,32 @@ def test_evicted_block_loses_its_hash_and_stops_hitting():
     assert h not in mgr.pool.cached
     mgr.free("B")
     assert prefill(mgr, "A2", [1, 2, 3, 4, 5]).start == 0  # no stale hit
+    mgr.check()
+
+
+def test_two_blocks_computed_at_once_for_one_prefix_are_both_cached_and_outlive_each_other():
+    """vLLM keeps every block holding a hash (a request's block table never changes): a hit takes the
+    lowest id, and evicting that copy leaves the hash served by the other."""
+    mgr = KVCacheManager(5, B)
+    mgr.add("A", [1, 2, 3, 4, 5])
+    mgr.add("B", [1, 2, 3, 4, 5])
+    a, b = mgr.admit("A", 8), mgr.admit("B", 8)  # both miss: neither has committed yet
+    mgr.commit("A", len(a.slots))
+    mgr.commit("B", len(b.slots))
+    assert (mgr.seqs["A"].block_table, mgr.seqs["B"].block_table) == ([0, 1], [2, 3])
+    h = mgr.pool.blocks[0].hash
+    assert mgr.pool.blocks[2].hash == h and set(mgr.pool.cached[h]) == {0, 2}
+    assert [e.block for e in mgr.events if e.kind == "cache"] == [0, 2]
+    mgr.free("A")
+    mgr.free("B")
+    assert mgr.snapshot().free_queue == (3, 1, 4, 0, 2)  # both copies cached: at the tail
+    assert mgr.pool.cached_block(h).id == 0
+    mgr.pop_events()
+    prefill(mgr, "C", [9] * 16)  # four blocks: 3, 1, 4 and the copy in block 0
+    assert [(e.block, e.hash) for e in mgr.pop_events() if e.kind == "evict"] == [(0, h)]
+    mgr.free("C")
+    assert mgr.pool.cached_block(h).id == 2
+    assert prefill(mgr, "D", [1, 2, 3, 4, 6]).start == 4 and mgr.seqs["D"].block_table[0] == 2
     mgr.check()
 
 
@@ -238,7 +264,7 @@ def test_check_reports_broken_refcounts_and_hash_map():
     with pytest.raises(InvariantError, match="refcount 2 but 1 page-table references"):
         mgr.check()
     mgr.pool.blocks[1].ref_cnt -= 1
-    mgr.pool.cached[b"bogus"] = mgr.pool.blocks[0]
+    mgr.pool.cached[b"bogus"] = {0: mgr.pool.blocks[0]}
     with pytest.raises(InvariantError, match="holds another hash"):
         mgr.check()
 

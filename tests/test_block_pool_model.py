@@ -25,7 +25,7 @@ class ReferenceModel:
         self.free = list(range(num_blocks))
         self.ref = [0] * num_blocks
         self.key: dict[int, tuple] = {}
-        self.cache: dict[tuple, int] = {}
+        self.cache: dict[tuple, set[int]] = {}  # every block holding a key; a hit takes the lowest
         self.tables: dict[str, list[int]] = {}
         self.computed: dict[str, int] = {}
         self.tokens: dict[str, list[int]] = {}
@@ -38,7 +38,8 @@ class ReferenceModel:
         b = self.free.pop(0)
         if b in self.key:
             k = self.key.pop(b)
-            if self.cache.get(k) == b:
+            self.cache[k].discard(b)
+            if not self.cache[k]:
                 del self.cache[k]
         self.ref[b] = 1
         return b
@@ -58,9 +59,10 @@ class ReferenceModel:
     def admit(self, sid: str, budget: int) -> bool:
         hits = []
         for i in range((len(self.tokens[sid]) - 1) // self.B if self.caching else 0):
-            b = self.cache.get(self.block_key(sid, i))
-            if b is None:
+            copies = self.cache.get(self.block_key(sid, i))
+            if not copies:
                 break
+            b = min(copies)
             hits.append(b)
         cached = len(hits) * self.B
         n = min(budget, len(self.tokens[sid]) - cached)
@@ -96,9 +98,8 @@ class ReferenceModel:
             return
         for i in range(start // self.B, (start + n) // self.B):
             k = self.block_key(sid, i)
-            if k not in self.cache:
-                self.cache[k] = self.tables[sid][i]
-                self.key[self.tables[sid][i]] = k
+            self.cache.setdefault(k, set()).add(self.tables[sid][i])
+            self.key[self.tables[sid][i]] = k
 
     def fork(self, parent: str, child: str) -> None:
         self.add(child, self.tokens[parent], self.salt[parent])

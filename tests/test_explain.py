@@ -309,8 +309,10 @@ def test_the_streamed_history_answers_as_a_replay_of_the_whole_history():
                 salt, before = (e.salt, ()) if e.parent is None else prefix[e.parent]
                 prefix[e.hash] = (salt, before + tuple(e.tokens))
                 lives.setdefault(prefix[e.hash], []).append([e.t, None])
-            elif e.hash in prefix and lives[prefix[e.hash]][-1][1] is None:
-                lives[prefix[e.hash]][-1][1] = e.t
+            elif e.hash in prefix:  # a removal ends the oldest life still open (two copies at once)
+                life = next((x for x in lives[prefix[e.hash]] if x[1] is None), None)
+                if life is not None:
+                    life[1] = e.t
         t, node = lookup.t, (lookup.salt, tuple(lookup.tokens))
         alive = lambda life: life[0] < t and (life[1] is None or life[1] > t)  # noqa: E731
         past = [life for life in lives.get(node, []) if life[0] < t]

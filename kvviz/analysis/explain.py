@@ -128,6 +128,9 @@ class CacheHistory:
         self._children: dict[Node, int] = {}  # (salt, parent digest) -> children seen
         self._cached: dict[Node, list] = {}  # (salt, parent digest) -> [(block, nth, digest)] cached, in token order
         self._count: dict[Node, int] = {}  # contents cached now: how many of their lives are
+        # hash -> its lives not yet removed, first stored first: two blocks can hold one hash at once, and
+        # a removal ends the oldest
+        self._open: dict[int, list[tuple[Node, _Life]]] = {}
         self._now: int | None = None  # the step of what was added last
         self._new: list[tuple[Node, _Life]] = []  # lives begun in step _now: cached from the next step on
 
@@ -135,13 +138,16 @@ class CacheHistory:
         self._advance(e.t)
         if e.kind == "store":
             self._store(e)
-        elif e.hash in self._blocks:
-            d, salt = self._blocks[e.hash][:2]
-            life = self._contents[(salt, d)].lives[-1]
-            if life.removed is None:
-                life.removed = e.t
-                if life.stored < e.t:  # it was cached (one stored in this step never was)
-                    self._turn((salt, d), -1)
+        elif e.hash in self._open:
+            lives = self._open[e.hash]
+            self._end(*lives.pop(0), e.t)
+            if not lives:
+                del self._open[e.hash]
+
+    def _end(self, node: Node, life: _Life, t: int) -> None:
+        life.removed = t
+        if life.stored < t:  # it was cached (one stored in this step never was)
+            self._turn(node, -1)
 
     def _advance(self, t: int) -> None:
         if self._now is not None and t < self._now:
@@ -172,6 +178,7 @@ class CacheHistory:
         life = _Life(e.t)
         content.lives.append(life)
         self._new.append((node, life))
+        self._open.setdefault(e.hash, []).append((node, life))
 
     def known(self, h: int) -> bool:
         return h in self._blocks

@@ -4,7 +4,9 @@ Semantics of vLLM's block pool (v1): the blocks a release frees go to the free q
 given, those holding a cached hash at the tail (kept for reuse, evicted last) and those holding none
 at the head, as one batch (reused first, the first given first). Eviction is lazy: a cached free
 block keeps its hash until it is popped for new content, and only then is its hash-map entry
-removed. Plain Python, no torch: the engine owns the tensors.
+removed. Two blocks computed at once for the same prefix both keep their hash (a block table never
+changes under a request); a hit takes the lower block id, and evicting one copy leaves the hash
+served by the other. Plain Python, no torch: the engine owns the tensors.
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.owned = owned if owned is not None else range(num_blocks)
         self.free = FreeQueue(self.blocks[i] for i in self.owned)
-        self.cached: dict[BlockHash, Block] = {}
+        self.cached: dict[BlockHash, dict[int, Block]] = {}  # hash -> every block holding it, by id
         self._emit = emit
         self.spill: Callable[[Block, str | None], None] | None = None  # a host tier keeps evicted content
 
@@ -123,14 +125,22 @@ class BlockPool:
             out.append(b)
         return out
 
+    def cached_block(self, h: BlockHash) -> Block | None:
+        """The block a hit on `h` takes: of several copies, the lowest id (as vLLM picks, deterministic)."""
+        copies = self.cached.get(h)
+        return copies[min(copies)] if copies else None
+
     def evict(self, b: Block, request: str | None) -> None:
         """Forget a block's hash when it is reused; the map entry must go with it (a host tier, if any,
         copies the content out first)."""
         old = b.hash
         if self.spill is not None:
             self.spill(b, request)
-        if self.cached.get(old) is b:
-            del self.cached[old]
+        copies = self.cached.get(old)
+        if copies is not None and copies.get(b.id) is b:
+            del copies[b.id]
+            if not copies:
+                del self.cached[old]
         b.hash = None
         self.event("evict", b, request, hash=old)
 
@@ -160,10 +170,10 @@ class BlockPool:
         self.free.append(b for b in freed if b.hash is not None)
 
     def cache(self, b: Block, h: BlockHash, request: str, **detail) -> None:
-        """Publish a full block under its hash, unless another block already holds that hash (detail:
-        its parent's hash, tokens and salt, carried on the event)."""
-        if h in self.cached:
-            return
+        """Publish a full block under its hash, beside any other block holding it (detail: its parent's
+        hash, tokens and salt, carried on the event)."""
+        if b.hash == h:
+            return  # published already (a fault can let two requests fill one block)
         b.hash, b.detail = h, detail
-        self.cached[h] = b
+        self.cached.setdefault(h, {})[b.id] = b
         self.event("cache", b, request, hash=h, **detail)

@@ -21,9 +21,9 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 
-SCHEMA_VERSION = "11"
+SCHEMA_VERSION = "12"
 # Versions whose files the idempotent DDL brings up to date.
-UPGRADABLE = {"1", "2", "3", "4", "5", "6", "7", "8", "9", "10"}
+UPGRADABLE = {"1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11"}
 
 _ARROW = {"VARCHAR": pa.string(), "JSON": pa.string(), "TIMESTAMP": pa.timestamp("us"), "BIGINT": pa.int64(),
           "INTEGER": pa.int32(), "DOUBLE": pa.float64(), "FLOAT": pa.float32(), "BOOLEAN": pa.bool_(),
@@ -338,8 +338,9 @@ FROM steps s JOIN runs r ON r.run_id = s.run_id;
 
 -- Each life of a cached block, from the store that cached it to the removal (or reset) that ended it:
 -- captures per replica, KV group and medium (ts in the publisher's seconds; hits are the stores
--- kv_cache_report_mode=full repeats), engine runs per block hash (steps; hits are the prefix hits on
--- the block). idle: from the last hit (or the store) to the end; null ends are still cached.
+-- kv_cache_report_mode=full repeats), engine runs per block hash and block (two blocks can hold one hash at
+-- once; steps; hits are the prefix hits on the block). idle: from the last hit (or the store) to the end;
+-- null ends are still cached.
 CREATE OR REPLACE VIEW block_lifetimes AS
 WITH ev AS (
     SELECT run_id, coalesce(replica, 'replica-0') AS replica, coalesce(restart, 0) AS restart, group_idx, medium,
@@ -371,12 +372,12 @@ capture AS (
       ON l.run_id = c.run_id AND l.replica = c.replica AND l.restart = c.restart AND c.step >= l.stored_step),
 engine_lives AS (
     SELECT run_id, hash AS block_hash, block, step AS stored_step,
-           lead(step) OVER (PARTITION BY run_id, hash ORDER BY step, seq) AS next_step,
-           lead(kind) OVER (PARTITION BY run_id, hash ORDER BY step, seq) AS next_kind, kind
+           lead(step) OVER (PARTITION BY run_id, hash, block ORDER BY step, seq) AS next_step,
+           lead(kind) OVER (PARTITION BY run_id, hash, block ORDER BY step, seq) AS next_kind, kind
     FROM block_events WHERE kind IN ('cache', 'evict') AND hash IS NOT NULL),
 engine AS (
     SELECT l.run_id, NULL AS replica, NULL AS group_idx, NULL AS medium, l.block_hash,
-           row_number() OVER (PARTITION BY l.run_id, l.block_hash ORDER BY l.stored_step) AS life,
+           row_number() OVER (PARTITION BY l.run_id, l.block_hash ORDER BY l.stored_step, l.block) AS life,
            l.stored_step, NULL AS stored_ts, count(h.step) AS hits, max(h.step) AS last_hit_step,
            NULL AS last_hit_ts,
            CASE WHEN l.next_kind = 'evict' THEN l.next_step END AS removed_step, NULL AS removed_ts
