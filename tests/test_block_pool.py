@@ -152,6 +152,43 @@ def test_two_blocks_computed_at_once_for_one_prefix_are_both_cached_and_outlive_
     mgr.check()
 
 
+def test_a_reset_of_the_prefix_cache_is_refused_while_a_block_is_held_then_forgets_every_hash():
+    mgr = KVCacheManager(6, B)
+    prefill(mgr, "A", list(range(9)))  # blocks 0, 1 cached, 2 partial
+    prefill(mgr, "C", [50] * 5)  # block 3 cached, 4 partial
+    mgr.free("C")
+    before, n = mgr.snapshot(), len(mgr.events)
+    assert not mgr.reset_prefix_cache()  # A still holds its blocks: nothing changes
+    assert mgr.snapshot() == before and len(mgr.events) == n
+    mgr.free("A")
+    queue, hashes = mgr.snapshot().free_queue, mgr.snapshot().hashes
+    mgr.pop_events()
+    assert mgr.reset_prefix_cache()
+    cleared = mgr.pop_events()
+    assert [(e.kind, e.block, e.hash, e.request) for e in cleared] == [("clear", b, hashes[b], None) for b in (0, 1, 3)]
+    snap = mgr.snapshot()
+    assert snap.hashes == (None,) * 6 and not mgr.pool.cached and snap.free_queue == queue
+    assert prefill(mgr, "A2", list(range(9))).start == 0  # computed again
+    mgr.check()
+
+
+def test_a_reset_forgets_the_host_tier_too():
+    mgr = KVCacheManager(2, B, host_blocks=2)
+    prefill(mgr, "A", [1, 2, 3, 4, 5])
+    mgr.free("A")
+    prefill(mgr, "B", [8] * 8)  # takes both blocks: A's cached block goes to the host tier
+    mgr.free("B")
+    mgr.add("A", [1, 2, 3, 4, 5])
+    assert mgr.servable("A") == 1  # the host tier would restore it
+    mgr.free("A")
+    mgr.pop_events()
+    assert mgr.reset_prefix_cache()
+    assert [(e.kind, e.medium) for e in mgr.pop_events()].count(("clear", "CPU")) == 1
+    assert not mgr.host.cached and mgr.host.hashes == [None, None] and len(mgr.host.free) == 2
+    assert prefill(mgr, "A2", [1, 2, 3, 4, 5]).start == 0
+    mgr.check()
+
+
 def test_cached_free_block_is_reused_as_a_hit():
     mgr = KVCacheManager(4, B)
     prefill(mgr, "A", [1, 2, 3, 4, 5])

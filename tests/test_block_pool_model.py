@@ -1,7 +1,8 @@
 """Property-based test of the block pool against a deliberately naive reference model.
 
 The model keeps the free queue as a Python list and names cached blocks by (salt, token prefix)
-instead of a hash chain, so it shares no code with the pool. After every random step the two must
+instead of a hash chain, so it shares no code with the pool; a prefix may be cached in several blocks
+at once, and a reset forgets them all once no block is held. After every random step the two must
 agree on page tables, refcounts, free-queue order and cache contents, `check()` must pass, and no
 live request may hold a slot whose content another prefix wrote.
 """
@@ -200,6 +201,17 @@ class BlockPoolMachine(RuleBasedStateMachine):
         sid = data.draw(st.sampled_from(self.live()))
         (self.mgr.preempt if preempt else self.mgr.free)(sid)
         self.model.drop(sid, forget=not preempt)
+
+    @rule()
+    def reset_prefix_cache(self):
+        """Refused (nothing changes) while any block is held; otherwise every hash is forgotten."""
+        idle, before = not any(self.model.ref), self.mgr.snapshot()
+        assert self.mgr.reset_prefix_cache() == idle
+        if idle:
+            self.model.key.clear()
+            self.model.cache.clear()
+        else:
+            assert self.mgr.snapshot() == before
 
     @invariant()
     def agrees_with_model_and_isolated(self):

@@ -169,6 +169,20 @@ class BlockPool:
         self.free.prepend(b for b in freed if b.hash is None)
         self.free.append(b for b in freed if b.hash is not None)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every hash, so that nothing cached before hits again (new weights, a clean benchmark),
+        as vLLM's reset does it: only while no request holds a block (False, and nothing changes). Each
+        block that held a hash says so with a clear event; the free queue keeps its order."""
+        owned = [self.blocks[i] for i in self.owned]
+        if any(b.ref_cnt for b in owned):
+            return False
+        for b in owned:
+            if b.hash is not None:
+                old, b.hash, b.detail = b.hash, None, None
+                self.event("clear", b, None, hash=old)
+        self.cached.clear()
+        return True
+
     def cache(self, b: Block, h: BlockHash, request: str, **detail) -> None:
         """Publish a full block under its hash, beside any other block holding it (detail: its parent's
         hash, tokens and salt, carried on the event)."""

@@ -327,6 +327,15 @@ class KVCacheManager:
         self.pool.release((self.pool.blocks[b] for b in reversed(seq.block_table)), seq.id, kind)
         seq.block_table, seq.num_computed = [], 0
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash, on the device and the host tier, while no request holds a block;
+        False (and nothing changes) otherwise."""
+        if not self.pool.reset_prefix_cache():
+            return False
+        if self.host is not None:
+            self.host.clear()
+        return True
+
     # -- addressing ----------------------------------------------------------------------------
     def slot(self, seq: Sequence, pos: int) -> int:
         """Page-table lookup: the physical slot of logical position `pos`."""
