@@ -200,6 +200,27 @@ def test_a_captures_lookups_are_named_by_session_and_repeats_are_not_lookups(tmp
     assert found == [("conv-7", 0, 0), ("conv-7", 2, 4), ("chain-0000000000000004", 3, 0)]
 
 
+def test_a_chain_stored_again_after_an_all_blocks_cleared_missed_because_of_the_reset(tmp_path):
+    """AllBlocksCleared empties the replica's cache: the chain stored again after it is explained as
+    lost to the reset (not still cached, not evicted)."""
+    from kvviz.analysis.uploads import import_file
+    from kvviz.capture.capture_file import CaptureWriter, Message
+    from tests.test_capture import batch, stored_map
+
+    timeline = [stored_map([1, 2], None, [10, 11, 12, 13]), {"type": "AllBlocksCleared"},
+                stored_map([1, 2], None, [10, 11, 12, 13])]
+    w = CaptureWriter(tmp_path / "c.jsonl", {"replica-0": "x"})
+    for seq, ev in enumerate(timeline):
+        w.add(Message("replica-0", 0, seq, "kv", batch(ev)))
+    w.close()
+    store = RunStore.open(tmp_path / "k.duckdb")
+    run = import_file(tmp_path / "c.jsonl", store)
+    with store.read() as con:
+        found = [(e.request, e.step, e.reason, e.evidence) for e in explain_run(con, run)]
+    assert found == [("chain-0000000000000001", 0, "cold", {"new_from_token": 0}),
+                     ("chain-0000000000000001#2", 2, "reset", {"stored_at": 0, "removed_at": 1, "before": 1})]
+
+
 def test_two_sessions_and_the_cli_explaining_one_capture_at_once_keep_it_once(misses, tmp_path):
     """Two app sessions (threads on one store) and a CLI process ask at the same moment: each gets the
     same answer, and the store keeps one copy of it."""
@@ -309,8 +330,10 @@ def test_the_streamed_history_answers_as_a_replay_of_the_whole_history():
                 salt, before = (e.salt, ()) if e.parent is None else prefix[e.parent]
                 prefix[e.hash] = (salt, before + tuple(e.tokens))
                 lives.setdefault(prefix[e.hash], []).append([e.t, None])
-            elif e.hash in prefix and lives[prefix[e.hash]][-1][1] is None:
-                lives[prefix[e.hash]][-1][1] = e.t
+            elif e.hash in prefix:  # a removal ends the oldest life still open (two copies at once)
+                life = next((x for x in lives[prefix[e.hash]] if x[1] is None), None)
+                if life is not None:
+                    life[1] = e.t
         t, node = lookup.t, (lookup.salt, tuple(lookup.tokens))
         alive = lambda life: life[0] < t and (life[1] is None or life[1] > t)  # noqa: E731
         past = [life for life in lives.get(node, []) if life[0] < t]

@@ -13,6 +13,7 @@ where the segment begins. Reasons, checked in this order:
 - capacity: the same block was evicted in the lookup's own step, by the allocations of the batch
   admitted before it: the pool could not hold this step's work and keep the prefix (a sizing
   problem, where `evicted` is churn);
+- reset: the same block was cached until the prefix cache was reset (vLLM's AllBlocksCleared);
 - evicted: the same block (same tokens, same salt) was cached and evicted in an earlier step;
 - namespace: the same tokens are cached under another salt (or adapter);
 - diverged: a cached chain under this salt shares the blocks before and differs inside this one (at
@@ -57,9 +58,9 @@ def _digest(parent: bytes, block: Tokens) -> bytes:
 
 
 class CacheEvent(NamedTuple):
-    """A block stored or removed."""
+    """A block stored or removed, or the whole cache cleared."""
     t: int  # step (engine run) or message (capture)
-    kind: str  # store | remove
+    kind: str  # store | remove | clear
     hash: int
     parent: int | None = None
     tokens: Tokens = tokens(())
@@ -98,6 +99,7 @@ class _Life:
     including `removed` (evictions in a lookup's own step come from allocations before or at it)."""
     stored: int
     removed: int | None = None
+    reset: bool = False  # ended by a reset of the prefix cache, not an eviction
 
 
 @dataclass(slots=True)
@@ -128,6 +130,9 @@ class CacheHistory:
         self._children: dict[Node, int] = {}  # (salt, parent digest) -> children seen
         self._cached: dict[Node, list] = {}  # (salt, parent digest) -> [(block, nth, digest)] cached, in token order
         self._count: dict[Node, int] = {}  # contents cached now: how many of their lives are
+        # hash -> its lives not yet removed, first stored first: two blocks can hold one hash at once, and
+        # a removal ends the oldest
+        self._open: dict[int, list[tuple[Node, _Life]]] = {}
         self._now: int | None = None  # the step of what was added last
         self._new: list[tuple[Node, _Life]] = []  # lives begun in step _now: cached from the next step on
 
@@ -135,13 +140,22 @@ class CacheHistory:
         self._advance(e.t)
         if e.kind == "store":
             self._store(e)
-        elif e.hash in self._blocks:
-            d, salt = self._blocks[e.hash][:2]
-            life = self._contents[(salt, d)].lives[-1]
-            if life.removed is None:
-                life.removed = e.t
-                if life.stored < e.t:  # it was cached (one stored in this step never was)
-                    self._turn((salt, d), -1)
+        elif e.kind == "clear":
+            for lives in self._open.values():
+                for node, life in lives:
+                    self._end(node, life, e.t)
+                    life.reset = True
+            self._open.clear()
+        elif e.hash in self._open:
+            lives = self._open[e.hash]
+            self._end(*lives.pop(0), e.t)
+            if not lives:
+                del self._open[e.hash]
+
+    def _end(self, node: Node, life: _Life, t: int) -> None:
+        life.removed = t
+        if life.stored < t:  # it was cached (one stored in this step never was)
+            self._turn(node, -1)
 
     def _advance(self, t: int) -> None:
         if self._now is not None and t < self._now:
@@ -172,6 +186,7 @@ class CacheHistory:
         life = _Life(e.t)
         content.lives.append(life)
         self._new.append((node, life))
+        self._open.setdefault(e.hash, []).append((node, life))
 
     def known(self, h: int) -> bool:
         return h in self._blocks
@@ -223,6 +238,8 @@ class CacheHistory:
             if self._cached_now((s, d)):
                 return ex("unexplained", note="this block was cached when the lookup ran")
             last = next(life for life in reversed(content.lives) if life.stored < t)
+            if last.reset:
+                return ex("reset", stored_at=last.stored, removed_at=last.removed, before=t - last.removed)
             if last.removed == t:
                 return ex("capacity", stored_at=last.stored, removed_at=last.removed)
             return ex("evicted", stored_at=last.stored, removed_at=last.removed, before=t - last.removed)
@@ -285,11 +302,12 @@ def explain_run(con: duckdb.DuckDBPyConnection, run_id: str) -> list[Explanation
 
 def _explain_engine_run(con: duckdb.DuckDBPyConnection, run_id: str, B: int) -> list[Explanation]:
     """The engine's lookups (cache_lookups) against its prefix cache's history (block_events)."""
-    events = [CacheEvent(step, "store" if kind == "cache" else "remove", h, parent, tokens(block or ()),
-                         namespace(salt, adapter))
+    kinds = {"cache": "store", "evict": "remove", "clear": "clear"}
+    events = [CacheEvent(step, kinds[kind], h, parent, tokens(block or ()), namespace(salt, adapter))
               for step, kind, h, parent, block, salt, adapter in con.execute(
                   "SELECT step, kind, hash, parent_hash, token_ids, salt, adapter FROM block_events WHERE run_id = ? "
-                  "AND kind IN ('cache', 'evict') AND hash IS NOT NULL ORDER BY step, seq", [run_id]).fetchall()]
+                  "AND kind IN ('cache', 'evict', 'clear') AND hash IS NOT NULL ORDER BY step, seq",
+                  [run_id]).fetchall()]
     if not events and not con.execute("SELECT count(*) FROM cache_lookups WHERE run_id = ?", [run_id]).fetchone()[0]:
         raise StoreError(f"run {run_id} has no cache lookups to explain (recorded before kvviz recorded them, or a "
                          "run without the prefix cache's history)")
@@ -334,18 +352,21 @@ def _explain_capture(con: duckdb.DuckDBPyConnection, run_id: str) -> list[Explan
     return sorted(out, key=lambda e: e.step)
 
 
+KINDS = {"BlockStored": "store", "BlockRemoved": "remove", "AllBlocksCleared": "clear"}  # a capture's, in a history
+
+
 def _explain_part(con: duckdb.DuckDBPyConnection, run_id: str, replica: str, group: int | None,
                   name: str) -> list[Explanation]:
     """Each stored chain segment is a lookup, named by its session where the server says one (a
     conversation's turns, one after another) or by its first block. Repeats change nothing in the
-    cache (a re-reported hit, a removal of a block not cached) and are left out. The rows are read a
-    batch at a time and only the history is kept; a step's lookups are explained once its last event
-    is in."""
+    cache (a re-reported hit, a removal of a block not cached) and are left out; an AllBlocksCleared
+    empties every group of its replica. The rows are read a batch at a time and only the history is
+    kept; a step's lookups are explained once its last event is in."""
     cur = con.execute("SELECT step, kind, block_hash, parent_hash, token_ids, salt, salt_named, session_id, "
                       "block_index, block_size FROM kv_events WHERE run_id = ? AND coalesce(replica, 'replica-0') = ? "
-                      "AND group_idx IS NOT DISTINCT FROM ? AND kind IN ('BlockStored', 'BlockRemoved') AND NOT "
-                      "coalesce(repeat, false) ORDER BY step, coalesce(event_index, 0), block_index",
-                      [run_id, replica, group])
+                      "AND (kind = 'AllBlocksCleared' OR group_idx IS NOT DISTINCT FROM ? AND kind IN ('BlockStored', "
+                      "'BlockRemoved')) AND NOT coalesce(repeat, false) ORDER BY step, coalesce(event_index, 0), "
+                      "block_index", [run_id, replica, group])
     history, out, seen, step_lookups, tenants = CacheHistory(None), [], {}, [], False
     while batch := cur.fetchmany(65536):
         for step, kind, h, parent, block, salt, named, session, index, size in batch:
@@ -353,7 +374,7 @@ def _explain_part(con: duckdb.DuckDBPyConnection, run_id: str, replica: str, gro
                 out += map(history.explain, step_lookups)
                 step_lookups = []
             own = salt if parent is None or named else None  # a continuation's salt is its event's, or the chain's
-            e = CacheEvent(step, "store" if kind == "BlockStored" else "remove", h, parent, tokens(block or ()), own)
+            e = CacheEvent(step, KINDS[kind], h, parent, tokens(block or ()), own)
             history.add(e)
             if kind != "BlockStored":
                 continue
