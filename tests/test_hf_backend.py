@@ -168,6 +168,30 @@ def test_a_mask_one_key_off_at_a_request_boundary_in_transformers_is_caught(monk
     assert {d.request: d.classification for d in bad.divergences} == {"A": "batch_variance", "B": "leak", "C": "leak"}
 
 
+def test_a_read_index_one_slot_past_a_request_s_end_reads_stale_slots_and_is_caught(monkeypatch):
+    """transformers' read indices with one bug: a request's newest key is read from the slot after it in
+    the same block, which no one has written in this block's lifetime: stale (not foreign) for every
+    request that reads it, in the oracle; the control is clean."""
+    from transformers.generation.continuous_batching.cache_allocators import full_attention
+
+    cls = full_attention.FullAttentionCacheAllocator
+    original = cls.get_read_indices
+
+    def one_past(self, request_id, past_length, query_length):
+        indices = original(self, request_id, past_length, query_length)
+        if (past_length + query_length) % self.tokens_per_page:  # the next slot is in the same block
+            indices[-1] += 1
+        return indices
+
+    wl = workload(three_requests())
+    assert run_checked(tiny(), wl, reference=False).findings == []
+    monkeypatch.setattr(cls, "get_read_indices", one_past)
+    bad = run_checked(tiny(), wl, reference=False)
+    kinds = {f.kind for f in bad.findings}
+    assert kinds == {"stale"} and {f.request for f in bad.findings} == {"A", "B", "C"}
+    assert bad.oracle.summary()["counts"]["foreign"] == 0 and bad.oracle.summary()["counts"]["stale"] > 0
+
+
 @pytest.mark.parametrize(
     ("change", "field"),
     [

@@ -156,7 +156,8 @@ class Observation:
 
     def _snapshot(self, view: CacheView) -> PoolSnapshot:
         cached = [b for b in view.cached if b < self.data_blocks]
-        rest = [b for b in range(self.data_blocks) if view.refcounts[b] == 0 and b not in set(cached)]
+        kept = set(cached)
+        rest = [b for b in range(self.data_blocks) if view.refcounts[b] == 0 and b not in kept]
         return PoolSnapshot(
             self.block_size,
             tuple(view.refcounts),
@@ -195,11 +196,11 @@ class Observation:
             hash_kept = before.hashes[b] is not None and after.hashes[b] == before.hashes[b]
             if not still and not hash_kept:  # taken for new content: its old slots are stale now
                 self.life[b] += 1
-                first = "allocate"
+                kinds = ["allocate"] + ["share"] * (len(takers) - 1)
             else:  # a prefix-cache hit before a forward; after one, the adoption of an identical block
-                first = "hit" if fresh else "share"
-            for i, rid in enumerate(takers):
-                events.append(BlockEvent(first if i == 0 else "share", b, rid, after.refcounts[b]))
+                kinds = ["hit" if fresh else "share"] * len(takers)
+            for kind, rid in zip(kinds, takers, strict=True):
+                events.append(BlockEvent(kind, b, rid, after.refcounts[b]))
         for b in range(len(after.hashes)):
             h = after.hashes[b]
             if h is not None and h != before.hashes[b]:
