@@ -10,8 +10,10 @@ host_blocks), adapters and disaggregated prefill (kv_transfers), version 8 what 
 (kv_transfers.from_blocks, to_blocks, kv_of, intact), version 9 the explanations `kvviz explain` keeps
 (lookup_explanations, runs.explained_at), version 10 whether a capture's store names its own salt
 (kv_event_rows.salt_named) and the block and step range of a cross-tenant read (findings.block,
-last_step), version 12 block_lifetimes per block of an engine run (two blocks can hold one hash) and
-ended by a reset (block_events kind clear); older files are upgraded in place by the idempotent DDL.
+last_step), version 11 the timing audits' verdicts and controls, version 12 the engine that ran each run
+(runs.backend: kvviz's own or transformers' continuous batching; older engine runs are kvviz's) and
+block_lifetimes per block of an engine run (two blocks can hold one hash) ended by a reset
+(block_events kind clear); older files are upgraded in place by the idempotent DDL.
 """
 
 from __future__ import annotations
@@ -100,7 +102,9 @@ TABLES: dict[str, Table] = {t.name: t for t in (
         Column("generated_tokens", "INTEGER"), Column("max_foreign_mass", "DOUBLE"), Column("leak_rate", "DOUBLE"),
         Column("findings", "INTEGER"),
         Column("explained_at", "TIMESTAMP", "when its lookups were explained and kept in lookup_explanations",
-               in_trace=False, added_in="9")), key="run_id"),
+               in_trace=False, added_in="9"),
+        Column("backend", "VARCHAR", "the engine that ran it: kvviz (kvviz's own) | transformers (Hugging Face "
+               "transformers' continuous batching, observed); null for a capture", added_in="12")), key="run_id"),
     Table("requests", "Each request of a run and what it generated.", _cols(
         RUN_ID + "request_id VARCHAR, tenant VARCHAR, parent VARCHAR, prompt_ids INTEGER[], output_ids INTEGER[], "
         "text VARCHAR, arrival_step INTEGER, first_token_step INTEGER, finish_step INTEGER, finish_reason VARCHAR, "
@@ -466,6 +470,7 @@ TRACE_TABLES: dict[str, list[str]] = {t.name: t.trace_columns() for t in TABLES.
 # Rows from before a column existed, given what it means for them (run on upgrade; idempotent).
 BACKFILL = """
 UPDATE kv_event_rows SET replica = 'replica-0', restart = 0 WHERE replica IS NULL;
+UPDATE runs SET backend = coalesce(engine->>'backend', 'kvviz') WHERE backend IS NULL AND engine <> '{}';
 """
 
 
