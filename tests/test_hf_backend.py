@@ -279,36 +279,15 @@ def test_run_backend_transformers_from_the_command_line(tmp_path):
         '{"requests": [{"id": "A", "prompt": "hello", "max_new_tokens": 3, "cache_salt": "t"}], '
         '"engine": {"block_size": 4, "num_blocks": 16}}'
     )
-    out = kvviz(
-        "run",
-        "--workload",
-        wl,
-        "--model",
-        "tiny-llama",
-        "--backend",
-        "transformers",
-        "--db",
-        tmp_path / "k.duckdb",
-        "--quiet",
-        "--json",
-    )
+    def run(*extra):
+        return kvviz("run", "--workload", wl, "--model", "tiny-llama", "--backend", "transformers",
+                     "--db", tmp_path / "k.duckdb", "--quiet", *extra)
+
+    out = run("--json")
     assert out.returncode == 0, out.stderr
     assert "kvviz: note: requests[].cache_salt: transformers has no cache salt" in out.stderr
     assert '"backend": "transformers"' in out.stdout.splitlines()[-1]
-    bad = kvviz(
-        "run",
-        "--workload",
-        wl,
-        "--model",
-        "tiny-llama",
-        "--backend",
-        "transformers",
-        "--fault",
-        "boundary",
-        "--db",
-        tmp_path / "k.duckdb",
-        "--quiet",
-    )
+    bad = run("--fault", "boundary")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1
 
 
