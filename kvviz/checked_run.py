@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from .analysis import cross_reads
 from .engine import Engine, RunResult, StepRecord
 from .engine.observer import AttentionObserver
 from .errors import WorkloadError
 from .faults import FAULTS, Scope, UnknownFault, defences_with
+from .hf_backend import BACKEND as TRANSFORMERS
+from .hf_backend import check_workload, fault_refused, run_workload
 from .models import LoadedModel
 from .models.queue import WaitCallback
 from .oracle import Finding, OracleConfig, ProvenanceOracle
@@ -28,6 +30,7 @@ class CheckedRun:
     result: RunResult
     oracle: ProvenanceOracle
     divergences: list[Divergence]
+    notes: list[str] = field(default_factory=list)  # workload fields the backend runs with a stated consequence
 
     @property
     def findings(self) -> list[Finding]:
@@ -37,7 +40,8 @@ class CheckedRun:
         """The run's JSON summary with the keys scripts gate on: leak, divergence, findings; and the
         cross-tenant reads in one sentence (no leak figure moves for them), or None."""
         salts = {r.id: r.cache_salt for r in self.workload.requests}
-        return {**self.result.summary(), "fault": self.fault, "leak": self.oracle.summary(),
+        return {**self.result.summary(), "backend": self.workload.engine.backend, "notes": self.notes,
+                "fault": self.fault, "leak": self.oracle.summary(),
                 "entropy": self.oracle.mean_entropy(),
                 "divergence": divergence_summary(self.divergences),
                 "findings": [f.to_dict() for f in self.findings],
@@ -48,6 +52,8 @@ def check_fault(fault: str | None, workload: Workload) -> None:
     """Refuse an unknown fault, or one for the other isolation mechanism, before anything runs."""
     if fault is None:
         return
+    if workload.engine.backend == TRANSFORMERS:
+        fault_refused(fault)
     if fault not in FAULTS:
         raise UnknownFault(f"unknown fault {fault!r}; the catalogue: {', '.join(FAULTS)}")
     if FAULTS[fault].isolation not in (None, workload.engine.isolation):
@@ -61,17 +67,22 @@ def run_checked(m: LoadedModel, workload: Workload, fault: str | None = None,
                 oracle: ProvenanceOracle | None = None, scope: Scope | None = None,
                 on_wait: WaitCallback | None = None) -> CheckedRun:
     """Run with the provenance oracle on every layer (inspect path) and compare each request with
-    itself run alone, in one turn on the model (on_wait hears how many runs are ahead)."""
+    itself run alone, in one turn on the model (on_wait hears how many runs are ahead). The workload's
+    engine.backend says whose engine runs it: kvviz's own, or transformers' continuous batching."""
     check_fault(fault, workload)
     engine_cfg = replace(workload.engine, compute="inspect")  # the oracle needs the probabilities
+    notes = check_workload(workload) if engine_cfg.backend == TRANSFORMERS else []
     oracle = oracle or ProvenanceOracle(config or OracleConfig())
-    defences = defences_with(fault, engine_cfg.block_size, scope)
+    observers = [oracle, *probes]
     with m.queue.turn(on_wait):
-        result = Engine(m, engine_cfg, defences).run(workload, on_step=on_step, observers=[oracle, *probes],
-                                                     keep_logits=reference, run_id=run_id)
+        if engine_cfg.backend == TRANSFORMERS:
+            result = run_workload(m, replace(workload, engine=engine_cfg), on_step, observers, reference, run_id)
+        else:
+            result = Engine(m, engine_cfg, defences_with(fault, engine_cfg.block_size, scope)).run(
+                workload, on_step=on_step, observers=observers, keep_logits=reference, run_id=run_id)
         leaked: dict[str, float] = {}
         for s in oracle.steps:
             for r, name in enumerate(s.requests):
                 leaked[name] = max(leaked.get(name, 0.0), float(s.max_foreign[r].max()))
         divs = compare_with_isolated(m, result, leaked) if reference else []
-    return CheckedRun(workload, fault, result, oracle, divs)
+    return CheckedRun(workload, fault, result, oracle, divs, notes)

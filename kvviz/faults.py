@@ -217,12 +217,14 @@ def _early_free(kv) -> None:
     pool = kv.pool
 
     def release(blocks, request, kind="free"):
+        freed = []
         for b in blocks:
             if b.ref_cnt == 0:
                 continue  # already freed early
             b.ref_cnt = 0  # drops every holder's reference, not just this request's
-            (pool.free.push_tail if b.hash is not None else pool.free.push_head)(b)
+            freed.append(b)
             pool.event(kind, b, request)
+        pool.requeue(freed)
     pool.release = release
 
 

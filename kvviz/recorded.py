@@ -10,6 +10,8 @@ from .checked_run import CheckedRun, check_fault, run_checked
 from .engine import Engine, StepRecord
 from .engine.observer import AttentionObserver
 from .faults import Scope
+from .hf_backend import BACKEND as TRANSFORMERS
+from .hf_backend import check_workload
 from .ids import new_run_id
 from .models import LoadedModel
 from .models.queue import WaitCallback
@@ -32,6 +34,8 @@ def record_run(store: RunStore, m: LoadedModel, wl: Workload, fault: str | None 
     wl = replace(wl, engine=replace(wl.engine, compute="inspect"))  # what the oracle runs: the record says so
     check_fault(fault, wl)  # bad input is refused before a run row exists
     Engine(m, wl.engine).check(wl)
+    if wl.engine.backend == TRANSFORMERS:
+        check_workload(wl)
     if scope is not None:
         check_scope(wl, m.config.num_hidden_layers, "fault", scope.requests, scope.layers)
     check_scope(wl, m.config.num_hidden_layers, "attention", selection.requests, selection.full_layers)

@@ -4,7 +4,7 @@
   "arrival_step": 0, "cache_salt": "tenant-1", "adapter": "adapter name", "parent": "id to fork from",
   "truncate": 12, "temperature": 0.0, "top_p": 1.0, "ignore_eos": false}],
  "engine": {"block_size": 16, "num_blocks": 256, "max_batch_tokens": 256, "isolation": "paged",
-  "compute": "inspect", "prefix_caching": true},
+  "compute": "inspect", "prefix_caching": true, "backend": "kvviz"},
  "seed": 0}
 """
 

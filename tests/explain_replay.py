@@ -1,8 +1,8 @@
 """The test oracle for explain: the Python replay that kvviz answered with before the reasons became
 SQL (kvviz/capture/explain_sql.py), kept to check the SQL against, lookup by lookup. It streams the
 history in time order and keeps, as events come, what is cached now (each life of a stored block,
-from its store to the removal of its hash on its medium or a clear of its replica), so it is built
-another way than the SQL's joins over the whole history.
+from its store to the removal that takes the oldest open life of its hash, or a clear of its
+replica), so it is built another way than the SQL's joins over the whole history.
 
 The reasons and their order are explain_sql's; so are a history's rules: a store's content is the
 chain its parent hash's latest store began (a parent never stored before it leaves the block and
@@ -49,7 +49,6 @@ class CacheEvent(NamedTuple):
     parent: int | None = None
     tokens: Tokens = tokens(())
     salt: str | None = None
-    medium: str = "GPU"
 
 
 @dataclass(frozen=True)
@@ -71,6 +70,7 @@ class _Life:
 
     stored: int
     removed: int | None = None
+    reset: bool = False  # ended by a clear of the cache, not a removal
 
 
 @dataclass(slots=True)
@@ -97,7 +97,9 @@ class CacheHistory:
         self.block_size = block_size  # a capture's is known from its first stored block
         # hash -> (prefix digest, chain salt, parent hash, the whole prefix's tokens), as its latest store said
         self._blocks: dict[int, tuple[bytes, str | None, int | None, Tokens]] = {}
-        self._open: dict[tuple[int, str], list[tuple[Node, _Life]]] = {}  # (hash, medium) -> its lives not ended
+        # hash -> its lives not yet removed, first stored first: two blocks can hold one hash at once, and
+        # a removal ends the oldest
+        self._open: dict[int, list[tuple[Node, _Life]]] = {}
         self._contents: dict[Node, _Content] = {}
         self._salts: dict[bytes, tuple[str | None, ...]] = {}  # digest -> every salt it was cached under
         self._children: dict[Node, int] = {}  # (salt, parent digest) -> children seen
@@ -111,17 +113,20 @@ class CacheHistory:
         if e.kind == "store":
             self._store(e)
         elif e.kind == "remove":
-            self._end(self._open.pop((e.hash, e.medium), []), e.t)
+            lives = self._open.get(e.hash)
+            if lives:
+                self._end(*lives.pop(0), e.t)
         else:  # clear: every block of the replica
             for lives in self._open.values():
-                self._end(lives, e.t)
+                for node, life in lives:
+                    self._end(node, life, e.t)
+                    life.reset = True
             self._open = {}
 
-    def _end(self, lives: list[tuple[Node, _Life]], t: int) -> None:
-        for node, life in lives:
-            life.removed = t
-            if life.stored < t:  # it was cached (one stored in this step never was)
-                self._turn(node, -1)
+    def _end(self, node: Node, life: _Life, t: int) -> None:
+        life.removed = t
+        if life.stored < t:  # it was cached (one stored in this step never was)
+            self._turn(node, -1)
 
     def _advance(self, t: int) -> None:
         if self._now is not None and t < self._now:
@@ -154,7 +159,7 @@ class CacheHistory:
         life = _Life(e.t)
         content.lives.append(life)
         self._new.append((node, life))
-        self._open.setdefault((e.hash, e.medium), []).append((node, life))
+        self._open.setdefault(e.hash, []).append((node, life))
 
     def known(self, h: int) -> bool:
         return h in self._blocks
@@ -199,6 +204,8 @@ class CacheHistory:
             if self._cached_now((s, d)):
                 return ex("unexplained", note="this block was cached when the lookup ran")
             last = next(life for life in reversed(content.lives) if life.stored < t)
+            if last.reset:
+                return ex("reset", stored_at=last.stored, removed_at=last.removed, before=t - last.removed)
             if last.removed == t:
                 return ex("capacity", stored_at=last.stored, removed_at=last.removed)
             return ex("evicted", stored_at=last.stored, removed_at=last.removed, before=t - last.removed)
@@ -269,11 +276,9 @@ def replay_run(con: duckdb.DuckDBPyConnection, run_id: str) -> list[Explanation]
 def _explain_engine_run(con: duckdb.DuckDBPyConnection, run_id: str, B: int) -> list[Explanation]:
     """The engine's lookups (cache_lookups) against its prefix cache's history (block_events)."""
     events = [
-        CacheEvent(
-            step, product.ENGINE_KINDS[kind], h, parent, tokens(block or ()), namespace(salt, adapter), medium or "GPU"
-        )
-        for step, kind, h, parent, block, salt, adapter, medium in con.execute(
-            "SELECT step, kind, hash, parent_hash, token_ids, salt, adapter, medium FROM block_events WHERE "
+        CacheEvent(step, product.ENGINE_KINDS[kind], h, parent, tokens(block or ()), namespace(salt, adapter))
+        for step, kind, h, parent, block, salt, adapter in con.execute(
+            "SELECT step, kind, hash, parent_hash, token_ids, salt, adapter FROM block_events WHERE "
             "run_id = ? AND kind IN (SELECT unnest(?)) AND (hash IS NOT NULL OR kind NOT IN ('cache', 'evict')) "
             "ORDER BY step, seq",
             [run_id, list(product.ENGINE_KINDS)],
@@ -357,13 +362,13 @@ def _explain_part(
     its last event is in."""
     cur = con.execute(
         "SELECT step, kind, block_hash, parent_hash, token_ids, salt, salt_named, session_id, "
-        "block_index, block_size, medium, group_idx, coalesce(restart, 0), coalesce(repeat, false) FROM kv_events "
+        "block_index, block_size, group_idx, coalesce(restart, 0), coalesce(repeat, false) FROM kv_events "
         "WHERE run_id = ? AND coalesce(replica, 'replica-0') = ? "
         "ORDER BY step, coalesce(event_index, 0), coalesce(block_index, 0)",
         [run_id, replica],
     )
     history, out, seen, step_lookups, tenants, restart = CacheHistory(None), [], {}, [], False, None
-    for step, kind, h, parent, block, salt, named, session, index, size, medium, g, started, rep in cur.fetchall():
+    for step, kind, h, parent, block, salt, named, session, index, size, g, started, rep in cur.fetchall():
         if step_lookups and step != step_lookups[0].t:  # every event of their step is in
             out += map(history.explain, step_lookups)
             step_lookups = []
@@ -375,9 +380,7 @@ def _explain_part(
         if kind not in ("BlockStored", "BlockRemoved") or h is None or g != group or rep:
             continue
         own = salt if parent is None or named else None  # a continuation's salt is its event's, or the chain's
-        e = CacheEvent(
-            step, "store" if kind == "BlockStored" else "remove", h, parent, tokens(block or ()), own, medium or "GPU"
-        )
+        e = CacheEvent(step, "store" if kind == "BlockStored" else "remove", h, parent, tokens(block or ()), own)
         if kind == "BlockStored":  # what it continues, before it is in (a block may name itself as its parent)
             tenants = tenants or salt is not None
             chain = _continues(history, parent, named, tenants) if parent is None or history.known(parent) else {}

@@ -11,13 +11,14 @@ from pathlib import Path
 import duckdb
 import numpy as np
 import pytest
-from streamlit.testing.v1 import AppTest
 
 from kvviz.analysis import live
 from kvviz.analysis.explained import explained, kept
 from kvviz.models import load_model
 from kvviz.store import RunStore
 from kvviz.store.trace import export_run
+
+from .apptest import AppTest
 
 APP = str(Path(__file__).resolve().parent.parent / "app.py")
 PAGES = ("home", "run", "inspector", "scenarios", "runs", "upload", "sql")
@@ -669,3 +670,42 @@ def test_the_transfers_table_says_whose_kv_each_request_received(tiny, tmp_path,
     warned = [w.value for w in at.warning if "transfers left decode blocks" in w.value]
     assert bool(warned) == (fault is not None) and (said is None or said in warned[0]), warned
     assert any(s.get("type") == "path" for s in charts(at)["insp_blockmap"]["layout"].get("shapes", []))
+
+
+def test_the_run_page_runs_transformers_and_the_inspector_says_which_engine_ran(empty_db):
+    """The engine choice: the default custom workload (two tenants, a common prefix) through transformers'
+    continuous batching, stored as a transformers run, opened in the inspector, which names the engine."""
+    at = custom_requests({})
+    at.selectbox(key="run_be_custom").set_value("transformers").run()
+    at.button(key="run_go").click().run()
+    assert not at.exception and not at.error, [e.value for e in at.error]
+    [run_id] = run_ids(empty_db)
+    with RunStore.open(empty_db).read() as con:
+        assert con.execute("SELECT backend, status FROM runs").fetchone() == ("transformers", "complete")
+    assert at.title[0].value == "Inspector"
+    assert any("engine: transformers' continuous batching" in m.value for m in at.markdown)
+    assert any(c.value.startswith("transformers' own continuous batching ran this run") for c in at.caption)
+    assert any("cross-tenant reads: " in w.value and "tenant-1 read by tenant-2" in w.value for w in at.warning)
+
+
+def test_the_scenarios_page_runs_a_scenario_in_transformers_beside_kvviz_s_engine(empty_db):
+    """unsalted_prefix's requests in transformers (no salt, no fault injected) read across tenants; kvviz's
+    engine, salted, runs them clean; each column says so."""
+    at = page("scenarios")
+    at.selectbox(key="sc_name").set_value("unsalted_prefix")
+    at.selectbox(key="sc_model").set_value("tiny-llama")
+    at.selectbox(key="sc_engine").set_value("transformers").run()
+    assert at.button(key="sc_go").label == "Run it in transformers and in kvviz's engine"
+    at.button(key="sc_go").click().run()
+    assert not at.exception and not at.error, [e.value for e in at.error]
+    pair = at.session_state["sc_pair"]
+    with RunStore.open(empty_db).read() as con:
+        backends = dict(con.execute("SELECT run_id, backend FROM runs").fetchall())
+        fault = con.execute("SELECT fault FROM runs WHERE run_id = ?", [pair["transformers"]]).fetchone()[0]
+    assert backends == {pair["transformers"]: "transformers", pair["control"]: "kvviz"} and fault is None
+    assert [m.value.split(":")[0] for m in at.markdown if m.value.startswith("#### ")] == [
+        "#### transformers", "#### kvviz's engine, clean"]
+    warned = [w.value for w in at.warning]
+    assert any(w.startswith("the oracles report ") for w in warned)
+    assert len([w for w in warned if "cross-tenant reads" in w]) == 1
+    assert any(s.value == "clean" for s in at.success)

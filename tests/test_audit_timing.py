@@ -217,7 +217,7 @@ def test_bad_settings_and_unreachable_servers_are_refused(tiny, tmp_path):
 
 
 def test_the_audit_page_runs_an_audit_and_shows_it_beside_the_past(tmp_path, monkeypatch):
-    from streamlit.testing.v1 import AppTest
+    from .apptest import AppTest
 
     monkeypatch.setenv("KVVIZ_DB", str(tmp_path / "k.duckdb"))
     at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=300)

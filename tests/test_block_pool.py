@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvviz.engine import InvariantError, KVCacheManager, OutOfBlocks
+from kvviz.engine.block_pool import Block, FreeQueue
 from kvviz.engine.hashing import block_hash, hash_to_u64, prefix_ids
 
 B = 4
@@ -87,8 +88,30 @@ def test_free_queue_order_and_lru_eviction():
     assert mgr.seqs["D"].block_table == [4, 2, 5, 1]
     evicted = [e.block for e in mgr.pop_events() if e.kind == "evict"]
     assert evicted == [1]
-    assert sorted(b.id for b in mgr.pool.cached.values()) == [0, 1, 2, 3, 4, 5]  # 0, 3 and D's four
+    assert sorted(i for copies in mgr.pool.cached.values() for i in copies) == [0, 1, 2, 3, 4, 5]  # 0, 3, D's four
     mgr.check()
+
+
+def test_blocks_freed_without_a_hash_go_to_the_head_as_one_batch_in_the_order_given():
+    """vLLM frees a request's blocks tail first and puts the unhashed ones at the head as one batch, so
+    the tail is reused first; pushed to the head one at a time they would come out reversed."""
+    mgr = KVCacheManager(5, B, enable_prefix_caching=False)
+    prefill(mgr, "A", list(range(10)))  # blocks 0, 1, 2; nothing hashed
+    assert mgr.snapshot().free_queue == (3, 4)
+    mgr.free("A")  # released 2, 1, 0
+    assert mgr.snapshot().free_queue == (2, 1, 0, 3, 4)
+    prefill(mgr, "B", [7] * 5)
+    assert mgr.seqs["B"].block_table == [2, 1]
+    mgr.check()
+
+
+def test_popping_an_empty_free_queue_is_refused_and_leaves_it_intact():
+    q = FreeQueue([])
+    with pytest.raises(OutOfBlocks, match="need 1 free KV blocks, only 0 available"):
+        q.pop_head()
+    assert len(q) == 0 and list(q) == []
+    q.append([Block(7)])
+    assert q.pop_head().id == 7 and list(q) == []
 
 
 def test_evicted_block_loses_its_hash_and_stops_hitting():
@@ -100,6 +123,69 @@ def test_evicted_block_loses_its_hash_and_stops_hitting():
     assert h not in mgr.pool.cached
     mgr.free("B")
     assert prefill(mgr, "A2", [1, 2, 3, 4, 5]).start == 0  # no stale hit
+    mgr.check()
+
+
+def test_two_blocks_computed_at_once_for_one_prefix_are_both_cached_and_outlive_each_other():
+    """vLLM keeps every block holding a hash (a request's block table never changes): a hit takes the
+    lowest id, and evicting that copy leaves the hash served by the other."""
+    mgr = KVCacheManager(5, B)
+    mgr.add("A", [1, 2, 3, 4, 5])
+    mgr.add("B", [1, 2, 3, 4, 5])
+    a, b = mgr.admit("A", 8), mgr.admit("B", 8)  # both miss: neither has committed yet
+    mgr.commit("A", len(a.slots))
+    mgr.commit("B", len(b.slots))
+    assert (mgr.seqs["A"].block_table, mgr.seqs["B"].block_table) == ([0, 1], [2, 3])
+    h = mgr.pool.blocks[0].hash
+    assert mgr.pool.blocks[2].hash == h and set(mgr.pool.cached[h]) == {0, 2}
+    assert [e.block for e in mgr.events if e.kind == "cache"] == [0, 2]
+    mgr.free("A")
+    mgr.free("B")
+    assert mgr.snapshot().free_queue == (3, 1, 4, 0, 2)  # both copies cached: at the tail
+    assert mgr.pool.cached_block(h).id == 0
+    mgr.pop_events()
+    prefill(mgr, "C", [9] * 16)  # four blocks: 3, 1, 4 and the copy in block 0
+    assert [(e.block, e.hash) for e in mgr.pop_events() if e.kind == "evict"] == [(0, h)]
+    mgr.free("C")
+    assert mgr.pool.cached_block(h).id == 2
+    assert prefill(mgr, "D", [1, 2, 3, 4, 6]).start == 4 and mgr.seqs["D"].block_table[0] == 2
+    mgr.check()
+
+
+def test_a_reset_of_the_prefix_cache_is_refused_while_a_block_is_held_then_forgets_every_hash():
+    mgr = KVCacheManager(6, B)
+    prefill(mgr, "A", list(range(9)))  # blocks 0, 1 cached, 2 partial
+    prefill(mgr, "C", [50] * 5)  # block 3 cached, 4 partial
+    mgr.free("C")
+    before, n = mgr.snapshot(), len(mgr.events)
+    assert not mgr.reset_prefix_cache()  # A still holds its blocks: nothing changes
+    assert mgr.snapshot() == before and len(mgr.events) == n
+    mgr.free("A")
+    queue, hashes = mgr.snapshot().free_queue, mgr.snapshot().hashes
+    mgr.pop_events()
+    assert mgr.reset_prefix_cache()
+    cleared = mgr.pop_events()
+    assert [(e.kind, e.block, e.hash, e.request) for e in cleared] == [("clear", b, hashes[b], None) for b in (0, 1, 3)]
+    snap = mgr.snapshot()
+    assert snap.hashes == (None,) * 6 and not mgr.pool.cached and snap.free_queue == queue
+    assert prefill(mgr, "A2", list(range(9))).start == 0  # computed again
+    mgr.check()
+
+
+def test_a_reset_forgets_the_host_tier_too():
+    mgr = KVCacheManager(2, B, host_blocks=2)
+    prefill(mgr, "A", [1, 2, 3, 4, 5])
+    mgr.free("A")
+    prefill(mgr, "B", [8] * 8)  # takes both blocks: A's cached block goes to the host tier
+    mgr.free("B")
+    mgr.add("A", [1, 2, 3, 4, 5])
+    assert mgr.servable("A") == 1  # the host tier would restore it
+    mgr.free("A")
+    mgr.pop_events()
+    assert mgr.reset_prefix_cache()
+    assert [(e.kind, e.medium) for e in mgr.pop_events()].count(("clear", "CPU")) == 1
+    assert not mgr.host.cached and mgr.host.hashes == [None, None] and len(mgr.host.free) == 2
+    assert prefill(mgr, "A2", [1, 2, 3, 4, 5]).start == 0
     mgr.check()
 
 
@@ -215,7 +301,7 @@ def test_check_reports_broken_refcounts_and_hash_map():
     with pytest.raises(InvariantError, match="refcount 2 but 1 page-table references"):
         mgr.check()
     mgr.pool.blocks[1].ref_cnt -= 1
-    mgr.pool.cached[b"bogus"] = mgr.pool.blocks[0]
+    mgr.pool.cached[b"bogus"] = {0: mgr.pool.blocks[0]}
     with pytest.raises(InvariantError, match="holds another hash"):
         mgr.check()
 

@@ -1,7 +1,8 @@
 """Property-based test of the block pool against a deliberately naive reference model.
 
 The model keeps the free queue as a Python list and names cached blocks by (salt, token prefix)
-instead of a hash chain, so it shares no code with the pool. After every random step the two must
+instead of a hash chain, so it shares no code with the pool; a prefix may be cached in several blocks
+at once, and a reset forgets them all once no block is held. After every random step the two must
 agree on page tables, refcounts, free-queue order and cache contents, `check()` must pass, and no
 live request may hold a slot whose content another prefix wrote.
 """
@@ -20,12 +21,12 @@ def ceil_div(a: int, b: int) -> int:
 
 
 class ReferenceModel:
-    def __init__(self, num_blocks: int, block_size: int):
-        self.B = block_size
+    def __init__(self, num_blocks: int, block_size: int, caching: bool = True):
+        self.B, self.caching = block_size, caching
         self.free = list(range(num_blocks))
         self.ref = [0] * num_blocks
         self.key: dict[int, tuple] = {}
-        self.cache: dict[tuple, int] = {}
+        self.cache: dict[tuple, set[int]] = {}  # every block holding a key; a hit takes the lowest
         self.tables: dict[str, list[int]] = {}
         self.computed: dict[str, int] = {}
         self.tokens: dict[str, list[int]] = {}
@@ -38,29 +39,31 @@ class ReferenceModel:
         b = self.free.pop(0)
         if b in self.key:
             k = self.key.pop(b)
-            if self.cache.get(k) == b:
+            self.cache[k].discard(b)
+            if not self.cache[k]:
                 del self.cache[k]
         self.ref[b] = 1
         return b
 
     def release(self, blocks: list[int]) -> None:
+        freed = []
         for b in blocks:
             self.ref[b] -= 1
             if self.ref[b] == 0:
-                if b in self.key:
-                    self.free.append(b)
-                else:
-                    self.free.insert(0, b)
+                freed.append(b)
+        self.free[:0] = [b for b in freed if b not in self.key]  # one batch at the head, in the order given
+        self.free += [b for b in freed if b in self.key]
 
     def add(self, sid, tokens, salt):
         self.tokens[sid], self.salt[sid], self.tables[sid], self.computed[sid] = list(tokens), salt, [], 0
 
     def admit(self, sid: str, budget: int) -> bool:
         hits = []
-        for i in range((len(self.tokens[sid]) - 1) // self.B):
-            b = self.cache.get(self.block_key(sid, i))
-            if b is None:
+        for i in range((len(self.tokens[sid]) - 1) // self.B if self.caching else 0):
+            copies = self.cache.get(self.block_key(sid, i))
+            if not copies:
                 break
+            b = min(copies)
             hits.append(b)
         cached = len(hits) * self.B
         n = min(budget, len(self.tokens[sid]) - cached)
@@ -92,11 +95,12 @@ class ReferenceModel:
     def commit(self, sid: str, n: int) -> None:
         start = self.computed[sid]
         self.computed[sid] = start + n
+        if not self.caching:
+            return
         for i in range(start // self.B, (start + n) // self.B):
             k = self.block_key(sid, i)
-            if k not in self.cache:
-                self.cache[k] = self.tables[sid][i]
-                self.key[self.tables[sid][i]] = k
+            self.cache.setdefault(k, set()).add(self.tables[sid][i])
+            self.key[self.tables[sid][i]] = k
 
     def fork(self, parent: str, child: str) -> None:
         self.add(child, self.tokens[parent], self.salt[parent])
@@ -118,10 +122,14 @@ tokens_st = st.lists(st.integers(0, 2), min_size=1, max_size=24)
 
 
 class BlockPoolMachine(RuleBasedStateMachine):
-    @initialize(num_blocks=st.integers(3, 14), block_size=st.sampled_from([1, 2, 4]))
-    def setup(self, num_blocks, block_size):
-        self.mgr = KVCacheManager(num_blocks, block_size)
-        self.model = ReferenceModel(num_blocks, block_size)
+    @initialize(
+        num_blocks=st.integers(3, 14),
+        block_size=st.sampled_from([1, 2, 4]),
+        caching=st.sampled_from([True, True, True, False]),
+    )
+    def setup(self, num_blocks, block_size, caching):
+        self.mgr = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching)
+        self.model = ReferenceModel(num_blocks, block_size, caching)
         self.history: list[list[int]] = [[0, 1, 2, 0, 1, 2, 0, 1]]
         self.next_id = 0
 
@@ -193,6 +201,17 @@ class BlockPoolMachine(RuleBasedStateMachine):
         sid = data.draw(st.sampled_from(self.live()))
         (self.mgr.preempt if preempt else self.mgr.free)(sid)
         self.model.drop(sid, forget=not preempt)
+
+    @rule()
+    def reset_prefix_cache(self):
+        """Refused (nothing changes) while any block is held; otherwise every hash is forgotten."""
+        idle, before = not any(self.model.ref), self.mgr.snapshot()
+        assert self.mgr.reset_prefix_cache() == idle
+        if idle:
+            self.model.key.clear()
+            self.model.cache.clear()
+        else:
+            assert self.mgr.snapshot() == before
 
     @invariant()
     def agrees_with_model_and_isolated(self):

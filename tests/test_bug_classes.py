@@ -266,6 +266,7 @@ def _struck(fault: str, faulty, control, kinds: list[str], transfers: int) -> bo
     return [r.cached_tokens for r in faulty.result.requests] != [r.cached_tokens for r in control.result.requests]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt2"])
 def test_new_faults_are_caught_on_random_workloads_and_controls_stay_clean(name):
     m, struck = model(name), dict.fromkeys(NEW_FAULTS, 0)

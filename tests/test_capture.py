@@ -160,6 +160,7 @@ class Publisher(threading.Thread):
         self.ctx.term()
 
 
+@pytest.mark.slow
 def test_capture_over_a_real_zmq_socket_with_replay_and_a_gap(tmp_path):
     pub_port, replay_port = free_port(), free_port()
     pub = Publisher(pub_port, replay_port)
@@ -298,6 +299,7 @@ class SGLangPublisher(Publisher):
         return sglang_batch([["BlockStored", [-seq - 1000], parent, [seq], 1, None, "GPU"]], ts=float(seq))
 
 
+@pytest.mark.slow
 def test_sglang_capture_over_a_real_zmq_socket_with_replay_and_a_gap(tmp_path):
     pub_port, replay_port = free_port(), free_port()
     pub = SGLangPublisher(pub_port, replay_port)
@@ -367,3 +369,4 @@ def test_malformed_captures_are_refused_and_change_nothing(tmp_path, name):
     con = duckdb.connect(str(db), read_only=True)
     assert con.execute("SELECT list(run_id) FROM runs").fetchone()[0] == [good]
     assert con.execute("SELECT count(*) FROM kv_events").fetchone()[0] == 1
+    assert len(list((tmp_path / "captures").iterdir())) == 1, "the refused capture left no files"

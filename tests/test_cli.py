@@ -23,6 +23,7 @@ def kvviz(*args: str, process: bool = False) -> subprocess.CompletedProcess:
     return (kvviz_process if process else in_process)(*args, *extra)
 
 
+@pytest.mark.slow
 def test_run_json_summary_is_the_last_line(tmp_path):
     wl = tmp_path / "wl.json"
     wl.write_text(json.dumps({"requests": [{"id": "A", "prompt": "红 橙 黄", "max_new_tokens": 4},
@@ -199,6 +200,7 @@ def test_bad_scenario_or_fault_exits_2(args, message):
     assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr
 
 
+@pytest.mark.slow
 def test_audit_on_both_tiny_models_passes():
     from kvviz.faults import FAULTS
 
@@ -223,6 +225,7 @@ def test_bench_tiers_compares_an_unused_host_tier_and_disaggregation_with_plain(
     assert rows[0].rstrip(" |").endswith("1.000")
 
 
+@pytest.mark.slow
 def test_bench_repeats_interleaved_and_reports_medians(tmp_path):
     from kvviz.bench import PEERS
 

@@ -201,6 +201,7 @@ def test_the_line_spans_processes_and_a_dead_process_never_blocks_it(tmp_path):
     assert entered.is_set() and list(tmp_path.iterdir()) == []  # tickets are removed on the way out
 
 
+@pytest.mark.slow
 def test_a_cli_run_waits_for_a_run_of_another_process_and_says_so(tmp_path):
     import subprocess
     import sys

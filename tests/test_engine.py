@@ -207,3 +207,35 @@ def test_requests_admitted_together_compute_a_shared_prefix_once():
     off = run({"requests": reqs, "engine": {"block_size": 4, "num_blocks": 64, "max_batch_tokens": 512,
                                             "prefix_caching": False}})[0]
     assert off.stats.prefill_tokens_computed == 4 * 35
+
+
+@pytest.mark.parametrize("disaggregated", [False, True])
+def test_a_reset_of_the_prefix_cache_waits_for_an_idle_loop_and_goes_out_with_the_next_step(disaggregated):
+    """vLLM's reset_prefix_cache: refused while a request runs; once idle, every pool (both instances
+    of a disaggregated engine) forgets its hashes, and the clear events open the next step's record."""
+    from kvviz.workload import RequestSpec
+
+    cfg = EngineConfig(block_size=4, num_blocks=16, max_batch_tokens=64, compute="fast", disaggregated=disaggregated)
+    loop, prompt = Engine(tiny(), cfg).open(), list(range(100, 113))  # three full blocks, then one token
+
+    def serve(rid: str) -> list:
+        loop.add(RequestSpec(rid, prompt_ids=prompt, max_new_tokens=2, arrival_step=loop.step), prompt)
+        records = [loop.advance()]
+        assert loop.busy and not loop.reset_prefix_cache(), "refused while a request runs"
+        while loop.busy:
+            records.append(loop.advance())
+        return records
+
+    with torch.inference_mode():
+        serve("A")
+        serve("B")
+        cached = {h for i in loop.instances for h in i.kv.snapshot().hashes if h is not None}
+        assert loop.result("B").cached_tokens == 12 and cached
+        assert loop.reset_prefix_cache()
+        assert all(not i.kv.pool.cached for i in loop.instances)
+        records = serve("C")
+    assert loop.result("C").cached_tokens == 0
+    events = records[0].events
+    n = next(i for i, e in enumerate(events) if e.kind != "clear")
+    assert n > 0 and {e.hash for e in events[:n]} == cached
+    assert not any(e.kind == "clear" for r in records[1:] for e in r.events)

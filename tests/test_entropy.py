@@ -8,13 +8,14 @@ import math
 from pathlib import Path
 
 import pytest
-from streamlit.testing.v1 import AppTest
 
 from kvviz.analysis import leaks, live
 from kvviz.models import load_model
 from kvviz.store import RunStore
 from kvviz.store.attention import AttentionSelection
 from tests.cli import kvviz
+
+from .apptest import AppTest
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -178,26 +178,45 @@ def test_an_explanation_is_kept_once_then_read_back_by_sql_the_cli_and_the_app(m
         assert con.execute("SELECT count(*) FROM lookup_explanations").fetchone()[0] == 0
 
 
-def test_a_captures_lookups_are_named_by_session_and_repeats_are_not_lookups(tmp_path):
-    """SGLang and vLLM name a request's session: a conversation's turns are its lookups, one after another;
-    a store the server repeats for a hit (kv_cache_report_mode=full) is not a new lookup."""
+def explained_capture(tmp_path, events: list[dict]) -> list:
+    """Each event a message of one replica's JSONL capture, imported; its lookups explained."""
     from kvviz.analysis.uploads import import_file
     from kvviz.capture.capture_file import CaptureWriter, Message
-    from tests.test_capture import batch, stored_map
+    from tests.test_capture import batch
 
-    turns = [stored_map([1, 2], None, [10, 11, 12, 13]) | {"session_id": "conv-7"},
-             stored_map([1], None, [10, 11]),  # a repeat: block 1 is cached
-             stored_map([3], 2, [14, 15]) | {"session_id": "conv-7"},  # the second turn continues the chain
-             stored_map([4], None, [20, 21])]  # no session: named by its first block
     w = CaptureWriter(tmp_path / "c.jsonl", {"replica-0": "x"})
-    for seq, ev in enumerate(turns):
+    for seq, ev in enumerate(events):
         w.add(Message("replica-0", 0, seq, "kv", batch(ev)))
     w.close()
     store = RunStore.open(tmp_path / "k.duckdb")
     run = import_file(tmp_path / "c.jsonl", store)
     with store.read() as con:
-        found = [(e.request, e.step, e.hit_tokens) for e in agreed(con, run)]
+        return agreed(con, run)
+
+
+def test_a_captures_lookups_are_named_by_session_and_repeats_are_not_lookups(tmp_path):
+    """SGLang and vLLM name a request's session: a conversation's turns are its lookups, one after another;
+    a store the server repeats for a hit (kv_cache_report_mode=full) is not a new lookup."""
+    from tests.test_capture import stored_map
+
+    turns = [stored_map([1, 2], None, [10, 11, 12, 13]) | {"session_id": "conv-7"},
+             stored_map([1], None, [10, 11]),  # a repeat: block 1 is cached
+             stored_map([3], 2, [14, 15]) | {"session_id": "conv-7"},  # the second turn continues the chain
+             stored_map([4], None, [20, 21])]  # no session: named by its first block
+    found = [(e.request, e.step, e.hit_tokens) for e in explained_capture(tmp_path, turns)]
     assert found == [("conv-7", 0, 0), ("conv-7", 2, 4), ("chain-0000000000000004", 3, 0)]
+
+
+def test_a_chain_stored_again_after_an_all_blocks_cleared_missed_because_of_the_reset(tmp_path):
+    """AllBlocksCleared empties the replica's cache: the chain stored again after it is explained as
+    lost to the reset (not still cached, not evicted)."""
+    from tests.test_capture import stored_map
+
+    timeline = [stored_map([1, 2], None, [10, 11, 12, 13]), {"type": "AllBlocksCleared"},
+                stored_map([1, 2], None, [10, 11, 12, 13])]
+    found = [(e.request, e.step, e.reason, e.evidence) for e in explained_capture(tmp_path, timeline)]
+    assert found == [("chain-0000000000000001", 0, "cold", {"new_from_token": 0}),
+                     ("chain-0000000000000001#2", 2, "reset", {"stored_at": 0, "removed_at": 1, "before": 1})]
 
 
 def test_two_sessions_and_the_cli_explaining_one_capture_at_once_keep_it_once(misses, tmp_path):

@@ -233,6 +233,7 @@ class RestartingPublisher(Publisher):
         self.ctx.term()
 
 
+@pytest.mark.slow
 def test_two_publishers_a_restart_and_an_unreachable_one_in_one_capture(tmp_path):
     ports = [free_port() for _ in range(4)]
     plain = Publisher(ports[0], ports[1], count=30, skip=17)
@@ -276,6 +277,7 @@ def test_capture_cli_refuses_bad_input_before_writing(tmp_path):
     assert p.returncode == 2 and "--rotate-rows must be at least 1" in p.stderr
 
 
+@pytest.mark.slow
 def test_capture_cli_writes_a_dataset_and_reports_each_replica(tmp_path):
     ports = [free_port() for _ in range(2)]
     pub = Publisher(ports[0], ports[1], count=40, skip=17)
@@ -316,11 +318,11 @@ def test_a_version_4_capture_is_upgraded_with_its_rows_on_replica_0(tmp_path):
     from kvviz.store.schema import SCHEMA_VERSION, TABLES
 
     db = tmp_path / "v4.duckdb"
-    cap = CaptureWriter(tmp_path / "c.jsonl", {"replica-0": "x"})
+    cap = DatasetWriter(tmp_path / "c", {"replica-0": "x"})  # copied in: version 4 kept captures in its table
     for m in full_mode_messages("replica-0", 8):
-        cap.add(m)
+        cap.add(m, decode_batch(m.payload, "test"))
     cap.close()
-    run = import_file(tmp_path / "c.jsonl", RunStore.open(db))
+    run = import_file(tmp_path / "c", RunStore.open(db))
     con = duckdb.connect(str(db))  # made into what version 4 wrote: a table kv_events without today's columns
     con.execute("DROP VIEW kv_cache_blocks")
     con.execute("DROP VIEW kv_events")
@@ -341,6 +343,13 @@ def test_a_version_4_capture_is_upgraded_with_its_rows_on_replica_0(tmp_path):
         assert con.execute("SELECT count(*) FROM kv_cache_blocks WHERE run_id = ?", [run]).fetchone()[0] > 0
 
 
+def event_rows(con, run: str, table: str = "kv_events") -> list[tuple]:
+    """A capture run's events in order, the columns an import must keep."""
+    cols = "step, replica, restart, seq, kind, block_hash, parent_hash, token_ids, salt, salt_named, repeat"
+    return con.execute(f"SELECT {cols} FROM {table} WHERE run_id = ? ORDER BY step, event_index, block_index",
+                       [run]).fetchall()
+
+
 def test_a_dataset_registered_in_place_reads_like_its_copy_and_nothing_else_opens_up(tmp_path):
     from kvviz.analysis.runs import delete_run
     from kvviz.errors import SqlError
@@ -350,13 +359,9 @@ def test_a_dataset_registered_in_place_reads_like_its_copy_and_nothing_else_open
     folder = write_dataset(tmp_path / "ds", msgs).folder
     store = RunStore.open(tmp_path / "k.duckdb")
     copied, in_place = import_file(folder, store), import_file(folder, store, in_place=True)
-    cols = "step, replica, seq, kind, block_hash, parent_hash, token_ids, salt, salt_named, repeat"
     with store.read() as con:
-        def rows(run, table="kv_events"):
-            return con.execute(f"SELECT {cols} FROM {table} WHERE run_id = ? ORDER BY step, event_index, "
-                               "block_index", [run]).fetchall()
-        assert rows(in_place) == rows(copied) and len(rows(in_place)) > 40
-        assert rows(in_place, "kv_event_rows") == [], "nothing was copied"
+        assert event_rows(con, in_place) == event_rows(con, copied) and len(event_rows(con, in_place)) > 40
+        assert event_rows(con, in_place, "kv_event_rows") == [], "nothing was copied"
         for table in ("steps", "findings"):
             assert con.execute(f"SELECT count(*) FROM {table} WHERE run_id = ?", [in_place]).fetchone() == \
                 con.execute(f"SELECT count(*) FROM {table} WHERE run_id = ?", [copied]).fetchone()
@@ -376,6 +381,30 @@ def test_a_dataset_registered_in_place_reads_like_its_copy_and_nothing_else_open
     with store.read() as con:
         assert con.execute("SELECT count(*) FROM kv_events WHERE run_id = ?", [in_place]).fetchone()[0] == 0
         assert con.execute("SELECT count(*) FROM capture_sources").fetchone()[0] == 0
+
+
+def test_a_jsonl_capture_becomes_a_dataset_of_the_store_that_goes_with_its_run(tmp_path):
+    from kvviz.analysis.runs import delete_run
+
+    msgs = interleaved(full_mode_messages("pod-a", 30), full_mode_messages("pod-b", 30))
+    jsonl = CaptureWriter(tmp_path / "c.jsonl", {"pod-a": "tcp://a", "pod-b": "tcp://b"})
+    for m in msgs:
+        jsonl.add(m)
+    jsonl.close()
+    store = RunStore.open(tmp_path / "runs" / "k.duckdb")
+    copied, decoded = import_file(write_dataset(tmp_path / "ds", msgs).folder, store), import_file(jsonl.f.name, store)
+    (owned,) = store.captures_dir.iterdir()
+    assert sorted(p.name for p in owned.iterdir()) == ["_kvviz_capture.json", "replica=pod-a", "replica=pod-b"]
+    assert json.loads((owned / "_kvviz_capture.json").read_text())["complete"]
+    with store.read() as con:
+        assert event_rows(con, decoded) == event_rows(con, copied) and len(event_rows(con, decoded)) > 40
+        assert event_rows(con, decoded, "kv_event_rows") == [], "nothing was copied into the database"
+        assert con.execute("SELECT path FROM capture_sources WHERE run_id = ?", [decoded]).fetchone()[0] == \
+            str(owned.resolve())
+    delete_run(store, decoded)
+    assert not owned.exists(), "deleting the run deletes the dataset the store made for it"
+    with store.read() as con:
+        assert len(event_rows(con, copied)) > 40 and con.execute("SELECT count(*) FROM runs").fetchone()[0] == 1
 
 
 def test_a_dataset_moved_after_registration_marks_its_run_and_spares_the_others(tmp_path):

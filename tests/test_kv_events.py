@@ -49,6 +49,13 @@ def test_a_requests_blocks_in_a_row_are_one_stored_event_and_evictions_are_remov
 
 
 
+def test_a_reset_is_one_all_blocks_cleared_however_many_blocks_it_cleared():
+    em = KVEventEmitter(2, lambda *a: None)
+    events = [BlockEvent("free", 0, "A", 0), BlockEvent("clear", 0, None, 0, hash=H[0]),
+              BlockEvent("clear", 3, None, 0, hash=H[1]), BlockEvent("clear", 1, None, 0, hash=H[2], medium="CPU"),
+              BlockEvent("cache", 2, "B", 1, hash=H[3], token_ids=(1, 2))]
+    assert [e["type"] for e in em.batch(events)] == ["AllBlocksCleared", "BlockStored"]
+
 
 def tenants_workload(path: Path) -> Path:
     """Two tenants send the same prompt, with more traffic between them than the pool holds: the second

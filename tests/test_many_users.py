@@ -9,13 +9,15 @@ import sys
 import threading
 from pathlib import Path
 
-from streamlit.testing.v1 import AppTest
+import pytest
 
 from kvviz.checked_run import run_checked
 from kvviz.models import load_model
 from kvviz.scenarios import scenario
 from kvviz.store import RunStore
 from kvviz.workload import Workload
+
+from .apptest import AppTest
 
 ROOT = Path(__file__).resolve().parent.parent
 APP = str(ROOT / "app.py")
@@ -82,6 +84,7 @@ def recorded(con, run_id: str) -> tuple:
     return outputs, found
 
 
+@pytest.mark.slow
 def test_three_app_sessions_and_a_cli_recording_at_once_each_equal_their_run_alone(tmp_path, monkeypatch):
     db = tmp_path / "team.duckdb"
     monkeypatch.setenv("KVVIZ_DB", str(db))

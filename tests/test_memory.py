@@ -11,7 +11,6 @@ from pathlib import Path
 import duckdb
 import pyarrow.parquet as pq
 import pytest
-from streamlit.testing.v1 import AppTest
 
 from kvviz.analysis.memory import FirstFit, RequestSpan, Usage, contiguous_replay, overall, run_memory, spans
 from kvviz.engine.kv_cache import PoolSnapshot
@@ -21,6 +20,8 @@ from kvviz.store import RunStore
 from kvviz.store.trace import export_run, import_trace
 from kvviz.workload import Workload
 from tests.cli import kvviz
+
+from .apptest import AppTest
 
 ROOT = Path(__file__).resolve().parent.parent
 

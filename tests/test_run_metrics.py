@@ -5,12 +5,13 @@ a crossed metric red."""
 from __future__ import annotations
 
 import pytest
-from streamlit.testing.v1 import AppTest
 
 from kvviz.analysis import live
 from kvviz.analysis.run_metrics import METRICS
 from kvviz.models import load_model
 from kvviz.store import RunStore
+
+from .apptest import AppTest
 
 
 @pytest.fixture(scope="module")

@@ -232,6 +232,7 @@ def test_the_oracle_exports_leak_metrics_and_sees_a_served_fault(tiny, fault):
         assert m["kvviz_leak_findings_total{kind=foreign}"] > 0
 
 
+@pytest.mark.slow
 def test_the_cli_serves_and_stops_cleanly_on_sigterm(tmp_path):
     port = free_port()
     db = tmp_path / "served.duckdb"
@@ -285,6 +286,7 @@ def test_a_seed_repeats_a_sampled_reply_and_ignore_eos_runs_to_max_tokens(server
     assert longer.usage.completion_tokens == 600 and longer.choices[0].finish_reason == "length"  # ... vLLM's flag
 
 
+@pytest.mark.slow
 def test_the_serve_bench_prints_its_table():
     p = kvviz("bench", "--model", "tiny-llama", "--serve", "--sizes", "2", "--cases", "uniform", "--new-tokens", "4")
     assert p.returncode == 0, p.stderr
@@ -351,3 +353,44 @@ def test_a_served_cross_tenant_read_is_recorded_once_it_has_ended(tiny, tmp_path
     assert s.worker.findings == {"cross_tenant": len(found)} and hit
     assert sorted(f[6] for f in found) == hit
     assert {f[:6] for f in found} == {(b, *steps, None, None, None)}
+
+
+def test_reset_prefix_cache_is_refused_while_a_request_runs_then_forgets_every_block(tiny, tmp_path):
+    """vLLM's POST /reset_prefix_cache: 409 while a request runs; once idle the same prompt is computed
+    again, the recorded run says it missed because of the reset, and the KV events carry one
+    AllBlocksCleared (with the next step, as vLLM publishes once per step)."""
+    import msgpack
+
+    from kvviz.analysis.explain import explain_run
+    from kvviz.capture.emit import KVEventEmitter
+
+    store, batches = RunStore.open(tmp_path / "k.duckdb"), []
+    emitter = KVEventEmitter(4, lambda seq, topic, payload: batches.append(msgpack.unpackb(payload)[1]))
+    s = Server(tiny, oracle=True, record=store, on_step=emitter.on_step)  # the inspect path: a long reply is slow
+    prompt = "abcdefghij" * 4  # 40 byte tokens: nine blocks of 4 can be served
+    try:
+        stream = s.client.completions.create(model="tiny", prompt="hold on", max_tokens=900, temperature=0,
+                                             stream=True)
+        next(iter(stream))  # the request is running
+        refused = httpx.post(s.url + "/reset_prefix_cache")
+        stream.close()
+        deadline = time.monotonic() + 10
+        while s.worker.in_flight() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [cached(s.client, prompt), cached(s.client, prompt)] == [0, 36]
+        reset = httpx.post(s.url + "/reset_prefix_cache")
+        assert cached(s.client, prompt) == 0
+    finally:
+        s.close()
+    assert refused.status_code == 409 and "reset only when no request runs" in refused.json()["error"]["message"]
+    assert reset.status_code == 200 and reset.json() == {"reset": True}
+    assert [e["type"] for events in batches for e in events].count("AllBlocksCleared") == 1
+    run_id = s.worker.recording.run_id
+    with store.read() as con:
+        last = explain_run(con, run_id)[-1]
+        step, cleared = con.execute("SELECT min(step), count(*) FROM block_events WHERE run_id = ? AND kind = 'clear'",
+                                    [run_id]).fetchone()
+        ended = con.execute("SELECT count(*) FROM block_lifetimes WHERE run_id = ? AND removed_step = ?",
+                            [run_id, step]).fetchone()[0]
+    assert (last.hit_tokens, last.reason) == (0, "reset")
+    assert cleared >= 9 and ended == cleared  # every cached block's life ended at the reset

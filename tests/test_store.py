@@ -265,6 +265,7 @@ def test_replay_shows_a_step_and_verify_catches_tampering(tmp_path):
     assert missing.returncode == 2 and "no run 'nope'" in missing.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])
 def test_a_run_killed_midway_leaves_a_readable_database(tmp_path, sig):
     """SIGKILL: no chance to say anything, the run stays 'running'. Ctrl-C: marked failed, one line."""
@@ -358,6 +359,7 @@ def test_attention_selection_by_request_step_and_layer(tmp_path):
         [-1, 0, 1, 2, 3]
 
 
+@pytest.mark.slow
 def test_another_process_reads_all_through_a_recording_run(tmp_path):
     """What the UI does while `kvviz run` records in another process: every read succeeds (a reader
     waits out a flush, and the recorder waits out a reader), and it sees the run grow."""

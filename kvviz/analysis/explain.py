@@ -27,9 +27,9 @@ import duckdb
 from ..capture import explain_sql
 from ..store import StoreError
 
-# block_events kinds that change the prefix cache, as explain's kinds: a kind that empties the whole
-# cache (a reset) maps to 'clear'.
-ENGINE_KINDS = {"cache": "store", "evict": "remove"}
+# block_events kinds that change the prefix cache, as explain's kinds: a clear (one per block a reset
+# of the prefix cache takes the hash from) empties the whole cache.
+ENGINE_KINDS = {"cache": "store", "evict": "remove", "clear": "clear"}
 UNKNOWN_TENANT = "unknown (its event names no salt)"
 # Evidence keys in the order they are said, from the result's columns.
 EVIDENCE = (
@@ -165,7 +165,7 @@ def _engine_input(sql: explain_sql.DuckSql, run_id: str, block_size: int) -> Non
         "explain_input",
         f"""
         SELECT 'replica-0' AS replica, -1 AS grp, step, seq AS ev, 0 AS blk, CASE kind {kinds} END AS kind, hash,
-               coalesce(medium, 'GPU') AS medium, parent_hash AS parent, token_ids AS tokens,
+               parent_hash AS parent, token_ids AS tokens,
                {_namespace("salt", "adapter")} AS salt, {_namespace("salt", "adapter")} AS chain_salt,
                true AS named, NULL::VARCHAR AS session, NULL::INTEGER AS bidx, $b::INTEGER AS block_size
         FROM block_events

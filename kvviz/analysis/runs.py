@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass
 
 import duckdb
@@ -29,6 +30,7 @@ class RunInfo:
     has_attention: bool
     has_kv_events: bool  # an imported vLLM/SGLang capture
     fault_scope: dict | None = None  # where the fault was confined
+    backend: str | None = None  # the engine that ran it (kvviz, transformers); None for a capture
 
     @property
     def block_size(self) -> int:
@@ -59,8 +61,8 @@ def scope_text(scope: dict) -> str:
 
 
 def run_info(con: duckdb.DuckDBPyConnection, run_id: str) -> RunInfo:
-    row = con.execute("SELECT status, error, model, scenario, fault, engine, fault_scope FROM runs WHERE run_id = ?",
-                      [run_id]).fetchone()
+    row = con.execute("SELECT status, error, model, scenario, fault, engine, fault_scope, backend FROM runs "
+                      "WHERE run_id = ?", [run_id]).fetchone()
     if row is None:
         raise StoreError(f"no run {run_id!r} in this database")
 
@@ -74,7 +76,7 @@ def run_info(con: duckdb.DuckDBPyConnection, run_id: str) -> RunInfo:
                                           [run_id]).fetchall()]
     return RunInfo(run_id, row[0], row[1], row[2], row[3], row[4], json.loads(row[5]) if row[5] else {}, steps,
                    requests, exists("blocks"), exists("attention"), row[2] == CAPTURE_MODEL or exists("kv_events"),
-                   json.loads(row[6]) if row[6] else None)
+                   json.loads(row[6]) if row[6] else None, row[7])
 
 
 def requests_frame(con: duckdb.DuckDBPyConnection, run_id: str) -> pd.DataFrame:
@@ -104,12 +106,17 @@ def run_tables(con: duckdb.DuckDBPyConnection) -> list[str]:
 
 
 def delete_run(store: RunStore, run_id: str) -> None:
-    """Remove a run and every row that belongs to it, in one transaction."""
+    """Remove a run and every row that belongs to it, in one transaction, then the capture dataset
+    the store made for it (a dataset the user registered in place stays where it is)."""
     with store.write() as con:
         if not store.has_run(con, run_id):
             raise StoreError(f"no run {run_id!r} in {store.path}")
+        owned = [p for (p,) in con.execute("SELECT path FROM capture_sources WHERE run_id = ?", [run_id]).fetchall()
+                 if store.owns(p)]
         con.execute("BEGIN TRANSACTION")
         for table in run_tables(con):
             con.execute(f"DELETE FROM {table} WHERE run_id = ?", [run_id])
-        store.refresh_captures(con)  # a dataset registered in place leaves kv_events (its files stay)
+        store.refresh_captures(con)  # the dataset leaves kv_events
         con.execute("COMMIT")
+    for folder in owned:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -85,15 +85,20 @@ class DatasetWriter:
             raise CaptureError(f"--out {self.folder}: {'not a folder' if not self.folder.is_dir() else 'not empty'}; "
                                "give a new folder for the capture dataset")
         self.folder.mkdir(parents=True, exist_ok=True)
-        self.replicas, self.rotate_rows, self.group_rows = replicas, rotate_rows, min(group_rows, rotate_rows)
+        self.replicas, self.rotate_rows, self.group_rows = dict(replicas), rotate_rows, min(group_rows, rotate_rows)
         self.parts = {name: _ReplicaParts(self.folder / f"replica={name}") for name in replicas}
         self.count = 0
         self._manifest(complete=False)
 
-    def add(self, m: Message, batch: Batch) -> None:
-        parts = self.parts[m.replica]
+    def add(self, m: Message, batch: Batch, where: str | None = None) -> None:
+        """Buffer one message's rows; `where` is how an error in it names the message (by default its
+        replica and sequence number)."""
+        parts = self.parts.get(m.replica)
+        if parts is None:  # a replica the capture's header did not name (a JSONL file being converted)
+            self.replicas[m.replica] = ""
+            parts = self.parts[m.replica] = _ReplicaParts(self.folder / f"replica={m.replica}")
         parts.rows.add(batch, step=self.count, replica=m.replica, restart=m.restart, seq=m.seq,
-                       where=f"{m.replica} seq {m.seq}", received=m.received, topic=m.topic, payload=m.payload)
+                       where=where or f"{m.replica} seq {m.seq}", received=m.received, topic=m.topic, payload=m.payload)
         self.count += 1
         if len(parts.rows) >= self.group_rows:
             parts.flush(self.rotate_rows)

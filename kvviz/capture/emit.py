@@ -3,7 +3,8 @@ as one KV-event batch, `[ts, events, rank]` in msgpack, sent to a sink (a captur
 publisher). The blocks a request caches in a row are one BlockStored, chained by parent hash, the
 salt among the first block's extra keys, the adapter its lora_name; an eviction is a BlockRemoved of
 its hash. With a host tier, an offload is a BlockStored on medium CPU and a host eviction a
-BlockRemoved there (a restore is the BlockStored on the device that follows). Hashes are the
+BlockRemoved there (a restore is the BlockStored on the device that follows). A reset of the prefix
+cache is one AllBlocksCleared (the clear events of its blocks, which come in a row). Hashes are the
 low 64 bits, unsigned, as vLLM publishes them by default, so a capture of a run names the same
 blocks as the run's own `blocks.hash`."""
 
@@ -38,7 +39,10 @@ class KVEventEmitter:
     def batch(self, events: list[BlockEvent]) -> list[dict]:
         out: list[dict] = []
         for e in events:
-            if e.kind in ("evict", "host_evict") and e.hash is not None:
+            if e.kind == "clear":
+                if not out or out[-1]["type"] != "AllBlocksCleared":  # one reset's blocks come in a row
+                    out.append({"type": "AllBlocksCleared"})
+            elif e.kind in ("evict", "host_evict") and e.hash is not None:
                 out.append({"type": "BlockRemoved", "block_hashes": [hash_to_u64(e.hash)],
                             "medium": self._medium(e.kind)})
             elif e.kind in ("cache", "offload"):  # an offload stores the block on the host tier

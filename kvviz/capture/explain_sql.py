@@ -11,8 +11,10 @@ new blocks begin). The reasons, in the order they are checked:
   always computed);
 - preempted: a re-admission after the request lost its blocks to preemption;
 - unexplained: the block it stopped at was cached when it ran;
-- capacity: the same block (same tokens, same namespace) was cached before and removed in the
-  lookup's own step (the batch admitted before it needed the room);
+- reset: the same block (same tokens, same namespace) was cached until the cache was cleared (vLLM's
+  AllBlocksCleared, an engine's reset, a publisher's restart);
+- capacity: the same block was cached before and removed in the lookup's own step (the batch admitted
+  before it needed the room);
 - evicted: the same block was cached and removed in an earlier step;
 - namespace: the same tokens are cached under another salt (or adapter) at the lookup's step;
 - diverged: the closest cached sibling under the same parent shares tokens with it (the two cached
@@ -28,7 +30,7 @@ driver (`explain`) runs them through an `Sql` (DuckDB here, Spark or Trino the s
 Inputs, as tables or views the caller provides:
 
   explain_input: replica, grp, step, ev, blk (the order: step, then ev, then blk), kind ('store' |
-      'remove' | 'clear': every block of the replica is removed), hash, medium, parent, tokens,
+      'remove' | 'clear': every block of the replica is removed), hash, parent, tokens,
       salt (the namespace the store names; NULL: its chain's), chain_salt (the capture's salt
       column), named (the capture's salt_named), session, bidx (a capture store's place in its
       event: 0 begins a segment, a lookup; NULL for an engine run), block_size
@@ -63,8 +65,8 @@ MAX_ROUNDS = 64  # chains are at most 2^64 blocks long: more rounds is a bug, no
 CAPTURE_INPUT = """
 WITH ev AS (
     SELECT COALESCE(replica, 'replica-0') AS replica, COALESCE(group_idx, -1) AS grp, step,
-           COALESCE(event_index, 0) AS ev, COALESCE(block_index, 0) AS blk, kind, block_hash, medium,
-           parent_hash, token_ids, salt, salt_named, session_id, block_index, block_size, repeat, restart
+           COALESCE(event_index, 0) AS ev, COALESCE(block_index, 0) AS blk, kind, block_hash, parent_hash,
+           token_ids, salt, salt_named, session_id, block_index, block_size, repeat, restart
     FROM capture_events),
 messages AS (
     SELECT replica, step, MAX(COALESCE(restart, 0)) AS restart FROM ev GROUP BY replica, step),
@@ -75,14 +77,14 @@ restarts AS (
     WHERE restart <> previous)
 SELECT replica, grp, step, ev, blk,
        CASE WHEN kind = 'BlockStored' THEN 'store' WHEN kind = 'BlockRemoved' THEN 'remove' ELSE 'clear' END AS kind,
-       block_hash AS hash, COALESCE(medium, 'GPU') AS medium, parent_hash AS parent, token_ids AS tokens,
+       block_hash AS hash, parent_hash AS parent, token_ids AS tokens,
        CASE WHEN parent_hash IS NULL OR salt_named THEN salt END AS salt, salt AS chain_salt, salt_named AS named,
        session_id AS session, block_index AS bidx, block_size
 FROM ev
 WHERE (kind IN ('BlockStored', 'BlockRemoved') AND block_hash IS NOT NULL AND NOT COALESCE(repeat, false))
    OR kind = 'AllBlocksCleared'
 UNION ALL
-SELECT replica, -1, step, -1, 0, 'clear', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+SELECT replica, -1, step, -1, 0, 'clear', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
 FROM restarts
 """
 
@@ -162,7 +164,7 @@ FROM {chain} c LEFT JOIN {chain} p ON p.id = c.jump
 
 # Every store whose chain is known, with its namespace, its prefix's name and its parent's.
 NODES = """
-SELECT e.replica, e.grp, e.pos, e.step, e.hash, e.medium, e.parent, e.tokens, e.bidx, e.session, e.named,
+SELECT e.replica, e.grp, e.pos, e.step, e.hash, e.parent, e.tokens, e.bidx, e.session, e.named,
        e.nth, e.tenants, e.bsize, f.salt, f.lab, COALESCE(pf.lab, {root}) AS plab, pf.salt AS parent_salt,
        f.ntok, f.depth,
        CASE WHEN pf.lab IS NULL AND COALESCE(cardinality(e.tokens), 0) > 0 THEN element_at(e.tokens, 1)
@@ -174,23 +176,43 @@ LEFT JOIN {chain} pf ON pf.id = l.up
 WHERE e.kind = 'store' AND NOT f.dead
 """
 
-# Each life of a stored block: from its store to the first removal of the same hash and medium after
-# it, or the first clear of its replica, whichever comes first (NULL: cached to the end). A block
-# serves lookups in the steps after it was stored, up to and including its removal's step less one.
+# Each life of a stored block: from its store to the removal that ends it or the first clear of its
+# replica after it (reset), whichever comes first (NULL: cached to the end). Two blocks may hold one
+# hash at once (vLLM keeps both): a removal ends the oldest life of its hash still open, and one with
+# none open removes nothing. Between two clears that is the n-th store of a hash ended by its n-th
+# removal that found one open, counted as a running sum floored at zero. A block serves lookups in the
+# steps after it was stored, up to its removal's step less one.
 LIVES = """
-WITH removals AS (
-    SELECT pos, MIN(CASE WHEN kind = 'remove' THEN step END) OVER (
-        PARTITION BY replica, grp, hash, medium ORDER BY pos
-        ROWS BETWEEN 1 FOLLOWING AND UNBOUNDED FOLLOWING) AS removed
-    FROM xp_events WHERE kind IN ('store', 'remove')),
-clears AS (
-    SELECT pos, MIN(CASE WHEN kind = 'clear' THEN step END) OVER (
-        PARTITION BY replica ORDER BY pos ROWS BETWEEN 1 FOLLOWING AND UNBOUNDED FOLLOWING) AS cleared
-    FROM xp_events)
-SELECT n.replica, n.grp, n.salt, n.lab, n.plab, n.head, n.tokens, n.pos, n.step AS stored,
-       CASE WHEN c.cleared IS NOT NULL AND (r.removed IS NULL OR c.cleared < r.removed) THEN c.cleared
-            ELSE r.removed END AS removed
-FROM xp_nodes n JOIN removals r ON r.pos = n.pos JOIN clears c ON c.pos = n.pos
+WITH epochs AS (
+    SELECT replica, grp, hash, pos, step, kind,
+           SUM(CASE WHEN kind = 'clear' THEN 1 ELSE 0 END) OVER (
+               PARTITION BY replica ORDER BY pos ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS epoch
+    FROM xp_events),
+summed AS (
+    SELECT e.*, SUM(CASE WHEN kind = 'store' THEN 1 ELSE -1 END) OVER (
+               PARTITION BY replica, grp, hash, epoch ORDER BY pos
+               ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS total
+    FROM epochs e WHERE kind IN ('store', 'remove')),
+open_after AS (
+    SELECT s.*, total - LEAST(0, MIN(total) OVER (
+               PARTITION BY replica, grp, hash, epoch ORDER BY pos
+               ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW)) AS open_now
+    FROM summed s),
+effective AS (
+    SELECT o.*, COALESCE(LAG(open_now) OVER (PARTITION BY replica, grp, hash, epoch ORDER BY pos), 0) AS open_before
+    FROM open_after o),
+numbered AS (
+    SELECT replica, grp, hash, epoch, pos, step, kind,
+           ROW_NUMBER() OVER (PARTITION BY replica, grp, hash, epoch, kind ORDER BY pos) AS n
+    FROM effective WHERE kind = 'store' OR open_before > 0),
+clears AS (SELECT replica, epoch, step FROM epochs WHERE kind = 'clear')
+SELECT v.replica, v.grp, v.salt, v.lab, v.plab, v.head, v.tokens, v.pos, v.step AS stored,
+       COALESCE(r.step, c.step) AS removed, r.pos IS NULL AND c.step IS NOT NULL AS reset
+FROM xp_nodes v
+JOIN numbered s ON s.pos = v.pos
+LEFT JOIN numbered r ON r.replica = s.replica AND r.grp = s.grp AND r.hash = s.hash AND r.epoch = s.epoch
+     AND r.kind = 'remove' AND r.n = s.n
+LEFT JOIN clears c ON c.replica = s.replica AND c.epoch = s.epoch + 1
 """
 
 # Every lookup, with the block it stopped at (its prefix's name, its parent's, its tokens): a capture's
@@ -242,7 +264,8 @@ WITH lk AS (
     FROM xp_lookups x),
 own AS (
     SELECT l.lid, COUNT(CASE WHEN v.removed IS NULL OR v.removed > l.step THEN 1 END) AS alive,
-           MAX_BY(v.stored, v.pos) AS stored_at, MAX_BY(v.removed, v.pos) AS removed_at
+           MAX_BY(v.stored, v.pos) AS stored_at, MAX_BY(v.removed, v.pos) AS removed_at,
+           MAX_BY(v.reset, v.pos) AS reset
     FROM lk l JOIN xp_lives v ON v.replica = l.replica AND v.grp = l.grp AND v.lab = l.stop_lab
     WHERE v.salt IS NOT DISTINCT FROM l.salt AND v.stored < l.step
     GROUP BY l.lid),
@@ -298,6 +321,7 @@ said AS (
            CASE WHEN l.whole AND l.k >= l.usable THEN 'partial_block'
                 WHEN l.preempted_at IS NOT NULL THEN 'preempted'
                 WHEN o.lid IS NOT NULL AND o.alive > 0 THEN 'unexplained'
+                WHEN o.lid IS NOT NULL AND o.reset THEN 'reset'
                 WHEN o.lid IS NOT NULL AND o.removed_at = l.step THEN 'capacity'
                 WHEN o.lid IS NOT NULL THEN 'evicted'
                 WHEN n.lid IS NOT NULL THEN 'namespace'
@@ -313,9 +337,9 @@ SELECT lid, replica, grp, pos, step, request, hash, session, nth, hit AS hit_tok
        k * bsize AS stop_token, reason,
        CASE WHEN reason = 'partial_block' THEN n_tokens - hit END AS tokens_after,
        CASE WHEN reason = 'preempted' THEN preempted_at END AS preempted_at,
-       CASE WHEN reason IN ('capacity', 'evicted') THEN stored_at END AS stored_at,
-       CASE WHEN reason IN ('capacity', 'evicted') THEN removed_at END AS removed_at,
-       CASE WHEN reason = 'evicted' THEN step - removed_at END AS before_steps,
+       CASE WHEN reason IN ('capacity', 'reset', 'evicted') THEN stored_at END AS stored_at,
+       CASE WHEN reason IN ('capacity', 'reset', 'evicted') THEN removed_at END AS removed_at,
+       CASE WHEN reason IN ('reset', 'evicted') THEN step - removed_at END AS before_steps,
        CASE WHEN reason = 'namespace' THEN cached_under END AS cached_under,
        CASE WHEN reason = 'diverged' THEN k * bsize + shared END AS shared_tokens,
        CASE WHEN reason = 'diverged' AND shared < cardinality(stop_tokens)

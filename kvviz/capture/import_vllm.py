@@ -3,15 +3,18 @@ salts and LoRA names), blocks stored and evicted per step, cache occupancy over 
 cross-tenant finding wherever one block hash is stored under two salts on one replica and KV group.
 The events carry no physical block ids and no attention weights, so the run has neither.
 
-Import streams: messages are decoded and inserted a chunk at a time, each chunk committed, so memory
-is bounded by the chunk whatever the capture's length; the writer is given up every second, so the
-app's other users read while a long capture imports; the run says `running` until the end, and a
-bad message anywhere deletes all of it (nothing half-imported).
+A JSONL capture is decoded once into a capture dataset of the store's own (Parquet, beside the
+database) that the run reads in place, as `import --in-place` reads a dataset folder; a dataset
+imported without --in-place is copied in, a chunk at a time, each chunk committed, so memory is
+bounded by the chunk whatever its length, and the writer is given up every second, so the app's
+other users read while a long capture imports. The run says `running` until the end, and a bad
+message anywhere leaves nothing of it (nothing half-imported, no files).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import UTC, datetime
@@ -31,11 +34,9 @@ from ..store import RunStore
 from ..store.run_store import TURN_S, WriterTurns
 from ..store.schema import DATASET_COLUMNS
 from .capture_file import DEFAULT_REPLICA, Message, read_capture
-from .dataset import LATER, MANIFEST, check_files, dataset_files
+from .dataset import LATER, MANIFEST, DatasetWriter, check_files, check_name, dataset_files
 from .events import CaptureError, decode_batch
-from .rows import EventRows
 
-CHUNK_ROWS = 100_000
 CAPTURE_MODEL = "vllm capture"  # what an imported capture's run says its model was
 Progress = Callable[[int, int], None]  # (bytes read, bytes in all)
 
@@ -55,10 +56,27 @@ ORDER BY first_at
 
 
 def import_capture(path: str | Path, store: RunStore, progress: Progress | None = None) -> str:
-    """Import a JSONL capture as a new run and return its id; CaptureError names the line that is wrong."""
+    """Import a JSONL capture as a new run and return its id. It is decoded once into a capture
+    dataset of the store's own (STORE_FOLDER/captures/ID, the documented layout) that the run reads
+    in place: Parquet is written faster than DuckDB inserts, and nothing is copied into the database.
+    CaptureError names the line that is wrong, and then nothing is registered or left on disk."""
     path = Path(path)
-    messages = _tracked(read_capture(path), path, progress)
-    return _import(path, store, _rows(messages), {"capture": path.name})
+    folder = store.captures_dir / new_run_id()
+    try:
+        writer = DatasetWriter(folder, {})
+        with paused_gc():
+            for where, m in _tracked(read_capture(path), path, progress):
+                check_name(m.replica, f"{where}:")
+                where = f"{where} (seq {m.seq})"
+                writer.add(m, decode_batch(m.payload, where), where)
+        writer.close()
+        if not writer.count:
+            raise CaptureError(f"{path}: the capture holds no messages")
+        return _import(path, store, (), {"capture": path.name, "files": len(dataset_files(folder))},
+                       steps=writer.count, source=str(folder.resolve()))
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
 
 
 def import_dataset(path: str | Path, store: RunStore, progress: Progress | None = None,
@@ -153,19 +171,6 @@ def _tracked(messages: Iterator[tuple[str, Message]], path: Path, progress: Prog
             progress(min(done, total), total)
         yield item
     progress(total, total)
-
-
-def _rows(messages: Iterable[tuple[str, Message]]) -> Iterator[pa.Table]:
-    """Decoded messages as row tables of about CHUNK_ROWS rows."""
-    rows, step = EventRows(), 0
-    for step, (where, m) in enumerate(messages):
-        where = f"{where} (seq {m.seq})"
-        rows.add(decode_batch(m.payload, where), step=step, replica=m.replica, restart=m.restart, seq=m.seq,
-                 where=where, received=m.received, topic=m.topic)
-        if len(rows) >= CHUNK_ROWS:
-            yield rows.take()
-    if len(rows):
-        yield rows.take()
 
 
 def _import(path: Path, store: RunStore, chunks: Iterable[pa.Table], workload: dict,

@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--fault-layers", metavar="0,3", help="strike only these layers (attention arithmetic)")
     run.add_argument("--fail-on-leak", action="store_true", help="exit 1 when the oracles report findings")
     _add_model_device(run)
+    run.add_argument("--backend", choices=["kvviz", "transformers"],
+                     help="whose engine runs the workload: kvviz's own, or Hugging Face transformers' continuous "
+                          "batching, observed (overrides the workload's engine.backend)")
     run.add_argument("--isolation", choices=["paged", "masked"], help="override the workload's isolation mechanism")
     run.add_argument("--compute", choices=["inspect", "fast"], help="override the workload's compute path")
     run.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")

@@ -67,7 +67,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             if ahead != said[0]:
                 bar.write(f"kvviz: {waiting_message(ahead)}", file=sys.stderr)
             said[0] = ahead
-        if wl.engine.compute == "fast" and fault is None:
+        if wl.engine.compute == "fast" and fault is None and wl.engine.backend == "kvviz":
             if args.fail_on_leak:
                 raise WorkloadError("--fail-on-leak needs the leak oracle, which reads attention weights that "
                                     "--compute fast does not compute; use --compute inspect")
@@ -76,12 +76,16 @@ def cmd_run(args: argparse.Namespace) -> int:
                            db=None)
             note = "--compute fast runs are not judged or recorded (no attention weights); --compute inspect is"
         else:
-            if wl.engine.compute == "fast":
+            if wl.engine.compute == "fast" and wl.engine.backend != "kvviz":
+                note = (f"--compute fast is kvviz's engine's; the {wl.engine.backend} backend runs its paged attention "
+                        "with weights, judged and recorded")
+            elif wl.engine.compute == "fast":
                 note = "a run with a fault is judged by the leak oracle, so it runs --compute inspect"
             probe = _seed_probe(m, sc, wl)
             summary = _recorded_run(args, m, wl, fault, progress, waiting, probe)
-    if note is not None:
-        print(f"kvviz: note: {note}", file=sys.stderr)
+    for said in [note, *(summary.get("notes") or [])]:
+        if said is not None:
+            print(f"kvviz: note: {said}", file=sys.stderr)
     summary = {**summary, "scenario": args.scenario, "model": {"name": m.name, "fingerprint": m.fingerprint}}
     if args.json:
         print(json.dumps(summary, ensure_ascii=False))
@@ -119,10 +123,11 @@ def _recorded_run(args: argparse.Namespace, m: LoadedModel, wl: Workload, fault:
 
 
 def _with_overrides(wl: Workload, args: argparse.Namespace) -> Workload:
-    """The workload with --isolation, --compute and --no-prefix-caching applied, validated as a file would be."""
+    """The workload with --backend, --isolation, --compute and --no-prefix-caching applied, validated as a file
+    would be."""
     from ..engine import EngineConfig
 
-    changes = {k: getattr(args, k) for k in ("isolation", "compute") if getattr(args, k) is not None}
+    changes = {k: getattr(args, k) for k in ("backend", "isolation", "compute") if getattr(args, k) is not None}
     if args.no_prefix_caching:
         changes["prefix_caching"] = False
     return dataclasses.replace(wl, engine=EngineConfig.from_dict({**wl.engine.to_dict(), **changes}))
@@ -157,8 +162,8 @@ def _seed_probe(m: LoadedModel, sc: Scenario | None, wl: Workload) -> LastPrompt
 def _print_run(s: dict) -> None:
     """A run summary as a few lines for a person; scripts use --json instead."""
     e, st = s["engine"], s["stats"]
-    print(f"run {s['run_id']}  model {s['model']['name']}  isolation {e['isolation']}  compute {e['compute']}  "
-          f"blocks {e['num_blocks']}x{e['block_size']}  fault {s['fault'] or 'none'}")
+    print(f"run {s['run_id']}  model {s['model']['name']}  backend {e['backend']}  isolation {e['isolation']}  "
+          f"compute {e['compute']}  blocks {e['num_blocks']}x{e['block_size']}  fault {s['fault'] or 'none'}")
     for r in s["requests"]:
         print(f"  {r['id']:>10}  {len(r['output_ids']):3d} tok  cached {r['cached_tokens']:4d}  "
               f"{r['finish_reason']:6}  {r['text']!r}")

@@ -1,9 +1,12 @@
 """The physical blocks: refcounts, the LRU free queue and the prefix-cache hash map.
 
-Semantics of vLLM's block pool: a block whose refcount drops to zero goes to the tail of the free
-queue if it holds a cached hash (kept for reuse, evicted last) or to the head if not (reused
-first). Eviction is lazy: a cached free block keeps its hash until it is popped for new content,
-and only then is its hash-map entry removed. Plain Python, no torch: the engine owns the tensors.
+Semantics of vLLM's block pool (v1): the blocks a release frees go to the free queue in the order
+given, those holding a cached hash at the tail (kept for reuse, evicted last) and those holding none
+at the head, as one batch (reused first, the first given first). Eviction is lazy: a cached free
+block keeps its hash until it is popped for new content, and only then is its hash-map entry
+removed. Two blocks computed at once for the same prefix both keep their hash (a block table never
+changes under a request); a hit takes the lower block id, and evicting one copy leaves the hash
+served by the other. Plain Python, no torch: the engine owns the tensors.
 """
 
 from __future__ import annotations
@@ -41,8 +44,7 @@ class FreeQueue:
         self._head, self._tail = Block(-1), Block(-2)
         self._head.next, self._tail.prev = self._tail, self._head
         self._len = 0
-        for b in blocks:
-            self.push_tail(b)
+        self.append(blocks)
 
     def __len__(self) -> int:
         return self._len
@@ -60,11 +62,18 @@ class FreeQueue:
         b.prev, b.next, prev.next, nxt.prev = prev, nxt, b, b
         self._len += 1
 
-    def push_head(self, b: Block) -> None:
-        self._link(b, self._head, self._head.next)
+    def prepend(self, blocks: Iterable[Block]) -> None:
+        """Put blocks at the head as one batch, in the order given: the first is popped first (pushed
+        to the head one at a time they would come out reversed)."""
+        at = self._head
+        for b in blocks:
+            self._link(b, at, at.next)
+            at = b
 
-    def push_tail(self, b: Block) -> None:
-        self._link(b, self._tail.prev, self._tail)
+    def append(self, blocks: Iterable[Block]) -> None:
+        """Put blocks at the tail in the order given: the last is popped last."""
+        for b in blocks:
+            self._link(b, self._tail.prev, self._tail)
 
     def remove(self, b: Block) -> None:
         b.prev.next, b.next.prev = b.next, b.prev
@@ -72,6 +81,9 @@ class FreeQueue:
         self._len -= 1
 
     def pop_head(self) -> Block:
+        """The block to reuse next; OutOfBlocks, with the queue untouched, when none is free."""
+        if not self._len:
+            raise OutOfBlocks(1, 0)
         b = self._head.next
         self.remove(b)
         return b
@@ -88,7 +100,7 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.owned = owned if owned is not None else range(num_blocks)
         self.free = FreeQueue(self.blocks[i] for i in self.owned)
-        self.cached: dict[BlockHash, Block] = {}
+        self.cached: dict[BlockHash, dict[int, Block]] = {}  # hash -> every block holding it, by id
         self._emit = emit
         self.spill: Callable[[Block, str | None], None] | None = None  # a host tier keeps evicted content
 
@@ -113,14 +125,22 @@ class BlockPool:
             out.append(b)
         return out
 
+    def cached_block(self, h: BlockHash) -> Block | None:
+        """The block a hit on `h` takes: of several copies, the lowest id (as vLLM picks, deterministic)."""
+        copies = self.cached.get(h)
+        return copies[min(copies)] if copies else None
+
     def evict(self, b: Block, request: str | None) -> None:
         """Forget a block's hash when it is reused; the map entry must go with it (a host tier, if any,
         copies the content out first)."""
         old = b.hash
         if self.spill is not None:
             self.spill(b, request)
-        if self.cached.get(old) is b:
-            del self.cached[old]
+        copies = self.cached.get(old)
+        if copies is not None and copies.get(b.id) is b:
+            del copies[b.id]
+            if not copies:
+                del self.cached[old]
         b.hash = None
         self.event("evict", b, request, hash=old)
 
@@ -133,18 +153,41 @@ class BlockPool:
             self.event(kind, b, request)
 
     def release(self, blocks: Iterable[Block], request: str, kind: EventKind = "free") -> None:
-        """Drop one reference from each block, in the order given (callers pass reverse order)."""
+        """Drop one reference from each block, in the order given (callers pass reverse order: the
+        tail of a request is evicted first)."""
+        freed = []
         for b in blocks:
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
-                (self.free.push_tail if b.hash is not None else self.free.push_head)(b)
+                freed.append(b)
             self.event(kind, b, request)
+        self.requeue(freed)
+
+    def requeue(self, freed: list[Block]) -> None:
+        """Blocks no request holds any more, in eviction order: those without a hash can serve no hit and
+        go to the head as one batch, the cached ones to the tail."""
+        self.free.prepend(b for b in freed if b.hash is None)
+        self.free.append(b for b in freed if b.hash is not None)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every hash, so that nothing cached before hits again (new weights, a clean benchmark),
+        as vLLM's reset does it: only while no request holds a block (False, and nothing changes). Each
+        block that held a hash says so with a clear event; the free queue keeps its order."""
+        owned = [self.blocks[i] for i in self.owned]
+        if any(b.ref_cnt for b in owned):
+            return False
+        for b in owned:
+            if b.hash is not None:
+                old, b.hash, b.detail = b.hash, None, None
+                self.event("clear", b, None, hash=old)
+        self.cached.clear()
+        return True
 
     def cache(self, b: Block, h: BlockHash, request: str, **detail) -> None:
-        """Publish a full block under its hash, unless another block already holds that hash (detail:
-        its parent's hash, tokens and salt, carried on the event)."""
-        if h in self.cached:
-            return
+        """Publish a full block under its hash, beside any other block holding it (detail: its parent's
+        hash, tokens and salt, carried on the event)."""
+        if b.hash == h:
+            return  # published already (a fault can let two requests fill one block)
         b.hash, b.detail = h, detail
-        self.cached[h] = b
+        self.cached.setdefault(h, {})[b.id] = b
         self.event("cache", b, request, hash=h, **detail)

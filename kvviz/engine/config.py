@@ -8,6 +8,7 @@ from ..errors import WorkloadError
 
 ISOLATIONS = ("paged", "masked")
 COMPUTES = ("inspect", "fast")
+BACKENDS = ("kvviz", "transformers")
 
 
 class ConfigError(WorkloadError):
@@ -48,7 +49,8 @@ class EngineConfig:
     `fast` uses torch SDPA and exposes none. offload: a host tier that keeps evicted cached blocks
     for later prefix hits (None: evicted blocks are dropped). disaggregated: a prefill instance with a
     pool of its own (num_blocks more) computes each prompt and transfers its K/V to this, the decode
-    instance.
+    instance. backend: `kvviz` runs kvviz's own engine; `transformers` runs Hugging Face transformers'
+    continuous batching (kvviz.hf_backend), which kvviz only observes.
     """
 
     block_size: int = 16
@@ -59,6 +61,7 @@ class EngineConfig:
     prefix_caching: bool = True
     offload: OffloadConfig | None = None
     disaggregated: bool = False
+    backend: str = "kvviz"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "max_batch_tokens"):
@@ -69,6 +72,8 @@ class EngineConfig:
             raise ConfigError(f"isolation: must be one of {', '.join(ISOLATIONS)}, got {self.isolation!r}")
         if self.compute not in COMPUTES:
             raise ConfigError(f"compute: must be one of {', '.join(COMPUTES)}, got {self.compute!r}")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend: must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         for name in ("prefix_caching", "disaggregated"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: must be true or false, got {getattr(self, name)!r}")

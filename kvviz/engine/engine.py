@@ -36,6 +36,7 @@ class Engine:
         """Run every request of the workload to completion; steps are numbered from 0. Observers
         see every layer's attention probabilities, which only the inspect path computes. The run
         waits its turn on the model (on_wait hears how many runs are ahead)."""
+        self._own_backend()
         if observers and self.config.compute != "inspect":
             raise EngineError("attention observers (the leak oracle) need compute='inspect'")
         specs = self.resolve(workload)
@@ -57,7 +58,14 @@ class Engine:
     def open(self, seed: int = 0, observers: Sequence[AttentionObserver] = ()) -> EngineLoop:
         """A loop that requests join one by one between steps (a server's); the caller holds the
         model's turn and torch's inference mode around its steps."""
+        self._own_backend()
         return EngineLoop(self, seed, observers)
+
+    def _own_backend(self) -> None:
+        """A workload for another backend never runs here by mistake (replaying, serving it)."""
+        if self.config.backend != "kvviz":
+            raise EngineError(f"engine.backend: {self.config.backend!r} runs through kvviz.hf_backend, not kvviz's "
+                              "own engine")
 
     # -- requests ------------------------------------------------------------------------------
     def check(self, workload: Workload) -> None:

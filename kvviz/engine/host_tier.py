@@ -74,6 +74,15 @@ class HostTier:
         self.hashes[b] = self.details[b] = None
         self._emit(BlockEvent("host_evict", b, request, 0, hash=old, medium="CPU"))
 
+    def clear(self) -> None:
+        """The prefix cache is reset: every host block drops its hash (a clear event each) and is free."""
+        for b, h in enumerate(self.hashes):
+            if h is not None:
+                self._emit(BlockEvent("clear", b, None, 0, hash=h, medium="CPU"))
+        self.cached.clear()
+        self.hashes, self.details = [None] * self.num_blocks, [None] * self.num_blocks
+        self.free = list(range(self.num_blocks - 1, -1, -1))
+
     def locate(self, h: BlockHash) -> int | None:
         """The host block holding the content hashed `h`, if any."""
         return self.cached.get(h)

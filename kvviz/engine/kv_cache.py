@@ -157,7 +157,7 @@ class KVCacheManager:
             return []
         hits = []
         for i in range((len(seq.token_ids) - 1) // self.block_size):
-            b = self.pool.cached.get(self.block_hash(seq, i))
+            b = self.pool.cached_block(self.block_hash(seq, i))
             if b is None:
                 break
             hits.append(b)
@@ -327,6 +327,15 @@ class KVCacheManager:
         self.pool.release((self.pool.blocks[b] for b in reversed(seq.block_table)), seq.id, kind)
         seq.block_table, seq.num_computed = [], 0
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash, on the device and the host tier, while no request holds a block;
+        False (and nothing changes) otherwise."""
+        if not self.pool.reset_prefix_cache():
+            return False
+        if self.host is not None:
+            self.host.clear()
+        return True
+
     # -- addressing ----------------------------------------------------------------------------
     def slot(self, seq: Sequence, pos: int) -> int:
         """Page-table lookup: the physical slot of logical position `pos`."""
@@ -386,11 +395,14 @@ class KVCacheManager:
                 errors.append(f"block {b.id}: refcount {b.ref_cnt} but {refs[b.id]} page-table references")
             if (b.ref_cnt == 0) != (b in self.pool.free):
                 errors.append(f"block {b.id}: refcount {b.ref_cnt} but in free queue = {b in self.pool.free}")
-            if b.hash is not None and self.pool.cached.get(b.hash) is not b:
+            if b.hash is not None and self.pool.cached.get(b.hash, {}).get(b.id) is not b:
                 errors.append(f"block {b.id}: has a hash the map does not point back to")
-        for h, b in self.pool.cached.items():
-            if b.hash != h:
-                errors.append(f"hash map points at block {b.id}, which holds another hash")
+        for h, copies in self.pool.cached.items():
+            if not copies:
+                errors.append("hash map holds a hash with no block")
+            for i, b in copies.items():
+                if b.hash != h or b.id != i:
+                    errors.append(f"hash map points at block {b.id}, which holds another hash")
         for h, b in (self.host.cached.items() if self.host else ()):
             if self.host.hashes[b] != h:
                 errors.append(f"host hash map points at host block {b}, which holds another hash")

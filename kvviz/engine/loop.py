@@ -276,6 +276,14 @@ class EngineLoop:
                 entry.kv.resume(spec.id, hashes, len(base))
             entry.sched.add_waiting(spec.id)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget everything the prefix cache holds, as vLLM's reset_prefix_cache: only while no request
+        runs, waits or is handed over (False, and nothing changes). The clear events go out with the
+        next step's record, as vLLM publishes its events once per step."""
+        if self.busy:
+            return False
+        return all([i.kv.reset_prefix_cache() for i in self.instances])
+
     def cancel(self, request_id: str) -> None:
         """Stop a request where it is (a client gone, a stop string seen) and free its blocks."""
         state = self.live.get(request_id)

@@ -14,7 +14,8 @@ from .palette import request_colours
 
 STORED, EVICTED = "#4c78a8", "#e45756"
 REASONS = {"cold": "#bab0ac", "evicted": "#ff9da6", "capacity": "#9c2b2b", "namespace": "#b279a2",
-           "diverged": "#f58518", "partial_block": "#72b7b2", "preempted": "#eeca3b", "unexplained": "#9d755d"}
+           "diverged": "#f58518", "partial_block": "#72b7b2", "preempted": "#eeca3b", "unexplained": "#9d755d",
+           "reset": "#d4a6c8"}
 MARGIN = {"l": 10, "r": 10, "t": 40, "b": 10}
 
 

@@ -52,8 +52,10 @@ def _dispatcher(fallback: str) -> Callable:
 
 def stock_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A copy that runs the model's own attention, for code that switches the implementation itself
-    (transformers' generate_batch): the shared model is never switched."""
-    clone = copy.deepcopy(model)
+    (transformers' generate_batch): the shared model is never switched. The copy shares the weights
+    (parameters and buffers are the same tensors), so it costs modules and a config, not memory."""
+    shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    clone = copy.deepcopy(model, memo=shared)
     clone.set_attn_implementation(clone.config._attn_implementation.removeprefix(PREFIX))
     return clone
 

@@ -1,5 +1,6 @@
 """`kvviz serve`'s HTTP face: OpenAI's completions and chat completions (streamed as server-sent
-events or not), models, health and Prometheus metrics, over one EngineWorker.
+events or not), models, health, Prometheus metrics and vLLM's reset of the prefix cache, over one
+EngineWorker.
 
 Cache sharing, as an operator would set it: `global` shares the prefix cache across everyone;
 `per-user` namespaces each request by its `user` field or API key (a request's own `cache_salt`, as
@@ -8,6 +9,7 @@ vLLM accepts it, always wins); `off` runs without prefix caching.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import time
@@ -95,6 +97,18 @@ def create_app(worker: EngineWorker, options: ServeOptions,
     async def metrics() -> Response:
         body, content_type = exposition(worker)
         return Response(body, media_type=content_type)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        """vLLM's endpoint: forget every cached block, once no request runs (409 while any does)."""
+        try:
+            reset = await asyncio.wrap_future(worker.reset_prefix_cache())
+        except ShuttingDown as e:
+            raise ApiError(503, str(e), "server_error") from None
+        if not reset:
+            raise ApiError(409, f"the prefix cache is reset only when no request runs ({worker.in_flight()} in "
+                                "flight); try again when the server is idle", "conflict_error")
+        return JSONResponse({"reset": True})
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

@@ -12,6 +12,7 @@ import asyncio
 import threading
 from collections import Counter, deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -107,6 +108,7 @@ class EngineWorker:
         self._lock = threading.Condition()
         self._pending: deque[tuple[str, Submission]] = deque()
         self._cancelled: set[str] = set()
+        self._resets: list[Future] = []
         self._flights: dict[str, _Flight] = {}
         self._closing = False
         self._thread = threading.Thread(target=self._run, name="kvviz-engine", daemon=True)
@@ -138,6 +140,17 @@ class EngineWorker:
                 self._cancelled.add(rid)
                 self._lock.notify()
 
+    def reset_prefix_cache(self) -> Future:
+        """Ask the engine's thread to forget the prefix cache between steps; the future says whether it
+        did (False while requests are running or queued, as vLLM refuses then)."""
+        done: Future = Future()
+        with self._lock:
+            if self._closing or self.error is not None:
+                raise ShuttingDown(self.error or "the server is shutting down")
+            self._resets.append(done)
+            self._lock.notify()
+        return done
+
     def in_flight(self) -> int:
         with self._lock:
             return len(self._flights)
@@ -168,21 +181,28 @@ class EngineWorker:
                 for f in self._flights.values():
                     f.put(Failed(self.error))
                 self._flights.clear()
+                for done in self._resets:
+                    done.set_exception(ShuttingDown(self.error))
+                self._resets.clear()
 
     def _serve(self, loop: EngineLoop) -> None:
         while True:
             with self._lock:
-                while not (self._pending or self._cancelled or self._closing):
+                while not (self._pending or self._cancelled or self._closing or self._resets):
                     self._lock.wait()
+                self._reset(loop)
                 if self._closing and not self._flights:
                     return
+                if not (self._pending or self._cancelled or self._flights):
+                    continue  # a reset alone needs no turn of the model
             with self.m.queue.turn(), torch.inference_mode():
                 while self._intake(loop):
                     self._step(loop)
 
     def _intake(self, loop: EngineLoop) -> bool:
-        """Arrivals and cancellations between steps; True while any request runs."""
+        """Resets, arrivals and cancellations between steps; True while any request runs."""
         with self._lock:
+            self._reset(loop)
             while self._pending:
                 rid, sub = self._pending.popleft()
                 gen = request_generator(sub.seed, "", self.m.device) if sub.seed is not None else None
@@ -197,6 +217,12 @@ class EngineWorker:
                     self._recorded(loop.forget(rid), f.sub)
             self._cancelled.clear()
         return loop.busy
+
+    def _reset(self, loop: EngineLoop) -> None:
+        """The resets asked for, now (under the lock, between steps)."""
+        for done in self._resets:
+            done.set_result(not self._pending and loop.reset_prefix_cache())
+        self._resets.clear()
 
     def _step(self, loop: EngineLoop) -> None:
         rec = loop.advance(snapshot=True)

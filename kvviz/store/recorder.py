@@ -54,11 +54,11 @@ class RunRecorder:
         scope = None if fault_scope is None else json.dumps(fault_scope)
         row = [run_id, datetime.now(UTC).replace(tzinfo=None), model.name, model.fingerprint, scenario, fault, scope,
                workload.seed, json.dumps(workload.engine.to_dict()), json.dumps(workload.to_dict(), ensure_ascii=False),
-               __version__]
+               __version__, workload.engine.backend]
         with self.store.write() as con:
             con.execute("INSERT INTO runs (run_id, created_at, status, model, model_fingerprint, scenario, fault, "
-                        "fault_scope, seed, engine, workload, kvviz_version) "
-                        "VALUES (?, ?, 'running', ?, ?, ?, ?, ?, ?, ?, ?, ?)", row)
+                        "fault_scope, seed, engine, workload, kvviz_version, backend) "
+                        "VALUES (?, ?, 'running', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", row)
 
     def _add(self, table: str, **cols) -> None:
         for k, v in cols.items():

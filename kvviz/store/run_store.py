@@ -104,6 +104,15 @@ class RunStore:
     def __repr__(self) -> str:
         return f"RunStore({str(self.path)!r})"
 
+    @property
+    def captures_dir(self) -> Path:
+        """Where the store keeps the capture datasets it owns (JSONL captures, decoded on import):
+        beside the database file; deleting the run deletes its dataset."""
+        return self.path.parent / "captures"
+
+    def owns(self, dataset: str | Path) -> bool:
+        return Path(dataset).parent == self.captures_dir.resolve()
+
     def exists(self) -> bool:
         return self.path.is_file()
 

@@ -10,7 +10,10 @@ host_blocks), adapters and disaggregated prefill (kv_transfers), version 8 what 
 (kv_transfers.from_blocks, to_blocks, kv_of, intact), version 9 the explanations `kvviz explain` keeps
 (lookup_explanations, runs.explained_at), version 10 whether a capture's store names its own salt
 (kv_event_rows.salt_named) and the block and step range of a cross-tenant read (findings.block,
-last_step); older files are upgraded in place by the idempotent DDL.
+last_step), version 11 the timing audits' verdicts and controls, version 12 the engine that ran each run
+(runs.backend: kvviz's own or transformers' continuous batching; older engine runs are kvviz's) and
+block_lifetimes per block of an engine run (two blocks can hold one hash) ended by a reset
+(block_events kind clear); older files are upgraded in place by the idempotent DDL.
 """
 
 from __future__ import annotations
@@ -21,9 +24,9 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 
-SCHEMA_VERSION = "11"
+SCHEMA_VERSION = "12"
 # Versions whose files the idempotent DDL brings up to date.
-UPGRADABLE = {"1", "2", "3", "4", "5", "6", "7", "8", "9", "10"}
+UPGRADABLE = {"1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11"}
 
 _ARROW = {"VARCHAR": pa.string(), "JSON": pa.string(), "TIMESTAMP": pa.timestamp("us"), "BIGINT": pa.int64(),
           "INTEGER": pa.int32(), "DOUBLE": pa.float64(), "FLOAT": pa.float32(), "BOOLEAN": pa.bool_(),
@@ -99,7 +102,9 @@ TABLES: dict[str, Table] = {t.name: t for t in (
         Column("generated_tokens", "INTEGER"), Column("max_foreign_mass", "DOUBLE"), Column("leak_rate", "DOUBLE"),
         Column("findings", "INTEGER"),
         Column("explained_at", "TIMESTAMP", "when its lookups were explained and kept in lookup_explanations",
-               in_trace=False, added_in="9")), key="run_id"),
+               in_trace=False, added_in="9"),
+        Column("backend", "VARCHAR", "the engine that ran it: kvviz (kvviz's own) | transformers (Hugging Face "
+               "transformers' continuous batching, observed); null for a capture", added_in="12")), key="run_id"),
     Table("requests", "Each request of a run and what it generated.", _cols(
         RUN_ID + "request_id VARCHAR, tenant VARCHAR, parent VARCHAR, prompt_ids INTEGER[], output_ids INTEGER[], "
         "text VARCHAR, arrival_step INTEGER, first_token_step INTEGER, finish_step INTEGER, finish_reason VARCHAR, "
@@ -136,13 +141,14 @@ TABLES: dict[str, Table] = {t.name: t for t in (
           "an offloaded block (state cached) or not (free).", _cols(
               RUN_ID + "step INTEGER, block INTEGER, hash UBIGINT, state VARCHAR")),
     Table("block_events", "Every change to a block, in order within the step. kind: allocate | hit | share | free "
-          "| preempt | cow (block is the copy of source) | cache | evict; with a host tier also offload (block's "
+          "| preempt | cow (block is the copy of source) | cache | evict | clear (a reset of the prefix cache took its "
+          "hash); with a host tier also offload (block's "
           "content copied to host block source) | restore (host block source copied into block) | host_evict "
           "(host block lost its hash); disaggregated also transfer (block received the K/V of the prefill instance's "
           "block source: the copy made, which a faulty transfer may make from the wrong block or not at all).", (
               *_cols(RUN_ID + "step INTEGER, seq INTEGER, kind VARCHAR, block INTEGER, request_id VARCHAR, "
                      "refcount INTEGER, source INTEGER"),
-              Column("hash", "UBIGINT", "cache: the hash given; evict: the hash taken away", added_in="4"),
+              Column("hash", "UBIGINT", "cache: the hash given; evict, clear: the hash taken away", added_in="4"),
               Column("parent_hash", "UBIGINT", "cache: the hash of the block before it in its chain", added_in="4"),
               Column("token_ids", "INTEGER[]", "cache: the block's tokens", added_in="4"),
               Column("salt", "VARCHAR", "cache: the salt of the request that cached it", added_in="4"),
@@ -338,8 +344,9 @@ FROM steps s JOIN runs r ON r.run_id = s.run_id;
 
 -- Each life of a cached block, from the store that cached it to the removal (or reset) that ended it:
 -- captures per replica, KV group and medium (ts in the publisher's seconds; hits are the stores
--- kv_cache_report_mode=full repeats), engine runs per block hash (steps; hits are the prefix hits on
--- the block). idle: from the last hit (or the store) to the end; null ends are still cached.
+-- kv_cache_report_mode=full repeats), engine runs per block hash and block (two blocks can hold one hash at
+-- once; steps; hits are the prefix hits on the block). idle: from the last hit (or the store) to the end;
+-- null ends are still cached.
 CREATE OR REPLACE VIEW block_lifetimes AS
 WITH ev AS (
     SELECT run_id, coalesce(replica, 'replica-0') AS replica, coalesce(restart, 0) AS restart, group_idx, medium,
@@ -371,18 +378,18 @@ capture AS (
       ON l.run_id = c.run_id AND l.replica = c.replica AND l.restart = c.restart AND c.step >= l.stored_step),
 engine_lives AS (
     SELECT run_id, hash AS block_hash, block, step AS stored_step,
-           lead(step) OVER (PARTITION BY run_id, hash ORDER BY step, seq) AS next_step,
-           lead(kind) OVER (PARTITION BY run_id, hash ORDER BY step, seq) AS next_kind, kind
-    FROM block_events WHERE kind IN ('cache', 'evict') AND hash IS NOT NULL),
+           lead(step) OVER (PARTITION BY run_id, hash, block ORDER BY step, seq) AS next_step,
+           lead(kind) OVER (PARTITION BY run_id, hash, block ORDER BY step, seq) AS next_kind, kind
+    FROM block_events WHERE (kind IN ('cache', 'evict') OR kind = 'clear' AND medium = 'GPU') AND hash IS NOT NULL),
 engine AS (
     SELECT l.run_id, NULL AS replica, NULL AS group_idx, NULL AS medium, l.block_hash,
-           row_number() OVER (PARTITION BY l.run_id, l.block_hash ORDER BY l.stored_step) AS life,
+           row_number() OVER (PARTITION BY l.run_id, l.block_hash ORDER BY l.stored_step, l.block) AS life,
            l.stored_step, NULL AS stored_ts, count(h.step) AS hits, max(h.step) AS last_hit_step,
            NULL AS last_hit_ts,
-           CASE WHEN l.next_kind = 'evict' THEN l.next_step END AS removed_step, NULL AS removed_ts
+           CASE WHEN l.next_kind IN ('evict', 'clear') THEN l.next_step END AS removed_step, NULL AS removed_ts
     FROM engine_lives l
     LEFT JOIN block_events h ON h.run_id = l.run_id AND h.kind = 'hit' AND h.block = l.block
-         AND h.step >= l.stored_step AND (l.next_kind IS DISTINCT FROM 'evict' OR h.step < l.next_step)
+         AND h.step >= l.stored_step AND (l.next_kind IS NULL OR h.step < l.next_step)
     WHERE l.kind = 'cache'
     GROUP BY l.run_id, l.block_hash, l.block, l.stored_step, l.next_kind, l.next_step)
 SELECT run_id, replica, group_idx, medium, block_hash, life, stored_step, removed_step,
@@ -463,6 +470,7 @@ TRACE_TABLES: dict[str, list[str]] = {t.name: t.trace_columns() for t in TABLES.
 # Rows from before a column existed, given what it means for them (run on upgrade; idempotent).
 BACKFILL = """
 UPDATE kv_event_rows SET replica = 'replica-0', restart = 0 WHERE replica IS NULL;
+UPDATE runs SET backend = coalesce(engine->>'backend', 'kvviz') WHERE backend IS NULL AND engine <> '{}';
 """
 
 

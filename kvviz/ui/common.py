@@ -16,6 +16,11 @@ from ..models import ModelError
 from ..store import RunStore, StoreError
 
 MODELS = ("smollm2", "tiny-llama", "tiny-gpt2")
+ENGINES = {"kvviz": "kvviz's engine", "transformers": "transformers' continuous batching"}  # engine.backend
+ENGINE_HELP = ("kvviz's engine, or Hugging Face transformers' own continuous batching (its scheduler, paged cache "
+               "and attention, as generate_batch runs them) observed by kvviz's oracles: it has no cache salt "
+               "(tenants share prefix blocks, reported as cross-tenant reads) and runs no fork, resumed session, "
+               "adapter, masked isolation, host tier, disaggregation or kvviz fault")
 
 
 @dataclass(frozen=True)
@@ -46,12 +51,13 @@ PAGES = {p.url: p for p in (
 # run that does not draw it; setting it again each run keeps it. (Buttons, uploaders, editors and chart
 # selections cannot be set this way and are not listed.)
 KEPT_WIDGETS = {"run_model", "run_model_path", "run_source", "run_scenario", "sql_text", "sc_name", "sc_model",
+                "sc_engine",
                 "insp_view", "insp_upto", "insp_grid_scope", "insp_colour_by", "insp_layer", "insp_head",
                 "insp_request", "insp_step", "insp_block", "audit_target", "audit_model", "audit_sharing",
                 "audit_url", "audit_remote_model", "audit_level", "audit_samples", "audit_words", "audit_alpha"}
 # the Run page's settings, one set per scenario
-KEPT_PREFIXES = ("run_bs_", "run_nb_", "run_mbt_", "run_iso_", "run_pc_", "run_host_", "run_dis_", "run_fault_",
-                 "run_fs_", "run_fr_", "run_fl_", "run_att_", "run_seed_", "run_alert_")
+KEPT_PREFIXES = ("run_bs_", "run_nb_", "run_mbt_", "run_iso_", "run_pc_", "run_host_", "run_dis_", "run_be_",
+                 "run_fault_", "run_fs_", "run_fr_", "run_fl_", "run_att_", "run_seed_", "run_alert_")
 
 
 def keep_widget_state() -> None:

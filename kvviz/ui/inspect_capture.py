@@ -124,7 +124,8 @@ def _explain_wanted(info: RunInfo, events: int, is_kept: bool) -> bool:
         why = "Kept from when this capture was explained: why each stored chain was not served from the cache."
     elif small:
         why = ("Works out from the capture's events, for each stored chain, why it was not served from the cache: "
-                "cold, evicted, namespace (cached under another salt), diverged, partial block. About "
+                "cold, evicted, reset (the cache was cleared), namespace (cached under another salt), diverged, "
+                "partial block. About "
                 f"{explain_seconds(events)} s for this capture, once: the answer is kept for everyone.")
     else:
         why = (f"This capture has {events:,} events: explain it once from the command line, "

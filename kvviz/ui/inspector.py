@@ -12,7 +12,7 @@ from ..analysis import blocks, cross_reads, leaks, runs
 from ..analysis.runs import RunInfo
 from ..store import RunStore
 from . import inspect_attention, inspect_blocks, inspect_cache, inspect_capture, inspect_leaks
-from .common import cross_tenant_warning, reader, runs_or_hint
+from .common import ENGINES, cross_tenant_warning, reader, runs_or_hint
 
 ENGINE_VIEWS = ("Blocks", "Attention", "Leaks", "Cache", "Requests")
 TICK_S = 0.8  # play: seconds per step
@@ -88,7 +88,12 @@ def focus(f: leaks.Focus, view: str | None = None) -> None:
 def _header(row, info: RunInfo, cross_tenant: str | None) -> None:
     # names as text, which wraps (fault and model names are too long for a metric tile), numbers as tiles
     fault = "" if info.has_kv_events else f" · fault `{row.fault or 'none'}`"  # a capture's server had no injected one
-    st.markdown(f"**{row.status}** · model `{row.model}`{fault}")
+    engine = f" · engine: {ENGINES.get(info.backend, info.backend)}" if info.backend else ""
+    st.markdown(f"**{row.status}** · model `{row.model}`{engine}{fault}")
+    if info.backend == "transformers":
+        st.caption("transformers' own continuous batching ran this run (its scheduler, paged cache, block ledger and "
+                   "paged attention, unchanged); kvviz observed it: the pool is transformers' blocks (its reserved "
+                   "trash blocks last), page tables its block tables, refcounts and hashes its ledger's.")
     cols = st.columns(3)
     cols[0].metric("messages" if info.has_kv_events else "steps", f"{len(info.steps):,}",
                    help="KV-event messages (batches) the capture holds" if info.has_kv_events else None)

@@ -15,7 +15,7 @@ from ..faults import FAULTS, Scope
 from ..figures import blocks as block_fig
 from ..scenarios import SCENARIOS
 from ..store.attention import AttentionSelection
-from .common import MODELS, cross_tenant_warning, db_path, load_model_or_error, open_run, store
+from .common import ENGINE_HELP, ENGINES, MODELS, cross_tenant_warning, db_path, load_model_or_error, open_run, store
 
 LOCAL = "a local path..."
 CUSTOM = pd.DataFrame([
@@ -28,8 +28,8 @@ CUSTOM = pd.DataFrame([
 
 def render() -> None:
     st.title("Run")
-    st.caption("Run the paged engine with both oracles; every step is recorded in "
-               f"`{db_path()}` and the run opens in the inspector.")
+    st.caption("Run the paged engine (kvviz's, or transformers' continuous batching) with both oracles; every step "
+               f"is recorded in `{db_path()}` and the run opens in the inspector.")
     left, right = st.columns(2)
     with left:
         name = st.selectbox("Model", [*MODELS, LOCAL], key="run_model",
@@ -119,6 +119,8 @@ def _settings(sc, engine0: dict):
         engine["disaggregated"] = c[1].checkbox(
             "disaggregated prefill", key=_key("dis", tag, bool(engine0.get("disaggregated", False))),
             help="a prefill instance with a pool of its own computes each prompt, then transfers its K/V here")
+        engine["backend"] = c[2].selectbox("engine", list(ENGINES), format_func=ENGINES.get, help=ENGINE_HELP,
+                                           key=_key("be", tag, engine0.get("backend", "kvviz")))
         c = st.columns(4)
         faults = ["none", *FAULTS]  # a string: a None value would show as "Choose an option"
         fault = c[0].selectbox("fault", faults, key=_key("fault", tag, sc.fault if sc and sc.fault else "none"),

@@ -10,27 +10,35 @@ from ..analysis import attention, cross_reads, leaks, live, runs
 from ..faults import FAULTS
 from ..figures import attention as fig
 from ..scenarios import SCENARIOS
-from .common import MODELS, cross_tenant_warning, load_model_or_error, open_run, reader, store
+from .common import ENGINE_HELP, ENGINES, MODELS, cross_tenant_warning, load_model_or_error, open_run, reader, store
 
 
 def render() -> None:
     st.title("Scenarios")
     st.caption("Each scenario is a workload with an injected isolation fault and the finding it must raise; "
                "its control is the same workload with correct defences, which must stay clean.")
-    c1, c2 = st.columns([3, 1])
+    c1, c2, c3 = st.columns([3, 1, 1])
     name = c1.selectbox("Scenario", list(SCENARIOS), key="sc_name", format_func=lambda n: f"{n}: {SCENARIOS[n].title}")
     model = c2.selectbox("Model", MODELS, key="sc_model")
+    engine = c3.selectbox("Engine", list(ENGINES), format_func=ENGINES.get, key="sc_engine", help=ENGINE_HELP)
     sc = SCENARIOS[name]
     st.markdown(f"### {sc.title}\n{sc.explanation}")
-    if sc.fault:
+    if engine == "transformers":
+        st.markdown("**In transformers:** its continuous batching runs the scenario's requests as shipped (no kvviz "
+                    "fault is injected into it, and it isolates requests with its own paged attention), beside "
+                    "kvviz's engine running the same requests clean: what each one shares and what the oracles see "
+                    "in each.")
+        label = "Run it in transformers and in kvviz's engine"
+    elif sc.fault:
         f = FAULTS[sc.fault]
         st.markdown(f"**Fault** `{f.name}` replaces `{f.defence}`: {f.breaks}.  \n*Mirrors:* {f.mirrors}.  \n"
                     f"**Expected finding:** {' or '.join(sc.expected)}")
     else:
         st.markdown("**A clean control:** it must produce no finding.")
-    label = "Run it with its control" if sc.fault else "Run it"
+    if engine != "transformers":
+        label = "Run it with its control" if sc.fault else "Run it"
     if st.button(label, type="primary", icon=":material/science:", key="sc_go"):
-        _run_pair(name, model)
+        _run_pair(name, model, engine)
     pair = st.session_state.get("sc_pair")
     if pair and pair["name"] == name:
         _compare(pair)
@@ -40,40 +48,47 @@ def render() -> None:
                      hide_index=True, width="stretch")
 
 
-def _run_pair(name: str, model_name: str) -> None:
+def _run_pair(name: str, model_name: str, engine: str = "kvviz") -> None:
+    """The scenario and its clean control on kvviz's engine; or, in transformers, the scenario's requests
+    through transformers' continuous batching (its own paged isolation, no fault) and kvviz's engine clean."""
     m = load_model_or_error(model_name)
     if m is None:
         return
     sc = SCENARIOS[name]
     workload = live.scenario_workload(name, m)
-    plan = [("scenario", sc.fault)] + ([("control", None)] if sc.fault else [])
+    if engine == "transformers":
+        hf = {**workload, "engine": {**workload["engine"], "backend": "transformers", "isolation": "paged"}}
+        plan = [("transformers", None, hf), ("control", None, workload)]
+    else:
+        plan = [("scenario", sc.fault, workload)] + ([("control", None, workload)] if sc.fault else [])
     bar = st.progress(0.0, text="starting...")
     ids = {}
-    for i, (role, fault) in enumerate(plan):
+    for i, (role, fault, wl) in enumerate(plan):
         def on_step(s: live.LiveStep, role=role, i=i) -> None:
             bar.progress((i + min(1.0, s.tokens / max(1, s.total))) / len(plan),
                          text=f"{role}: step {s.step}, {s.tokens} tokens, {s.findings} findings")
         def on_wait(ahead: int, role=role) -> None:
             bar.progress(0.0, text=f"{role}: {live.waiting_message(ahead)}")
 
-        ids[role] = live.run(store(), m, workload, fault, on_step=on_step, on_wait=on_wait,
-                             scenario_name=name if role == "scenario" else f"control of {name}").run_id
+        ids[role] = live.run(store(), m, wl, fault, on_step=on_step, on_wait=on_wait,
+                             scenario_name=f"control of {name}" if role == "control" else name).run_id
     bar.progress(1.0, text="done")
     st.session_state["sc_pair"] = {"name": name, **ids}
 
 
 def _compare(pair: dict) -> None:
-    roles = [r for r in ("scenario", "control") if r in pair]
+    roles = [r for r in ("scenario", "transformers", "control") if r in pair]
+    subject = roles[0]  # the scenario run, or transformers' run of its requests
     with reader() as con:
         infos = {r: runs.run_info(con, pair[r]) for r in roles}
         found = {r: leaks.findings(con, pair[r]) for r in roles}
         crossed = {r: cross_reads.sentence(cross_reads.from_store(con, pair[r])) for r in roles}
         shown = ["request_id", "tenant", "cached_tokens", "finish_reason", "text"]  # whose cache served a prompt,
         texts = {r: runs.requests_frame(con, pair[r])[shown] for r in roles}  # why a text ended (or is empty)
-        top = found["scenario"].iloc[0].to_dict() if not found["scenario"].empty else None
-        first = infos["scenario"].requests[0]
-        focus = leaks.focus_of(top) if top else leaks.busiest_focus(con, pair["scenario"], first)
-        layers, heads = attention.grid_shape(con, pair["scenario"])
+        top = found[subject].iloc[0].to_dict() if not found[subject].empty else None
+        first = infos[subject].requests[0]
+        focus = leaks.focus_of(top) if top else leaks.busiest_focus(con, pair[subject], first)
+        layers, heads = attention.grid_shape(con, pair[subject])
         grids = {r: attention.leak_grid(con, pair[r], None, focus.request) for r in roles}
         layer = focus.layer if focus.layer is not None else layers // 2
         views = {r: attention.attention_view(con, pair[r], focus.request, focus.step, layer, attention.HEAD_MEAN,
@@ -85,9 +100,13 @@ def _compare(pair: dict) -> None:
     for col, r in zip(cols, roles, strict=True):
         with col:
             n = len(found[r])
-            st.markdown(f"#### {r}: `{pair[r]}`")
+            title = {"control": "kvviz's engine, clean"}.get(r, r) if subject == "transformers" else r
+            st.markdown(f"#### {title}: `{pair[r]}`")
             st.metric("findings", n)
-            if r == "scenario" and "control" in roles:
+            if r == "transformers":
+                (st.warning if n else st.success)(f"the oracles report {n} findings in transformers' run" if n
+                                                  else "clean: transformers' run has no finding")
+            elif r == "scenario" and "control" in roles:
                 (st.success if n else st.error)("the detector fired" if n else "the detector missed this fault")
             if r == "control" or "control" not in roles:
                 (st.success if not n else st.error)("clean" if not n else "the control is not clean")
@@ -102,21 +121,25 @@ def _compare(pair: dict) -> None:
             if st.button("Open in the inspector", key=f"sc_open_{r}"):
                 open_run(pair[r])
     if len(roles) == 2:
-        both = texts["scenario"].merge(texts["control"], on="request_id", suffixes=("", "_control"))
+        both = texts[subject].merge(texts["control"], on="request_id", suffixes=("", "_control"))
         changed = both.request_id[both.text != both.text_control].tolist()
-        st.markdown(f"**Generated text:** {', '.join(changed)} wrote something else than in the control run."
-                    if changed else "**Generated text:** the same as in the control run: on this model the fault "
-                    "did not change what was written, only what was read.")
+        if subject == "transformers":
+            st.markdown(f"**Generated text:** {', '.join(changed)} wrote something else in transformers than in "
+                        "kvviz's engine." if changed else "**Generated text:** the same in both engines.")
+        else:
+            st.markdown(f"**Generated text:** {', '.join(changed)} wrote something else than in the control run."
+                        if changed else "**Generated text:** the same as in the control run: on this model the fault "
+                        "did not change what was written, only what was read.")
     if len(roles) == 2 and layers:
-        diff = grids["scenario"].merge(grids["control"], on=["layer", "head"], suffixes=("", "_control"))
+        diff = grids[subject].merge(grids["control"], on=["layer", "head"], suffixes=("", "_control"))
         diff["max_foreign"] = diff["max_foreign"] - diff["max_foreign_control"]
         largest = float(np.nanmax(diff.max_foreign.abs())) if diff.max_foreign.notna().any() else 0.0
         if largest == 0:  # a blank grid of every layer and head would only say this, at a screen's height
             st.markdown(f"**Foreign attention mass:** {focus.request}'s is the same as in the control run at every "
                         "layer and head" + (": the keys read across tenants hold the content it would have written "
-                                            "itself, so they count as its own" if crossed["scenario"] else "") + ".")
+                                            "itself, so they count as its own" if crossed[subject] else "") + ".")
         else:
             st.plotly_chart(fig.leak_grid(diff[["layer", "head", "max_foreign"]], layers, heads,
-                                          title=f"{focus.request}: foreign mass, scenario minus control (whole run)"),
+                                          title=f"{focus.request}: foreign mass, {subject} minus control (whole run)"),
                             width="stretch", key="sc_diff")
             st.caption(f"Largest difference: {float(np.nanmax(diff.max_foreign)):.4f}.")

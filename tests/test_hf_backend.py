@@ -1,0 +1,308 @@
+"""The transformers backend: transformers' continuous batching run as shipped, judged by kvviz's oracles.
+
+Outputs equal plain `generate_batch` (through transformers' own paged attention, not kvviz's
+observer); clean workloads are clean; the prefix blocks transformers shares across tenants (it has
+no salt) are reported as cross_tenant reads while kvviz's engine with salts shares none; a bug put
+into transformers inside a test (its packed mask one key off at a request boundary) is caught with
+the right requests named, its control clean; every field the backend cannot honour is one sentence;
+and a recorded transformers run is a run like any other in the store.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import duckdb
+import pytest
+import torch
+from transformers import AttentionInterface, GenerationConfig
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
+from transformers.generation.continuous_batching import input_outputs
+from transformers.integrations.eager_paged import eager_paged_attention_forward
+
+from kvviz.analysis import cross_reads
+from kvviz.checked_run import run_checked
+from kvviz.engine import Engine, EngineError
+from kvviz.errors import WorkloadError
+from kvviz.hf_backend import adapter
+from kvviz.models import load_model
+from kvviz.models.routing import stock_copy
+from kvviz.recorded import record_run
+from kvviz.store import RunStore, replay
+from kvviz.workload import Workload
+
+from .cli import kvviz
+
+ENGINE = {"backend": "transformers", "block_size": 4, "num_blocks": 48, "max_batch_tokens": 48}
+SYSTEM = "System: you are a helpful assistant. "
+
+
+@functools.cache
+def tiny():
+    return load_model("tiny-llama", device="cpu")
+
+
+def workload(requests: list[dict], **engine) -> Workload:
+    return Workload.from_dict({"requests": requests, "engine": {**ENGINE, **engine}})
+
+
+def three_requests(**extra) -> list[dict]:
+    """Two prompts with a common prefix of several blocks and one without, chunked by the token budget."""
+    return [
+        {"id": "A", "prompt": SYSTEM + "The passphrase is red.", "max_new_tokens": 6, **extra},
+        {"id": "B", "prompt": SYSTEM + "What is the passphrase?", "max_new_tokens": 5, **extra},
+        {"id": "C", "prompt": "Hello there", "max_new_tokens": 4, **extra},
+    ]
+
+
+def stock_generate_batch(m, wl: Workload, monkeypatch) -> dict[str, list[int]]:
+    """Plain generate_batch on the same weights and cache settings, through transformers' own paged
+    attention function (kvviz's observer unregistered for the call)."""
+    monkeypatch.setitem(AttentionInterface._global_mapping, "paged|eager", eager_paged_attention_forward)
+    ids = [m.tokenizer(r.prompt).input_ids for r in wl.requests]
+    e = wl.engine
+    cb = ContinuousBatchingConfig(page_size=e.block_size, num_blocks=e.num_blocks, max_batch_tokens=e.max_batch_tokens)
+    with torch.inference_mode():
+        out = stock_copy(m.model).generate_batch(
+            inputs=ids,
+            generation_config=GenerationConfig(
+                do_sample=False,
+                max_new_tokens=max(r.max_new_tokens for r in wl.requests),
+                eos_token_id=m.tokenizer.eos_token_id,
+            ),
+            continuous_batching_config=cb,
+            progress_bar=False,
+        )
+    return {r.id: out[f"req_{i}"].generated_tokens[: r.max_new_tokens] for i, r in enumerate(wl.requests)}
+
+
+def test_greedy_outputs_equal_plain_generate_batch_token_for_token(monkeypatch):
+    m, wl = tiny(), workload(three_requests())
+    run = run_checked(m, wl)
+    assert {r.id: r.output_ids for r in run.result.requests} == stock_generate_batch(m, wl, monkeypatch)
+    assert run.result.stats.steps > 2  # chunked prefill and decode steps, not one batch
+
+
+def test_a_clean_workload_has_no_foreign_mass_and_matches_each_request_alone():
+    run = run_checked(tiny(), workload(three_requests()))
+    leak = run.oracle.summary()
+    assert leak["max_foreign_mass"] == 0 and leak["counts"]["foreign"] == leak["counts"]["stale"] == 0
+    assert leak["counts"]["own"] > 0
+    assert run.findings == []
+    assert [d.classification for d in run.divergences] == ["batch_variance"] * 3
+    assert run.summary()["backend"] == "transformers" and run.notes == []
+
+
+def test_tenants_with_a_common_prefix_share_blocks_in_transformers_not_in_kvviz_with_salts():
+    """transformers has no salt: the second tenant reads the first tenant's prefix blocks, which the
+    oracle reports as cross_tenant reads (own by content, no foreign mass); kvviz's engine, salted,
+    gives the same workload no shared block."""
+    reqs = [
+        {"id": "A", "prompt": SYSTEM + "The passphrase is red.", "max_new_tokens": 4, "cache_salt": "tenant-a"},
+        {
+            "id": "B",
+            "prompt": SYSTEM + "The passphrase is blue.",
+            "max_new_tokens": 4,
+            "cache_salt": "tenant-b",
+            "arrival_step": 2,
+        },
+    ]
+    hf = run_checked(tiny(), workload(reqs))
+    reads = cross_reads.from_findings(hf.findings, {"A": "tenant-a", "B": "tenant-b"})
+    prefix_blocks = len(tiny().tokenizer(SYSTEM).input_ids) // ENGINE["block_size"]
+    assert {(r.reader, r.writer, r.reader_tenant, r.writer_tenant) for r in reads} == {
+        ("B", "A", "tenant-b", "tenant-a")
+    }
+    assert len({r.block for r in reads}) >= prefix_blocks
+    assert hf.oracle.summary()["max_foreign_mass"] == 0
+    assert "tenant-a read by tenant-b" in hf.summary()["cross_tenant"]
+    assert len(hf.notes) == 1 and "requests[].cache_salt" in hf.notes[0]
+    by_id = {r.id: r for r in hf.result.requests}
+    assert by_id["B"].cached_tokens >= prefix_blocks * ENGINE["block_size"]  # served from A's blocks
+
+    ours = run_checked(tiny(), workload(reqs, backend="kvviz"))
+    assert [f for f in ours.findings if f.kind == "cross_tenant"] == []
+    assert {r.id: r.cached_tokens for r in ours.result.requests} == {"A": 0, "B": 0}
+
+
+def test_a_pool_too_small_for_all_at_once_preempts_recomputes_and_stays_clean(monkeypatch):
+    """transformers takes a request's blocks back to make room (its soft reset) and computes it again
+    later in other blocks: the preemption is recorded, the recomputed slots are the request's own in
+    their new lifetimes, and the tokens are still generate_batch's."""
+    reqs = [{"id": f"R{i}", "prompt": f"request {i} says hello to everyone", "max_new_tokens": 6} for i in range(3)]
+    wl = workload(reqs, num_blocks=14, max_batch_tokens=32)
+    records = []
+    run = run_checked(tiny(), wl, on_step=records.append)
+    assert run.result.stats.preemptions == sum(len(r.preempted) for r in records) >= 1
+    assert any(e.kind == "preempt" for r in records for e in r.events)
+    assert run.findings == [] and run.oracle.summary()["counts"]["stale"] == 0
+    assert {r.id: r.output_ids for r in run.result.requests} == stock_generate_batch(tiny(), wl, monkeypatch)
+
+
+def _mask_one_key_early(original):
+    """transformers' packed mask with one bug: each request's first query also sees the key just
+    before its own segment (the previous request's last key): the block diagonal one key off."""
+
+    def build(attention_mask, cumulative_seqlens_q, cumulative_seqlens_k, sliding_window=1):
+        original(attention_mask, cumulative_seqlens_q, cumulative_seqlens_k, sliding_window)
+        for i in range(1, len(cumulative_seqlens_q) - 1):
+            attention_mask[..., cumulative_seqlens_q[i], cumulative_seqlens_k[i] - 1] = 0
+
+    return build
+
+
+def test_a_mask_one_key_off_at_a_request_boundary_in_transformers_is_caught(monkeypatch):
+    """Batches pack A, B, C in that order (A alone first: its prompt fills the token budget): with the
+    mask one key off, B reads A's last key and C reads B's, A (first in every batch) reads nobody's.
+    Both oracles say so; without the bug both say nothing."""
+    wl = workload(three_requests())
+    clean = run_checked(tiny(), wl)
+    assert clean.findings == [] and {d.classification for d in clean.divergences} == {"batch_variance"}
+    monkeypatch.setattr(input_outputs, "build_attention_mask", _mask_one_key_early(input_outputs.build_attention_mask))
+    bad = run_checked(tiny(), wl)
+    assert {(f.kind, f.request, f.source_request) for f in bad.findings} == {
+        ("foreign", "B", "A"),
+        ("foreign", "C", "B"),
+    }
+    assert {d.request: d.classification for d in bad.divergences} == {"A": "batch_variance", "B": "leak", "C": "leak"}
+
+
+def test_a_read_index_one_slot_past_a_request_s_end_reads_stale_slots_and_is_caught(monkeypatch):
+    """transformers' read indices with one bug: a request's newest key is read from the slot after it in
+    the same block, which no one has written in this block's lifetime: stale (not foreign) for every
+    request that reads it, in the oracle; the control is clean."""
+    from transformers.generation.continuous_batching.cache_allocators import full_attention
+
+    cls = full_attention.FullAttentionCacheAllocator
+    original = cls.get_read_indices
+
+    def one_past(self, request_id, past_length, query_length):
+        indices = original(self, request_id, past_length, query_length)
+        if (past_length + query_length) % self.tokens_per_page:  # the next slot is in the same block
+            indices[-1] += 1
+        return indices
+
+    wl = workload(three_requests())
+    assert run_checked(tiny(), wl, reference=False).findings == []
+    monkeypatch.setattr(cls, "get_read_indices", one_past)
+    bad = run_checked(tiny(), wl, reference=False)
+    kinds = {f.kind for f in bad.findings}
+    assert kinds == {"stale"} and {f.request for f in bad.findings} == {"A", "B", "C"}
+    assert bad.oracle.summary()["counts"]["foreign"] == 0 and bad.oracle.summary()["counts"]["stale"] > 0
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        (
+            {"requests": [{"id": "A", "prompt": "hi"}, {"id": "B", "parent": "A", "prompt": " more"}]},
+            "requests[1].parent",
+        ),
+        ({"requests": [{"id": "A", "prompt": "hi", "adapter": "x"}]}, "requests[0].adapter"),
+        (
+            {"requests": [{"id": "A", "prompt": "hi"}, {"id": "B", "prompt": "ho", "temperature": 0.7}]},
+            "requests[1].temperature",
+        ),
+        ({"engine": {"isolation": "masked"}}, "engine.isolation"),
+        ({"engine": {"offload": {"cpu_blocks": 4}}}, "engine.offload"),
+        ({"engine": {"disaggregated": True}}, "engine.disaggregated"),
+        ({"engine": {"block_size": 2}}, "engine.block_size"),
+    ],
+)
+def test_a_field_the_backend_cannot_honour_is_one_sentence_naming_it(change, field):
+    reqs = change.get("requests", [{"id": "A", "prompt": "hi"}])
+    wl = workload(reqs, **change.get("engine", {}))
+    with pytest.raises(WorkloadError, match="^" + re.escape(field) + ": ") as e:
+        run_checked(tiny(), wl)
+    assert "\n" not in str(e.value)
+
+
+def test_a_fault_an_unknown_version_and_kvviz_s_engine_refuse_in_one_sentence(monkeypatch):
+    wl = workload([{"id": "A", "prompt": "hi", "max_new_tokens": 2}])
+    with pytest.raises(WorkloadError, match=r"^fault 'boundary': kvviz's faults are injected into kvviz's own"):
+        run_checked(tiny(), wl, "boundary")
+    with pytest.raises(EngineError, match=r"^engine.backend: 'transformers' runs through kvviz.hf_backend"):
+        Engine(tiny(), wl.engine).run(wl)
+    monkeypatch.setattr(adapter.transformers, "__version__", "5.25.0")
+    with pytest.raises(
+        adapter.BackendError,
+        match=r"^transformers 5.25.0 is installed; kvviz's transformers "
+        r"backend reads .* of transformers 5.24.x only",
+    ):
+        run_checked(tiny(), wl)
+
+
+def test_a_recorded_transformers_run_is_stored_like_any_other(tmp_path):
+    store = RunStore.open(tmp_path / "k.duckdb")
+    reqs = [
+        {"id": "A", "prompt": SYSTEM + "red", "max_new_tokens": 6, "cache_salt": "tenant-a"},
+        {"id": "B", "prompt": SYSTEM + "blue", "max_new_tokens": 3, "cache_salt": "tenant-b", "arrival_step": 2},
+    ]
+    run = record_run(store, tiny(), workload(reqs))
+    rid = run.result.run_id
+    with store.read() as con:
+        assert con.execute("SELECT backend, status, engine->>'backend' FROM runs").fetchall() == [
+            ("transformers", "complete", "transformers")
+        ]
+        steps = con.execute("SELECT count(*) FROM steps WHERE run_id = ?", [rid]).fetchone()[0]
+        assert steps == run.result.stats.steps
+        # B's page table starts with the blocks A wrote (prefix sharing), refcount 2 while both hold them
+        shared = con.execute(
+            "SELECT count(*) FROM page_tables p JOIN blocks b ON b.run_id = p.run_id AND b.step = p.step AND "
+            "b.block = p.physical_block WHERE p.request_id = 'B' AND b.refcount = 2 AND b.hash IS NOT NULL"
+        ).fetchone()[0]
+        assert shared > 0
+        assert con.execute("SELECT count(*) FROM attention WHERE run_id = ?", [rid]).fetchone()[0] > 0
+        assert con.execute("SELECT count(*) FROM block_events WHERE kind = 'hit' AND request_id = 'B'").fetchone()[0]
+        assert con.execute("SELECT hit_tokens > 0 FROM cache_lookups WHERE request_id = 'B'").fetchone()[0]
+        reads = cross_reads.from_store(con, rid)
+    assert {(r.reader, r.writer) for r in reads} == {("B", "A")}
+    assert replay.verify(store, rid, device="cpu") == []  # re-executed through transformers: the same run
+
+
+def test_a_version_11_store_gains_the_backend_column_with_kvviz_for_its_runs(tmp_path):
+    db = tmp_path / "v11.duckdb"
+    store = RunStore.open(db)
+    record_run(store, tiny(), workload([{"id": "A", "prompt": "hi", "max_new_tokens": 2}], backend="kvviz"))
+    con = duckdb.connect(str(db))
+    con.execute("ALTER TABLE runs DROP COLUMN backend")
+    con.execute("UPDATE meta SET value = '11' WHERE key = 'schema_version'")
+    con.close()
+    with RunStore.open(db).read() as con:
+        assert con.execute("SELECT backend FROM runs").fetchall() == [("kvviz",)]
+
+
+def test_run_backend_transformers_from_the_command_line(tmp_path):
+    wl = tmp_path / "wl.json"
+    wl.write_text(
+        '{"requests": [{"id": "A", "prompt": "hello", "max_new_tokens": 3, "cache_salt": "t"}], '
+        '"engine": {"block_size": 4, "num_blocks": 16}}'
+    )
+    def run(*extra):
+        return kvviz("run", "--workload", wl, "--model", "tiny-llama", "--backend", "transformers",
+                     "--db", tmp_path / "k.duckdb", "--quiet", *extra)
+
+    out = run("--json")
+    assert out.returncode == 0, out.stderr
+    assert "kvviz: note: requests[].cache_salt: transformers has no cache salt" in out.stderr
+    assert '"backend": "transformers"' in out.stdout.splitlines()[-1]
+    bad = run("--fault", "boundary")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_outputs_equal_generate_batch_and_stay_clean(monkeypatch):
+    m = load_model("smollm2", device="cpu")
+    wl = Workload.from_dict(
+        {
+            "requests": [
+                {"id": "A", "prompt": SYSTEM + "Name a colour.", "max_new_tokens": 8},
+                {"id": "B", "prompt": SYSTEM + "Name a fruit.", "max_new_tokens": 8},
+            ],
+            "engine": {**ENGINE, "block_size": 16, "num_blocks": 32, "max_batch_tokens": 64},
+        }
+    )
+    run = run_checked(m, wl)
+    assert {r.id: r.output_ids for r in run.result.requests} == stock_generate_batch(m, wl, monkeypatch)
+    assert run.oracle.summary()["max_foreign_mass"] == 0 and run.findings == []
