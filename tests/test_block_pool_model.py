@@ -10,6 +10,7 @@ live request may hold a slot whose content another prefix wrote.
 from __future__ import annotations
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -229,4 +230,4 @@ class BlockPoolMachine(RuleBasedStateMachine):
 
 
 BlockPoolMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
-TestBlockPool = BlockPoolMachine.TestCase
+TestBlockPool = pytest.mark.slow(BlockPoolMachine.TestCase)

@@ -6,6 +6,7 @@ SGLang's fields, bigram tokens, unknown types, wrong counts, enums published by 
 from __future__ import annotations
 
 import msgpack
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -79,6 +80,7 @@ def _events(batch: object) -> list[tuple]:
     return [tuple(getattr(e, f) for f in KVEvent._fields) for e in batch.events]
 
 
+@pytest.mark.slow
 @settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(batches())
 def test_both_decoders_read_every_batch_the_same(batch: list) -> None:

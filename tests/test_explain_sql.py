@@ -214,6 +214,7 @@ def forget(con, run_id: str) -> None:
         con.execute(f"DELETE FROM {table} WHERE run_id = ?", [run_id])
 
 
+@pytest.mark.slow
 def test_sql_and_replay_agree_on_every_lookup_of_random_captures(con):
     """At least 300 random histories (a dozen or more replicas per example): every lookup's reason,
     hit, stop and evidence agree, and between them the histories give every reason."""
@@ -379,6 +380,7 @@ def add_engine_run(con, base: list[int], requests: list[dict], ops: list[dict]) 
     return run_id
 
 
+@pytest.mark.slow
 def test_sql_and_replay_agree_on_every_lookup_of_random_engine_runs(con):
     """Engine runs: lookups of whole prompts (partial blocks), re-admissions after preemption, salts and
     adapters as namespaces; every lookup agrees, and the runs give every reason."""
