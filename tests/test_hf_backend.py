@@ -4,10 +4,12 @@ Outputs equal plain `generate_batch` (through transformers' own paged attention,
 observer), with either kernel; clean workloads are clean; the prefix blocks transformers shares
 across tenants (it has no salt) are reported as cross_tenant reads while kvviz's engine with salts
 shares none; bugs put into transformers inside a test (its packed mask one key off at a request
-boundary, a read index past a request's end) are caught with the right requests named, their
-controls clean; sdpa_paged, whose kernel returns no weights, is judged from weights kvviz recomputes,
-and a kernel that does not compute them (a key dropped, an output perturbed, for one request) is a
-kernel_mismatch naming that request; every field the backend cannot honour is one sentence; and a recorded transformers run is a run like
+boundary, a read index past a request's end, a block table one block off, a prefix match that
+accepts a block whose last token differs, a block freed while another request holds it) are caught
+with the right requests named, their controls clean, under both kernels; sdpa_paged, whose kernel
+returns no weights, is judged from weights kvviz recomputes, and a kernel that does not compute them
+(a key dropped, an output perturbed, for one request) is a kernel_mismatch naming that request;
+every field the backend cannot honour is one sentence; and a recorded transformers run is a run like
 any other in the store.
 """
 
@@ -22,6 +24,7 @@ import torch
 from transformers import AttentionInterface, GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching import input_outputs
+from transformers.generation.continuous_batching.cache_allocators import cache_allocator, full_attention
 from transformers.integrations import sdpa_attention
 from transformers.integrations.eager_paged import eager_paged_attention_forward
 
@@ -207,6 +210,110 @@ def test_a_read_index_one_slot_past_a_request_s_end_reads_stale_slots_and_is_cau
     kinds = {f.kind for f in bad.findings}
     assert kinds == {"stale"} and {f.request for f in bad.findings} == {"A", "B", "C"}
     assert bad.oracle.summary()["counts"]["foreign"] == 0 and bad.oracle.summary()["counts"]["stale"] > 0
+
+
+def _by_kind(run) -> set[tuple[str, str, str | None]]:
+    return {(f.kind, f.request, f.source_request) for f in run.findings}
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_block_table_one_block_off_in_transformers_is_caught(kernel, monkeypatch):
+    """transformers' block table with one bug, as its read path uses it: B's first entry points at the
+    physical block after the one B was given, which is A's last block (transformers hands each request
+    a run of blocks, highest first). B reads A's keys there (foreign, from A) and A's slots not written
+    yet (stale); A and C are untouched. Both oracles say so, with either kernel; the control is clean."""
+    reqs = [
+        {"id": "A", "prompt": "The passphrase is red.", "max_new_tokens": 6},
+        {"id": "B", "prompt": "What is the passphrase?", "max_new_tokens": 5},
+        {"id": "C", "prompt": "Hello there", "max_new_tokens": 4},
+    ]
+    wl = workload(reqs, kernel=kernel)
+    clean = run_checked(tiny(), wl)
+    assert clean.findings == [] and {d.classification for d in clean.divergences} == {"batch_variance"}
+
+    cls = full_attention.FullAttentionCacheAllocator
+    original = cls.get_read_indices
+
+    def one_block_off(self, request_id, past_length, query_length):
+        indices = original(self, request_id, past_length, query_length)
+        if request_id != "B":
+            return indices
+        page, stride = self.tokens_per_page, self.block_physical_stride
+        return [i + stride if k < page else i for k, i in enumerate(indices)]
+
+    monkeypatch.setattr(cls, "get_read_indices", one_block_off)
+    bad = run_checked(tiny(), wl)
+    assert _by_kind(bad) == {("foreign", "B", "A"), ("stale", "B", None)}
+    assert {d.request: d.classification for d in bad.divergences} == {
+        "A": "batch_variance",
+        "B": "leak",
+        "C": "batch_variance",
+    }
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_prefix_match_that_accepts_a_block_whose_last_token_differs_is_caught(kernel, monkeypatch):
+    """transformers' block hash with one bug: it leaves a block's last token out, so the prefix match
+    accepts a cached block that differs from the prompt in its last token, and every block after it.
+    B's prompt differs from A's in the last token of its second block: the control serves B only A's
+    first block; with the bug B is served A's whole prompt and reads A's keys as its own (foreign, from
+    A), with either kernel."""
+    ids = tiny().tokenizer(SYSTEM + "The passphrase is red.").input_ids
+    other = [*ids[:7], ids[7] + 1, *ids[8:]]  # block 1 (tokens 4..7) differs in its last token
+    reqs = [
+        {"id": "A", "prompt_ids": ids, "max_new_tokens": 4},
+        {"id": "B", "prompt_ids": other, "max_new_tokens": 4, "arrival_step": 3},
+    ]
+    wl = workload(reqs, kernel=kernel)
+    clean = run_checked(tiny(), wl)
+    assert clean.findings == [] and {d.classification for d in clean.divergences} == {"batch_variance"}
+    assert {r.id: r.cached_tokens for r in clean.result.requests} == {"A": 0, "B": 4}
+
+    original = cache_allocator.compute_block_hash
+    monkeypatch.setattr(cache_allocator, "compute_block_hash", lambda parent, tokens: original(parent, tokens[:-1]))
+    bad = run_checked(tiny(), wl)
+    assert _by_kind(bad) == {("foreign", "B", "A")}
+    assert {r.id: r.cached_tokens for r in bad.result.requests}["B"] > 8
+    assert {d.request: d.classification for d in bad.divergences} == {"A": "batch_variance", "B": "leak"}
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_block_freed_while_another_request_holds_it_is_caught(kernel, monkeypatch):
+    """transformers' block ledger with one bug: a release frees the block outright, whoever else holds
+    it. B shares A's system-prompt blocks; A finishes first and frees them under B; C, arriving later,
+    is given them and writes its own keys there, which B then reads (foreign, from C). A and C are
+    untouched; with either kernel; the control is clean."""
+    reqs = [
+        {"id": "A", "prompt": SYSTEM + "Say red.", "max_new_tokens": 2},
+        {"id": "B", "prompt": SYSTEM + "Say blue please.", "max_new_tokens": 12, "arrival_step": 1},
+        {
+            "id": "C",
+            "prompt": "Completely different words here, and more of them.",
+            "max_new_tokens": 4,
+            "arrival_step": 5,
+        },
+    ]
+    wl = workload(reqs, kernel=kernel)
+    clean = run_checked(tiny(), wl)
+    assert clean.findings == [] and {d.classification for d in clean.divergences} == {"batch_variance"}
+    assert {r.id: r.cached_tokens for r in clean.result.requests}["B"] > 0  # it shares A's blocks
+
+    def release(self, block_id, no_cache=False):
+        self.shared_ref_counts.pop(block_id, None)
+        self.cached_blocks.pop(block_id, None)
+        h = self.block_to_hash.pop(block_id, None)
+        if h is not None:
+            self.hash_to_block.pop(h, None)
+        return True
+
+    monkeypatch.setattr(cache_allocator.BlockLedger, "release", release)
+    bad = run_checked(tiny(), wl)
+    assert _by_kind(bad) == {("foreign", "B", "C")}
+    assert {d.request: d.classification for d in bad.divergences} == {
+        "A": "batch_variance",
+        "B": "leak",
+        "C": "batch_variance",
+    }
 
 
 # B alone reaches this position: its prompt is 60 tokens, A's and C's end before it
