@@ -1,11 +1,16 @@
 """The transformers backend: transformers' continuous batching run as shipped, judged by kvviz's oracles.
 
 Outputs equal plain `generate_batch` (through transformers' own paged attention, not kvviz's
-observer); clean workloads are clean; the prefix blocks transformers shares across tenants (it has
-no salt) are reported as cross_tenant reads while kvviz's engine with salts shares none; a bug put
-into transformers inside a test (its packed mask one key off at a request boundary) is caught with
-the right requests named, its control clean; every field the backend cannot honour is one sentence;
-and a recorded transformers run is a run like any other in the store.
+observer), with either kernel; clean workloads are clean; the prefix blocks transformers shares
+across tenants (it has no salt) are reported as cross_tenant reads while kvviz's engine with salts
+shares none; bugs put into transformers inside a test (its packed mask one key off at a request
+boundary, a read index past a request's end, a block table one block off, a prefix match that
+accepts a block whose last token differs, a block freed while another request holds it) are caught
+with the right requests named, their controls clean, under both kernels; sdpa_paged, whose kernel
+returns no weights, is judged from weights kvviz recomputes, and a kernel that does not compute them
+(a key dropped, an output perturbed, for one request) is a kernel_mismatch naming that request;
+every field the backend cannot honour is one sentence; and a recorded transformers run is a run like
+any other in the store.
 """
 
 from __future__ import annotations
@@ -19,9 +24,11 @@ import torch
 from transformers import AttentionInterface, GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching import input_outputs
+from transformers.generation.continuous_batching.cache_allocators import cache_allocator, full_attention
+from transformers.integrations import sdpa_attention
 from transformers.integrations.eager_paged import eager_paged_attention_forward
 
-from kvviz.analysis import cross_reads
+from kvviz.analysis import cross_reads, leaks
 from kvviz.checked_run import run_checked
 from kvviz.engine import Engine, EngineError
 from kvviz.errors import WorkloadError
@@ -36,6 +43,7 @@ from .cli import kvviz
 
 ENGINE = {"backend": "transformers", "block_size": 4, "num_blocks": 48, "max_batch_tokens": 48}
 SYSTEM = "System: you are a helpful assistant. "
+KERNELS = ["eager_paged", "sdpa_paged"]
 
 
 @functools.cache
@@ -58,13 +66,21 @@ def three_requests(**extra) -> list[dict]:
 
 def stock_generate_batch(m, wl: Workload, monkeypatch) -> dict[str, list[int]]:
     """Plain generate_batch on the same weights and cache settings, through transformers' own paged
-    attention function (kvviz's observer unregistered for the call)."""
+    attention function for the workload's kernel (kvviz's observers unregistered for the call)."""
     monkeypatch.setitem(AttentionInterface._global_mapping, "paged|eager", eager_paged_attention_forward)
+    monkeypatch.setitem(AttentionInterface._global_mapping, "sdpa", sdpa_attention.sdpa_attention_forward)
     ids = [m.tokenizer(r.prompt).input_ids for r in wl.requests]
     e = wl.engine
-    cb = ContinuousBatchingConfig(page_size=e.block_size, num_blocks=e.num_blocks, max_batch_tokens=e.max_batch_tokens)
+    cb = ContinuousBatchingConfig(
+        page_size=e.block_size,
+        num_blocks=e.num_blocks,
+        max_batch_tokens=e.max_batch_tokens,
+        auto_switch_to_flash=False,
+    )
+    model = stock_copy(m.model)
+    model.set_attn_implementation(adapter.IMPLEMENTATIONS[e.kernel])
     with torch.inference_mode():
-        out = stock_copy(m.model).generate_batch(
+        out = model.generate_batch(
             inputs=ids,
             generation_config=GenerationConfig(
                 do_sample=False,
@@ -77,15 +93,19 @@ def stock_generate_batch(m, wl: Workload, monkeypatch) -> dict[str, list[int]]:
     return {r.id: out[f"req_{i}"].generated_tokens[: r.max_new_tokens] for i, r in enumerate(wl.requests)}
 
 
-def test_greedy_outputs_equal_plain_generate_batch_token_for_token(monkeypatch):
-    m, wl = tiny(), workload(three_requests())
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_greedy_outputs_equal_plain_generate_batch_token_for_token(kernel, monkeypatch):
+    m, wl = tiny(), workload(three_requests(), kernel=kernel)
     run = run_checked(m, wl)
     assert {r.id: r.output_ids for r in run.result.requests} == stock_generate_batch(m, wl, monkeypatch)
     assert run.result.stats.steps > 2  # chunked prefill and decode steps, not one batch
 
 
-def test_a_clean_workload_has_no_foreign_mass_and_matches_each_request_alone():
-    run = run_checked(tiny(), workload(three_requests()))
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_clean_workload_has_no_foreign_mass_and_matches_each_request_alone(kernel):
+    """With either kernel (sdpa_paged's weights recomputed by kvviz): every weight own, no finding (no
+    kernel_mismatch either), each request's logits those of the request run alone up to batch variance."""
+    run = run_checked(tiny(), workload(three_requests(), kernel=kernel))
     leak = run.oracle.summary()
     assert leak["max_foreign_mass"] == 0 and leak["counts"]["foreign"] == leak["counts"]["stale"] == 0
     assert leak["counts"]["own"] > 0
@@ -192,6 +212,187 @@ def test_a_read_index_one_slot_past_a_request_s_end_reads_stale_slots_and_is_cau
     assert bad.oracle.summary()["counts"]["foreign"] == 0 and bad.oracle.summary()["counts"]["stale"] > 0
 
 
+def _by_kind(run) -> set[tuple[str, str, str | None]]:
+    return {(f.kind, f.request, f.source_request) for f in run.findings}
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_block_table_one_block_off_in_transformers_is_caught(kernel, monkeypatch):
+    """transformers' block table with one bug, as its read path uses it: B's first entry points at the
+    physical block after the one B was given, which is A's last block (transformers hands each request
+    a run of blocks, highest first). B reads A's keys there (foreign, from A) and A's slots not written
+    yet (stale); A and C are untouched. Both oracles say so, with either kernel; the control is clean."""
+    reqs = [
+        {"id": "A", "prompt": "The passphrase is red.", "max_new_tokens": 6},
+        {"id": "B", "prompt": "What is the passphrase?", "max_new_tokens": 5},
+        {"id": "C", "prompt": "Hello there", "max_new_tokens": 4},
+    ]
+    wl = workload(reqs, kernel=kernel)
+    clean = run_checked(tiny(), wl)
+    assert clean.findings == [] and {d.classification for d in clean.divergences} == {"batch_variance"}
+
+    cls = full_attention.FullAttentionCacheAllocator
+    original = cls.get_read_indices
+
+    def one_block_off(self, request_id, past_length, query_length):
+        indices = original(self, request_id, past_length, query_length)
+        if request_id != "B":
+            return indices
+        page, stride = self.tokens_per_page, self.block_physical_stride
+        return [i + stride if k < page else i for k, i in enumerate(indices)]
+
+    monkeypatch.setattr(cls, "get_read_indices", one_block_off)
+    bad = run_checked(tiny(), wl)
+    assert _by_kind(bad) == {("foreign", "B", "A"), ("stale", "B", None)}
+    assert {d.request: d.classification for d in bad.divergences} == {
+        "A": "batch_variance",
+        "B": "leak",
+        "C": "batch_variance",
+    }
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_prefix_match_that_accepts_a_block_whose_last_token_differs_is_caught(kernel, monkeypatch):
+    """transformers' block hash with one bug: it leaves a block's last token out, so the prefix match
+    accepts a cached block that differs from the prompt in its last token, and every block after it.
+    B's prompt differs from A's in the last token of its second block: the control serves B only A's
+    first block; with the bug B is served A's whole prompt and reads A's keys as its own (foreign, from
+    A), with either kernel."""
+    ids = tiny().tokenizer(SYSTEM + "The passphrase is red.").input_ids
+    other = [*ids[:7], ids[7] + 1, *ids[8:]]  # block 1 (tokens 4..7) differs in its last token
+    reqs = [
+        {"id": "A", "prompt_ids": ids, "max_new_tokens": 4},
+        {"id": "B", "prompt_ids": other, "max_new_tokens": 4, "arrival_step": 3},
+    ]
+    wl = workload(reqs, kernel=kernel)
+    clean = run_checked(tiny(), wl)
+    assert clean.findings == [] and {d.classification for d in clean.divergences} == {"batch_variance"}
+    assert {r.id: r.cached_tokens for r in clean.result.requests} == {"A": 0, "B": 4}
+
+    original = cache_allocator.compute_block_hash
+    monkeypatch.setattr(cache_allocator, "compute_block_hash", lambda parent, tokens: original(parent, tokens[:-1]))
+    bad = run_checked(tiny(), wl)
+    assert _by_kind(bad) == {("foreign", "B", "A")}
+    assert {r.id: r.cached_tokens for r in bad.result.requests}["B"] > 8
+    assert {d.request: d.classification for d in bad.divergences} == {"A": "batch_variance", "B": "leak"}
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_block_freed_while_another_request_holds_it_is_caught(kernel, monkeypatch):
+    """transformers' block ledger with one bug: a release frees the block outright, whoever else holds
+    it. B shares A's system-prompt blocks; A finishes first and frees them under B; C, arriving later,
+    is given them and writes its own keys there, which B then reads (foreign, from C). A and C are
+    untouched; with either kernel; the control is clean."""
+    reqs = [
+        {"id": "A", "prompt": SYSTEM + "Say red.", "max_new_tokens": 2},
+        {"id": "B", "prompt": SYSTEM + "Say blue please.", "max_new_tokens": 12, "arrival_step": 1},
+        {
+            "id": "C",
+            "prompt": "Completely different words here, and more of them.",
+            "max_new_tokens": 4,
+            "arrival_step": 5,
+        },
+    ]
+    wl = workload(reqs, kernel=kernel)
+    clean = run_checked(tiny(), wl)
+    assert clean.findings == [] and {d.classification for d in clean.divergences} == {"batch_variance"}
+    assert {r.id: r.cached_tokens for r in clean.result.requests}["B"] > 0  # it shares A's blocks
+
+    def release(self, block_id, no_cache=False):
+        self.shared_ref_counts.pop(block_id, None)
+        self.cached_blocks.pop(block_id, None)
+        h = self.block_to_hash.pop(block_id, None)
+        if h is not None:
+            self.hash_to_block.pop(h, None)
+        return True
+
+    monkeypatch.setattr(cache_allocator.BlockLedger, "release", release)
+    bad = run_checked(tiny(), wl)
+    assert _by_kind(bad) == {("foreign", "B", "C")}
+    assert {d.request: d.classification for d in bad.divergences} == {
+        "A": "batch_variance",
+        "B": "leak",
+        "C": "batch_variance",
+    }
+
+
+# B alone reaches this position: its prompt is 60 tokens, A's and C's end before it
+B_ONLY = 20
+
+
+def _kernel_requests() -> list[dict]:
+    return [
+        {"id": "A", "prompt": "Hello there", "max_new_tokens": 4},
+        {"id": "B", "prompt": SYSTEM + "What is the passphrase?", "max_new_tokens": 5},
+        {"id": "C", "prompt": "Hello sky", "max_new_tokens": 4},
+    ]
+
+
+def _b_rows(kwargs: dict) -> torch.Tensor | None:
+    """B's queries in a packed batch of transformers' continuous batching (None in any other call, such
+    as the reference oracle's run of a request alone)."""
+    return kwargs["position_ids"][0] >= B_ONLY if "cu_seq_lens_q" in kwargs else None
+
+
+def _drop_first_key(original):
+    """transformers' SDPA attention with one bug in continuous batching: B's queries lose the first key
+    their mask lets them see, inside the kernel; the mask it was given is right."""
+
+    def sdpa(module, query, key, value, attention_mask, **kwargs):
+        rows = _b_rows(kwargs)
+        if rows is not None:
+            attention_mask = attention_mask.clone()
+            first = (attention_mask[0, 0] == 0).float().argmax(-1)
+            attention_mask[0, 0, rows, first[rows]] = torch.finfo(attention_mask.dtype).min
+        return original(module, query, key, value, attention_mask, **kwargs)
+
+    return sdpa
+
+
+def _perturb_one_head(original):
+    """transformers' SDPA attention with one bug in continuous batching: at layer 1, head 2 of B's
+    queries comes out off by 1e-4 of the largest value."""
+
+    def sdpa(module, query, key, value, attention_mask, **kwargs):
+        out, weights = original(module, query, key, value, attention_mask, **kwargs)
+        rows = _b_rows(kwargs)
+        if rows is not None and module.layer_idx == 1:
+            out = out.clone()
+            out[0, rows, 2] += 1e-4 * value.abs().max()
+        return out, weights
+
+    return sdpa
+
+
+@pytest.mark.parametrize("bug", [_drop_first_key, _perturb_one_head])
+def test_a_kernel_that_does_not_compute_its_weights_for_one_request_is_a_kernel_mismatch(bug, tmp_path, monkeypatch):
+    """sdpa_paged returns no weights: kvviz recomputes them from the kernel's inputs, and a kernel that
+    computes something else for B (a key dropped inside it, one head's output perturbed) is a
+    kernel_mismatch naming B (the layer and head, when one is struck), A and C clean; the weights kvviz
+    judged stay own, and the control has no finding. Recorded, the findings view lists it."""
+    wl = workload(_kernel_requests(), kernel="sdpa_paged")
+    assert run_checked(tiny(), wl, reference=False).findings == []
+    monkeypatch.setattr(sdpa_attention, "sdpa_attention_forward", bug(sdpa_attention.sdpa_attention_forward))
+    store = RunStore.open(tmp_path / "k.duckdb")
+    bad = record_run(store, tiny(), wl)
+    assert {(f.kind, f.request) for f in bad.findings} == {("kernel_mismatch", "B")}
+    assert all(f.mass > 1 for f in bad.findings)  # past the tolerance, in tolerances
+    b = {d.request: d.classification for d in bad.divergences}["B"]
+    if bug is _perturb_one_head:  # too small to move B's logits past batch variance: only this check sees it
+        assert {(f.layer, f.head) for f in bad.findings} == {(1, 2)} and b == "batch_variance"
+    else:  # B's output moved with no foreign weight: the reference oracle agrees
+        assert b == "divergence"
+    assert bad.oracle.summary()["counts"]["foreign"] == bad.oracle.summary()["counts"]["stale"] == 0
+    assert {d.request: d.classification for d in bad.divergences if d.request != "B"} == {
+        "A": "batch_variance",
+        "C": "batch_variance",
+    }
+    with store.read() as con:
+        shown = leaks.findings(con, bad.result.run_id)
+    assert set(shown.kind) == {"kernel_mismatch"} and set(shown.request_id) == {"B"}
+    assert len(shown) == len(bad.findings)
+
+
 @pytest.mark.parametrize(
     ("change", "field"),
     [
@@ -216,6 +417,13 @@ def test_a_field_the_backend_cannot_honour_is_one_sentence_naming_it(change, fie
     with pytest.raises(WorkloadError, match="^" + re.escape(field) + ": ") as e:
         run_checked(tiny(), wl)
     assert "\n" not in str(e.value)
+
+
+def test_an_unknown_kernel_or_a_transformers_kernel_for_kvviz_s_engine_is_one_sentence():
+    with pytest.raises(WorkloadError, match=r"^engine.kernel: must be one of eager_paged, sdpa_paged .*'flash'$"):
+        workload([{"id": "A", "prompt": "hi"}], kernel="flash")
+    with pytest.raises(WorkloadError, match=r"^engine.kernel: 'sdpa_paged' is a kernel of transformers' continuous"):
+        workload([{"id": "A", "prompt": "hi"}], kernel="sdpa_paged", backend="kvviz")
 
 
 def test_a_fault_an_unknown_version_and_kvviz_s_engine_refuse_in_one_sentence(monkeypatch):
@@ -279,14 +487,29 @@ def test_run_backend_transformers_from_the_command_line(tmp_path):
         '{"requests": [{"id": "A", "prompt": "hello", "max_new_tokens": 3, "cache_salt": "t"}], '
         '"engine": {"block_size": 4, "num_blocks": 16}}'
     )
+
     def run(*extra):
-        return kvviz("run", "--workload", wl, "--model", "tiny-llama", "--backend", "transformers",
-                     "--db", tmp_path / "k.duckdb", "--quiet", *extra)
+        return kvviz(
+            "run",
+            "--workload",
+            wl,
+            "--model",
+            "tiny-llama",
+            "--backend",
+            "transformers",
+            "--db",
+            tmp_path / "k.duckdb",
+            "--quiet",
+            *extra,
+        )
 
     out = run("--json")
     assert out.returncode == 0, out.stderr
     assert "kvviz: note: requests[].cache_salt: transformers has no cache salt" in out.stderr
     assert '"backend": "transformers"' in out.stdout.splitlines()[-1]
+    sdpa = run("--kernel", "sdpa_paged")
+    assert sdpa.returncode == 0, sdpa.stderr
+    assert "backend transformers (sdpa_paged)" in sdpa.stdout.splitlines()[0]
     bad = run("--fault", "boundary")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1
 

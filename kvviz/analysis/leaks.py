@@ -53,7 +53,7 @@ def entropy_trend(df: pd.DataFrame) -> pd.DataFrame:
 
 # Leaks of another request's or a dead block's tokens first; for duplicate positions, non-finite
 # weights and normalisation errors `mass` is a count or an error, not attention mass.
-KIND_ORDER = ("foreign", "stale", "cross_tenant", "non_finite", "normalisation", "duplicate")
+KIND_ORDER = ("foreign", "stale", "kernel_mismatch", "cross_tenant", "non_finite", "normalisation", "duplicate")
 
 
 def findings(con: duckdb.DuckDBPyConnection, run_id: str, limit: int = 2000) -> pd.DataFrame:

@@ -54,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--backend", choices=["kvviz", "transformers"],
                      help="whose engine runs the workload: kvviz's own, or Hugging Face transformers' continuous "
                           "batching, observed (overrides the workload's engine.backend)")
+    run.add_argument("--kernel", choices=["eager_paged", "sdpa_paged"],
+                     help="the transformers backend's paged attention kernel: eager_paged returns its weights; "
+                          "sdpa_paged returns none, so kvviz recomputes them and checks the kernel's output "
+                          "(overrides the workload's engine.kernel)")
     run.add_argument("--isolation", choices=["paged", "masked"], help="override the workload's isolation mechanism")
     run.add_argument("--compute", choices=["inspect", "fast"], help="override the workload's compute path")
     run.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")

@@ -123,11 +123,12 @@ def _recorded_run(args: argparse.Namespace, m: LoadedModel, wl: Workload, fault:
 
 
 def _with_overrides(wl: Workload, args: argparse.Namespace) -> Workload:
-    """The workload with --backend, --isolation, --compute and --no-prefix-caching applied, validated as a file
-    would be."""
+    """The workload with --backend, --kernel, --isolation, --compute and --no-prefix-caching applied, validated as
+    a file would be."""
     from ..engine import EngineConfig
 
-    changes = {k: getattr(args, k) for k in ("backend", "isolation", "compute") if getattr(args, k) is not None}
+    names = ("backend", "kernel", "isolation", "compute")
+    changes = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
     if args.no_prefix_caching:
         changes["prefix_caching"] = False
     return dataclasses.replace(wl, engine=EngineConfig.from_dict({**wl.engine.to_dict(), **changes}))
@@ -162,7 +163,8 @@ def _seed_probe(m: LoadedModel, sc: Scenario | None, wl: Workload) -> LastPrompt
 def _print_run(s: dict) -> None:
     """A run summary as a few lines for a person; scripts use --json instead."""
     e, st = s["engine"], s["stats"]
-    print(f"run {s['run_id']}  model {s['model']['name']}  backend {e['backend']}  isolation {e['isolation']}  "
+    backend = e["backend"] + (f" ({e['kernel']})" if e["backend"] == "transformers" else "")
+    print(f"run {s['run_id']}  model {s['model']['name']}  backend {backend}  isolation {e['isolation']}  "
           f"compute {e['compute']}  blocks {e['num_blocks']}x{e['block_size']}  fault {s['fault'] or 'none'}")
     for r in s["requests"]:
         print(f"  {r['id']:>10}  {len(r['output_ids']):3d} tok  cached {r['cached_tokens']:4d}  "

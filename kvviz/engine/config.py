@@ -9,6 +9,7 @@ from ..errors import WorkloadError
 ISOLATIONS = ("paged", "masked")
 COMPUTES = ("inspect", "fast")
 BACKENDS = ("kvviz", "transformers")
+KERNELS = ("eager_paged", "sdpa_paged")  # transformers' paged attention kernels the transformers backend runs
 
 
 class ConfigError(WorkloadError):
@@ -50,7 +51,9 @@ class EngineConfig:
     for later prefix hits (None: evicted blocks are dropped). disaggregated: a prefill instance with a
     pool of its own (num_blocks more) computes each prompt and transfers its K/V to this, the decode
     instance. backend: `kvviz` runs kvviz's own engine; `transformers` runs Hugging Face transformers'
-    continuous batching (kvviz.hf_backend), which kvviz only observes.
+    continuous batching (kvviz.hf_backend), which kvviz only observes. kernel: which of transformers'
+    paged attention kernels that backend runs: `eager_paged` returns its weights, `sdpa_paged` (torch
+    SDPA) returns none and is checked against kvviz's recomputation; kvviz's engine has its own (compute).
     """
 
     block_size: int = 16
@@ -62,6 +65,7 @@ class EngineConfig:
     offload: OffloadConfig | None = None
     disaggregated: bool = False
     backend: str = "kvviz"
+    kernel: str = "eager_paged"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "max_batch_tokens"):
@@ -74,6 +78,12 @@ class EngineConfig:
             raise ConfigError(f"compute: must be one of {', '.join(COMPUTES)}, got {self.compute!r}")
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend: must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.kernel not in KERNELS:
+            raise ConfigError(f"kernel: must be one of {', '.join(KERNELS)} (transformers' paged attention "
+                              f"kernels), got {self.kernel!r}")
+        if self.kernel != KERNELS[0] and self.backend != "transformers":
+            raise ConfigError(f"kernel: {self.kernel!r} is a kernel of transformers' continuous batching, run with "
+                              "backend 'transformers'; kvviz's engine attends by its compute setting")
         for name in ("prefix_caching", "disaggregated"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: must be true or false, got {getattr(self, name)!r}")

@@ -2,7 +2,9 @@
 
 Only facts: which slots each query read and with what weight, where each token's K/V was written
 (slot provenance) and each request's own token history. Never the masks or page tables that the
-observer may be judging.
+observer may be judging. An observer that judges kernels also defines on_kernel_check (the
+provenance oracle does): the transformers backend calls it when a kernel returned no weights and
+those given to on_attention were recomputed.
 """
 
 from __future__ import annotations

@@ -1,13 +1,16 @@
 """The one module of kvviz that reads Hugging Face transformers' continuous batching from inside.
 
 kvviz runs transformers' own ContinuousBatchingManager (its scheduler, paged cache, block ledger and
-`paged|eager` attention: what `generate_batch` runs) on a copy of the model that shares its weights,
-one batch at a time (the manager's own loop body, called from this thread instead of its background
-thread), and only observes. The attention function registered under transformers' own name
-`paged|eager` calls transformers' `eager_paged_attention_forward` and returns its result unchanged;
-what it saw (the weights, the packed batch, its write and read indices) goes to a listener, and the
-allocator's block tables, ledger reference counts and hashes are read between batches. No file of
-transformers is patched; for any model kvviz does not observe the function is transformers' own.
+paged attention: what `generate_batch` runs) on a copy of the model that shares its weights, one
+batch at a time (the manager's own loop body, called from this thread instead of its background
+thread), and only observes. The attention function registered under transformers' own name for the
+kernel chosen (`paged|eager` for eager_paged, `sdpa` for sdpa_paged, which continuous batching runs
+over its paged cache) calls transformers' function as transformers' module holds it and returns its
+result unchanged; what it saw (the packed batch, its write and read indices, and the weights:
+eager_paged's as returned, sdpa_paged's recomputed by kvviz.hf_backend.kernel_check and checked
+against the kernel's output) goes to a listener, and the allocator's block tables, ledger reference
+counts and hashes are read between batches. No file of transformers is patched; for any model kvviz
+does not observe the function is transformers' own.
 
 These are private parts of transformers that change between releases: the adapter names the
 versions it understands and refuses the others.
@@ -26,7 +29,8 @@ import transformers
 from ..errors import WorkloadError
 
 SUPPORTED = "5.24"  # the transformers releases (major.minor) whose internals this module reads
-IMPLEMENTATION = "paged|eager"  # transformers' paged attention that returns its weights
+# engine.kernel -> the attention implementation transformers' continuous batching runs it under
+IMPLEMENTATIONS = {"eager_paged": "paged|eager", "sdpa_paged": "sdpa"}
 
 
 class BackendError(WorkloadError):
@@ -51,29 +55,47 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching.cache import group_layers_by_attn_type
 from transformers.generation.continuous_batching.cache_allocators import FULL_ATTENTION
 from transformers.generation.continuous_batching.requests import RequestStatus
-from transformers.integrations.eager_paged import eager_paged_attention_forward
+from transformers.integrations import eager_paged, sdpa_attention
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..models.routing import stock_copy
+from . import kernel_check
 from .facts import Batch, CacheView, Listener, Outcome
 
 _OBSERVED: dict[int, ContinuousBatching] = {}  # id of an attention module -> the run observing it
 _REGISTER = threading.Lock()
 
 
-def _observed_paged(module, query, key, value, attention_mask, **kwargs):
-    """transformers' paged eager attention, unchanged; a module kvviz observes also reports what it saw."""
-    out, weights = eager_paged_attention_forward(module, query, key, value, attention_mask, **kwargs)
+def _observed_eager(module, query, key, value, attention_mask, **kwargs):
+    """transformers' paged eager attention, unchanged; a module kvviz observes also reports its weights."""
     run = _OBSERVED.get(id(module))
     if run is not None:
-        run._saw(module.layer_idx, attention_mask, weights, kwargs)
+        run._begin(attention_mask, kwargs)
+    out, weights = eager_paged.eager_paged_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if run is not None:
+        run.listener.on_layer(module.layer_idx, weights[0])
     return out, weights
 
 
-def _register() -> None:
+def _observed_sdpa(module, query, key, value, attention_mask, **kwargs):
+    """transformers' SDPA attention (paged inside continuous batching), unchanged; for a module kvviz
+    observes, the weights are recomputed from the same inputs and the output checked against the kernel's."""
+    run = _OBSERVED.get(id(module))
+    if run is not None:
+        run._begin(attention_mask, kwargs)
+    out, weights = sdpa_attention.sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if run is not None:
+        run._check(module.layer_idx, query, key, value, kwargs.get("scaling"), out)
+    return out, weights
+
+
+_WRAPPERS = {"paged|eager": _observed_eager, "sdpa": _observed_sdpa}
+
+
+def _register(implementation: str) -> None:
     with _REGISTER:
-        if ALL_ATTENTION_FUNCTIONS.get(IMPLEMENTATION) is not _observed_paged:
-            AttentionInterface.register(IMPLEMENTATION, _observed_paged)
+        if ALL_ATTENTION_FUNCTIONS.get(implementation) is not _WRAPPERS[implementation]:
+            AttentionInterface.register(implementation, _WRAPPERS[implementation])
 
 
 class ContinuousBatching:
@@ -94,6 +116,7 @@ class ContinuousBatching:
         top_p: float,
         eos_ids: list[int],
         seed: int,
+        kernel: str = "eager_paged",
     ):
         check_version()
         if page_size < 4:
@@ -106,7 +129,15 @@ class ContinuousBatching:
                 f"model: its layers are {', '.join(sorted(groups))}; kvviz's transformers backend "
                 "observes caches of full-attention layers only"
             )
-        self.model.set_attn_implementation(IMPLEMENTATION)
+        self.implementation = IMPLEMENTATIONS[kernel]
+        try:
+            self.model.set_attn_implementation(self.implementation)
+        except (ValueError, ImportError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise BackendError(
+                f"engine.kernel: transformers cannot run {type(self.model).__name__} with {kernel} "
+                f"({first.rstrip('.')})"
+            ) from None
         gen = GenerationConfig(
             do_sample=temperature > 0, temperature=temperature or 1.0, top_p=top_p, eos_token_id=eos_ids or -1
         )
@@ -143,7 +174,7 @@ class ContinuousBatching:
         self._batch: Batch | None = None
         self._logits_rows: torch.Tensor | None = None
         self._futures: list = []
-        _register()
+        _register(self.implementation)
         self._modules = [id(mod) for mod in self.model.modules()]
         for i in self._modules:
             _OBSERVED[i] = self
@@ -178,7 +209,7 @@ class ContinuousBatching:
             return None
         if self._batch is None:
             raise BackendError(
-                f"model: a batch ran without going through transformers' {IMPLEMENTATION} "
+                f"model: a batch ran without going through transformers' {self.implementation} "
                 "attention, so kvviz saw nothing of it"
             )
         sampled = {f.state.request_id: f.state.generated_tokens[-1] for f in self._futures if f.has_new_token}
@@ -208,11 +239,18 @@ class ContinuousBatching:
         computed = {rid: s.position_offset for rid, s in self.bp.scheduler.active_requests.items()}
         return CacheView(tables, refcounts, hashes, [B(b) for b in ledger.cached_blocks], computed)
 
-    def _saw(self, layer: int, mask: torch.Tensor | None, weights: torch.Tensor, kwargs: dict) -> None:
+    def _begin(self, mask: torch.Tensor | None, kwargs: dict) -> None:
+        """A layer is about to attend: the first of a batch reads the batch, before any kernel runs."""
         if self._batch is None:
             self._batch = self._read_batch(mask, kwargs)
             self.listener.on_batch(self._batch)
-        self.listener.on_layer(layer, weights[0])
+
+    def _check(self, layer: int, query, key, value, scaling: float | None, out: torch.Tensor) -> None:
+        """A kernel that returns no weights: kvviz's recomputed weights to the oracle, with how far the
+        kernel's output is from theirs."""
+        c = kernel_check.check(query[0], key[0], value[0], self._batch.visible, scaling, out[0])
+        self.listener.on_layer(layer, c.weights)
+        self.listener.on_kernel(layer, c.excess)
 
     def _read_batch(self, mask: torch.Tensor | None, kwargs: dict) -> Batch:
         futures = self._futures = list(self.bp.inputs_and_outputs.requests_in_batch)
@@ -220,7 +258,7 @@ class ContinuousBatching:
         write, read = kwargs["write_index"][i], kwargs["read_index"][i]
         keys = read if read.numel() else write  # a batch with nothing cached attends to the new keys themselves
         if mask is None:
-            raise BackendError(f"model: transformers' {IMPLEMENTATION} attention got no mask")
+            raise BackendError(f"model: transformers' {self.implementation} attention got no mask")
         visible = mask[0, 0] > torch.finfo(mask.dtype).min / 2
         self._logits_rows = kwargs.get("logits_indices")
         states = [f.state for f in futures]

@@ -113,6 +113,12 @@ class Observation:
         for o in self.observers:
             o.on_attention(layer, self.current.group, probs)
 
+    def on_kernel(self, layer: int, excess: torch.Tensor) -> None:
+        for o in self.observers:
+            judge = getattr(o, "on_kernel_check", None)  # the oracle; a recorder keeps weights only
+            if judge is not None:
+                judge(layer, self.current.group, excess[None])
+
     def on_logits(self, logits: torch.Tensor) -> None:
         if not self.keep_logits:
             return

@@ -113,6 +113,7 @@ def run_workload(
             top_p=wl.requests[0].top_p,
             eos_ids=eos,
             seed=wl.seed,
+            kernel=cfg.kernel,
         )
         try:
             obs = cb.listener = Observation(

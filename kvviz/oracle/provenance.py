@@ -12,6 +12,10 @@ across tenants) is no attention leak: the weights are right, a trust boundary is
 reported per block, not per attention row: one `cross_tenant` finding per (reader request, physical
 block, run of consecutive steps that read it), for every layer at once (the block holds every
 layer's K/V), with no head or mass.
+
+A kernel that returns no weights (transformers' sdpa_paged) is judged from weights recomputed for it;
+how far its output is from theirs comes to on_kernel_check, and past the tolerance it is a
+`kernel_mismatch` (those weights are not the ones the kernel used) naming request, layer and head.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import torch
 from ..engine.attention import AttentionGroup
 from ..engine.observer import StepContext
 
-KINDS = ("foreign", "stale", "normalisation", "non_finite", "cross_tenant", "duplicate")
+KINDS = ("foreign", "stale", "normalisation", "non_finite", "cross_tenant", "duplicate", "kernel_mismatch")
 
 
 @dataclass(frozen=True)
@@ -126,6 +130,7 @@ class ProvenanceOracle:
         self.layers: dict[int, _Layer] = {}
         self.classes: dict[int, _KeyClasses] = {}
         self.cross_read: dict[int, tuple[AttentionGroup, torch.Tensor]] = {}  # [R, Q, L] keys read, any layer
+        self.kernel: dict[int, torch.Tensor] = {}  # layer -> [T, H] a weightless kernel's distance, in tolerances
 
     def key_classes(self, group: AttentionGroup) -> torch.Tensor:
         """[R, Q, L] uint8 per (query row, key): 0 own, 1 foreign, 2 stale (for recorders)."""
@@ -188,6 +193,14 @@ class ProvenanceOracle:
                       per_token(source), per_token(torch.special.entr(p).sum(-1)))
         self._store(layer, group, rows)
 
+    def on_kernel_check(self, layer: int, group: AttentionGroup, excess: torch.Tensor) -> None:
+        """excess [R, H, Q]: how far a kernel that returns no weights is from the output of the weights
+        on_attention judged (recomputed for it), in tolerances: above 1 they are not the kernel's."""
+        R, H, Q = excess.shape
+        if layer not in self.kernel:
+            self.kernel[layer] = torch.zeros(len(self.ctx.q_row), H, device=excess.device)
+        self.kernel[layer][group.span] = excess.permute(0, 2, 1).reshape(R * Q, H).float()
+
     def leaked_in(self, layer: int, group: AttentionGroup) -> bool:
         """Whether a query of this group put foreign, stale or cross-tenant mass above the threshold at
         this layer (asked during the step, after this layer was judged): the findings' heads to record."""
@@ -237,10 +250,12 @@ class ProvenanceOracle:
             ("non_finite", stack["nonfinite"].float(), 0.5, None),
             ("duplicate", stack["duplicate"].float(), 0.5, None),
         ]
+        if self.kernel:
+            checks.append(("kernel_mismatch", torch.stack([self.kernel[i] for i in order]), 1.0, None))
         for kind, values, limit, source in checks:
             self._findings(kind, values, limit, source, order, names)
         self._block_reads()
-        del self.layers, self.classes, self.cross_read
+        del self.layers, self.classes, self.cross_read, self.kernel
 
     def _block_reads(self) -> None:
         """Extend the cross-tenant reads the previous step had open and this one continued; open a

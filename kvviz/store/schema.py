@@ -209,7 +209,8 @@ TABLES: dict[str, Table] = {t.name: t for t in (
               Column("source_request", "VARCHAR", "who wrote the keys (cross_tenant: the writer of the first slot "
                      "read); a capture's: the salt that stored the block first"),
               Column("mass", "DOUBLE", "the query's attention on such keys at that layer and head (duplicate and "
-                     "non_finite: 1; normalisation: how far the weights are from 1); null for cross_tenant, which "
+                     "non_finite: 1; normalisation: how far the weights are from 1; kernel_mismatch: how far the "
+                     "kernel's output is from the recomputed one, in tolerances); null for cross_tenant, which "
                      "is no attention figure"),
               Column("block", "INTEGER", "cross_tenant: the physical block read", added_in="10"),
               Column("last_step", "INTEGER", "the last step the finding spans: a cross_tenant read goes on at every "

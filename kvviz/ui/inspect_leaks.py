@@ -40,9 +40,12 @@ def render(con, info: RunInfo, step: int, focus: Callable[[leaks.Focus, str | No
                    "output still differs); **cross_tenant**, a block another tenant wrote (the same content, "
                    "under another salt) that request_id read from step to last_step, in every layer (no layer, "
                    "head, position or mass), one row per block; "
-                   "**normalisation** and **non_finite**, weights that do not sum to 1 or are not numbers. "
+                   "**normalisation** and **non_finite**, weights that do not sum to 1 or are not numbers; "
+                   "**kernel_mismatch**, a kernel that returns no weights (transformers' sdpa_paged) whose output "
+                   "is not that of the weights kvviz recomputed for it. "
                    "**mass**: the share of the query's attention on such keys at that layer and head (for "
-                   "duplicate and non_finite, 1 marks it; for normalisation, how far the weights are from 1).")
+                   "duplicate and non_finite, 1 marks it; for normalisation, how far the weights are from 1; for "
+                   "kernel_mismatch, how far the outputs are apart, in tolerances).")
         st.dataframe(found, hide_index=True, width="stretch", on_select=clicked, selection_mode="single-row",
                      key="insp_findings", height=min(400, 38 + 35 * len(found)))
         heaviest = found.mass.notna().iloc[0]  # a cross-tenant read carries no mass: the first is no heaviest

@@ -94,6 +94,10 @@ def _header(row, info: RunInfo, cross_tenant: str | None) -> None:
         st.caption("transformers' own continuous batching ran this run (its scheduler, paged cache, block ledger and "
                    "paged attention, unchanged); kvviz observed it: the pool is transformers' blocks (its reserved "
                    "trash blocks last), page tables its block tables, refcounts and hashes its ledger's.")
+        if info.engine.get("kernel") == "sdpa_paged":
+            st.caption("Kernel sdpa_paged returns no weights: the attention shown is kvviz's float32 recomputation "
+                       "from the kernel's own inputs and mask, checked against its output at every layer "
+                       "(kernel_mismatch findings past the tolerance).")
     cols = st.columns(3)
     cols[0].metric("messages" if info.has_kv_events else "steps", f"{len(info.steps):,}",
                    help="KV-event messages (batches) the capture holds" if info.has_kv_events else None)
