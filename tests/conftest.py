@@ -59,3 +59,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "published" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def spark():
+    """One local Spark session per worker for the spark-marked tests (starting its JVM takes 10-20 s);
+    skipped, saying why, where pyspark or Java is missing."""
+    pytest.importorskip("pyspark", reason="pyspark is not installed (pip install pyspark, see requirements.txt)")
+    if shutil.which("java") is None:
+        pytest.skip("java is not installed: Spark needs a JRE (Debian: openjdk-17-jre-headless)")
+    from pyspark.sql import SparkSession
+
+    session = (SparkSession.builder.master("local[1]").appName("kvviz-tests")
+               .config("spark.ui.enabled", "false").config("spark.sql.shuffle.partitions", "2")
+               .config("spark.driver.memory", "512m").config("spark.sql.session.timeZone", "UTC")
+               .getOrCreate())
+    session.sparkContext.setLogLevel("ERROR")
+    yield session
+    session.stop()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-import shutil
 import time
 from collections import Counter
 from decimal import Decimal
@@ -557,32 +556,14 @@ def test_the_explain_queries_run_in_duckdb_over_a_dataset_registered_in_place(tm
 
 
 @pytest.mark.spark
-def test_the_explain_queries_give_the_same_rows_in_spark(tmp_path):
-    pytest.importorskip("pyspark", reason="pyspark is not installed (pip install pyspark, see requirements.txt)")
-    if shutil.which("java") is None:
-        pytest.skip("java is not installed: Spark needs a JRE (Debian: openjdk-17-jre-headless)")
-    from pyspark.sql import SparkSession
-
+def test_the_explain_queries_give_the_same_rows_in_spark(tmp_path, spark):
     folder = two_replica_dataset(tmp_path / "capture")
     want = duck_explain(folder)
     started = time.monotonic()
-    spark = (
-        SparkSession.builder.master("local[1]")
-        .appName("kvviz-explain-sql")
-        .config("spark.ui.enabled", "false")
-        .config("spark.sql.shuffle.partitions", "2")
-        .config("spark.driver.memory", "512m")
-        .config("spark.sql.session.timeZone", "UTC")
-        .getOrCreate()
-    )
-    try:
-        spark.sparkContext.setLogLevel("ERROR")
-        spark.read.parquet(str(folder)).createOrReplaceTempView("capture_events")
-        sql = explain_sql.SparkSql(spark)
-        explain_sql.capture_inputs(sql.table)
-        explain_sql.explain(sql)
-        got = sql.rows(f"SELECT {', '.join(explain_sql.RESULT_COLUMNS)} FROM explain_result")
-    finally:
-        spark.stop()
+    spark.read.parquet(str(folder)).createOrReplaceTempView("capture_events")
+    sql = explain_sql.SparkSql(spark)
+    explain_sql.capture_inputs(sql.table)
+    explain_sql.explain(sql)
+    got = sql.rows(f"SELECT {', '.join(explain_sql.RESULT_COLUMNS)} FROM explain_result")
     assert normalise(got) == normalise(want) and len(want) >= 100
     assert time.monotonic() - started < 300

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import random
-import shutil
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
@@ -255,31 +254,18 @@ def normalise(rows):
 
 
 @pytest.mark.spark
-def test_views_give_the_same_rows_in_spark(capture):
-    pytest.importorskip("pyspark", reason="pyspark is not installed (pip install pyspark, see requirements.txt)")
-    if shutil.which("java") is None:
-        pytest.skip("java is not installed: Spark needs a JRE (Debian: openjdk-17-jre-headless)")
-    from pyspark.sql import SparkSession
-
+def test_views_give_the_same_rows_in_spark(capture, spark):
     folder, _ = capture
     started = time.monotonic()
-    spark = (SparkSession.builder.master("local[1]").appName("kvviz-fleet-sql")
-             .config("spark.ui.enabled", "false").config("spark.sql.shuffle.partitions", "2")
-             .config("spark.driver.memory", "512m").config("spark.sql.session.timeZone", "UTC")
-             .getOrCreate())
-    try:
-        spark.sparkContext.setLogLevel("ERROR")
-        df = spark.read.parquet(str(folder))
-        types = dict(df.dtypes)
-        assert types["block_hash"] == "decimal(20,0)" and types["replica"] == "string"
-        df.createOrReplaceTempView("capture_events")
-        for name, sql in FLEET_VIEWS.items():
-            result = spark.sql(sql)
-            cols, want = duck_rows(folder, name)
-            assert result.columns == cols, name
-            got = normalise(tuple(r) for r in result.collect())
-            assert got == normalise(want), name
-            assert got, name
-    finally:
-        spark.stop()
+    df = spark.read.parquet(str(folder))
+    types = dict(df.dtypes)
+    assert types["block_hash"] == "decimal(20,0)" and types["replica"] == "string"
+    df.createOrReplaceTempView("capture_events")
+    for name, sql in FLEET_VIEWS.items():
+        result = spark.sql(sql)
+        cols, want = duck_rows(folder, name)
+        assert result.columns == cols, name
+        got = normalise(tuple(r) for r in result.collect())
+        assert got == normalise(want), name
+        assert got, name
     assert time.monotonic() - started < 300
