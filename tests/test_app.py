@@ -688,6 +688,25 @@ def test_the_run_page_runs_transformers_and_the_inspector_says_which_engine_ran(
     assert any("cross-tenant reads: " in w.value and "tenant-1 read by tenant-2" in w.value for w in at.warning)
 
 
+def test_the_run_page_runs_a_masked_scenario_in_transformers_with_its_own_paged_isolation(empty_db):
+    """The default scenario (passphrase, masked on kvviz's engine) with transformers chosen: the settings
+    transformers cannot take are shown fixed, not refused after Run; kvviz's engine keeps them editable."""
+    at = page("run")
+    at.selectbox(key="run_model").set_value("tiny-llama").run()
+    assert at.selectbox(key="run_iso_passphrase").value == "masked"
+    at.selectbox(key="run_be_passphrase").set_value("transformers").run()
+    fixed = {t.label: t.value for t in at.text_input if t.disabled}
+    assert fixed == {"isolation": "paged", "host tier blocks": "0", "fault": "none"}, fixed
+    at.button(key="run_go").click().run()
+    assert not at.exception and not at.error, [e.value for e in at.error]
+    with RunStore.open(empty_db).read() as con:
+        assert con.execute("SELECT backend, status FROM runs").fetchone() == ("transformers", "complete")
+    at.switch_page("kvviz/ui/pages/run.py").run()
+    at.selectbox(key="run_be_passphrase").set_value("kvviz").run()
+    assert at.selectbox(key="run_iso_passphrase").value == "masked"
+    assert not [t for t in at.text_input if t.disabled]
+
+
 def test_the_scenarios_page_runs_a_scenario_in_transformers_beside_kvviz_s_engine(empty_db):
     """unsalted_prefix's requests in transformers (no salt, no fault injected) read across tenants; kvviz's
     engine, salted, runs them clean; each column says so."""
