@@ -685,6 +685,9 @@ def test_the_run_page_runs_transformers_and_the_inspector_says_which_engine_ran(
     assert at.title[0].value == "Inspector"
     assert any("engine: transformers' continuous batching" in m.value for m in at.markdown)
     assert any(c.value.startswith("transformers' own continuous batching ran this run") for c in at.caption)
+    run_choice = at.selectbox(key="insp_run")
+    assert run_choice.format_func(run_id).endswith(" · transformers · fault none · complete")
+    assert page("runs").dataframe[0].value.set_index("run_id").engine[run_id] == "transformers"
     assert any("cross-tenant reads: " in w.value and "tenant-1 read by tenant-2" in w.value for w in at.warning)
 
 
