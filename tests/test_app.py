@@ -699,7 +699,8 @@ def test_the_run_page_runs_a_masked_scenario_in_transformers_with_its_own_paged_
     assert at.selectbox(key="run_iso_passphrase").value == "masked"
     at.selectbox(key="run_be_passphrase").set_value("transformers").run()
     fixed = {t.label: t.value for t in at.text_input if t.disabled}
-    assert fixed == {"isolation": "paged", "host tier blocks": "0", "fault": "none"}, fixed
+    assert fixed == {"isolation": "paged", "host tier blocks": "0", "fault": "none", "fault steps": "",
+                     "fault requests": "", "fault layers": ""}, fixed
     at.button(key="run_go").click().run()
     assert not at.exception and not at.error, [e.value for e in at.error]
     with RunStore.open(empty_db).read() as con:

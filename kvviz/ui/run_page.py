@@ -139,9 +139,10 @@ def _settings(sc, engine0: dict):
         fault = _only(c[0], "fault", "none", HF_ONLY) if hf else c[0].selectbox(
             "fault", faults, key=_key("fault", tag, sc.fault if sc and sc.fault else "none"),
             format_func=lambda f: f if f == "none" else f"{f} ({FAULTS[f].isolation or 'any'})")
-        scope_text = (c[1].text_input("fault steps", key=_key("fs", tag, ""), placeholder="e.g. 3,4"),
-                      c[2].text_input("fault requests", key=_key("fr", tag, ""), placeholder="e.g. A"),
-                      c[3].text_input("fault layers", key=_key("fl", tag, ""), placeholder="e.g. 0,1"))
+        scope_text = (c[1].text_input("fault steps", key=_key("fs", tag, ""), placeholder="e.g. 3,4", disabled=hf),
+                      c[2].text_input("fault requests", key=_key("fr", tag, ""), placeholder="e.g. A", disabled=hf),
+                      c[3].text_input("fault layers", key=_key("fl", tag, ""), placeholder="e.g. 0,1", disabled=hf))
+        scope_text = ("", "", "") if hf else scope_text  # no fault, so no scope, whatever was typed before
         if hf:
             st.caption("transformers' continuous batching runs as shipped: its own paged isolation, no kvviz fault, "
                        "host tier or disaggregated prefill (choose kvviz's engine for those).")
