@@ -103,6 +103,8 @@ def test_list_runs_and_run_info(rec):
         assert listed.created_at.is_monotonic_decreasing  # newest first
         assert listed.set_index("run_id").loc[rec.ids["boundary"], "findings"] > 0
         assert listed.set_index("run_id").loc[rec.ids["boundary_control"], "findings"] == 0
+        assert listed.set_index("run_id").engine.to_dict() == {**dict.fromkeys(rec.ids.values(), "kvviz"),
+                                                               rec.capture: None}
         b = info(con, rec.ids["boundary"])
         assert (b.status, b.scenario, b.fault, b.isolation, b.block_size) == ("complete", "boundary", "boundary",
                                                                               "masked", 4)

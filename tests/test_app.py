@@ -685,7 +685,30 @@ def test_the_run_page_runs_transformers_and_the_inspector_says_which_engine_ran(
     assert at.title[0].value == "Inspector"
     assert any("engine: transformers' continuous batching" in m.value for m in at.markdown)
     assert any(c.value.startswith("transformers' own continuous batching ran this run") for c in at.caption)
+    run_choice = at.selectbox(key="insp_run")
+    assert run_choice.format_func(run_id).endswith(" · transformers · fault none · complete")
+    assert page("runs").dataframe[0].value.set_index("run_id").engine[run_id] == "transformers"
     assert any("cross-tenant reads: " in w.value and "tenant-1 read by tenant-2" in w.value for w in at.warning)
+
+
+def test_the_run_page_runs_a_masked_scenario_in_transformers_with_its_own_paged_isolation(empty_db):
+    """The default scenario (passphrase, masked on kvviz's engine) with transformers chosen: the settings
+    transformers cannot take are shown fixed, not refused after Run; kvviz's engine keeps them editable."""
+    at = page("run")
+    at.selectbox(key="run_model").set_value("tiny-llama").run()
+    assert at.selectbox(key="run_iso_passphrase").value == "masked"
+    at.selectbox(key="run_be_passphrase").set_value("transformers").run()
+    fixed = {t.label: t.value for t in at.text_input if t.disabled}
+    assert fixed == {"isolation": "paged", "host tier blocks": "0", "fault": "none", "fault steps": "",
+                     "fault requests": "", "fault layers": ""}, fixed
+    at.button(key="run_go").click().run()
+    assert not at.exception and not at.error, [e.value for e in at.error]
+    with RunStore.open(empty_db).read() as con:
+        assert con.execute("SELECT backend, status FROM runs").fetchone() == ("transformers", "complete")
+    at.switch_page("kvviz/ui/pages/run.py").run()
+    at.selectbox(key="run_be_passphrase").set_value("kvviz").run()
+    assert at.selectbox(key="run_iso_passphrase").value == "masked"
+    assert not [t for t in at.text_input if t.disabled]
 
 
 def test_the_scenarios_page_runs_a_scenario_in_transformers_beside_kvviz_s_engine(empty_db):

@@ -239,6 +239,8 @@ def test_the_audit_page_runs_an_audit_and_shows_it_beside_the_past(tmp_path, mon
         (audit_id,) = con.execute("SELECT audit_id FROM timing_audits").fetchone()
         assert con.execute("SELECT count(*) FROM timing_samples").fetchone()[0] == 12
     assert at.multiselect(key="audit_show").value == [audit_id]
+    past = at.dataframe[0].value.iloc[0]  # the words asked, and the prompt as the server counted it
+    assert past.prompt_words == 40 and past.server_prompt_tokens >= 40
     assert f"audit_past_{audit_id}" in {el.key for el in at.get("plotly_chart")}
     at.radio(key="audit_target").set_value("a server at a URL").run()
     at.text_input(key="audit_url").input("http://127.0.0.1:9/v1").run()

@@ -320,6 +320,9 @@ def test_capture_activity_is_per_second_and_a_horizontal_brush():
     reasons = pd.DataFrame({"interval_start": [100.0, 102.0], "reason": ["cold", "evicted"], "lookups": [3, 1]})
     names = [t.name for t in time_fig.activity(churn, 100.0, 2.0, reasons).data]
     assert "miss: cold" in names and "miss: evicted" in names and "tokens computed (misses)" not in names
+    # every bar spans its own interval from its start, whatever the gaps between intervals
+    spans = {(t.width, t.offset) for t in [*fig.data, *time_fig.activity(churn, 100.0, 2.0, reasons).data]}
+    assert spans == {(2.0, 0)}, spans
 
 
 def test_capture_occupancy_stacks_a_series_each_and_durations_are_log_histograms():

@@ -21,10 +21,11 @@ LOCAL_ENGINE = EngineConfig(block_size=16, num_blocks=1024, max_batch_tokens=204
 
 def list_audits(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
     """Newest first. Audits from before version 11 have no null control: their verdict is read from
-    `detected`."""
+    `detected`. The prompt length asked is in words (a token each on SmolLM2 only); beside it, the timed
+    prompt as the server counted it, where it said."""
     return con.execute("SELECT audit_id, created_at, coalesce(target, base_url) AS target, model, level, "
                        "coalesce(verdict, CASE WHEN detected THEN 'detected' ELSE 'not detected' END) AS verdict, "
-                       "samples, prompt_tokens, alpha, "
+                       "samples, prompt_tokens AS prompt_words, counted_prompt_tokens AS server_prompt_tokens, alpha, "
                        "round(median_hit_ms, 1) AS median_hit_ms, round(median_miss_ms, 1) AS median_miss_ms, "
                        "round(median_null_ms, 1) AS median_null_ms, "
                        "round(ks_statistic, 3) AS ks_statistic, p_value, null_p_value, reason FROM timing_audits "

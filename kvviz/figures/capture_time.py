@@ -27,20 +27,25 @@ def activity(churn: pd.DataFrame, origin: float, width: float, reasons: pd.DataF
     df = churn.groupby("interval_start", as_index=False).sum(numeric_only=True)
     x = df.interval_start - origin
     below = "misses by reason (lookups)" if reasons is not None else "tokens: served from the cache, computed"
+    # each bar over its own interval [start, start + width): centred and auto-sized, sparse bars grew to the
+    # gap between them and began before 0, though the caption says each bar is `width` seconds
+    span = {"width": width, "offset": 0}
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.1, row_heights=[0.5, 0.5],
                         subplot_titles=("blocks per second: stored, hit, evicted (down)", below))
     for name, y, colour in (("stored (new)", df.stored, STORED), ("hit (stored again)", df.hits, HIT),
                             ("evicted", -df.evicted, EVICTED)):
-        fig.add_trace(go.Bar(x=x, y=y / width, name=name, marker_color=colour, legendgroup="churn"), row=1, col=1)
+        fig.add_trace(go.Bar(x=x, y=y / width, name=name, marker_color=colour, legendgroup="churn", **span),
+                      row=1, col=1)
     if reasons is None:
-        fig.add_trace(go.Bar(x=x, y=df.hit_tokens, name="tokens served (hits)", marker_color=HIT, showlegend=False),
+        fig.add_trace(go.Bar(x=x, y=df.hit_tokens, name="tokens served (hits)", marker_color=HIT, showlegend=False,
+                             **span),
                       row=2, col=1)
-        fig.add_trace(go.Bar(x=x, y=df.miss_tokens, name="tokens computed (misses)", marker_color=MISS),
+        fig.add_trace(go.Bar(x=x, y=df.miss_tokens, name="tokens computed (misses)", marker_color=MISS, **span),
                       row=2, col=1)
     else:
         for reason, part in reasons.groupby("reason", sort=True):
             fig.add_trace(go.Bar(x=part.interval_start - origin, y=part.lookups, name=f"miss: {reason}",
-                                 marker_color=REASONS.get(reason, "#888")), row=2, col=1)
+                                 marker_color=REASONS.get(reason, "#888"), **span), row=2, col=1)
     fig.update_layout(barmode="relative", height=460, margin=MARGIN, legend={"orientation": "h", "y": -0.22},
                       dragmode="select", selectdirection="h")
     fig.update_xaxes(title="seconds since the capture began (drag across the chart to choose a range)", row=2, col=1)

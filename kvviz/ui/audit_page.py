@@ -119,7 +119,8 @@ def _past() -> None:
                                 "null_p_value": st.column_config.NumberColumn("null p-value", format="%.2e"),
                                 "median_hit_ms": "median hit ms", "median_miss_ms": "median miss ms",
                                 "median_null_ms": "median null ms", "ks_statistic": "KS D",
-                                "prompt_tokens": "prompt tokens", "samples": "rounds", "audit_id": "audit",
+                                "prompt_words": "prompt words", "server_prompt_tokens": "tokens (server)",
+                                "samples": "rounds", "audit_id": "audit",
                                 "alpha": st.column_config.NumberColumn("alpha", format="%.0e")})
     rows = listing.set_index("audit_id")
     st.session_state.setdefault("audit_show", list(rows.index[:1]))  # the newest, or the one just run

@@ -50,7 +50,8 @@ def _choose_run(listing) -> str:
         current = ids[0]
     st.session_state["insp_run"] = current
     labels = {r.run_id: f"{r.run_id} · {r.scenario or 'workload'}"
-              + ("" if r.model == runs.CAPTURE_MODEL else f" · fault {r.fault or 'none'}") + f" · {r.status}"
+              + ("" if r.model == runs.CAPTURE_MODEL else f" · {r.engine} · fault {r.fault or 'none'}")
+              + f" · {r.status}"
               for r in listing.itertuples()}
 
     def chosen() -> None:

@@ -90,9 +90,21 @@ def _sized(col, label: str, rule: str) -> None:
     col.text_input(label, "sized to the model", disabled=True, help=f"Set when the run starts: {rule}.")
 
 
+HF_ONLY = "transformers' continuous batching runs this one way; choose kvviz's engine to change it"
+
+
+def _only(col, label: str, value, why: str):
+    """A setting the chosen engine fixes: shown, not editable; its value."""
+    col.text_input(label, str(value), disabled=True, help=why)
+    return value
+
+
 def _settings(sc, engine0: dict):
     tag = sc.name if sc else "custom"  # widgets per scenario, so each starts from its own settings
     with st.expander("Engine, fault and recording", expanded=sc is None):
+        # read before the widgets it governs are drawn: transformers runs only its own paged isolation and
+        # no kvviz fault, host tier or disaggregation, so those show what it runs instead of a refusal later
+        hf = st.session_state[_key("be", tag, engine0.get("backend", "kvviz"))] == "transformers"
         c = st.columns(5)
         tight = bool(sc and sc.tight_pool)
         engine = {
@@ -103,32 +115,38 @@ def _settings(sc, engine0: dict):
                                             key=_key("nb", tag, int(engine0.get("num_blocks", 256)))),
             "max_batch_tokens": c[2].number_input("token budget per step", 1, 65536,
                                                   key=_key("mbt", tag, int(engine0.get("max_batch_tokens", 256)))),
-            "isolation": c[3].selectbox("isolation", ("paged", "masked"),
-                                        key=_key("iso", tag, engine0.get("isolation", "paged"))),
+            "isolation": _only(c[3], "isolation", "paged", HF_ONLY) if hf else
+            c[3].selectbox("isolation", ("paged", "masked"), key=_key("iso", tag, engine0.get("isolation", "paged"))),
             "prefix_caching": c[4].checkbox("prefix caching", key=_key("pc", tag,
                                                                         bool(engine0.get("prefix_caching", True)))),
         }
         c = st.columns(5)
         offload = "KV offloading: evicted cached blocks are copied to this many host blocks and restored on a later " \
                   "prefix hit"
-        host = (_sized(c[0], "host tier blocks", f"{sc.host_share:.0%} of the pool. {offload}")
+        host = (_only(c[0], "host tier blocks", 0, HF_ONLY) if hf else
+                _sized(c[0], "host tier blocks", f"{sc.host_share:.0%} of the pool. {offload}")
                 if tight and engine0.get("offload") else
                 c[0].number_input("host tier blocks (0: none)", 0, 65536, disabled=tight, help=offload,
                                   key=_key("host", tag, int((engine0.get("offload") or {}).get("cpu_blocks", 0)))))
         engine["offload"] = {"cpu_blocks": int(host)} if host else None
-        engine["disaggregated"] = c[1].checkbox(
+        engine["disaggregated"] = False if hf else c[1].checkbox(
             "disaggregated prefill", key=_key("dis", tag, bool(engine0.get("disaggregated", False))),
             help="a prefill instance with a pool of its own computes each prompt, then transfers its K/V here")
         engine["backend"] = c[2].selectbox("engine", list(ENGINES), format_func=ENGINES.get, help=ENGINE_HELP,
                                            key=_key("be", tag, engine0.get("backend", "kvviz")))
         c = st.columns(4)
         faults = ["none", *FAULTS]  # a string: a None value would show as "Choose an option"
-        fault = c[0].selectbox("fault", faults, key=_key("fault", tag, sc.fault if sc and sc.fault else "none"),
-                               format_func=lambda f: f if f == "none" else f"{f} ({FAULTS[f].isolation or 'any'})")
-        scope_text = (c[1].text_input("fault steps", key=_key("fs", tag, ""), placeholder="e.g. 3,4"),
-                      c[2].text_input("fault requests", key=_key("fr", tag, ""), placeholder="e.g. A"),
-                      c[3].text_input("fault layers", key=_key("fl", tag, ""), placeholder="e.g. 0,1"))
-        if fault != "none":
+        fault = _only(c[0], "fault", "none", HF_ONLY) if hf else c[0].selectbox(
+            "fault", faults, key=_key("fault", tag, sc.fault if sc and sc.fault else "none"),
+            format_func=lambda f: f if f == "none" else f"{f} ({FAULTS[f].isolation or 'any'})")
+        scope_text = (c[1].text_input("fault steps", key=_key("fs", tag, ""), placeholder="e.g. 3,4", disabled=hf),
+                      c[2].text_input("fault requests", key=_key("fr", tag, ""), placeholder="e.g. A", disabled=hf),
+                      c[3].text_input("fault layers", key=_key("fl", tag, ""), placeholder="e.g. 0,1", disabled=hf))
+        scope_text = ("", "", "") if hf else scope_text  # no fault, so no scope, whatever was typed before
+        if hf:
+            st.caption("transformers' continuous batching runs as shipped: its own paged isolation, no kvviz fault, "
+                       "host tier or disaggregated prefill (choose kvviz's engine for those).")
+        elif fault != "none":
             st.caption(f"**{fault}** replaces `{FAULTS[fault].defence}`: {FAULTS[fault].breaks}")
         c = st.columns(3)
         mode = c[0].radio("attention recorded", ("default", "all", "none"), horizontal=True,
