@@ -117,18 +117,27 @@ FROM (SELECT i.*, ROW_NUMBER() OVER (ORDER BY replica, step, ev, blk) AS pos FRO
 # Each block's link to its parent: the parent hash's latest store before it on its replica and group
 # (a child stored before its parent, or one whose chain began before the capture, has none: it is
 # an orphan, as is everything stored under it); the engine lookups' blocks, chained in order, after.
-LINKS = """
-WITH stores AS (SELECT replica, grp, pos, hash, parent, tokens, salt FROM xp_events WHERE kind = 'store'),
-keyed AS (
-    SELECT replica, grp, hash AS k, pos, 1 AS defines FROM stores
+def _parents(hash_col: str, parent_col: str) -> str:
+    """CTEs `keyed` and `found` over a CTE `stores` (replica, grp, pos and the two columns named): for
+    each store that names a parent (defines = 0), `up` is the position of the parent hash's latest
+    store before it on its replica and group, and `latest` its latest store anywhere (after it: the
+    parent came late)."""
+    return f"""keyed AS (
+    SELECT replica, grp, {hash_col} AS k, pos, 1 AS defines FROM stores
     UNION ALL
-    SELECT replica, grp, parent AS k, pos, 0 AS defines FROM stores WHERE parent IS NOT NULL),
+    SELECT replica, grp, {parent_col} AS k, pos, 0 AS defines FROM stores WHERE {parent_col} IS NOT NULL),
 found AS (
     SELECT pos, defines,
            MAX(CASE WHEN defines = 1 THEN pos END) OVER (PARTITION BY replica, grp, k ORDER BY pos, defines
-               ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS up
+               ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS up,
+           MAX(CASE WHEN defines = 1 THEN pos END) OVER (PARTITION BY replica, grp, k) AS latest
     FROM keyed),
-asked AS (SELECT pos, up FROM found WHERE defines = 0),
+"""
+
+
+LINKS = """
+WITH stores AS (SELECT replica, grp, pos, hash, parent, tokens, salt FROM xp_events WHERE kind = 'store'),
+""" + _parents("hash", "parent") + """asked AS (SELECT pos, up FROM found WHERE defines = 0),
 virtual AS (
     SELECT b.lid, b.j, b.tokens,
            ROW_NUMBER() OVER (ORDER BY b.lid, b.j) + (SELECT COALESCE(MAX(pos), 0) FROM xp_events) AS id
@@ -365,17 +374,7 @@ WITH stores AS (
                                        COALESCE(block_index, 0)) AS pos
     FROM capture_events
     WHERE kind = 'BlockStored' AND block_hash IS NOT NULL AND NOT COALESCE(repeat, false)),
-keyed AS (
-    SELECT replica, grp, block_hash AS k, pos, 1 AS defines FROM stores
-    UNION ALL
-    SELECT replica, grp, parent_hash AS k, pos, 0 AS defines FROM stores WHERE parent_hash IS NOT NULL),
-found AS (
-    SELECT pos, defines,
-           MAX(CASE WHEN defines = 1 THEN pos END) OVER (PARTITION BY replica, grp, k ORDER BY pos, defines
-               ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS up,
-           MAX(CASE WHEN defines = 1 THEN pos END) OVER (PARTITION BY replica, grp, k) AS latest
-    FROM keyed),
-messages AS (
+""" + _parents("block_hash", "parent_hash") + """messages AS (
     SELECT COALESCE(replica, 'replica-0') AS replica, COALESCE(restart, 0) AS restart, step, MIN(seq) AS seq
     FROM capture_events GROUP BY COALESCE(replica, 'replica-0'), COALESCE(restart, 0), step),
 sequenced AS (
