@@ -674,9 +674,12 @@ def test_the_transfers_table_says_whose_kv_each_request_received(tiny, tmp_path,
 
 def test_the_run_page_runs_transformers_and_the_inspector_says_which_engine_ran(empty_db):
     """The engine choice: the default custom workload (two tenants, a common prefix) through transformers'
-    continuous batching, stored as a transformers run, opened in the inspector, which names the engine."""
+    continuous batching under the kernel chosen (kvviz's engine offers none), stored as a transformers run,
+    opened in the inspector, which names the engine and the kernel."""
     at = custom_requests({})
+    assert not [s for s in at.selectbox if s.key == "run_kern_custom"]
     at.selectbox(key="run_be_custom").set_value("transformers").run()
+    at.selectbox(key="run_kern_custom").set_value("sdpa_paged").run()
     at.button(key="run_go").click().run()
     assert not at.exception and not at.error, [e.value for e in at.error]
     [run_id] = run_ids(empty_db)
@@ -685,6 +688,7 @@ def test_the_run_page_runs_transformers_and_the_inspector_says_which_engine_ran(
     assert at.title[0].value == "Inspector"
     assert any("engine: transformers' continuous batching" in m.value for m in at.markdown)
     assert any(c.value.startswith("transformers' own continuous batching ran this run") for c in at.caption)
+    assert any(c.value.startswith("Kernel sdpa_paged returns no weights") for c in at.caption)
     run_choice = at.selectbox(key="insp_run")
     assert run_choice.format_func(run_id).endswith(" · transformers · fault none · complete")
     assert page("runs").dataframe[0].value.set_index("run_id").engine[run_id] == "transformers"

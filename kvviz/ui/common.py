@@ -17,6 +17,10 @@ from ..store import RunStore, StoreError
 
 MODELS = ("smollm2", "tiny-llama", "tiny-gpt2")
 ENGINES = {"kvviz": "kvviz's engine", "transformers": "transformers' continuous batching"}  # engine.backend
+KERNELS = ("eager_paged", "sdpa_paged")  # engine.kernel: transformers' paged attention kernels
+KERNEL_HELP = ("eager_paged returns its attention weights, which the oracle reads as they are; sdpa_paged (torch's "
+               "SDPA) returns none, so kvviz recomputes them in float32 from the kernel's own inputs and mask and "
+               "checks its output against theirs at every layer (a kernel_mismatch finding past the tolerance)")
 ENGINE_HELP = ("kvviz's engine, or Hugging Face transformers' own continuous batching (its scheduler, paged cache "
                "and attention, as generate_batch runs them) observed by kvviz's oracles: it has no cache salt "
                "(tenants share prefix blocks, reported as cross-tenant reads) and runs no fork, resumed session, "

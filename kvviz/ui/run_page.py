@@ -15,7 +15,18 @@ from ..faults import FAULTS, Scope
 from ..figures import blocks as block_fig
 from ..scenarios import SCENARIOS
 from ..store.attention import AttentionSelection
-from .common import ENGINE_HELP, ENGINES, MODELS, cross_tenant_warning, db_path, load_model_or_error, open_run, store
+from .common import (
+    ENGINE_HELP,
+    ENGINES,
+    KERNEL_HELP,
+    KERNELS,
+    MODELS,
+    cross_tenant_warning,
+    db_path,
+    load_model_or_error,
+    open_run,
+    store,
+)
 
 LOCAL = "a local path..."
 CUSTOM = pd.DataFrame([
@@ -134,6 +145,9 @@ def _settings(sc, engine0: dict):
             help="a prefill instance with a pool of its own computes each prompt, then transfers its K/V here")
         engine["backend"] = c[2].selectbox("engine", list(ENGINES), format_func=ENGINES.get, help=ENGINE_HELP,
                                            key=_key("be", tag, engine0.get("backend", "kvviz")))
+        if hf:
+            engine["kernel"] = c[3].selectbox("attention kernel", KERNELS, key=_key("kern", tag, engine0.get(
+                "kernel", KERNELS[0])), help=KERNEL_HELP)
         c = st.columns(4)
         faults = ["none", *FAULTS]  # a string: a None value would show as "Choose an option"
         fault = _only(c[0], "fault", "none", HF_ONLY) if hf else c[0].selectbox(
