@@ -264,7 +264,9 @@ def test_runs_lists_the_newest_first_and_refuses_a_bad_limit(tmp_path):
         assert kvviz("import", str(cap), "--db", db).returncode == 0
     p = kvviz("runs", "--db", db, "--format", "json", "--limit", "2")
     assert p.returncode == 0, p.stderr
-    assert [r["scenario"] for r in json.loads(p.stdout)] == ["capture third.jsonl", "capture second.jsonl"]
+    listed = json.loads(p.stdout)
+    assert [r["scenario"] for r in listed] == ["capture third.jsonl", "capture second.jsonl"]
+    assert [r["engine"] for r in listed] == [None, None]  # a capture's server is not an engine kvviz ran
     assert "the newest 2 of 3" in p.stderr
     table = kvviz("runs", "--db", db).stdout.splitlines()
     assert table[0].split()[:3] == ["run_id", "created_at", "status"] and len(table) == 4

@@ -16,6 +16,7 @@ any other in the store.
 from __future__ import annotations
 
 import functools
+import json
 import re
 
 import duckdb
@@ -512,6 +513,8 @@ def test_run_backend_transformers_from_the_command_line(tmp_path):
     assert "backend transformers (sdpa_paged)" in sdpa.stdout.splitlines()[0]
     bad = run("--fault", "boundary")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1
+    listed = kvviz("runs", "--db", tmp_path / "k.duckdb", "--format", "json")
+    assert [r["engine"] for r in json.loads(listed.stdout)] == ["transformers", "transformers"]
 
 
 @pytest.mark.slow
