@@ -689,6 +689,7 @@ def test_the_run_page_runs_transformers_and_the_inspector_says_which_engine_ran(
     assert any("engine: transformers' continuous batching" in m.value for m in at.markdown)
     assert any(c.value.startswith("transformers' own continuous batching ran this run") for c in at.caption)
     assert any(c.value.startswith("Kernel sdpa_paged returns no weights") for c in at.caption)
+    assert any("its reserved trash blocks, last in the map, hold no request's tokens" in c.value for c in at.caption)
     run_choice = at.selectbox(key="insp_run")
     assert run_choice.format_func(run_id).endswith(" · transformers · fault none · complete")
     assert page("runs").dataframe[0].value.set_index("run_id").engine[run_id] == "transformers"

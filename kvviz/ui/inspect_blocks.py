@@ -164,7 +164,9 @@ def _memory(con, info: RunInfo, step: int) -> None:
                 help="steps where the first waiting request found no region although enough slots were free "
                      "in total")
     st.plotly_chart(fig.memory_utilisation(mem.frame(), memory.ARTICLE, step), width="stretch", key="insp_memory")
-    st.caption(f"Both in the same {mem.capacity} slots. Paged: the pool's own count after each step; a shared "
+    trash = (" (transformers' data blocks: its reserved trash blocks, last in the map, hold no request's tokens "
+             "and are not counted)" if info.backend == "transformers" else "")
+    st.caption(f"Both in the same {mem.capacity} slots{trash}. Paged: the pool's own count after each step; a shared "
                "block counts once. Contiguous: a replay; each request advances as it did here once it has a "
                "region." + (f" Never placed (longer than the space): {', '.join(mem.contiguous.refused)}."
                             if mem.contiguous.refused else "")
