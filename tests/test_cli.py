@@ -238,6 +238,8 @@ def test_bench_repeats_interleaved_and_reports_medians(tmp_path):
     generate = next(line for line in text.splitlines() if line.startswith("| uniform-2 | hf generate |"))
     ttft, tpot = (float(cell) for cell in generate.split("|")[5:7])
     assert ttft > 0 and tpot > 0  # measured from generate's own forwards
+    observed = next(line for line in text.splitlines() if "| transformers backend (eager_paged) + oracle |" in line)
+    assert float(observed.split("|")[3]) > 0 and "x generate_batch alone" in text
     runs = [line for line in p.stderr.splitlines() if "(runs:" in line]
     assert len(runs) == len(PEERS) and all(line.count(",") == 2 for line in runs)
     bad = kvviz("bench", "--model", "tiny-llama", "--sizes", "2", "--cases", "nothing")
