@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU checks of issue #3, as one script for a lent CUDA machine: the packed-vs-generate
-# equality tests on CUDA (float32) and the bench. Figures go to $OUT (default ./artifacts).
+# The GPU checks, as one script for a lent CUDA machine: the packed-vs-generate equality tests on
+# CUDA (float32), the transformers backend's tests (issue 27) on CUDA, and the bench. Figures go to
+# $OUT (default ./artifacts).
 #
 # That machine fetches nothing: it has torch and transformers, and the packages it lacks travel as
 # wheels in .whl (carry it; the device tool's README says how to download them here), installed
@@ -20,4 +21,7 @@ model=tiny-llama
 select=(-m "not slow")
 if timeout 60 python3 -m kvviz fetch-model smollm2 >/dev/null 2>&1; then model=smollm2; select=(); fi
 KVVIZ_TEST_DEVICE=cuda python3 -m pytest -q "${select[@]}" tests/test_engine_equivalence.py 2>&1 | tee "$out/equivalence-cuda.txt"
+# transformers' continuous batching on CUDA under the oracle: equality with generate_batch, clean runs,
+# the injected transformers bugs caught, and sdpa_paged's output checked against the recomputed weights
+KVVIZ_TEST_DEVICE=cuda python3 -m pytest -q -m "not slow" tests/test_hf_backend.py 2>&1 | tee "$out/hf-backend-cuda.txt"
 python3 -m kvviz bench --device cuda --model "$model" --sizes 8,32 --new-tokens 64 --out "$out/bench-cuda.md"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 
 import duckdb
@@ -47,9 +48,12 @@ SYSTEM = "System: you are a helpful assistant. "
 KERNELS = ["eager_paged", "sdpa_paged"]
 
 
+DEVICE = os.environ.get("KVVIZ_TEST_DEVICE", "cpu")  # scripts/device-check.sh sets cuda
+
+
 @functools.cache
 def tiny():
-    return load_model("tiny-llama", device="cpu")
+    return load_model("tiny-llama", device=DEVICE)
 
 
 def workload(requests: list[dict], **engine) -> Workload:
@@ -467,7 +471,7 @@ def test_a_recorded_transformers_run_is_stored_like_any_other(tmp_path):
         assert con.execute("SELECT hit_tokens > 0 FROM cache_lookups WHERE request_id = 'B'").fetchone()[0]
         reads = cross_reads.from_store(con, rid)
     assert {(r.reader, r.writer) for r in reads} == {("B", "A")}
-    assert replay.verify(store, rid, device="cpu") == []  # re-executed through transformers: the same run
+    assert replay.verify(store, rid, device=DEVICE) == []  # re-executed through transformers: the same run
 
 
 def test_a_version_11_store_gains_the_backend_column_with_kvviz_for_its_runs(tmp_path):
