@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import platform
 import random
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from pathlib import Path
 import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from .engine import Engine, EngineConfig
+from .engine import Engine, EngineConfig, StepRecord
 from .models import LoadedModel
 from .models.routing import stock_copy
 from .oracle import ProvenanceOracle
@@ -46,7 +47,8 @@ class Measurement:
     generated: int
     prefill_computed: int | None = None  # kvviz only: prompt positions actually computed
     ttft: float | None = None  # mean seconds to a request's first token (prefill and queueing)
-    tpot: float | None = None  # mean seconds per output token after the first (one decode step)
+    tpot: float | None = None  # mean seconds per output token after the first (prefill chunks it waited on included)
+    decode_step: float | None = None  # median seconds of a step that only decodes (generate: each after its first)
 
     @property
     def tokens_per_second(self) -> float:
@@ -87,13 +89,20 @@ def run_kvviz(m: LoadedModel, case: BenchCase, compute: str, prefix_caching: boo
     reqs = [RequestSpec(f"r{i}", prompt_ids=p, max_new_tokens=case.new_tokens, ignore_eos=True)
             for i, p in enumerate(case.prompts)]
     observers = [ProvenanceOracle()] if oracle or record else []
-    wl, on_step, recorder, tmp = Workload(reqs, cfg), None, None, None
+    wl, recorder, tmp = Workload(reqs, cfg), None, None
+    decoding: list[float] = []  # seconds of the steps where every request scheduled decodes one token
+
+    def on_step(rec: StepRecord) -> None:
+        if all(n == 1 for _, n in rec.work.values()):
+            decoding.append(rec.seconds)
+        if recorder is not None:
+            recorder.on_step(rec)
+
     if record:  # default recording: every step, oracle metrics, default attention rows
         tmp = tempfile.TemporaryDirectory()
         observers.append(AttentionRecorder(observers[0], m.config.num_hidden_layers, AttentionSelection()))
         recorder = RunRecorder(RunStore.open(Path(tmp.name) / "bench.duckdb"), "bench", model=m, workload=wl,
                                oracle=observers[0], attention=observers[1])
-        on_step = recorder.on_step
     t = time.perf_counter()
     res = Engine(m, cfg).run(wl, observers=observers, on_step=on_step)
     if recorder is not None:
@@ -106,7 +115,8 @@ def run_kvviz(m: LoadedModel, case: BenchCase, compute: str, prefix_caching: boo
     n = len(res.requests)
     return Measurement(case.name, peer, seconds, res.stats.generated_tokens, res.stats.prefill_tokens_computed,
                        sum(r.first_token_seconds for r in res.requests) / n,
-                       sum(r.seconds_per_output_token for r in res.requests) / n)
+                       sum(r.seconds_per_output_token for r in res.requests) / n,
+                       statistics.median(decoding) if decoding else None)
 
 
 def _no_eos(m: LoadedModel, n: int) -> GenerationConfig:
@@ -137,8 +147,10 @@ def run_generate(m: LoadedModel, case: BenchCase) -> Measurement:
                                logits_processor=LogitsProcessorList([clock]))
     end = time.perf_counter()
     steps = len(clock.times)
+    gaps = [b - a for a, b in zip(clock.times, clock.times[1:], strict=False)] or [0.0]
     return Measurement(case.name, "hf generate", end - t, (out.shape[1] - width) * len(case.prompts), None,
-                       clock.times[0] - t, (end - clock.times[0]) / (steps - 1) if steps > 1 else 0.0)
+                       clock.times[0] - t, (end - clock.times[0]) / (steps - 1) if steps > 1 else 0.0,
+                       statistics.median(gaps))
 
 
 def run_generate_batch(m: LoadedModel, case: BenchCase) -> Measurement:
@@ -241,8 +253,11 @@ def _where_fast_gains(case: str, fast: Measurement, gen: Measurement, new_tokens
     """Split the ratio into prefill and decode: with decode steps exactly as fast as generate's, the
     whole gain is the time to first token, which bounds the ratio any scheduler can reach."""
     ceiling = gen.seconds / (fast.ttft + gen.tpot * (new_tokens - 1))
+    decode = "" if fast.decode_step is None or not gen.decode_step else (
+        f" (a step that only decodes: {1000 * fast.decode_step:.1f} ms, {fast.decode_step / gen.decode_step:.2f}x "
+        "generate's; fast's TPOT also waits on the prefill chunks batched with its decodes)")
     return (f"{case}: first token after {1000 * fast.ttft:.0f} ms (fast) and {1000 * gen.ttft:.0f} ms (generate), "
-            f"then {1000 * fast.tpot:.1f} and {1000 * gen.tpot:.1f} ms per token; with decode as fast as "
+            f"then {1000 * fast.tpot:.1f} and {1000 * gen.tpot:.1f} ms per token{decode}; with decode as fast as "
             f"generate's, fast would be {ceiling:.2f}x generate.")
 
 
@@ -254,16 +269,17 @@ def report(m: LoadedModel, results: list[Measurement], sizes: list[int], new_tok
         f"{torch.get_num_threads()} threads, {platform.machine()}; {sizes} requests, {new_tokens} new tokens each."
         + runs,
         "",
-        "| case | peer | tok/s | x generate | TTFT ms | TPOT ms | prefill tokens computed |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        "| case | peer | tok/s | x generate | TTFT ms | TPOT ms | decode step ms | prefill tokens computed |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     base = {r.case: r.tokens_per_second for r in results if r.peer == "hf generate"}
     for r in results:
         computed = "" if r.prefill_computed is None else str(r.prefill_computed)
         ttft = "" if r.ttft is None else f"{1000 * r.ttft:.1f}"
         tpot = "" if r.tpot is None else f"{1000 * r.tpot:.1f}"
+        decode = "" if r.decode_step is None else f"{1000 * r.decode_step:.1f}"
         lines.append(f"| {r.case} | {r.peer} | {r.tokens_per_second:.1f} | "
-                     f"{r.tokens_per_second / base[r.case]:.2f} | {ttft} | {tpot} | {computed} |")
+                     f"{r.tokens_per_second / base[r.case]:.2f} | {ttft} | {tpot} | {decode} | {computed} |")
     for case in sorted({r.case for r in results}):
         plain = next(r for r in results if r.case == case and r.peer == "kvviz inspect")
         checked = next(r for r in results if r.case == case and r.peer == "kvviz inspect + oracle")
