@@ -15,7 +15,7 @@ from .hf_backend import check_workload, fault_refused, run_workload
 from .models import LoadedModel
 from .models.queue import WaitCallback
 from .oracle import Finding, OracleConfig, ProvenanceOracle
-from .oracle.reference import Divergence, compare_with_isolated, divergence_summary
+from .oracle.reference import Divergence, ReferenceCallback, compare_with_isolated, divergence_summary
 from .workload import Workload
 
 
@@ -65,9 +65,10 @@ def run_checked(m: LoadedModel, workload: Workload, fault: str | None = None,
                 on_step: Callable[[StepRecord], None] | None = None, config: OracleConfig | None = None,
                 reference: bool = True, probes: Sequence[AttentionObserver] = (), run_id: str | None = None,
                 oracle: ProvenanceOracle | None = None, scope: Scope | None = None,
-                on_wait: WaitCallback | None = None) -> CheckedRun:
+                on_wait: WaitCallback | None = None, on_reference: ReferenceCallback | None = None) -> CheckedRun:
     """Run with the provenance oracle on every layer (inspect path) and compare each request with
-    itself run alone, in one turn on the model (on_wait hears how many runs are ahead). The workload's
+    itself run alone (on_reference hears each), in one turn on the model (on_wait hears how many runs
+    are ahead). The workload's
     engine.backend says whose engine runs it: kvviz's own, or transformers' continuous batching."""
     check_fault(fault, workload)
     engine_cfg = replace(workload.engine, compute="inspect")  # the oracle needs the probabilities
@@ -84,5 +85,5 @@ def run_checked(m: LoadedModel, workload: Workload, fault: str | None = None,
         for s in oracle.steps:
             for r, name in enumerate(s.requests):
                 leaked[name] = max(leaked.get(name, 0.0), float(s.max_foreign[r].max()))
-        divs = compare_with_isolated(m, result, leaked) if reference else []
+        divs = compare_with_isolated(m, result, leaked, on_request=on_reference) if reference else []
     return CheckedRun(workload, fault, result, oracle, divs, notes)

@@ -16,6 +16,7 @@ from .ids import new_run_id
 from .models import LoadedModel
 from .models.queue import WaitCallback
 from .oracle import ProvenanceOracle
+from .oracle.reference import ReferenceCallback
 from .store import RunStore
 from .store.attention import AttentionRecorder, AttentionSelection
 from .store.recorder import RunRecorder
@@ -28,7 +29,8 @@ StepCallback = Callable[[StepRecord, ProvenanceOracle], None]
 def record_run(store: RunStore, m: LoadedModel, wl: Workload, fault: str | None = None, *,
                scenario: str | None = None, scope: Scope | None = None,
                selection: AttentionSelection = DEFAULT_SELECTION, on_step: StepCallback | None = None,
-               probes: Sequence[AttentionObserver] = (), on_wait: WaitCallback | None = None) -> CheckedRun:
+               probes: Sequence[AttentionObserver] = (), on_wait: WaitCallback | None = None,
+               on_reference: ReferenceCallback | None = None) -> CheckedRun:
     """Run with both oracles, recording every step; on_step sees each step and the oracle so far. The
     run row is written once the run has its turn on the model (on_wait hears the queue until then)."""
     wl = replace(wl, engine=replace(wl.engine, compute="inspect"))  # what the oracle runs: the record says so
@@ -52,7 +54,7 @@ def record_run(store: RunStore, m: LoadedModel, wl: Workload, fault: str | None 
 
         try:
             run = run_checked(m, wl, fault, on_step=step, probes=[attention, *probes], run_id=run_id, oracle=oracle,
-                              scope=scope)
+                              scope=scope, on_reference=on_reference)
         except BaseException as e:
             rec.fail(e)
             raise

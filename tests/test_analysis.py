@@ -776,10 +776,13 @@ def test_live_run_reports_every_step(rec):
 
 def test_live_run_of_a_leak_counts_findings_as_it_goes(tmp_path):
     seen: list[live.LiveStep] = []
+    compared: list[tuple[int, int, str]] = []  # the reference oracle after the run: a word per request
     db = tmp_path / "k.duckdb"
     out = live.run(RunStore.open(db), tiny(), live.scenario_workload("boundary", tiny()), "boundary",
-                   on_step=seen.append)
+                   on_step=seen.append, on_reference=lambda *said: compared.append(said))
     assert out.findings > 0 and out.max_foreign > 0 and set(out.texts) == {"A", "B"}
+    assert compared == [(0, 2, "A"), (1, 2, "B")]
+    assert live.comparing_message(1, 2, "B") == "Comparing each request with itself run alone: B (2 of 2)"
     assert [s.findings for s in seen] == sorted(s.findings for s in seen) and seen[-1].findings == out.findings
     worst = [s.metrics["max_foreign"] for s in seen]
     assert worst == sorted(worst) and worst == seen[-1].history["max_foreign"]

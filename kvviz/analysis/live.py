@@ -13,6 +13,7 @@ from ..faults import Scope
 from ..models import LoadedModel, load_model
 from ..models.queue import WaitCallback, waiting_message  # noqa: F401 (the pages say it)
 from ..oracle import ProvenanceOracle
+from ..oracle.reference import ReferenceCallback
 from ..recorded import DEFAULT_SELECTION, record_run
 from ..scenarios import scenario
 from ..store import RunStore
@@ -54,9 +55,11 @@ def scenario_workload(name: str, m: LoadedModel) -> dict:
 
 def run(store: RunStore, m: LoadedModel, workload: dict, fault: str | None = None, *, scenario_name: str | None = None,
         scope: Scope | None = None, selection: AttentionSelection = DEFAULT_SELECTION,
-        on_step: Callable[[LiveStep], None] | None = None, on_wait: WaitCallback | None = None) -> Outcome:
+        on_step: Callable[[LiveStep], None] | None = None, on_wait: WaitCallback | None = None,
+        on_reference: ReferenceCallback | None = None) -> Outcome:
     """Validate and run a workload (a dict as in a workload file); raises WorkloadError and friends on
-    bad input before anything is recorded. on_wait hears how many runs are ahead on the model."""
+    bad input before anything is recorded. on_wait hears how many runs are ahead on the model;
+    on_reference each request as it is compared with itself run alone, after the run."""
     wl = Workload.from_dict(workload)
     total = sum(r.max_new_tokens for r in wl.requests)
     done, metrics = 0, LiveMetrics()
@@ -72,10 +75,15 @@ def run(store: RunStore, m: LoadedModel, workload: dict, fault: str | None = Non
                              metrics.history))
 
     checked = record_run(store, m, wl, fault, scenario=scenario_name, scope=scope, selection=selection, on_step=step,
-                         on_wait=on_wait)
+                         on_wait=on_wait, on_reference=on_reference)
     summary = checked.summary()
     return Outcome(checked.result.run_id, {r.id: r.text for r in checked.result.requests}, len(checked.findings),
                    summary["leak"]["max_foreign_mass"])
+
+
+def comparing_message(done: int, n: int, request: str) -> str:
+    """What the reference oracle is doing after the run: seconds per request on a real model."""
+    return f"Comparing each request with itself run alone: {request} ({done + 1} of {n})"
 
 
 def pool_frame(rec: StepRecord) -> pd.DataFrame:

@@ -67,6 +67,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             if ahead != said[0]:
                 bar.write(f"kvviz: {waiting_message(ahead)}", file=sys.stderr)
             said[0] = ahead
+
+        def comparing(done: int, n: int, request: str) -> None:  # the reference oracle: seconds per request
+            bar.set_description_str(f"comparing {request} with itself run alone ({done + 1}/{n})")
         if wl.engine.compute == "fast" and fault is None and wl.engine.backend == "kvviz":
             if args.fail_on_leak:
                 raise WorkloadError("--fail-on-leak needs the leak oracle, which reads attention weights that "
@@ -82,7 +85,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             elif wl.engine.compute == "fast":
                 note = "a run with a fault is judged by the leak oracle, so it runs --compute inspect"
             probe = _seed_probe(m, sc, wl)
-            summary = _recorded_run(args, m, wl, fault, progress, waiting, probe)
+            summary = _recorded_run(args, m, wl, fault, progress, waiting, comparing, probe)
     for said in [note, *(summary.get("notes") or [])]:
         if said is not None:
             print(f"kvviz: note: {said}", file=sys.stderr)
@@ -112,13 +115,13 @@ def _kv_events(path: str | None, wl: Workload, stack: ExitStack) -> KVEventEmitt
 
 def _recorded_run(args: argparse.Namespace, m: LoadedModel, wl: Workload, fault: str | None,
                   progress: Callable[[StepRecord], None], waiting: Callable[[int], None],
-                  probe: LastPromptTokenProbe | None) -> dict:
+                  comparing: Callable[[int, int, str], None], probe: LastPromptTokenProbe | None) -> dict:
     """A checked run recorded step by step into --db; a run that dies is marked failed there."""
     from ..recorded import record_run
 
     run = record_run(args.store, m, wl, fault, scenario=args.scenario, scope=_fault_scope(args),
                      selection=_attention_selection(args), on_step=lambda r, _oracle: progress(r),
-                     probes=[probe] if probe else [], on_wait=waiting)
+                     probes=[probe] if probe else [], on_wait=waiting, on_reference=comparing)
     return {**run.summary(), "db": str(args.store.path)}
 
 

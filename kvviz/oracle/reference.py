@@ -8,6 +8,7 @@ variance (logits move by rounding, with zero foreign weight): the second is neve
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -40,11 +41,19 @@ def isolated_logits(m: LoadedModel, prompt_ids: list[int], output_ids: list[int]
     return out.float().cpu()
 
 
+# (requests compared so far, requests to compare, the request being compared now): a run alone per
+# request takes seconds on a real model, and a user waiting on it should see which
+ReferenceCallback = Callable[[int, int, str], None]
+
+
 def compare_with_isolated(m: LoadedModel, result: RunResult, leaked: dict[str, float],
-                          tolerance: float = TOLERANCE) -> list[Divergence]:
+                          tolerance: float = TOLERANCE,
+                          on_request: ReferenceCallback | None = None) -> list[Divergence]:
     """One Divergence per request; `leaked` maps request -> its max foreign + stale mass."""
     out = []
-    for r in result.requests:
+    for i, r in enumerate(result.requests):
+        if on_request is not None:
+            on_request(i, len(result.requests), r.id)
         if r.logits is None:
             raise ValueError("the run kept no logits: run the engine with keep_logits=True")
         if not r.output_ids:

@@ -252,7 +252,8 @@ def _run(name, sc, requests, engine, fault, scope_text, selection, seed, limits)
     try:
         out = live.run(store(), m, workload, fault, scenario_name=sc.name if sc else None, scope=scope,
                        selection=selection, on_step=on_step,
-                       on_wait=lambda n: bar.progress(0.0, text=live.waiting_message(n).capitalize()))
+                       on_wait=lambda n: bar.progress(0.0, text=live.waiting_message(n).capitalize()),
+                       on_reference=lambda done, n, r: bar.progress(done / n, text=live.comparing_message(done, n, r)))
     except Exception:
         bar.empty()  # the error the app shows replaces the progress, which would still say "starting..."
         raise

@@ -70,7 +70,10 @@ def _run_pair(name: str, model_name: str, engine: str = "kvviz") -> None:
         def on_wait(ahead: int, role=role) -> None:
             bar.progress(0.0, text=f"{role}: {live.waiting_message(ahead)}")
 
-        ids[role] = live.run(store(), m, wl, fault, on_step=on_step, on_wait=on_wait,
+        def on_reference(done: int, n: int, req: str, role=role, i=i) -> None:
+            bar.progress((i + done / n) / len(plan), text=f"{role}: {live.comparing_message(done, n, req)}")
+
+        ids[role] = live.run(store(), m, wl, fault, on_step=on_step, on_wait=on_wait, on_reference=on_reference,
                              scenario_name=f"control of {name}" if role == "control" else name).run_id
     bar.progress(1.0, text="done")
     st.session_state["sc_pair"] = {"name": name, **ids}
