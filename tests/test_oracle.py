@@ -263,3 +263,13 @@ def test_non_finite_weights_are_counted_per_row():
     Engine(m, wl.engine, d).run(wl, observers=[oracle])
     found = [f for f in oracle.findings if f.kind == "non_finite"]
     assert found and found[0].mass == 2 and found[0].position == 3
+
+
+def test_the_boundary_scenario_says_what_it_runs_and_who_reads_whom():
+    """Its text quotes the prompts it runs (not the seed's colour words, which the passphrase scenario
+    runs) and names a leak the oracle finds: A reading B (B reads A too, once A's new blocks lie after its)."""
+    sc, m = SCENARIOS["boundary"], model("tiny-llama")
+    wl = Workload.from_dict(sc.build(m.tokenizer))
+    assert all(f"'{r.prompt}'" in sc.explanation for r in wl.requests)
+    foreign = [f for f in run_checked(m, wl, sc.fault, reference=False).findings if f.kind == "foreign"]
+    assert ("A", "B") in {(f.request, f.source_request) for f in foreign}
