@@ -108,6 +108,15 @@ def test_run_page_stores_a_run_and_opens_it(empty_db):
     at.button(key="run_go").click().run()
     assert not at.exception and not at.error
     [run_id] = run_ids(empty_db)
+    # the finished run stays on the page, its last step drawn, until the user opens it
+    assert at.title[0].value == "Run" and run_id in at.success[0].value
+    with RunStore.open(empty_db).read() as con:
+        last = con.execute("SELECT max(step) FROM steps WHERE run_id = ?", [run_id]).fetchone()[0]
+    assert charts(at)["run_final_pool"]["layout"]["title"]["text"] == f"Pool after step {last}, the last"
+    tiles = {m.label: m.value for m in at.metric}
+    assert tiles["block utilisation"] not in ("0.0%", "n/a") and tiles["slot utilisation"] != "n/a", tiles
+    assert any("the last that held blocks" in c.value for c in at.caption)
+    at.button(key="run_open").click().run()
     assert at.title[0].value == "Inspector" and at.session_state["run_id"] == run_id
     with RunStore.open(empty_db).read() as con:
         status, fault, findings = con.execute("SELECT status, fault, findings FROM runs").fetchone()
@@ -208,6 +217,7 @@ def test_an_unsalted_run_says_its_cross_tenant_reads_beside_the_zero_leak_figure
     at.selectbox(key="run_model").set_value("tiny-llama").run()
     at.selectbox(key="run_scenario").set_value("unsalted_prefix").run()
     at.button(key="run_go").click().run()
+    at.button(key="run_open").click().run()
     assert not at.exception and not at.error and at.title[0].value == "Inspector"
     [run_id] = run_ids(empty_db)
     with RunStore.open(empty_db).read() as con:
@@ -685,6 +695,7 @@ def test_the_run_page_runs_transformers_and_the_inspector_says_which_engine_ran(
     [run_id] = run_ids(empty_db)
     with RunStore.open(empty_db).read() as con:
         assert con.execute("SELECT backend, status FROM runs").fetchone() == ("transformers", "complete")
+    at.button(key="run_open").click().run()
     assert at.title[0].value == "Inspector"
     assert any("engine: transformers' continuous batching" in m.value for m in at.markdown)
     assert any(c.value.startswith("transformers' own continuous batching ran this run") for c in at.caption)

@@ -40,7 +40,7 @@ CUSTOM = pd.DataFrame([
 def render() -> None:
     st.title("Run")
     st.caption("Run the paged engine (kvviz's, or transformers' continuous batching) with both oracles; every step "
-               f"is recorded in `{db_path()}` and the run opens in the inspector.")
+               f"is recorded in `{db_path()}`, and the finished run stays here until you open it in the inspector.")
     left, right = st.columns(2)
     with left:
         name = st.selectbox("Model", [*MODELS, LOCAL], key="run_model",
@@ -78,6 +78,38 @@ def render() -> None:
     limits = _thresholds()
     if st.button("Run", type="primary", icon=":material/play_arrow:", key="run_go", disabled=not name):
         _run(name, sc, requests, engine, fault, scope_text, selection, seed, limits)
+    _finished(limits)
+
+
+def _finished(limits: dict[str, float]) -> None:
+    """The last run's final tiles and pool, kept on the page (a rerun would clear the live ones) until
+    the user opens it in the inspector."""
+    done = st.session_state.get("run_finished")
+    if done is None:
+        return
+    last: live.LiveStep = done["last"]
+    st.success(f"Run `{done['run_id']}` finished: {last.tokens} tokens in {len(done['steps'])} steps, "
+               f"{last.findings} findings.", icon=":material/check_circle:")
+    if st.button("Open it in the inspector", type="primary", icon=":material/search:", key="run_open"):
+        open_run(done["run_id"])
+    values, held = _settled(last, done["steps"])
+    _show_metrics(values, last.history, limits, done["found"], last.cross_tenant)
+    if held is not None:
+        st.caption(f"The last step freed every block, so block and slot utilisation show step {held}, the last "
+                   "that held blocks.")
+    st.plotly_chart(block_fig.block_map(last.blocks, title=f"Pool after step {last.step}, the last"), width="stretch",
+                    key="run_final_pool")
+
+
+def _settled(last: live.LiveStep, steps: list[int]) -> tuple[dict, int | None]:
+    """The final tiles: a run ends by freeing every block (utilisation 0, slots n/a), which says nothing
+    of the run; the pool's figures are then those of the last step that held blocks (and its step)."""
+    used = [i for i, v in enumerate(last.history["block_utilisation"]) if v]
+    if last.metrics["block_utilisation"] or not used:
+        return last.metrics, None
+    i = used[-1]
+    pool = {k: last.history[k][i] for k in ("block_utilisation", "slot_utilisation")}
+    return {**last.metrics, **pool}, steps[i]
 
 
 def _requests_table(requests: list[dict]) -> pd.DataFrame:
@@ -236,10 +268,13 @@ def _run(name, sc, requests, engine, fault, scope_text, selection, seed, limits)
     bar = st.progress(0.0, text="starting...")
     counters = st.empty()
     pool = st.empty()
-    last, found = [0.0], []
+    last, found, steps, final = [0.0], [], [], [None]
+    st.session_state.pop("run_finished", None)
 
     def on_step(s: live.LiveStep) -> None:
         found.append(s.findings)
+        steps.append(s.step)
+        final[0] = s
         bar.progress(min(1.0, s.tokens / max(1, s.total)), text=f"step {s.step}: {s.tokens} of at most {s.total} "
                                                                f"tokens generated · findings so far: {s.findings}")
         with counters.container():
@@ -257,5 +292,5 @@ def _run(name, sc, requests, engine, fault, scope_text, selection, seed, limits)
     except Exception:
         bar.empty()  # the error the app shows replaces the progress, which would still say "starting..."
         raise
-    bar.progress(1.0, text="done")
-    open_run(out.run_id)
+    st.session_state["run_finished"] = {"run_id": out.run_id, "last": final[0], "found": found, "steps": steps}
+    st.rerun()  # the finished panel replaces the live one, drawn once with the last step
