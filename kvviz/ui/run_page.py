@@ -1,6 +1,6 @@
 """Run: the real engine on a chosen model, a scenario or a custom workload, engine settings, an
 optional fault and recording options; live progress, the metrics to watch against the user's alert
-thresholds, and the block map; the stored run opens in the inspector."""
+thresholds, and the block map; the finished run stays on the page until opened in the inspector."""
 
 from __future__ import annotations
 
