@@ -13,12 +13,15 @@ CROSS_NAME = "another tenant's (same content)"
 
 
 def attention_heatmap(weights: np.ndarray, classes: np.ndarray, query_labels: list[str], key_labels: list[str],
-                      key_owners: list[str], title: str = "", mark_row: int | None = None) -> go.Figure:
+                      key_owners: list[str], title: str = "", mark_row: int | None = None,
+                      zmax: float | None = None) -> go.Figure:
     """Queries (rows) x keys (columns, physical slot order). Own weights in blue, weights on foreign
     keys in red and stale keys in orange, on exact copies another tenant wrote in purple (no leak, but
     not the request's own either); unseen cells (future, masked) stay grey. Key labels take
     their writer's colour, and where the owner changes along the key axis a band boundary is drawn,
-    as in the seed's shared-buffer table. mark_row (a finding's query) is outlined."""
+    as in the seed's shared-buffer table. mark_row (a finding's query) is outlined. zmax: the top of the
+    own and cross-tenant scales (default this figure's largest weight); figures drawn side by side share
+    one, or the same colour would mean 0.2 in one and 1.0 in the other."""
     own = np.where(classes == 0, weights, np.nan)
     foreign = np.where(classes == FOREIGN, weights, np.nan)
     stale = np.where(classes == STALE_CLASS, weights, np.nan)
@@ -26,7 +29,8 @@ def attention_heatmap(weights: np.ndarray, classes: np.ndarray, query_labels: li
     x, y = _unique(key_labels), _unique(query_labels)  # category axes: the labels are the coordinates
     hover = "query %{y}<br>key %{x}<br>weight %{z:.4f}<extra>%{fullData.name}</extra>"
     fig = go.Figure()
-    zmax = float(np.nanmax(weights)) if np.isfinite(weights).any() else 1.0
+    if zmax is None:
+        zmax = float(np.nanmax(weights)) if np.isfinite(weights).any() else 1.0
     shown = [(name, z, scale) for name, z, scale in (
         ("own", own, "Blues"), (CROSS_NAME, cross, [[0, "#efedf5"], [1, CROSS_TENANT]]),
         ("foreign", foreign, [[0, "#fde0dd"], [1, LEAK]]),

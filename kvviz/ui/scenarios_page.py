@@ -98,6 +98,8 @@ def _compare(pair: dict) -> None:
                                              infos[r].block_size, upto=True,
                                              shared_axis=infos[r].isolation == "masked") for r in roles}
     where = f"{focus.request} up to step {focus.step}, layer {layer} (mean of heads)"
+    weights = [v.weights for v in views.values() if v is not None and np.isfinite(v.weights).any()]
+    zmax = max((float(np.nanmax(w)) for w in weights), default=None)  # one colour scale for both panels
     st.subheader("Side by side" if len(roles) == 2 else "Result")
     cols = st.columns(len(roles))
     for col, r in zip(cols, roles, strict=True):
@@ -117,7 +119,8 @@ def _compare(pair: dict) -> None:
             v = views[r]
             if v is not None:
                 st.plotly_chart(fig.attention_heatmap(v.weights, v.classes, v.query_labels, v.key_labels,
-                                                      v.key_owners, where), width="stretch", key=f"sc_hm_{r}")
+                                                      v.key_owners, where, zmax=zmax), width="stretch",
+                                key=f"sc_hm_{r}")
             st.dataframe(texts[r], hide_index=True, width="stretch",
                          column_config={"request_id": "request", "cached_tokens": "prompt tokens from the cache",
                                         "finish_reason": "ended by"})
