@@ -154,3 +154,37 @@ def test_progress_says_the_stage_and_never_goes_back():
     assert rounds == pytest.approx(2 / len(stages)), "a stage of rounds does not know how many are left"
     p = explain_jobs.Progress(2, stages[2], "round 3", None, 0.25, 4.2)
     assert p.sentence() == "stage 3 of 10: naming each block's prefix (round 3); 4 s so far"
+
+
+EXITING = """
+import sys, time
+from kvviz.analysis import explain_jobs
+from kvviz.analysis.uploads import import_file
+from kvviz.capture.dataset import DatasetWriter
+from kvviz.capture.events import decode_batch
+from kvviz.capture.synthetic import fleet_messages
+from kvviz.store import RunStore
+
+w = DatasetWriter(sys.argv[1] + "/ds", {"replica-0": "s", "replica-1": "s"})
+for m in fleet_messages(200_000):
+    w.add(m, decode_batch(m.payload, "test"))
+w.close()
+store = RunStore.open(sys.argv[1] + "/kvviz.duckdb")
+job = explain_jobs.ensure(store, import_file(sys.argv[1] + "/ds", store, in_place=True))
+while job.progress().index < 1:  # well inside DuckDB's statements
+    time.sleep(0.01)
+print("exiting", job.progress().stage, flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_process_that_exits_while_a_capture_is_explained_stops_it_and_exits_cleanly(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    start = time.monotonic()
+    p = subprocess.run([sys.executable, "-c", EXITING, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and "exiting" in p.stdout, p.stderr[-2000:]
+    assert "FATAL" not in p.stderr and "terminate" not in p.stderr
+    assert time.monotonic() - start < 120

@@ -10,6 +10,7 @@ why in one sentence and is not started again until someone asks (`retry`)."""
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ from ..capture import explain_sql
 from ..errors import KvvizError
 from ..store import RunStore
 from .explained import STAGES, explained, kept
+
+STOP_S = 5.0  # at exit, how long to wait for a job's thread once its statement is interrupted
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,12 @@ class ExplainJob:
             index = STAGES.index(stage)
             self._shown = max(self._shown, _fraction(index, stage, statement))
             return Progress(index, stage, detail, statement, self._shown, time.monotonic() - self._started)
+
+    def stop(self) -> None:
+        """Interrupt the statement running now (the job then fails, saying so)."""
+        with self._lock:
+            if self._con is not None:
+                self._con.interrupt()
 
     # the Watch that `explained` reports to
     def stage(self, stage: str, detail: str) -> None:
@@ -149,3 +158,15 @@ def _start(store: RunStore, run_id: str) -> ExplainJob:
     job = _jobs[(store.path, run_id)] = ExplainJob(store, run_id)
     job._thread.start()
     return job
+
+
+@atexit.register
+def _stop_all() -> None:
+    """At exit, stop the statements still running and let every job's thread end: a thread cut off inside
+    DuckDB as the interpreter goes aborts the process ("exception not rethrown"), seen once at exit."""
+    with _registry:
+        jobs = list(_jobs.values())
+    for job in jobs:
+        job.stop()
+    for job in jobs:
+        job._thread.join(timeout=STOP_S)
