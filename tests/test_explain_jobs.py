@@ -40,13 +40,26 @@ def capture(tmp_path, monkeypatch):
     return store, run_id, folder
 
 
+@pytest.fixture(autouse=True)
+def no_job_left():
+    """No test's explain runs on into the next (where it would call the next test's stand-in)."""
+    yield
+    for gate in Gate.made:
+        gate.go.set()
+    Gate.made.clear()
+    explain_jobs._stop_all()
+
+
 class Gate:
     """Stands in for explain_capture: counts the calls, holds each until let go, then fails the first
     `failures` of them or runs the real one."""
 
+    made: list[Gate] = []
+
     def __init__(self, monkeypatch, failures: int = 0, hold: bool = True) -> None:
+        Gate.made.append(self)
         self.calls, self.failures = 0, failures
-        self.go = threading.Event()
+        self.go, self.entered = threading.Event(), threading.Event()
         if not hold:
             self.go.set()
         self.real = explained_mod.explain_capture
@@ -54,6 +67,7 @@ class Gate:
 
     def __call__(self, con, run_id, progress=None):
         self.calls += 1
+        self.entered.set()
         if progress:
             progress(STAGES[0], "")
         assert self.go.wait(WAIT_S)
@@ -73,7 +87,7 @@ def test_opening_an_unexplained_capture_explains_it_in_the_background_and_the_ac
     gate = Gate(monkeypatch)
     at = page("inspector", run_id=run_id)  # the page has drawn while explain waits at the gate
     job = explain_jobs.current(store, run_id)
-    assert job is not None and not job.done and gate.calls == 1
+    assert job is not None and gate.entered.wait(WAIT_S) and not job.done and gate.calls == 1
     [said] = _progress_text(at)
     assert "stage 1 of 10: numbering the events" in said and "in the background" in said
     assert at.toggle(key="insp_explain").disabled and "insp_activity" in charts(at), "the chart draws meanwhile"
@@ -97,6 +111,7 @@ def test_a_second_session_follows_the_same_explanation_and_then_reads_it_without
     gate = Gate(monkeypatch)
     first = page("inspector", run_id=run_id)
     job = explain_jobs.current(store, run_id)
+    assert gate.entered.wait(WAIT_S)
     second = page("inspector", run_id=run_id)  # another session while the first one's explain runs
     assert explain_jobs.current(store, run_id) is job and gate.calls == 1, "followed, not started again"
     assert _progress_text(second) and _progress_text(first)
@@ -134,6 +149,7 @@ def test_a_dataset_deleted_while_it_is_explained_is_said_and_nothing_is_kept(cap
     store, run_id, folder = capture
     gate = Gate(monkeypatch)
     at = page("inspector", run_id=run_id)
+    assert gate.entered.wait(WAIT_S)  # explain has its own connection to the dataset: now it goes
     shutil.rmtree(folder)
     gate.go.set()
     job = explain_jobs.current(store, run_id)
@@ -144,6 +160,12 @@ def test_a_dataset_deleted_while_it_is_explained_is_said_and_nothing_is_kept(cap
     assert not at.exception
     with store.read() as con:
         assert not kept(con, run_id)
+    again = explain_jobs.retry(store, run_id)  # the store knows by now: said before any work
+    assert again is not job and again.wait(WAIT_S) and gate.calls == 1
+    assert again.error == (
+        f"Explaining the misses failed: capture {run_id} cannot be read: its capture dataset is no longer at "
+        f"{folder} (import it again)."
+    )
 
 
 def test_progress_says_the_stage_and_never_goes_back():

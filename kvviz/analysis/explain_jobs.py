@@ -11,6 +11,7 @@ why in one sentence and is not started again until someone asks (`retry`)."""
 from __future__ import annotations
 
 import atexit
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from ..store import RunStore
 from .explained import STAGES, explained, kept
 
 STOP_S = 5.0  # at exit, how long to wait for a job's thread once its statement is interrupted
+NICE = 10  # a job's thread, and the DuckDB threads it starts, yield the cores to the pages' own queries
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,7 @@ class ExplainJob:
             self._con = con
 
     def _work(self) -> None:
+        _yield_cores()
         try:
             explained(self.store, self.run_id, watch=self)
             with self.store.read() as con:
@@ -117,6 +120,16 @@ class ExplainJob:
         finally:
             self.running_on(None)
             self._done.set()
+
+
+def _yield_cores() -> None:
+    """Lower this thread's priority (Linux: per thread, inherited by the threads it starts, DuckDB's among
+    them): on a machine of two cores the pages keep drawing at their own speed while a capture is explained."""
+    try:
+        me = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, me, min(19, os.getpriority(os.PRIO_PROCESS, me) + NICE))
+    except (AttributeError, OSError):
+        pass  # no per-thread priority here (not Linux): it runs at the app's
 
 
 _jobs: dict[tuple[Path, str], ExplainJob] = {}

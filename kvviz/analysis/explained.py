@@ -16,6 +16,7 @@ import pandas as pd
 import pyarrow as pa
 
 from ..capture import explain_sql
+from ..capture.import_vllm import CAPTURE_MODEL
 from ..store import RunStore, StoreError
 from ..store.schema import dataset_query
 from .explain import Explanation, explain_capture, explain_run
@@ -57,7 +58,11 @@ def explained(store: RunStore, run_id: str, watch: Watch | None = None) -> list[
         RunStore.require_run(con, run_id)
         if kept(con, run_id):
             return _read(con, run_id)
-        complete = con.execute("SELECT status = 'complete' FROM runs WHERE run_id = ?", [run_id]).fetchone()[0]
+        status, model, error = con.execute("SELECT status, model, error FROM runs WHERE run_id = ?",
+                                           [run_id]).fetchone()
+        if status == "failed" and model == CAPTURE_MODEL:  # its dataset has gone: nothing of it can be read
+            raise StoreError(f"capture {run_id} cannot be read: {error}")
+        complete = status == "complete"
         source = con.execute("SELECT path FROM capture_sources WHERE run_id = ?", [run_id]).fetchone()
         if source is None:
             found, times = _worked_out(con, run_id, lambda: explain_run(con, run_id, _stage(watch)), watch)

@@ -32,25 +32,27 @@ def render(info: RunInfo) -> None:
         st.info("None of this capture's events can be read: it stored nothing, or (see above) its dataset is "
                 "no longer where it was registered.", icon=":material/info:")
         return
-    _explanation(info)
+    above = st.container()  # the explanation's progress, said here once the views have drawn
     a, b = _time_range(info.run_id, span)
     if st.session_state.get("insp_view") not in VIEWS:
         st.session_state["insp_view"] = VIEWS[0]
     view = st.segmented_control("View", VIEWS, key="insp_view", label_visibility="collapsed") or VIEWS[0]
-    if view == "Activity":  # its own readers: explaining the misses keeps them, through the writer
+    if view == "Activity":  # its own readers
         _activity(info, span, a, b)
-        return
-    with reader() as con:
-        if view == "Occupancy":
-            _occupancy(con, info, span, a, b)
-        elif view == "Lifetimes":
-            _lifetimes(con, info, a, b)
-        elif view == "Shared prefixes":
-            _shared(con, info, span, a, b)
-        elif view == "Prefix tree":
-            _tree(con, info, names, a, b)
-        else:
-            _cross_tenant(con, info, span, a, b)
+    else:
+        with reader() as con:
+            if view == "Occupancy":
+                _occupancy(con, info, span, a, b)
+            elif view == "Lifetimes":
+                _lifetimes(con, info, a, b)
+            elif view == "Shared prefixes":
+                _shared(con, info, span, a, b)
+            elif view == "Prefix tree":
+                _tree(con, info, names, a, b)
+            else:
+                _cross_tenant(con, info, span, a, b)
+    with above:  # started after the views' queries: the first view does not wait behind it
+        _explanation(info)
 
 
 def _time_range(run_id: str, span: capture_time.Span) -> tuple[float, float]:
