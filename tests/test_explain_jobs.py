@@ -210,3 +210,25 @@ def test_a_process_that_exits_while_a_capture_is_explained_stops_it_and_exits_cl
     assert p.returncode == 0 and "exiting" in p.stdout, p.stderr[-2000:]
     assert "FATAL" not in p.stderr and "terminate" not in p.stderr
     assert time.monotonic() - start < 120
+
+
+def test_the_store_stays_free_for_writers_while_a_dataset_registered_in_place_is_explained(capture, monkeypatch):
+    """Explain reads the dataset on a DuckDB of its own: a writer of this process (a run recording, an
+    import) is not held behind it."""
+    store, run_id, _ = capture
+    gate = Gate(monkeypatch)
+    job = explain_jobs.ensure(store, run_id)
+    assert gate.entered.wait(WAIT_S) and not job.done
+    wrote = threading.Event()
+
+    def write() -> None:
+        with store.write() as con:
+            con.execute("UPDATE runs SET scenario = 'renamed meanwhile' WHERE run_id = ?", [run_id])
+        wrote.set()
+
+    threading.Thread(target=write, daemon=True).start()
+    assert wrote.wait(WAIT_S) and not job.done, "written while explain still works"
+    gate.go.set()
+    assert job.wait(WAIT_S) and job.error is None
+    with store.read() as con:
+        assert kept(con, run_id)
