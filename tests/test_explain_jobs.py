@@ -89,7 +89,7 @@ def test_opening_an_unexplained_capture_explains_it_in_the_background_and_the_ac
     job = explain_jobs.current(store, run_id)
     assert job is not None and gate.entered.wait(WAIT_S) and not job.done and gate.calls == 1
     [said] = _progress_text(at)
-    assert "stage 1 of 10: numbering the events" in said and "in the background" in said
+    assert "stage 1 of 11: numbering the events" in said and "in the background" in said
     assert at.toggle(key="insp_explain").disabled and "insp_activity" in charts(at), "the chart draws meanwhile"
     gate.go.set()
     assert job.wait(WAIT_S) and job.error is None
@@ -175,7 +175,7 @@ def test_progress_says_the_stage_and_never_goes_back():
     rounds = explain_jobs._fraction(2, stages[2], 0.9)
     assert rounds == pytest.approx(2 / len(stages)), "a stage of rounds does not know how many are left"
     p = explain_jobs.Progress(2, stages[2], "round 3", None, 0.25, 4.2)
-    assert p.sentence() == "stage 3 of 10: naming each block's prefix (round 3); 4 s so far"
+    assert p.sentence() == "stage 3 of 11: naming each block's prefix (round 3); 4 s so far"
 
 
 EXITING = """

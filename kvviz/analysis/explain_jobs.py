@@ -22,9 +22,12 @@ import duckdb
 from ..capture import explain_sql
 from ..errors import KvvizError
 from ..store import RunStore
-from .explained import STAGES, explained, kept
+from . import explained as explaining
+from .explained import contradiction_sentence, explained, kept
 
 STOP_S = 5.0  # at exit, how long to wait for a job's thread once its statement is interrupted
+COUNTING = "counting what the capture's events contradict"
+STAGES = (*explaining.STAGES, COUNTING)  # a job's: explaining and keeping, then the count the page says beside it
 NICE = 10  # a job's thread, and the DuckDB threads it starts, yield the cores to the pages' own queries
 
 
@@ -61,6 +64,7 @@ class ExplainJob:
     def __init__(self, store: RunStore, run_id: str) -> None:
         self.store, self.run_id = store, run_id
         self.error: str | None = None
+        self.contradictions: str | None = None  # once done: what the capture contradicts, said (None: nothing)
         self._done = threading.Event()
         self._lock = threading.Lock()  # guards the stage and the connection a statement runs on
         self._stage, self._detail = STAGES[0], ""
@@ -112,6 +116,9 @@ class ExplainJob:
             with self.store.read() as con:
                 if not kept(con, self.run_id):  # worked out, but the store would not take it (read-only)
                     self.error = "Explaining the misses worked, but the run store could not keep the answer."
+                    return
+            self.stage(COUNTING, "")
+            self.contradictions = contradiction_sentence(self.store, self.run_id)
         except KvvizError as e:
             self.error = f"Explaining the misses failed: {str(e).rstrip('.')}."
         except Exception as e:  # noqa: BLE001 - a worker thread has no caller to raise to: said, not lost

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Protocol
 
@@ -19,7 +21,7 @@ from ..capture import explain_sql
 from ..capture.import_vllm import CAPTURE_MODEL
 from ..store import RunStore, StoreError
 from ..store.schema import dataset_query
-from .explain import Explanation, explain_capture, explain_run
+from .explain import Explanation, contradictions, explain_capture, explain_run
 
 EXPLAIN_S_PER_EVENT = 10e-6  # 7.8 s for a million events measured once on 2 busy cores, rounded up
 FIELDS = ("request", "step", "hit_tokens", "stop_block", "stop_token", "reason")
@@ -103,18 +105,36 @@ def _from_dataset(store: RunStore, run_id: str, path: Path, watch: Watch | None
                   ) -> tuple[list[Explanation], dict[int, float]]:
     """A dataset registered in place, explained on a DuckDB of its own: the store is not held while it
     works (its readers and writers, here and in other processes, go on), and it spills beside the store."""
+    with _own_connection(store, run_id, path) as con:
+        return _worked_out(con, run_id, lambda: explain_capture(con, run_id, _stage(watch)), watch)
+
+
+@contextmanager
+def _own_connection(store: RunStore, run_id: str, path: Path) -> Iterator[duckdb.DuckDBPyConnection]:
+    """A DuckDB of its own whose kv_events is the dataset's (a read of it that fails: StoreError)."""
     with tempfile.TemporaryDirectory(dir=store.path.parent, prefix=".explain-") as spill:
         con = duckdb.connect(":memory:", config={**OWN_CONFIG, "temp_directory": spill})
         try:
             con.execute("SET enable_progress_bar = true; SET enable_progress_bar_print = false")  # measured, unsaid
             con.execute(f"CREATE VIEW kv_events AS {dataset_query(run_id, path)}")
-            return _worked_out(con, run_id, lambda: explain_capture(con, run_id, _stage(watch)), watch)
+            yield con
         except duckdb.Error as e:
             gone = "" if path.is_dir() else ": it is no longer there"
             raise StoreError(f"the capture's dataset at {path} could not be read{gone} "
                              f"({str(e).splitlines()[0]})") from None
         finally:
             con.close()
+
+
+def contradiction_sentence(store: RunStore, run_id: str) -> str | None:
+    """What a capture's events say that cannot be so, in a sentence (None: nothing); a dataset registered
+    in place is read on a DuckDB of its own, as explain reads it."""
+    with store.read() as con:
+        source = con.execute("SELECT path FROM capture_sources WHERE run_id = ?", [run_id]).fetchone()
+        if source is None:
+            return contradictions(con, run_id).sentence()
+    with _own_connection(store, run_id, Path(source[0])) as con:
+        return contradictions(con, run_id).sentence()
 
 
 def reasons_per_interval(con: duckdb.DuckDBPyConnection, run_id: str, start: float, end: float,

@@ -127,8 +127,7 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 def cmd_explain(args: argparse.Namespace) -> int:
     """Why each lookup of a run (or each stored chain of a capture) stopped where it did."""
-    from ..analysis.explain import contradictions
-    from ..analysis.explained import STAGES, explain_seconds, explained, kept
+    from ..analysis.explained import STAGES, contradiction_sentence, explain_seconds, explained, kept
 
     class SaidOnStderr:  # a capture of millions of events takes a minute: each stage said as it begins
         def stage(self, stage: str, detail: str) -> None:
@@ -146,8 +145,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         print(f"kvviz: explaining the capture's {events:,} events, each lookup (about {explain_seconds(events):,} s); "
               "the answer is kept, so this happens once", file=sys.stderr)
     found = explained(args.store, args.run_id, watch=SaidOnStderr() if events else None)
-    with args.store.read() as con:
-        said = contradictions(con, args.run_id).sentence()
+    said = contradiction_sentence(args.store, args.run_id)
     if said:
         print(f"kvviz: {said}", file=sys.stderr)
     if args.request is not None:

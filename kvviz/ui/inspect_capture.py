@@ -11,9 +11,9 @@ import pandas as pd
 import streamlit as st
 
 from ..analysis import capture_time, captures, cross_reads, explain_jobs, leaks
-from ..analysis.explain import contradictions
-from ..analysis.explained import explain_seconds, explained_in, kept, reasons_per_interval
+from ..analysis.explained import contradiction_sentence, explain_seconds, explained_in, kept, reasons_per_interval
 from ..analysis.runs import RunInfo
+from ..errors import StoreError
 from ..figures import capture_time as time_fig
 from ..figures import captures as tree_fig
 from .common import db_path, lookups_table, reader, store
@@ -123,10 +123,12 @@ def _explanation(info: RunInfo) -> None:
     """The first time a complete capture is opened its misses are explained in the background (one job
     per capture for every session of this process; the answer kept in the store for all, the CLI too):
     its progress while it runs, or why it failed with a button to try again."""
-    with reader() as con:
-        if kept(con, info.run_id) or info.status != "complete":
-            return
-    job = explain_jobs.ensure(store(), info.run_id)
+    job = explain_jobs.current(store(), info.run_id)
+    if job is None or job.done:
+        with reader() as con:
+            if kept(con, info.run_id) or info.status != "complete":
+                return
+        job = explain_jobs.ensure(store(), info.run_id)
     if job.error is not None:
         st.error(f"{job.error} The capture's views are as they were; only the reasons are missing.",
                  icon=":material/error:")
@@ -184,16 +186,22 @@ def _lookups(info: RunInfo, a: float, b: float) -> None:
 
 
 def _contradictions(info: RunInfo) -> str | None:
-    """What the capture says that cannot be so, in a sentence (a scan of its events, which do not change
-    once imported: once for every session of this process)."""
+    """What the capture says that cannot be so, in a sentence: counted by the background explanation
+    (nothing said while it counts: the page is drawn again when it ends), else once for every session of
+    this process (a scan of its events, which do not change once imported)."""
+    job = explain_jobs.current(store(), info.run_id)
+    if job is not None and job.error is None:
+        return job.contradictions if job.done else None
     return _contradictions_of(str(db_path()), info.run_id)
 
 
 @st.cache_data(show_spinner="Counting what the capture's events contradict (once for every session)...",
                max_entries=64)
 def _contradictions_of(db: str, run_id: str) -> str | None:
-    with reader() as con:
-        return contradictions(con, run_id).sentence()
+    try:
+        return contradiction_sentence(store(), run_id)
+    except StoreError:
+        return None  # its dataset has gone since: the page says so above
 
 
 def _occupancy(con, info: RunInfo, span: capture_time.Span, a: float, b: float) -> None:
