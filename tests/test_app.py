@@ -12,7 +12,7 @@ import duckdb
 import numpy as np
 import pytest
 
-from kvviz.analysis import live
+from kvviz.analysis import explain_jobs, live
 from kvviz.analysis.explained import explained, kept
 from kvviz.models import load_model
 from kvviz.store import RunStore
@@ -34,6 +34,13 @@ def page(name: str, **state) -> AppTest:
         at.switch_page(f"kvviz/ui/pages/{name}.py").run()
     assert not at.exception, at.exception[0].value
     return at
+
+
+def explained_in_background(at: AppTest, run_id: str) -> AppTest:
+    """The inspector explains a capture it opens in the background: wait for it, then draw again."""
+    job = explain_jobs.current(RunStore.open(), run_id)
+    assert job is not None and job.wait(TIMEOUT) and job.error is None, job and job.error
+    return at.run()
 
 
 def run_ids(db) -> list[str]:
@@ -413,6 +420,7 @@ def test_an_uploaded_capture_opens_with_the_views_it_supports(empty_db, tmp_path
     stored = next(t for t in charts(at)["insp_activity"]["data"] if t["name"] == "stored (new)")
     tiles = {m.label: m.value for m in at.metric}
     assert sum(values(stored["y"])) > 0 and (tiles["new blocks"], tiles["hits"]) == ("3", "1"), "11 again: a hit"
+    explained_in_background(at, run_id)
     at.toggle(key="insp_explain").set_value(True).run()
     reasons = {t["name"]: sum(values(t["y"])) for t in charts(at)["insp_activity"]["data"]}
     assert reasons.get("miss: cold") == 2 and not at.exception, "11 -> 12, then 21 after 12: tokens never cached"
@@ -442,9 +450,8 @@ def test_an_uploaded_capture_opens_with_the_views_it_supports(empty_db, tmp_path
     assert any("1 block of this range served more than one tenant" in c.value for c in at.caption)
 
 
-def test_a_capture_too_large_to_explain_in_the_app_shows_what_the_cli_kept(empty_db, tmp_path, monkeypatch):
+def test_a_capture_the_cli_explained_opens_with_its_reasons_and_is_not_explained_again(empty_db, tmp_path):
     from kvviz.analysis.uploads import import_file
-    from kvviz.ui import inspect_capture
 
     from .test_capture import batch, stored_map, write_capture
 
@@ -452,12 +459,9 @@ def test_a_capture_too_large_to_explain_in_the_app_shows_what_the_cli_kept(empty
                                                batch(stored_map([21], 12, [5, 6]))])
     store = RunStore.open(empty_db)
     run_id = import_file(cap, store)
-    monkeypatch.setattr(inspect_capture, "EXPLAIN_MAX_EVENTS", 2)  # this one has 3 events
-    at = page("inspector", run_id=run_id)
-    toggle = at.toggle(key="insp_explain")
-    assert toggle.disabled and f"python -m kvviz explain {run_id}" in toggle.help and not at.exception
     explained(store, run_id)  # as the CLI does
-    at.run()
+    at = page("inspector", run_id=run_id)
+    assert explain_jobs.current(store, run_id) is None and not at.get("progress"), "kept: nothing to work out"
     at.toggle(key="insp_explain").set_value(True).run()
     reasons = {t["name"]: sum(values(t["y"])) for t in charts(at)["insp_activity"]["data"]}
     assert reasons.get("miss: cold") == 2 and not at.exception

@@ -133,7 +133,7 @@ def test_the_capture_views_say_the_segments_whose_tenant_is_unknown_and_show_the
     its chain (no eviction, nothing stored twice) by events that name no salt. The Cross-tenant view
     says so beside 'no hash under two salts', and the Activity view's explanation lists the evidence;
     the control, the same segments naming tenant-a, says nothing of the kind."""
-    from tests.test_app import page
+    from tests.test_app import explained_in_background, page
 
     db = tmp_path / "kvviz.duckdb"
     monkeypatch.setenv("KVVIZ_DB", str(db))
@@ -150,6 +150,7 @@ def test_the_capture_views_say_the_segments_whose_tenant_is_unknown_and_show_the
     assert not at.exception and any("No block hash was stored under two salts" in i.value for i in at.info)
     warned = [w.value for w in at.warning]
     at.segmented_control(key="insp_view").set_value("Activity").run()
+    explained_in_background(at, run)
     at.toggle(key="insp_explain").set_value(True).run()
     lookups = at.dataframe[-1].value
     assert not at.exception and list(lookups.request) == [f"chain-{h:016x}" for h in (1, 4, 6, 7)]

@@ -457,12 +457,12 @@ def test_a_capture_that_contradicts_itself_is_explained_where_it_can_be_and_the_
 def test_the_activity_view_says_what_a_capture_contradicts(tmp_path, monkeypatch, contradict):
     """Beside the explained lookups, the counts in a sentence; nothing of the kind for the control."""
     from kvviz.analysis.uploads import import_file
-    from tests.test_app import page
+    from tests.test_app import explained_in_background, page
 
     db = tmp_path / "kvviz.duckdb"
     monkeypatch.setenv("KVVIZ_DB", str(db))
     run_id = import_file(contradicting(tmp_path / "c.jsonl", contradict), RunStore.open(db))
-    at = page("inspector", run_id=run_id)
+    at = explained_in_background(page("inspector", run_id=run_id), run_id)
     at.toggle(key="insp_explain").set_value(True).run()
     warned = [w.value for w in at.warning if "contradicts" in w.value]
     assert not at.exception and len(at.dataframe[-1].value) == 4

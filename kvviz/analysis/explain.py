@@ -94,26 +94,40 @@ def _count(n: int, noun: str, one: str, many: str) -> str:
     return "" if not n else f"1 {noun} {one}" if n == 1 else f"{n:,} {noun}s {many}"
 
 
-def explain_run(con: duckdb.DuckDBPyConnection, run_id: str) -> list[Explanation]:
+def explain_run(con: duckdb.DuckDBPyConnection, run_id: str,
+                progress: explain_sql.Progress | None = None) -> list[Explanation]:
     """Every lookup of an engine run, or every stored chain segment of a capture, explained (by SQL, in
-    this connection's temporary tables, dropped after)."""
+    this connection's temporary tables, dropped after); `progress` hears each stage begin."""
     head = con.execute("SELECT engine FROM runs WHERE run_id = ?", [run_id]).fetchone()
     if head is None:
         raise StoreError(f"no run {run_id!r}")
+    if _is_capture(con, run_id):
+        return explain_capture(con, run_id, progress)
     sql = explain_sql.DuckSql(con)
     try:
-        if _is_capture(con, run_id):
-            _capture_input(sql, run_id)
-        else:
-            _engine_input(sql, run_id, int(json.loads(head[0] or "{}").get("block_size", 16)))
-        explain_sql.explain(sql)
-        cur = con.execute(f"SELECT {', '.join(explain_sql.RESULT_COLUMNS)} FROM explain_result")
-        rows = [dict(zip(explain_sql.RESULT_COLUMNS, r, strict=True)) for r in cur.fetchall()]
-        if "capture_events" in sql.made:
-            return _capture_explanations(sql, rows)
-        return [_explained(r["request"], r) for r in sorted(rows, key=lambda r: r["lid"])]
+        _engine_input(sql, run_id, int(json.loads(head[0] or "{}").get("block_size", 16)))
+        explain_sql.explain(sql, progress)
+        return [_explained(r["request"], r) for r in sorted(_result(sql), key=lambda r: r["lid"])]
     finally:
         sql.close()
+
+
+def explain_capture(con: duckdb.DuckDBPyConnection, run_id: str,
+                    progress: explain_sql.Progress | None = None) -> list[Explanation]:
+    """Every stored chain segment of a capture explained, from the connection's kv_events (the store's,
+    or a connection's own view over a dataset registered in place)."""
+    sql = explain_sql.DuckSql(con)
+    try:
+        _capture_input(sql, run_id)
+        explain_sql.explain(sql, progress)
+        return _capture_explanations(sql, _result(sql))
+    finally:
+        sql.close()
+
+
+def _result(sql: explain_sql.DuckSql) -> list[dict]:
+    cur = sql.con.execute(f"SELECT {', '.join(explain_sql.RESULT_COLUMNS)} FROM explain_result")
+    return [dict(zip(explain_sql.RESULT_COLUMNS, r, strict=True)) for r in cur.fetchall()]
 
 
 def contradictions(con: duckdb.DuckDBPyConnection, run_id: str) -> Contradictions:

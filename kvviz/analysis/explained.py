@@ -7,16 +7,39 @@ lookups are not all there yet."""
 from __future__ import annotations
 
 import json
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Protocol
 
 import duckdb
 import pandas as pd
 import pyarrow as pa
 
+from ..capture import explain_sql
+from ..capture.import_vllm import CAPTURE_MODEL
 from ..store import RunStore, StoreError
-from .explain import Explanation, explain_run
+from ..store.schema import dataset_query
+from .explain import Explanation, contradictions, explain_capture, explain_run
 
 EXPLAIN_S_PER_EVENT = 10e-6  # 7.8 s for a million events measured once on 2 busy cores, rounded up
 FIELDS = ("request", "step", "hit_tokens", "stop_block", "stop_token", "reason")
+READING, KEEPING = "reading the answer back", "keeping it in the run store"
+STAGES = (*explain_sql.STAGES, READING, KEEPING)  # what explaining a run does, in order
+# A dataset registered in place is explained on a DuckDB of its own (the store stays free for others):
+# two threads, spilling to disk past this.
+OWN_CONFIG = {"threads": 2, "memory_limit": "1GB"}
+
+
+class Watch(Protocol):
+    """Who follows an explanation being worked out (a progress bar)."""
+
+    def stage(self, stage: str, detail: str) -> None:
+        """A stage of STAGES begins (detail: which round of it, or "")."""
+
+    def running_on(self, con: duckdb.DuckDBPyConnection | None) -> None:
+        """The connection its statements run on now (None: none), for DuckDB's own progress."""
 
 
 def explain_seconds(events: int) -> int:
@@ -30,21 +53,88 @@ def kept(con: duckdb.DuckDBPyConnection, run_id: str) -> bool:
     return row is not None and row[0] is not None
 
 
-def explained(store: RunStore, run_id: str) -> list[Explanation]:
+def explained(store: RunStore, run_id: str, watch: Watch | None = None) -> list[Explanation]:
     """The run's explanations: read back if kept, else worked out and kept (when the run is complete).
-    StoreError names a run that is not there or has nothing to explain."""
+    StoreError names a run that is not there, has nothing to explain, or whose dataset cannot be read."""
     with store.read() as con:
         RunStore.require_run(con, run_id)
         if kept(con, run_id):
             return _read(con, run_id)
-        complete = con.execute("SELECT status = 'complete' FROM runs WHERE run_id = ?", [run_id]).fetchone()[0]
-        found = explain_run(con, run_id)
+        status, model, error = con.execute("SELECT status, model, error FROM runs WHERE run_id = ?",
+                                           [run_id]).fetchone()
+        if status == "failed" and model == CAPTURE_MODEL:  # its dataset has gone: nothing of it can be read
+            raise StoreError(f"capture {run_id} cannot be read: {error}")
+        complete = status == "complete"
+        source = con.execute("SELECT path FROM capture_sources WHERE run_id = ?", [run_id]).fetchone()
+        if source is None:
+            found, times = _worked_out(con, run_id, lambda: explain_run(con, run_id, _stage(watch)), watch)
+    if source is not None:
+        found, times = _from_dataset(store, run_id, Path(source[0]), watch)
     if complete:
+        if watch:
+            watch.stage(KEEPING, "")
         try:
-            _keep(store, run_id, found)
+            _keep(store, run_id, found, times)
         except StoreError:
             pass  # a store this user may read but not write: the answer stands, it is only not kept
     return found
+
+
+def _stage(watch: Watch | None) -> explain_sql.Progress | None:
+    return watch.stage if watch else None
+
+
+def _worked_out(con: duckdb.DuckDBPyConnection, run_id: str, explain, watch: Watch | None
+                ) -> tuple[list[Explanation], dict[int, float]]:
+    """explain() on con, followed by the watch, and the time of each of a capture's messages."""
+    if watch:
+        watch.running_on(con)
+    try:
+        found = explain()
+        if watch:
+            watch.stage(READING, "")
+        times = dict(con.execute("SELECT step, min(ts) FROM kv_events WHERE run_id = ? GROUP BY step",
+                                 [run_id]).fetchall())
+    finally:
+        if watch:
+            watch.running_on(None)
+    return found, times
+
+
+def _from_dataset(store: RunStore, run_id: str, path: Path, watch: Watch | None
+                  ) -> tuple[list[Explanation], dict[int, float]]:
+    """A dataset registered in place, explained on a DuckDB of its own: the store is not held while it
+    works (its readers and writers, here and in other processes, go on), and it spills beside the store."""
+    with _own_connection(store, run_id, path) as con:
+        return _worked_out(con, run_id, lambda: explain_capture(con, run_id, _stage(watch)), watch)
+
+
+@contextmanager
+def _own_connection(store: RunStore, run_id: str, path: Path) -> Iterator[duckdb.DuckDBPyConnection]:
+    """A DuckDB of its own whose kv_events is the dataset's (a read of it that fails: StoreError)."""
+    with tempfile.TemporaryDirectory(dir=store.path.parent, prefix=".explain-") as spill:
+        con = duckdb.connect(":memory:", config={**OWN_CONFIG, "temp_directory": spill})
+        try:
+            con.execute("SET enable_progress_bar = true; SET enable_progress_bar_print = false")  # measured, unsaid
+            con.execute(f"CREATE VIEW kv_events AS {dataset_query(run_id, path)}")
+            yield con
+        except duckdb.Error as e:
+            gone = "" if path.is_dir() else ": it is no longer there"
+            raise StoreError(f"the capture's dataset at {path} could not be read{gone} "
+                             f"({str(e).splitlines()[0]})") from None
+        finally:
+            con.close()
+
+
+def contradiction_sentence(store: RunStore, run_id: str) -> str | None:
+    """What a capture's events say that cannot be so, in a sentence (None: nothing); a dataset registered
+    in place is read on a DuckDB of its own, as explain reads it."""
+    with store.read() as con:
+        source = con.execute("SELECT path FROM capture_sources WHERE run_id = ?", [run_id]).fetchone()
+        if source is None:
+            return contradictions(con, run_id).sentence()
+    with _own_connection(store, run_id, Path(source[0])) as con:
+        return contradictions(con, run_id).sentence()
 
 
 def reasons_per_interval(con: duckdb.DuckDBPyConnection, run_id: str, start: float, end: float,
@@ -75,11 +165,11 @@ def _read(con: duckdb.DuckDBPyConnection, run_id: str) -> list[Explanation]:
     return [Explanation(*row[:-1], json.loads(row[-1])) for row in rows]
 
 
-def _keep(store: RunStore, run_id: str, found: list[Explanation]) -> None:
+def _keep(store: RunStore, run_id: str, found: list[Explanation], times: dict[int, float]) -> None:
     """Replace whatever was kept of the run, in one transaction; a capture's lookups get the time of
     their message. A run deleted meanwhile keeps nothing."""
     columns = {name: [getattr(e, name) for e in found] for name in FIELDS}
-    rows = pa.table({"run_id": [run_id] * len(found), **columns,
+    rows = pa.table({"run_id": [run_id] * len(found), **columns, "ts": [times.get(e.step) for e in found],
                      "evidence": [json.dumps(e.evidence) for e in found]})
     with store.write() as con:
         con.execute("BEGIN TRANSACTION")
@@ -89,8 +179,5 @@ def _keep(store: RunStore, run_id: str, found: list[Explanation]) -> None:
         con.execute("DELETE FROM lookup_explanations WHERE run_id = ?", [run_id])
         if found:
             RunStore.insert(con, "lookup_explanations", rows)
-            con.execute("UPDATE lookup_explanations e SET ts = w.ts FROM (SELECT step, min(ts) AS ts FROM kv_events "
-                        "WHERE run_id = $run GROUP BY step) w WHERE e.run_id = $run AND e.step = w.step",
-                        {"run": run_id})
         con.execute("UPDATE runs SET explained_at = now()::TIMESTAMP WHERE run_id = ?", [run_id])
         con.execute("COMMIT")

@@ -53,6 +53,7 @@ explained where it can be: CONTRADICTIONS counts what explain could not use. In 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 ROOT = -1  # the parent name of a chain's first block
@@ -415,6 +416,22 @@ RESULT_COLUMNS = (
 )
 
 
+# What `explain` is doing, in the order it does it, for a progress bar: each is one statement, or a
+# statement per round where the chains need more (as many rounds as log2 of the longest chain).
+STAGES = (
+    "numbering the events",
+    "linking each block to its parent",
+    "naming each block's prefix",
+    "finding what each block continues",
+    "each cached block's lives",
+    "the lookups",
+    "each lookup's hit blocks",
+    "the reasons",
+)
+ROUNDS = {STAGES[2], STAGES[6]}  # stages of several statements, one per round
+Progress = Callable[[str, str], None]  # (a stage of STAGES, what of it: "round 3"); called as each begins
+
+
 class Sql(Protocol):
     """Where the queries run: `table` materialises a query under a name the later ones read, `rows`
     answers one."""
@@ -424,28 +441,39 @@ class Sql(Protocol):
     def rows(self, query: str) -> list[tuple]: ...
 
 
-def explain(sql: Sql) -> None:
+def explain(sql: Sql, progress: Progress | None = None) -> None:
     """Run every step over the inputs (explain_input, explain_lookups, explain_lookup_blocks) into
-    the table explain_result (and the steps' own tables, named xp_*)."""
+    the table explain_result (and the steps' own tables, named xp_*); `progress` hears each stage begin."""
+    said = progress or (lambda stage, detail: None)
+    said(STAGES[0], "")
     sql.table("xp_events", EVENTS)
+    said(STAGES[1], "")
     sql.table("xp_links", LINKS)
     chains = ["xp_chain_0"]
+    said(STAGES[2], "round 1")
     sql.table(chains[0], CHAIN_START)
     while sql.rows(f"SELECT COUNT(*) FROM {chains[-1]} WHERE jump IS NOT NULL")[0][0]:
         if len(chains) > MAX_ROUNDS:
             raise RuntimeError(f"explain: chains still jumping after {MAX_ROUNDS} rounds")
         chains.append(f"xp_chain_{len(chains)}")
+        said(STAGES[2], f"round {len(chains)}")
         sql.table(chains[-1], CHAIN_ROUND.format(chain=chains[-2]))
     final = chains[-1]
+    said(STAGES[3], "")
     sql.table("xp_nodes", NODES.format(chain=final, root=ROOT))
+    said(STAGES[4], "")
     sql.table("xp_lives", LIVES)
+    said(STAGES[5], "")
     sql.table("xp_lookups", LOOKUPS.format(chain=final, root=ROOT))
     found = "xp_up_0"
     sql.table(found, ANCESTORS_START)
     for n, i in enumerate(reversed(range(len(chains) - 1)), 1):  # chains[i] jumps 2^i blocks
+        said(STAGES[6], f"round {n} of {len(chains) - 1}")
         sql.table(f"xp_up_{n}", ANCESTORS_ROUND.format(found=found, chain=chains[i], step=1 << i))
         found = f"xp_up_{n}"
+    said(STAGES[6], "")
     sql.table("xp_hits", HITS.format(found=found, chain=final))
+    said(STAGES[7], "")
     longest = sql.rows("SELECT MAX(cardinality(stop_tokens)) FROM xp_lookups")[0][0] or 0
     sql.table("xp_positions", positions(longest))
     sql.table("explain_result", REASONS)

@@ -127,8 +127,15 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 def cmd_explain(args: argparse.Namespace) -> int:
     """Why each lookup of a run (or each stored chain of a capture) stopped where it did."""
-    from ..analysis.explain import contradictions
-    from ..analysis.explained import explain_seconds, explained, kept
+    from ..analysis.explained import STAGES, contradiction_sentence, explain_seconds, explained, kept
+
+    class SaidOnStderr:  # a capture of millions of events takes a minute: each stage said as it begins
+        def stage(self, stage: str, detail: str) -> None:
+            print(f"kvviz: explain {STAGES.index(stage) + 1}/{len(STAGES)}: {stage}" + (f" ({detail})" if detail
+                  else ""), file=sys.stderr)
+
+        def running_on(self, con) -> None:
+            pass
 
     with args.store.read() as con:
         args.store.require_run(con, args.run_id)
@@ -137,9 +144,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
     if events:
         print(f"kvviz: explaining the capture's {events:,} events, each lookup (about {explain_seconds(events):,} s); "
               "the answer is kept, so this happens once", file=sys.stderr)
-    found = explained(args.store, args.run_id)
-    with args.store.read() as con:
-        said = contradictions(con, args.run_id).sentence()
+    found = explained(args.store, args.run_id, watch=SaidOnStderr() if events else None)
+    said = contradiction_sentence(args.store, args.run_id)
     if said:
         print(f"kvviz: {said}", file=sys.stderr)
     if args.request is not None:

@@ -442,13 +442,17 @@ def refresh_capture_view(con) -> None:
             con.execute("UPDATE runs SET status = 'failed', error = ? WHERE run_id = ?",
                         [f"its capture dataset is no longer at {path} (import it again)", run])
             con.execute("DELETE FROM capture_sources WHERE run_id = ?", [run])
-    cols = ", ".join(_quote(c) for c in DATASET_COLUMNS)  # those a dataset has: an older one's missing ones are null
-    parts = ["SELECT * FROM kv_event_rows"] + [
-        f"SELECT {_quote(run)} AS run_id, COLUMNS(lambda c: list_contains([{cols}], c)) FROM read_parquet("
-        f"{_quote(str(Path(path) / 'replica=*/*.parquet'))}, hive_partitioning = true, "
-        "hive_types = {'replica': VARCHAR}, union_by_name = true) WHERE kind IS NOT NULL"
-        for run, path in sources if Path(path).is_dir()]
+    parts = ["SELECT * FROM kv_event_rows"] + [dataset_query(run, path) for run, path in sources if Path(path).is_dir()]
     con.execute("CREATE OR REPLACE VIEW kv_events AS " + "\nUNION ALL BY NAME\n".join(parts))
+
+
+def dataset_query(run_id: str, path: str | Path) -> str:
+    """A dataset registered in place as kv_events rows of its run: what the store's view reads, and what
+    explain reads on a connection of its own (not holding the store while it works)."""
+    cols = ", ".join(_quote(c) for c in DATASET_COLUMNS)  # those a dataset has: an older one's missing ones are null
+    return (f"SELECT {_quote(run_id)} AS run_id, COLUMNS(lambda c: list_contains([{cols}], c)) FROM read_parquet("
+            f"{_quote(str(Path(path) / 'replica=*/*.parquet'))}, hive_partitioning = true, "
+            "hive_types = {'replica': VARCHAR}, union_by_name = true) WHERE kind IS NOT NULL")
 
 
 def datasets_gone(con) -> bool:

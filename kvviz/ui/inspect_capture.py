@@ -10,16 +10,16 @@ from datetime import UTC, datetime
 import pandas as pd
 import streamlit as st
 
-from ..analysis import capture_time, captures, cross_reads, leaks
-from ..analysis.explain import contradictions
-from ..analysis.explained import explain_seconds, explained, explained_in, kept, reasons_per_interval
+from ..analysis import capture_time, captures, cross_reads, explain_jobs, leaks
+from ..analysis.explained import contradiction_sentence, explain_seconds, explained_in, kept, reasons_per_interval
 from ..analysis.runs import RunInfo
+from ..errors import StoreError
 from ..figures import capture_time as time_fig
 from ..figures import captures as tree_fig
-from .common import lookups_table, reader, store
+from .common import db_path, lookups_table, reader, store
 
 VIEWS = ("Activity", "Occupancy", "Lifetimes", "Shared prefixes", "Prefix tree", "Cross-tenant")
-EXPLAIN_MAX_EVENTS = 1_000_000  # past this, explaining the misses is for the CLI (the app shows what it kept)
+PROGRESS_S = 1.0  # how often the progress of an explanation in the background is looked at
 
 
 def render(info: RunInfo) -> None:
@@ -32,24 +32,27 @@ def render(info: RunInfo) -> None:
         st.info("None of this capture's events can be read: it stored nothing, or (see above) its dataset is "
                 "no longer where it was registered.", icon=":material/info:")
         return
+    above = st.container()  # the explanation's progress, said here once the views have drawn
     a, b = _time_range(info.run_id, span)
     if st.session_state.get("insp_view") not in VIEWS:
         st.session_state["insp_view"] = VIEWS[0]
     view = st.segmented_control("View", VIEWS, key="insp_view", label_visibility="collapsed") or VIEWS[0]
-    if view == "Activity":  # its own readers: explaining the misses keeps them, through the writer
+    if view == "Activity":  # its own readers
         _activity(info, span, a, b)
-        return
-    with reader() as con:
-        if view == "Occupancy":
-            _occupancy(con, info, span, a, b)
-        elif view == "Lifetimes":
-            _lifetimes(con, info, a, b)
-        elif view == "Shared prefixes":
-            _shared(con, info, span, a, b)
-        elif view == "Prefix tree":
-            _tree(con, info, names, a, b)
-        else:
-            _cross_tenant(con, info, span, a, b)
+    else:
+        with reader() as con:
+            if view == "Occupancy":
+                _occupancy(con, info, span, a, b)
+            elif view == "Lifetimes":
+                _lifetimes(con, info, a, b)
+            elif view == "Shared prefixes":
+                _shared(con, info, span, a, b)
+            elif view == "Prefix tree":
+                _tree(con, info, names, a, b)
+            else:
+                _cross_tenant(con, info, span, a, b)
+    with above:  # started after the views' queries: the first view does not wait behind it
+        _explanation(info)
 
 
 def _time_range(run_id: str, span: capture_time.Span) -> tuple[float, float]:
@@ -99,7 +102,7 @@ def _activity(info: RunInfo, span: capture_time.Span, a: float, b: float) -> Non
                     "block: its server did not report hits (vLLM: kv_cache_report_mode=\"full\"), so the events "
                     "cannot tell how many tokens were served from the cache.")
     c[3].metric("evicted", f"{int(total.evicted):,}")
-    reasons = _reasons(info, a, b, width) if _explain_wanted(info, events, is_kept) else None
+    reasons = _reasons(info, a, b, width) if _explain_wanted(info, events, is_kept) and is_kept else None
     event = st.plotly_chart(time_fig.activity(churn, span.start, width, reasons), width="stretch",
                             key="insp_activity", on_select="rerun", selection_mode="box")
     st.caption(f"Each bar is {width:g} s" + (f", summed over {churn.replica.nunique()} replicas" if
@@ -116,31 +119,52 @@ def _activity(info: RunInfo, span: capture_time.Span, a: float, b: float) -> Non
             st.rerun()
 
 
+def _explanation(info: RunInfo) -> None:
+    """The first time a complete capture is opened its misses are explained in the background (one job
+    per capture for every session of this process; the answer kept in the store for all, the CLI too):
+    its progress while it runs, or why it failed with a button to try again."""
+    job = explain_jobs.current(store(), info.run_id)
+    if job is None or job.done:
+        with reader() as con:
+            if kept(con, info.run_id) or info.status != "complete":
+                return
+        job = explain_jobs.ensure(store(), info.run_id)
+    if job.error is not None:
+        st.error(f"{job.error} The capture's views are as they were; only the reasons are missing.",
+                 icon=":material/error:")
+        st.button("Explain again", key="insp_explain_retry", icon=":material/refresh:",
+                  on_click=lambda: explain_jobs.retry(store(), info.run_id))
+    elif not job.done:
+        st.fragment(run_every=PROGRESS_S)(_progress)(job)
+
+
+def _progress(job: explain_jobs.ExplainJob) -> None:
+    """The job's progress bar; once it has ended, the page again (the reasons are there, or why not)."""
+    if job.done:
+        st.rerun(scope="app")
+    p = job.progress()
+    st.progress(p.fraction, text="Explaining why each stored chain missed the cache, in the background (once, kept "
+                f"for every session; the views work meanwhile): {p.sentence()}.")
+
+
 def _explain_wanted(info: RunInfo, events: int, is_kept: bool) -> bool:
-    """The toggle: on at once when the capture was explained before (by the app or the CLI); a large
-    one not yet explained points to the CLI, whose explanation the app then shows."""
-    small = events <= EXPLAIN_MAX_EVENTS
+    """The toggle: on once the capture's explanation is kept (worked out in the background the first time
+    it was opened, or by the CLI)."""
     if is_kept:
         why = "Kept from when this capture was explained: why each stored chain was not served from the cache."
-    elif small:
-        why = ("Works out from the capture's events, for each stored chain, why it was not served from the cache: "
-                "cold, evicted, reset (the cache was cleared), namespace (cached under another salt), diverged, "
-                "partial block. About "
-                f"{explain_seconds(events)} s for this capture, once: the answer is kept for everyone.")
+    elif info.status == "complete":
+        why = ("Being worked out in the background (the progress bar above): for each stored chain, why it was not "
+               "served from the cache: cold, evicted, reset (the cache was cleared), namespace (cached under another "
+               f"salt), diverged, partial block. About {explain_seconds(events):,} s for this capture, once: the "
+               "answer is kept for everyone.")
     else:
-        why = (f"This capture has {events:,} events: explain it once from the command line, "
-                f"`python -m kvviz explain {info.run_id}`, and the app shows what it kept.")
-    return st.toggle("Explain the misses (why each lookup stopped)", key="insp_explain",
-                     disabled=not (small or is_kept), help=why)
+        why = "A capture is explained once it is complete."
+    return st.toggle("Explain the misses (why each lookup stopped)", key="insp_explain", disabled=not is_kept,
+                     help=why)
 
 
 def _reasons(info: RunInfo, a: float, b: float, width: float) -> pd.DataFrame:
-    """Misses (lookups) per interval and reason, from the kept explanation (made now if it is not)."""
-    with reader() as con:
-        is_kept = kept(con, info.run_id)
-    if not is_kept:
-        with st.spinner("Explaining each miss from the capture's events (kept for next time)..."):
-            explained(store(), info.run_id)
+    """Misses (lookups) per interval and reason, from the kept explanation."""
     with reader() as con:
         return reasons_per_interval(con, info.run_id, a, b, width)
 
@@ -162,13 +186,22 @@ def _lookups(info: RunInfo, a: float, b: float) -> None:
 
 
 def _contradictions(info: RunInfo) -> str | None:
-    """What the capture says that cannot be so, in a sentence: worked out once per session (a scan of
-    its events, which do not change once imported)."""
-    key = f"insp_contradictions_{info.run_id}"
-    if key not in st.session_state:
-        with reader() as con:
-            st.session_state[key] = contradictions(con, info.run_id).sentence()
-    return st.session_state[key]
+    """What the capture says that cannot be so, in a sentence: counted by the background explanation
+    (nothing said while it counts: the page is drawn again when it ends), else once for every session of
+    this process (a scan of its events, which do not change once imported)."""
+    job = explain_jobs.current(store(), info.run_id)
+    if job is not None and job.error is None:
+        return job.contradictions if job.done else None
+    return _contradictions_of(str(db_path()), info.run_id)
+
+
+@st.cache_data(show_spinner="Counting what the capture's events contradict (once for every session)...",
+               max_entries=64)
+def _contradictions_of(db: str, run_id: str) -> str | None:
+    try:
+        return contradiction_sentence(store(), run_id)
+    except StoreError:
+        return None  # its dataset has gone since: the page says so above
 
 
 def _occupancy(con, info: RunInfo, span: capture_time.Span, a: float, b: float) -> None:

@@ -9,10 +9,11 @@ import pandas as pd
 import plotly.express as px
 import streamlit as st
 
+from ..analysis import explain_jobs
 from ..analysis.runs import CAPTURE_MODEL
 from ..store import SqlError
 from ..store.sql import run_query
-from .common import empty_store_hint, has_db, reader
+from .common import empty_store_hint, has_db, reader, store
 
 NEWEST_ENGINE_RUN = (f"WHERE run_id = (SELECT run_id FROM runs WHERE model <> '{CAPTURE_MODEL}'  -- not a capture\n"
                      "                ORDER BY created_at DESC LIMIT 1)")
@@ -60,6 +61,10 @@ def render() -> None:
         return
     st.caption("Read-only: one SELECT at a time, no files, no extensions, at most "
                f"{MAX_ROWS:,} rows and 30 s. Ctrl+Enter runs the query.")
+    busy = explain_jobs.running(store())
+    if busy:
+        st.caption(f"Being explained in the background (opened in the inspector): {', '.join(j.run_id for j in busy)}; "
+                   "lookup_explanations holds their reasons once done.")
 
     def use_example() -> None:
         st.session_state["sql_text"] = EXAMPLES[st.session_state["sql_example"]]
