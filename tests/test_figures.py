@@ -341,6 +341,8 @@ def test_capture_occupancy_stacks_a_series_each_and_durations_are_log_histograms
     bar = fig.data[0]
     assert bar.offset == 0 and 0.2 < bar.width[0] < 10 ** 0.1 - 1, "the bar spans its bin [1, 1.26) s, on a log axis"
     assert all(fig.layout[f"{a}axis{i}"].type == "log" for a in "xy" for i in ("", "2", "3"))
+    # one bar inside a decade (a capture with one eviction) still has decade ticks to read it by
+    assert list(fig.layout.xaxis.range) == [0, 1] and list(fig.layout.xaxis3.range) == [-2, -1]
 
 
 # -- prefix tree ---------------------------------------------------------------------------------------------

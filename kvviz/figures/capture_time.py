@@ -5,6 +5,8 @@ of blocks shared across tenants."""
 
 from __future__ import annotations
 
+import math
+
 import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
@@ -78,7 +80,12 @@ def durations(df: pd.DataFrame, bins_per_decade: int) -> go.Figure:
         fig.add_trace(go.Bar(x=part.seconds, y=part["count"], width=part.seconds * (step - 1) * 0.95, offset=0,
                              name=measure, marker_color=colour, customdata=part.seconds * step,
                              hovertemplate="%{x:.3g} to %{customdata:.3g} s: %{y}<extra></extra>"), row=1, col=col)
-        fig.update_xaxes(type="log", dtick=1, row=1, col=col)  # a tick a decade: 0.01, 0.1, 1, 10 ...
+        # a tick a decade: 0.01, 0.1, 1, 10 ...; the range takes in the decades around the bars, or one bar (a
+        # capture with one eviction) would sit inside a decade with no tick to read it by
+        edges = part.seconds[part.seconds > 0]
+        span = ([math.floor(math.log10(edges.min())), math.ceil(math.log10(edges.max() * step))]
+                if len(edges) else None)
+        fig.update_xaxes(type="log", dtick=1, range=span, row=1, col=col)
     fig.update_layout(height=280, showlegend=False, margin=MARGIN)
     fig.update_yaxes(type="log", dtick=1)
     fig.update_yaxes(title="blocks (log)", row=1, col=1)
