@@ -755,3 +755,18 @@ def test_the_scenarios_page_runs_a_scenario_in_transformers_beside_kvviz_s_engin
     assert any(w.startswith("the oracles report ") for w in warned)
     assert len([w for w in warned if "cross-tenant reads" in w]) == 1
     assert any(s.value == "clean" for s in at.success)
+
+
+@pytest.mark.slow
+def test_the_pages_that_only_read_start_without_the_engine():
+    """Home, Runs, SQL, Upload and the inspector import no torch or transformers (seconds on a first
+    load): only a page that runs a model loads them, when it first needs one."""
+    import subprocess
+    import sys
+
+    pages = ("home", "runs_page", "sql_page", "upload_page", "inspector")
+    code = "; ".join(f"import kvviz.ui.{p}" for p in pages) + (
+        "; import sys; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

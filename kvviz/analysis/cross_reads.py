@@ -6,10 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import duckdb
 
-from ..oracle import Finding
+if TYPE_CHECKING:
+    from ..oracle import Finding
+
 
 NO_SALT = "(no salt)"
 UNKNOWN = "(unknown)"  # a request the store holds no row for (a served run records requests as they end)

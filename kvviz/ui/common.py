@@ -11,8 +11,8 @@ import duckdb
 import pandas as pd
 import streamlit as st
 
-from ..analysis import cross_reads, live, runs
-from ..models import ModelError
+from ..analysis import cross_reads, runs
+from ..errors import ModelError
 from ..store import RunStore, StoreError
 
 MODELS = ("smollm2", "tiny-llama", "tiny-gpt2")
@@ -97,7 +97,10 @@ def reader() -> Iterator[duckdb.DuckDBPyConnection]:
 
 @st.cache_resource(show_spinner="Loading the model (the first load of smollm2 converts its weights, ~20 s)...")
 def model(name: str):
-    """One copy of each model per process, shared by every session."""
+    """One copy of each model per process, shared by every session. The engine (torch, transformers:
+    seconds to import) is imported here, when a page first needs a model, not when the app starts."""
+    from ..analysis import live
+
     return live.model(name)
 
 
