@@ -431,6 +431,8 @@ def test_an_uploaded_capture_opens_with_the_views_it_supports(empty_db, tmp_path
     assert values(icicle["ids"]) == ["all", f"{21:016x}"], "11-12-21: one chain of single children, one segment"
     assert values(icicle["marker"]["colors"]) == ["#eceff1", "#d62728"], "11 was used by two tenants"
     assert values(icicle["labels"]) == ["all blocks", "3 blocks from b"], "named by its first block, 11 = 0xb"
+    assert charts(at)["insp_reuse_tree"]["layout"]["uniformtext"] == {"minsize": 11, "mode": "hide"}, \
+        "a label too long for its segment is hidden, not shrunk unreadably small"
     at.radio(key="insp_tree_how").set_value("as stored, block by block").run()
     tree = charts(at)["insp_tree"]
     assert sum(len(values(t["x"])) for t in tree["data"][1:]) == 3  # three distinct hashes stored

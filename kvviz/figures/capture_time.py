@@ -61,7 +61,8 @@ def occupancy(df: pd.DataFrame, origin: float, split: str) -> go.Figure:
     for name, part in df.groupby("series", sort=True):
         fig.add_trace(go.Scatter(x=part.interval_start - origin, y=part.cached, name=str(name), stackgroup="one",
                                  line={"color": colours[name], "shape": "hv", "width": 1}))
-    fig.update_layout(height=400, margin=MARGIN, legend={"orientation": "h", "y": -0.25, "traceorder": "normal"},
+    # the legend beside the plot, a series a line: under it, a row of many series ran into the axis title
+    fig.update_layout(height=400, margin=MARGIN, legend={"traceorder": "normal", "title": {"text": split}},
                       showlegend=True, title=f"blocks cached, per {split}")  # named even when there is one
     fig.update_xaxes(title="seconds since the capture began")
     fig.update_yaxes(title="blocks")

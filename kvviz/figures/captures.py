@@ -104,5 +104,6 @@ def reuse_tree(df: pd.DataFrame, depth: int = 3) -> go.Figure:
         hovertemplate="%{hovertext}<br>used %{value} times, %{customdata[3]} hits<br>tenants: %{customdata[4]}"
                       "<extra></extra>",
         tiling={"orientation": "h"}))
-    fig.update_layout(height=640, margin={"l": 5, "r": 5, "t": 5, "b": 5})
+    # a label that fits only shrunk below a readable size is hidden (its hover still says it), not drawn tiny
+    fig.update_layout(height=640, margin={"l": 5, "r": 5, "t": 5, "b": 5}, uniformtext={"minsize": 11, "mode": "hide"})
     return fig
