@@ -124,3 +124,19 @@ def reuse_tree(con: duckdb.DuckDBPyConnection, run_id: str, start: float, end: f
                          ", ".join(salts_of), len(rest)))
     return pd.DataFrame(rows, columns=["id", "parent", "first", "blocks", "tokens", "uses", "hits", "tenants",
                                        "salts", "folded"])
+
+
+def cross_tenant_findings(con: duckdb.DuckDBPyConnection, run_id: str, limit: int = 2000) -> pd.DataFrame:
+    """A capture's cross_tenant findings as an operator reads them: the tenant (salt) that stored a block
+    hash another had stored first, that first one, the message where it happened, the replica and the
+    block hash (the findings table keeps the message and block index; the event names the rest)."""
+    return con.execute("""
+        WITH f AS (
+            SELECT request_id AS tenant, source_request AS stored_first_by, step, position FROM findings
+            WHERE run_id = $run AND kind = 'cross_tenant' ORDER BY step, position LIMIT $limit)
+        SELECT f.tenant, f.stored_first_by, e.replica, printf('%016x', e.block_hash) AS block_hash,
+               f.step AS message
+        FROM f JOIN kv_events e ON e.run_id = $run AND e.kind = 'BlockStored' AND e.step = f.step
+             AND e.block_index = f.position AND coalesce(e.salt, '(no salt)') = f.tenant
+        QUALIFY row_number() OVER (PARTITION BY f.tenant, f.step, f.position ORDER BY e.replica, e.event_index) = 1
+        ORDER BY message, replica, block_hash""", {"run": run_id, "limit": limit}).df()

@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 import pandas as pd
 import streamlit as st
 
-from ..analysis import capture_time, captures, cross_reads, explain_jobs, leaks
+from ..analysis import capture_time, captures, cross_reads, explain_jobs
 from ..analysis.explained import contradiction_sentence, explain_seconds, explained_in, kept, reasons_per_interval
 from ..analysis.runs import RunInfo
 from ..errors import StoreError
@@ -323,16 +323,18 @@ def _cross_tenant(con, info: RunInfo, span: capture_time.Span, a: float, b: floa
                    "continues; on a server that leaves the salt out of its hashes, another tenant's request may have "
                    "stored it. `python -m kvviz explain` (or *Explain the misses* in the Activity view) says, per "
                    "stored segment, whose chain it continues.", icon=":material/help:")
-    found = leaks.findings(con, info.run_id)
+    found = captures.cross_tenant_findings(con, info.run_id)
     if found.empty:
         st.info("No block hash was stored under two salts. A capture shows only the blocks a server "
                 "stored: one tenant reusing another's cached blocks stores nothing (unless the server "
                 "reports hits, kv_cache_report_mode=\"full\"), so this is not proof of isolation; "
                 "`python -m kvviz audit-timing` tests a server from outside.", icon=":material/info:")
     else:
-        st.caption("Findings of the whole capture. cross_tenant: one block hash stored under two salts on one "
-                   "replica (request_id: the salt; source_request: the salt that stored it first).")
-        st.dataframe(found, hide_index=True, width="stretch", key="insp_capture_findings")
+        st.caption("Findings of the whole capture: each block hash stored under a second salt on one replica, "
+                   "the message where it was, and the salt that stored it first.")
+        st.dataframe(found, hide_index=True, width="stretch", key="insp_capture_findings",
+                     column_config={"tenant": "tenant (salt)", "stored_first_by": "stored first by",
+                                    "block_hash": "block hash"})
 
 
 def _untold(segments: dict[str, int]) -> str:
