@@ -14,6 +14,7 @@ import torch
 
 from .engine import Defences
 from .engine.defences import NOT_OWNED, grouped_attend, shared_axis_mask
+from .engine.pool_patches import PoolPatches
 from .errors import WorkloadError
 
 
@@ -203,19 +204,21 @@ def _low_precision_fill(d: Defences, scope: Scope, B: int) -> Defences:
 
 
 # -- block lifecycle ---------------------------------------------------------------------------
-def _pool_patch(patch: Callable) -> Callable[[Defences, Scope, int], Defences]:
+def _pool_patch(**patches: Callable) -> Callable[[Defences, Scope, int], Defences]:
+    """A lifecycle fault: the engine methods it replaces, by name (PoolPatches' fields), each given as a
+    factory of its replacement for the run's owner of that method."""
+    typed = PoolPatches(**patches)  # a name that is no field fails here, as FAULTS is built at import
+
     def apply(d: Defences, scope: Scope, B: int) -> Defences:
-        return replace(d, patch_pool=patch)
+        return replace(d, pool_patches=typed)
     return apply
 
 
-def _missing_cow(kv) -> None:
-    kv.copy_on_write = lambda seq, index: []  # the writer writes into the block it shares
+def _missing_cow(kv):
+    return lambda seq, index: []  # the writer writes into the block it shares
 
 
-def _early_free(kv) -> None:
-    pool = kv.pool
-
+def _early_free(pool):
     def release(blocks, request, kind="free"):
         freed = []
         for b in blocks:
@@ -225,73 +228,67 @@ def _early_free(kv) -> None:
             freed.append(b)
             pool.event(kind, b, request)
         pool.requeue(freed)
-    pool.release = release
+    return release
 
 
-def _stale_hash(kv) -> None:
-    pool = kv.pool
-
+def _stale_hash(pool):
     def evict(b, request):
         old, b.hash = b.hash, None  # the hash -> block entry is left behind: a later lookup hits new content
         pool.event("evict", b, request, hash=old)
-    pool.evict = evict
+    return evict
 
 
-def _unsalted_prefix(kv) -> None:
+def _unsalted_prefix(kv):
     keys = kv.hash_keys
-    kv.hash_keys = lambda seq: tuple(k for k in keys(seq) if k[0] != "salt")
+    return lambda seq: tuple(k for k in keys(seq) if k[0] != "salt")
 
 
-def _offload_wrong_block(kv) -> None:
-    host = kv.host
-    if host is not None:
-        address = host.address
-        host.address = lambda h: (address(h) + 1) % host.num_blocks  # the neighbouring host block
+def _offload_wrong_block(host):
+    address = host.address
+    return lambda h: (address(h) + 1) % host.num_blocks  # the neighbouring host block
 
 
-def _offload_stale_restore(kv) -> None:
-    host = kv.host
-    if host is not None:
-        forget = host.forget
+def _offload_stale_restore(host):
+    forget = host.forget
 
-        def keep_hash(b, request):
-            old = host.hashes[b]
-            forget(b, request)
-            host.cached[old] = b  # the entry survives while the host block takes other content
-        host.forget = keep_hash
+    def keep_hash(b, request):
+        old = host.hashes[b]
+        forget(b, request)
+        host.cached[old] = b  # the entry survives while the host block takes other content
+    return keep_hash
 
 
-def _transfer_wrong_request(kv) -> None:
+def _transfer_wrong_request(kv):
     copy_in, previous = kv.copy_in, []
 
     def copy_previous(source, blocks, n, seq_id):
         sent = previous[:] or source  # the buffer still holds the previous request's prefill
         previous[:] = source
         return copy_in(sent, blocks, n, seq_id)
-    kv.copy_in = copy_previous
+    return copy_previous
 
 
-def _transfer_failed_silently(kv) -> None:
-    kv.copy_in = lambda source, blocks, n, seq_id: "ok"  # nothing arrived; the status says it did
+def _transfer_failed_silently(kv):
+    return lambda source, blocks, n, seq_id: "ok"  # nothing arrived; the status says it did
 
 
-def _untagged_namespace(kv) -> None:
+def _untagged_namespace(kv):
     keys = kv.hash_keys
-    kv.hash_keys = lambda seq: tuple(name for _, name in keys(seq))  # "foo" the salt == "foo" the adapter
+    return lambda seq: tuple(name for _, name in keys(seq))  # "foo" the salt == "foo" the adapter
 
 
-def _stale_hash_after_truncate(kv) -> None:
+def _stale_hash_after_truncate(kv):
     def resume(seq_id, hashes, keep):
         kv.seqs[seq_id].block_hashes = list(hashes)  # every old hash kept, also past the truncation
-    kv.resume = resume
+    return resume
 
 
-def _partial_hash_promoted(kv) -> None:
+def _partial_hash_promoted(kv):
     def resume(seq_id, hashes, keep):
         # the block cut by the truncation keeps its old hash: once it fills with new tokens, that hash
         # (of the old tokens) names it
         kv.seqs[seq_id].block_hashes = list(hashes[:-(-keep // kv.block_size)])
-    kv.resume = resume
+    return resume
 
 
 FAULTS: dict[str, Fault] = {f.name: f for f in [
@@ -321,40 +318,41 @@ FAULTS: dict[str, Fault] = {f.name: f for f in [
           "vLLM #7018", ("foreign", "stale", "normalisation"), None, _zero_block_table),
     Fault("missing_cow", "copy-on-write", "a fork writes into the partial block it shares with its parent",
           "no CoW for shared partial blocks (what HF's continuous batching copies for)", ("foreign",), None,
-          _pool_patch(_missing_cow)),
+          _pool_patch(copy_on_write=_missing_cow)),
     Fault("early_free", "refcount release", "a shared block is freed when its first holder finishes",
           "mini-sglang #142 (use after free), #52 (lock off by one), vLLM #42571", ("foreign", "stale"), None,
-          _pool_patch(_early_free)),
+          _pool_patch(release=_early_free)),
     Fault("stale_hash", "eviction", "an evicted block's hash entry survives: later lookups hit new content",
-          "vLLM #4761", ("foreign",), None, _pool_patch(_stale_hash)),
+          "vLLM #4761", ("foreign",), None, _pool_patch(evict=_stale_hash)),
     Fault("unsalted_prefix", "prefix-cache hash key", "the tenant salt is left out: tenants share prefix blocks",
           "CVE-2025-46570, vLLM RFC #16016 (timing side channel)", ("cross_tenant",), None,
-          _pool_patch(_unsalted_prefix)),
+          _pool_patch(hash_keys=_unsalted_prefix)),
     Fault("offload_wrong_block", "offload restore",
           "a restore from the host tier copies the neighbouring host block instead of the one hashed",
           "TensorRT-LLM PR #8830 (offloaded blocks restored with another block's state)", ("foreign", "stale"), None,
-          _pool_patch(_offload_wrong_block)),
+          _pool_patch(address=_offload_wrong_block)),
     Fault("offload_stale_restore", "host-tier eviction",
           "a host block taken for other content keeps its old hash: a later hit restores the new content",
           "TensorRT-LLM #8813 (other prompts' tokens in outputs); vLLM #4761 on the host tier", ("foreign",), None,
-          _pool_patch(_offload_stale_restore)),
+          _pool_patch(forget=_offload_stale_restore)),
     Fault("transfer_wrong_request", "KV transfer",
           "the decode instance receives the previous request's prefill instead of this one's",
           "vLLM #52234 (the previous prompt's answer)", ("foreign", "stale"), None,
-          _pool_patch(_transfer_wrong_request)),
+          _pool_patch(copy_in=_transfer_wrong_request)),
     Fault("transfer_failed_silently", "KV transfer",
           "a failed transfer reports success: the decode blocks stay unwritten and decoding goes on",
           "vLLM #52234 (HTTP 200 with garbage after a failed transfer)", ("stale",), None,
-          _pool_patch(_transfer_failed_silently)),
+          _pool_patch(copy_in=_transfer_failed_silently)),
     Fault("untagged_namespace", "prefix-cache hash key",
           "namespaces enter the hash untagged: a salt and an adapter of the same name share blocks",
-          "vLLM #51899 (a LoRA named like a cache_salt)", ("foreign",), None, _pool_patch(_untagged_namespace)),
+          "vLLM #51899 (a LoRA named like a cache_salt)", ("foreign",), None,
+          _pool_patch(hash_keys=_untagged_namespace)),
     Fault("stale_hash_after_truncate", "session resume",
           "a session resubmitted with a shorter history keeps every old block hash: new tokens map to old KV",
-          "vLLM #49449, #49377", ("foreign",), None, _pool_patch(_stale_hash_after_truncate)),
+          "vLLM #49449, #49377", ("foreign",), None, _pool_patch(resume=_stale_hash_after_truncate)),
     Fault("partial_hash_promoted", "session resume",
           "the block a truncation cuts keeps the hash of its old full content, reused once it fills again",
-          "vLLM #49125", ("foreign",), None, _pool_patch(_partial_hash_promoted)),
+          "vLLM #49125", ("foreign",), None, _pool_patch(resume=_partial_hash_promoted)),
     Fault("wrong_slot_mapping", "slot mapping", "writes assume a request's new slots are contiguous",
           "TGI #2711", ("foreign", "stale"), None, _wrong_slot_mapping),
 ]}

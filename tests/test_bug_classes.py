@@ -11,6 +11,7 @@ import pytest
 
 from kvviz.checked_run import run_checked
 from kvviz.engine import Defences, Engine, KVCacheManager
+from kvviz.engine.pool_patches import PoolPatches
 from kvviz.faults import FAULTS, defences_with
 from kvviz.models import load_model
 from kvviz.workload import Workload
@@ -85,13 +86,19 @@ def test_restored_slots_keep_their_writer_position_and_prefix():
     kv.check()
 
 
+def watching(managers: list) -> Defences:
+    """The default defences, with each of a run's KV cache managers put in `managers` as it is made (a
+    patch that replaces nothing: it hands back the manager's own resume), so a test can check them."""
+    return Defences(pool_patches=PoolPatches(resume=lambda kv: managers.append(kv) or kv.resume))
+
+
 def test_a_host_tier_of_one_block_never_restores_a_block_it_gave_away():
     """Restoring a prefix may offload other blocks; the blocks being restored are never the victims."""
     m = model("tiny-llama")
     for host in (1, 2, 3):
         pools = []
         wl = _pushed_out({"cpu_blocks": host}, num_blocks=24)
-        Engine(m, wl.engine, Defences(patch_pool=pools.append)).run(wl, on_step=lambda rec, p=pools: p[0].check())
+        Engine(m, wl.engine, watching(pools)).run(wl, on_step=lambda rec, p=pools: p[0].check())
         run = run_checked(m, wl)
         assert run.findings == [] and run.summary()["divergence"]["diverged_requests"] == 0
 
@@ -156,7 +163,7 @@ def test_a_transfer_says_whose_kv_arrived(fault):
 def test_a_full_decode_pool_makes_prefilled_requests_wait_their_turn():
     m, sent, pools = model("tiny-llama"), [], []
     wl = _chat(True, num_blocks=24)
-    Engine(m, wl.engine, Defences(patch_pool=pools.append)).run(
+    Engine(m, wl.engine, watching(pools)).run(
         wl, on_step=lambda rec, p=pools: (sent.append((rec.step, [t.request for t in rec.transfers])),
                                           [kv.check() for kv in p]))
     run = run_checked(m, wl)
@@ -292,22 +299,28 @@ def test_new_faults_are_caught_on_random_workloads_and_controls_stay_clean(name)
 def test_a_double_free_the_catalogue_does_not_name_is_caught():
     """Real bugs are never announced: a block freed twice sits twice on the free list, so it is handed
     to a second request while the first still holds it. No fault declares it; the oracle sees it."""
-    def double_free(kv):
-        pool, ghosts = kv.pool, []
-        release, allocate = pool.release, pool.allocate
+    ghosts = []  # blocks on the free list a second time
 
-        def release_twice(blocks, request, kind="free"):
+    def release_twice(pool):
+        release = pool.release
+
+        def twice(blocks, request, kind="free"):
             blocks = list(blocks)
             release(blocks, request, kind)
             ghosts.extend(b for b in blocks if b.ref_cnt == 0 and kind == "free")  # the second entry
+        return twice
 
-        def allocate_with_ghosts(n, request):
+    def allocate_with_ghosts(pool):
+        allocate = pool.allocate
+
+        def with_ghosts(n, request):
             again = [b for b in ghosts if b.ref_cnt > 0][:n]  # first entries handed out: the second ones now
             for b in again:
                 ghosts.remove(b)
                 b.ref_cnt, b.lifetime = b.ref_cnt + 1, b.lifetime + 1
             return again + allocate(n - len(again), request)
-        pool.release, pool.allocate = release_twice, allocate_with_ghosts
+        return with_ghosts
+    double_free = PoolPatches(release=release_twice, allocate=allocate_with_ghosts)
 
     wl = Workload.from_dict({"requests": [
         {"id": "A", "prompt": "first short prompt", "max_new_tokens": 1},
@@ -320,7 +333,7 @@ def test_a_double_free_the_catalogue_does_not_name_is_caught():
     from kvviz.oracle.reference import compare_with_isolated
 
     oracle = ProvenanceOracle()
-    result = Engine(m, wl.engine, Defences(patch_pool=double_free)).run(wl, observers=[oracle], keep_logits=True)
+    result = Engine(m, wl.engine, Defences(pool_patches=double_free)).run(wl, observers=[oracle], keep_logits=True)
     run = CheckedRun(wl, None, result, oracle, compare_with_isolated(m, result, {}))
     assert {f.kind for f in run.findings} & {"foreign", "stale"}, run.findings
     assert run_checked(m, wl).findings == []  # the same workload without the bug: clean
@@ -331,7 +344,7 @@ def test_every_new_fault_is_in_the_catalogue_with_its_scenario():
 
     assert set(NEW_FAULTS) <= set(FAULTS)
     assert set(NEW_FAULTS) <= {s.fault for s in SCENARIOS.values()}
-    assert all(defences_with(f, 4).patch_pool is not None for f in NEW_FAULTS)
+    assert all(defences_with(f, 4).pool_patches != PoolPatches() for f in NEW_FAULTS)
 
 
 # -- both tiers in the store and in a capture --------------------------------------------------------
@@ -372,3 +385,19 @@ def test_an_offloading_run_records_both_tiers_and_its_capture_shows_them(tmp_pat
                             "medium = 'CPU'", capture_id)
         assert tiers["CPU"] == moved["offload"] and removed_cpu == moved["host_evict"]
         assert tiers["GPU"] == count("SELECT count(*) FROM block_events WHERE run_id = ? AND kind = 'cache'", run_id)
+
+
+def test_a_fault_or_an_engine_rename_that_misses_a_pool_method_fails_at_once(monkeypatch):
+    """Faults replace engine methods by name, typed: an unknown name is refused where the fault is made,
+    and a method renamed in the engine fails when the engine is imported (check_owners runs then), not
+    by a fault that silently stops firing."""
+    from kvviz.engine.block_pool import BlockPool
+    from kvviz.engine.pool_patches import check_owners
+    from kvviz.faults import _pool_patch
+
+    with pytest.raises(TypeError, match="free_blocks"):
+        _pool_patch(free_blocks=lambda pool: pool.release)
+    check_owners()
+    monkeypatch.delattr(BlockPool, "evict")  # as if renamed
+    with pytest.raises(ImportError, match="PoolPatches.evict: BlockPool has no method evict"):
+        check_owners()

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .pool_patches import PoolPatches
+
 NOT_OWNED = 1 << 62  # owner position of a key slot the query's request does not own
 
 
@@ -86,9 +88,9 @@ def sdpa_attend(q, k, v, mask, scale, layout: str = "masked"):
 
 @dataclass(frozen=True)
 class Defences:
-    """The defences in force for a run. Attention side: functions of tensors. Pool side (copy_on_write,
-    release, block_hash, evict: methods of KVCacheManager and BlockPool): `patch_pool` may replace
-    them on the run's fresh manager."""
+    """The defences in force for a run. Attention side: functions of tensors. Pool side: the methods
+    `pool_patches` replaces on each run's fresh KV cache manager, block pool and host tier (typed: see
+    kvviz.engine.pool_patches)."""
 
     begin_step: Callable[[int, list[str]], None] = lambda step, seq_ids: None  # told before each step's plan
     read_table: Callable = read_table
@@ -97,4 +99,4 @@ class Defences:
     paged_mask: Callable = causal_mask
     shared_axis_mask: Callable = shared_axis_mask
     attend: Callable = masked_softmax_attend
-    patch_pool: Callable | None = None
+    pool_patches: PoolPatches = PoolPatches()

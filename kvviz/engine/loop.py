@@ -81,8 +81,7 @@ class EngineLoop:
             self.prefill = Instance(pkv, Scheduler(pkv, cfg.max_batch_tokens))
         self.handoff: list[str] = []  # prefilled, waiting for room in the decode pool
         for inst in self.instances:
-            if engine.defences.patch_pool is not None:
-                engine.defences.patch_pool(inst.kv)
+            engine.defences.pool_patches.apply(inst.kv)
         self.tensors = KVTensors(arena * cfg.block_size)
         self.host_tensors = KVTensors(cfg.offload.cpu_blocks * cfg.block_size, "cpu") if cfg.offload else None
         self.live: dict[str, _Live] = {}
