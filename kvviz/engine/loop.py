@@ -159,37 +159,58 @@ class EngineLoop:
 
     # -- one step ------------------------------------------------------------------------------
     def _step(self, plan) -> StepRecord:
-        step, kv, tensors, live, stats = self.step, self.kv, self.tensors, self.live, self.stats
-        cfg, dev, engine, observers = self.config, self.m.device, self.engine, self.observers
+        """The step's stages: K/V moved, the work packed, provenance committed, observers told, the
+        forward, then sampling."""
         seqs = {sid: s for i in self.instances for sid, s in i.kv.seqs.items()}
-        for inst in self.instances:  # before copy-on-write: an offload saves what a copy may overwrite
-            if inst.kv.host is not None:
-                tensors.transfer(self.host_tensors, inst.kv.host.pop_transfers(), cfg.block_size)
-        tensors.copy_blocks(kv.incoming, cfg.block_size)  # handed-over requests' K/V
-        kv.incoming = []
-        tensors.copy_blocks([c for _, a in plan.work for c in a.copies], cfg.block_size)
-        work = []
-        for sid, a in plan.work:
-            seq = seqs[sid]
-            tokens = seq.token_ids[a.start:a.start + len(a.slots)]
-            work.append(ScheduledWork(sid, a.start, tokens, list(seq.block_table)))
-        work.sort(key=lambda w: len(w.token_ids) > 1)  # single-token rows first: groups are contiguous
+        self._move_kv(plan)
+        work = sorted((ScheduledWork(sid, a.start, seqs[sid].token_ids[a.start:a.start + len(a.slots)],
+                                     list(seqs[sid].block_table)) for sid, a in plan.work),
+                      key=lambda w: len(w.token_ids) > 1)  # single-token rows first: groups are contiguous
         live_tables = {s.id: s.block_table for s in seqs.values() if s.block_table}
-        inp = build_step(step, work, live_tables, cfg.block_size, tensors.num_slots, cfg.isolation, engine.defences,
-                         dev)
+        inp = build_step(self.step, work, live_tables, self.config.block_size, self.tensors.num_slots,
+                         self.config.isolation, self.engine.defences, self.m.device)
+        writes = self._commit(work, inp)
         sampling = [r for r, w in enumerate(work) if w.end == len(seqs[w.seq_id].token_ids)]
-        last = [inp.offsets[r] + len(work[r].token_ids) - 1 for r in sampling]
-        keep = torch.tensor(last, dtype=torch.long, device=dev)
-        # Provenance is recorded where the K/V really go (the forward writes exactly these slots),
-        # before the forward, so observers judge this step's reads with this step's writes.
-        write_slots = inp.write_slots.tolist()
+        logits = self._forward(work, inp, seqs, [inp.offsets[r] + len(work[r].token_ids) - 1 for r in sampling])
+        starts = {sid: a.start for sid, a in plan.work}
+        lookups = {sid: Lookup(len(seqs[sid].token_ids), starts[sid], seqs[sid].salt) for sid in plan.admitted}
+        for sid in plan.admitted:
+            if self.live[sid].cached_tokens < 0:
+                self.live[sid].cached_tokens = starts[sid]
+        sampled, finished = self._sample(logits, [work[r].seq_id for r in sampling], seqs)
+        self.stats.preemptions += len(plan.preempted)
+        return StepRecord(step=self.step, work={w.seq_id: (w.start, len(w.token_ids)) for w in work},
+                          admitted=plan.admitted, preempted=plan.preempted, sampled=sampled, finished=finished,
+                          writes=writes, tokens={w.seq_id: w.token_ids for w in work}, lookups=lookups)
+
+    def _move_kv(self, plan) -> None:
+        """K/V that moves before the forward: host-tier offloads and restores (before copy-on-write: an
+        offload saves what a copy may overwrite), handed-over requests' K/V, copy-on-write copies."""
+        tensors, size = self.tensors, self.config.block_size
+        for inst in self.instances:
+            if inst.kv.host is not None:
+                tensors.transfer(self.host_tensors, inst.kv.host.pop_transfers(), size)
+        tensors.copy_blocks(self.kv.incoming, size)
+        self.kv.incoming = []
+        tensors.copy_blocks([c for _, a in plan.work for c in a.copies], size)
+
+    def _commit(self, work: list[ScheduledWork], inp) -> dict[str, list[int]]:
+        """Provenance where the K/V really go (the forward writes exactly these slots), before the
+        forward, so observers judge this step's reads with this step's writes; each request's slots."""
+        write_slots, writes = inp.write_slots.tolist(), {}
         for r, w in enumerate(work):
-            self.instance_of(w.seq_id).kv.commit(w.seq_id, len(w.token_ids),
-                                                 write_slots[inp.offsets[r]:inp.offsets[r] + len(w.token_ids)])
-            prompt_len = len(live[w.seq_id].prompt_ids)
-            stats.prefill_tokens_computed += max(0, min(w.end, prompt_len) - w.start)
+            slots = writes[w.seq_id] = write_slots[inp.offsets[r]:inp.offsets[r] + len(w.token_ids)]
+            self.instance_of(w.seq_id).kv.commit(w.seq_id, len(w.token_ids), slots)
+            prompt_len = len(self.live[w.seq_id].prompt_ids)
+            self.stats.prefill_tokens_computed += max(0, min(w.end, prompt_len) - w.start)
+        return writes
+
+    def _forward(self, work: list[ScheduledWork], inp, seqs: dict, keep: list[int]) -> torch.Tensor:
+        """The model over every packed token, observers told the step first and every layer's weights;
+        the logits of the `keep` positions (each sampling request's last token)."""
+        observers, cfg = self.observers, self.config
         if observers:
-            ctx = StepContext(step, work, inp.q_row, inp.position_ids[0], cfg.block_size, kv.provenance,
+            ctx = StepContext(self.step, work, inp.q_row, inp.position_ids[0], cfg.block_size, self.kv.provenance,
                               self._lifetimes(), [seqs[w.seq_id].prefix_ids[:w.end] for w in work],
                               [seqs[w.seq_id].salt for w in work])
             for o in observers:
@@ -199,42 +220,37 @@ class EngineLoop:
             for o in observers:
                 o.on_attention(layer, group, probs)
 
-        attend = None if cfg.compute == "fast" else engine.defences.attend
-        batch = StepBatch(inp.write_slots, inp.groups, tensors, attend, on_attention if observers else None)
+        attend = None if cfg.compute == "fast" else self.engine.defences.attend
+        batch = StepBatch(inp.write_slots, inp.groups, self.tensors, attend, on_attention if observers else None)
         logits = self.m.model(input_ids=inp.input_ids, position_ids=inp.position_ids, use_cache=False,
-                              logits_to_keep=keep, **step_kwargs(batch)).logits[0]
+                              logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.m.device),
+                              **step_kwargs(batch)).logits[0]
         for o in observers:
             o.end_step()
-        allocs = dict(plan.work)
-        lookups = {sid: Lookup(len(seqs[sid].token_ids), allocs[sid].start, seqs[sid].salt)
-                   for sid in plan.admitted}
-        for sid in plan.admitted:
-            if live[sid].cached_tokens < 0:
-                live[sid].cached_tokens = allocs[sid].start
+        return logits
+
+    def _sample(self, logits: torch.Tensor, requests: list[str], seqs: dict) -> tuple[dict[str, int], list[str]]:
+        """A token for each request whose last position was computed (logits row i: requests[i]); the
+        ones that end (EOS or their length) are returned as finished, the rest take their token."""
         sampled, finished, now = {}, [], time.perf_counter()
-        for i, r in enumerate(sampling):
-            sid = work[r].seq_id
-            state = live[sid]
+        for i, sid in enumerate(requests):
+            state = self.live[sid]
             tok = sample(logits[i], state.spec.temperature, state.spec.top_p, state.generator)
             state.output_ids.append(tok)
             if state.logits is not None:
                 state.logits.append(logits[i].float().cpu())
             if state.first_token_step < 0:
-                state.first_token_step, state.first_token_at = step, now
+                state.first_token_step, state.first_token_at = self.step, now
             sampled[sid] = tok
-            stats.generated_tokens += 1
-            eos = tok in engine.eos_ids and not state.spec.ignore_eos
+            self.stats.generated_tokens += 1
+            eos = tok in self.engine.eos_ids and not state.spec.ignore_eos
             if eos or len(state.output_ids) >= state.spec.max_new_tokens:
                 state.finish_reason = "eos" if eos else "length"
-                state.finish_step, state.finish_at = step, now
+                state.finish_step, state.finish_at = self.step, now
                 finished.append(sid)
             else:
                 seqs[sid].append([tok])
-        stats.preemptions += len(plan.preempted)
-        writes = {w.seq_id: write_slots[inp.offsets[r]:inp.offsets[r] + len(w.token_ids)] for r, w in enumerate(work)}
-        return StepRecord(step, {w.seq_id: (w.start, len(w.token_ids)) for w in work}, plan.admitted,
-                          plan.preempted, sampled, finished, writes, {w.seq_id: w.token_ids for w in work},
-                          lookups=lookups)
+        return sampled, finished
 
     def _lifetimes(self) -> list[int]:
         """Every arena block's current lifetime, from the instance that owns it."""
