@@ -90,29 +90,35 @@ class AttentionRecorder:
     def end_step(self) -> None:
         pass
 
-    def take(self, run_id: str) -> pa.Table | None:
-        """Everything captured since the last call, as one Arrow table for the `attention` table."""
-        if not self.chunks:
-            return None
-        cols: dict[str, list] = {k: [] for k in ("step", "layer", "head", "request_id", "position")}
-        lengths, slots, weights, classes = [], [], [], []
-        for c in self.chunks:
-            n = len(c["head"])
-            cols["step"].append(np.full(n, c["step"], np.int32))
-            cols["layer"].append(np.full(n, c["layer"], np.int32))
-            cols["head"].append(c["head"].astype(np.int32))
-            cols["request_id"].append(np.array(c["names"], dtype=object)[c["row"]])
-            cols["position"].append(c["position"].astype(np.int32))
-            lengths.append(c["lengths"])
-            slots.append(c["slots"])
-            weights.append(c["weights"])
-            classes.append(c["classes"])
-        self.chunks = []
-        offsets = np.concatenate([[0], np.cumsum(np.concatenate(lengths))]).astype(np.int32)
-        n_rows = len(offsets) - 1
-        table = {"run_id": pa.array([run_id] * n_rows)}
-        table.update({k: pa.array(np.concatenate(v)) for k, v in cols.items()})
-        table["key_slots"] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate(slots)))
-        table["weights"] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate(weights)))
-        table["key_classes"] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate(classes)))
-        return pa.table(table)
+    def take_chunks(self) -> list[dict]:
+        """What was captured since the last call (numpy arrays the engine no longer touches): the
+        engine thread hands these over and the recorder's writer thread builds the table."""
+        chunks, self.chunks = self.chunks, []
+        return chunks
+
+
+def attention_table(chunks: list[dict], run_id: str) -> pa.Table | None:
+    """Captured chunks as one Arrow table for the `attention` table."""
+    if not chunks:
+        return None
+    cols: dict[str, list] = {k: [] for k in ("step", "layer", "head", "request_id", "position")}
+    lengths, slots, weights, classes = [], [], [], []
+    for c in chunks:
+        n = len(c["head"])
+        cols["step"].append(np.full(n, c["step"], np.int32))
+        cols["layer"].append(np.full(n, c["layer"], np.int32))
+        cols["head"].append(c["head"].astype(np.int32))
+        cols["request_id"].append(np.array(c["names"], dtype=object)[c["row"]])
+        cols["position"].append(c["position"].astype(np.int32))
+        lengths.append(c["lengths"])
+        slots.append(c["slots"])
+        weights.append(c["weights"])
+        classes.append(c["classes"])
+    offsets = np.concatenate([[0], np.cumsum(np.concatenate(lengths))]).astype(np.int32)
+    n_rows = len(offsets) - 1
+    table = {"run_id": pa.array([run_id] * n_rows)}
+    table.update({k: pa.array(np.concatenate(v)) for k, v in cols.items()})
+    table["key_slots"] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate(slots)))
+    table["weights"] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate(weights)))
+    table["key_classes"] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate(classes)))
+    return pa.table(table)
