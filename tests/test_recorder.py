@@ -8,7 +8,9 @@ import functools
 import threading
 import time
 
+import numpy as np
 import pytest
+import torch
 
 from kvviz.checked_run import run_checked
 from kvviz.engine import Engine
@@ -129,3 +131,24 @@ def test_a_run_stopped_midway_leaves_a_readable_database_with_the_run_marked(tmp
     assert state == "failed" and steps == 3 and blocks > 0
     assert error == ("stopped before it finished (Ctrl-C)" if isinstance(stop, KeyboardInterrupt)
                      else "RuntimeError: power cut")
+
+
+def test_attention_cells_found_once_per_query_match_the_per_head_pass():
+    """The usual case (no weight outside what a query could see) takes the per-query pass: the same
+    rows, slots, weights and classes, in the same order, as the per-head pass it replaces."""
+    from kvviz.store.attention import _cells_per_head, _cells_per_query
+
+    gen = torch.Generator().manual_seed(0)
+    R, H, Q, L = 3, 4, 5, 9
+    visible = torch.rand(R, Q, L, generator=gen) > 0.4
+    visible[1] = False  # a request whose rows are not kept
+    probs = torch.rand(R, H, Q, L, generator=gen) * visible[:, None]
+    rows = torch.cat([probs.mean(1, keepdim=True), probs], 1)
+    slots = torch.randint(0, 100, (R, L), generator=gen)
+    classes = torch.randint(0, 3, (R, Q, L), generator=gen, dtype=torch.uint8)
+    for n_heads in (1, H + 1):
+        kept = rows[:, :n_heads]
+        got = _cells_per_query(visible, kept, slots, classes)
+        want = _cells_per_head(visible[:, None].expand(R, n_heads, Q, L).contiguous(), kept, slots, classes)
+        assert all(g.dtype == w.dtype and np.array_equal(g, w) for g, w in zip(got, want, strict=True))
+        assert len(got[1]) == int(visible.sum()) * n_heads > 0
