@@ -68,51 +68,85 @@ class AttentionRecorder:
         wanted = self.wanted[qr][:, None, :].expand(R, n_heads, Q)  # [R, heads, Q] rows to keep
         if not bool(wanted.any()):
             return
-        keep = ((rows > 0) | group.mask[:, None]) & wanted[..., None]  # [R, heads, Q, L]
         row_keep = wanted.reshape(-1).cpu().numpy()
-        # One pass finds the kept cells; their row, query and key follow by arithmetic, so slots and
-        # classes are read without expanding them over the heads (2-3x cheaper on prefill chunks).
-        idx = keep.view(-1).nonzero().squeeze(1)
-        r, q, k = idx // (n_heads * Q * L), (idx // L) % Q, idx % L
         classes = self.oracle.key_classes(group)
+        if bool(((rows > 0) & ~group.mask[:, None]).any()):  # weight on keys a query could not see (a fault)
+            keep = ((rows > 0) | group.mask[:, None]) & wanted[..., None]  # [R, heads, Q, L]
+            lengths, slots, weights, key_classes = _cells_per_head(keep, rows, group.key_slots, classes)
+        else:
+            visible = group.mask & self.wanted[qr][..., None]  # [R, Q, L]: the same keys for every head
+            lengths, slots, weights, key_classes = _cells_per_query(visible, rows, group.key_slots, classes)
         self.chunks.append({
             "step": self.ctx.step, "layer": layer,
             "head": np.repeat(np.tile(np.array(heads), R), Q)[row_keep],
             "row": qr[:, None, :].expand(R, n_heads, Q).reshape(-1).cpu().numpy()[row_keep],
             "position": qp[:, None, :].expand(R, n_heads, Q).reshape(-1).cpu().numpy()[row_keep],
-            "lengths": keep.sum(-1).reshape(-1).cpu().numpy()[row_keep],
-            "slots": group.key_slots.reshape(-1)[r * L + k].to(torch.int32).cpu().numpy(),
-            "weights": rows.reshape(-1)[idx].float().cpu().numpy(),
-            "classes": classes.reshape(-1)[(r * Q + q) * L + k].cpu().numpy(),
+            "lengths": lengths[row_keep], "slots": slots, "weights": weights, "classes": key_classes,
             "names": self.names,
         })
 
     def end_step(self) -> None:
         pass
 
-    def take(self, run_id: str) -> pa.Table | None:
-        """Everything captured since the last call, as one Arrow table for the `attention` table."""
-        if not self.chunks:
-            return None
-        cols: dict[str, list] = {k: [] for k in ("step", "layer", "head", "request_id", "position")}
-        lengths, slots, weights, classes = [], [], [], []
-        for c in self.chunks:
-            n = len(c["head"])
-            cols["step"].append(np.full(n, c["step"], np.int32))
-            cols["layer"].append(np.full(n, c["layer"], np.int32))
-            cols["head"].append(c["head"].astype(np.int32))
-            cols["request_id"].append(np.array(c["names"], dtype=object)[c["row"]])
-            cols["position"].append(c["position"].astype(np.int32))
-            lengths.append(c["lengths"])
-            slots.append(c["slots"])
-            weights.append(c["weights"])
-            classes.append(c["classes"])
-        self.chunks = []
-        offsets = np.concatenate([[0], np.cumsum(np.concatenate(lengths))]).astype(np.int32)
-        n_rows = len(offsets) - 1
-        table = {"run_id": pa.array([run_id] * n_rows)}
-        table.update({k: pa.array(np.concatenate(v)) for k, v in cols.items()})
-        table["key_slots"] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate(slots)))
-        table["weights"] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate(weights)))
-        table["key_classes"] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate(classes)))
-        return pa.table(table)
+    def take_chunks(self) -> list[dict]:
+        """What was captured since the last call (numpy arrays the engine no longer touches): the
+        engine thread hands these over and the recorder's writer thread builds the table."""
+        chunks, self.chunks = self.chunks, []
+        return chunks
+
+
+def _cells_per_head(keep: torch.Tensor, rows: torch.Tensor, key_slots: torch.Tensor,
+                    classes: torch.Tensor) -> tuple[np.ndarray, ...]:
+    """Kept cells of [R, heads, Q, L] rows that differ by head: one pass finds them; their row, query
+    and key follow by arithmetic, so slots and classes are read without expanding them over the heads."""
+    _, n_heads, Q, L = keep.shape
+    idx = keep.view(-1).nonzero().squeeze(1)
+    r, q, k = idx // (n_heads * Q * L), (idx // L) % Q, idx % L
+    return (keep.sum(-1).reshape(-1).cpu().numpy(), key_slots.reshape(-1)[r * L + k].to(torch.int32).cpu().numpy(),
+            rows.reshape(-1)[idx].float().cpu().numpy(), classes.reshape(-1)[(r * Q + q) * L + k].cpu().numpy())
+
+
+def _cells_per_query(visible: torch.Tensor, rows: torch.Tensor, key_slots: torch.Tensor,
+                     classes: torch.Tensor) -> tuple[np.ndarray, ...]:
+    """The same cells when every head keeps the keys its query could see (no weight fell outside
+    them, the usual case): found once per query over [R, Q, L] instead of per head, and each
+    request's slots and classes repeated for its heads (a prefill chunk's cost was in the per-head pass)."""
+    R, n_heads = rows.shape[:2]
+    per_query = visible.sum(-1)  # [R, Q]
+    r, q, k = visible.nonzero(as_tuple=True)  # in (request, query, key) order
+    slots, key_classes = key_slots[r, k].to(torch.int32).cpu().numpy(), classes[r, q, k].cpu().numpy()
+    if n_heads > 1:  # each request's cells once per head: (request, head, query, key) order
+        per_request = per_query.sum(1).cpu().numpy()
+        spans = list(zip(np.cumsum(per_request) - per_request, np.cumsum(per_request), strict=True))
+        slots = np.concatenate([np.tile(slots[s:e], n_heads) for s, e in spans])
+        key_classes = np.concatenate([np.tile(key_classes[s:e], n_heads) for s, e in spans])
+    return (per_query[:, None].expand(R, n_heads, -1).reshape(-1).cpu().numpy(), slots,
+            rows.masked_select(visible[:, None]).float().cpu().numpy(),  # in (request, head, query, key) order
+            key_classes)
+
+
+def attention_table(chunks: list[dict], run_id: str) -> pa.Table | None:
+    """Captured chunks as one Arrow table for the `attention` table."""
+    if not chunks:
+        return None
+    cols: dict[str, list] = {k: [] for k in ("step", "layer", "head", "request_id", "position")}
+    lengths, slots, weights, classes = [], [], [], []
+    for c in chunks:
+        n = len(c["head"])
+        cols["step"].append(np.full(n, c["step"], np.int32))
+        cols["layer"].append(np.full(n, c["layer"], np.int32))
+        cols["head"].append(c["head"].astype(np.int32))
+        cols["request_id"].append(np.array(c["names"], dtype=object)[c["row"]])
+        cols["position"].append(c["position"].astype(np.int32))
+        lengths.append(c["lengths"])
+        slots.append(c["slots"])
+        weights.append(c["weights"])
+        classes.append(c["classes"])
+    offsets = np.concatenate([[0], np.cumsum(np.concatenate(lengths))]).astype(np.int32)
+    n_rows = len(offsets) - 1
+    table = {"run_id": pa.array([run_id] * n_rows)}
+    table.update({k: pa.array(np.concatenate(v)) for k, v in cols.items()})
+    table["key_slots"] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate(slots)))
+    table["weights"] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate(weights)))
+    table["key_classes"] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate(classes)))
+    return pa.table(table)

@@ -1,20 +1,26 @@
-"""Records a run step by step: buffered in columns, inserted in bulk as Arrow tables.
+"""Records a run step by step, off the engine's thread.
 
-The run row is written as `running` before the first step and finished as `complete` or `failed`;
-buffers are flushed every few steps (and seconds) in their own transaction, written by a background
-thread while the engine goes on, so a run killed midway leaves a database that opens, with the run
-shown as running and its steps so far readable. The file is held only while a flush writes: between
-flushes another process can open it to read.
+The engine's thread hands each step over as it is (the step record and the pool's snapshot are
+immutable, the oracle's step and the attention rows already on the CPU) to one writer thread through
+a bounded queue: the engine waits only when the writer is `queue_steps` steps behind. The writer
+builds the rows, buffers them in columns and inserts them as Arrow tables every few steps (and
+seconds), each flush in its own transaction. The run row is written as `running` before the first
+step and finished as `complete` or `failed`; a run killed midway leaves a database that opens, with
+the run shown as running and its steps so far readable. The file is held only while a flush writes:
+between flushes another process can open it to read. A write that fails stops the writer and is
+raised on the engine's thread at its next step, as a StoreError.
 """
 
 from __future__ import annotations
 
 import json
+import queue
+import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -23,34 +29,40 @@ import pyarrow as pa
 from .. import __version__
 from ..engine import RequestResult, StepRecord
 from ..engine.hashing import hash_to_u64
-from ..errors import StoreError
+from ..errors import KvvizError, StoreError
 from . import schema
-from .attention import AttentionRecorder
+from .attention import AttentionRecorder, attention_table
 from .run_store import RunStore
 from .token_text import token_label
 
 if TYPE_CHECKING:
     from ..checked_run import CheckedRun
     from ..oracle import ProvenanceOracle
-    from ..oracle.provenance import Finding
+    from ..oracle.provenance import Finding, StepLeak
+
+QUEUE_STEPS = 4  # steps handed over and not yet turned into rows before the engine waits for the writer
+_STOP = None  # what the queue holds last: the writer thread ends
 
 
 class RunRecorder:
     def __init__(self, store: RunStore, run_id: str, *, model, workload, scenario: str | None = None,
                  fault: str | None = None, fault_scope: dict | None = None, oracle: ProvenanceOracle | None = None,
                  attention: AttentionRecorder | None = None, flush_every: int = 8, flush_seconds: float = 2.0,
-                 background: bool = True):
+                 background: bool = True, queue_steps: int = QUEUE_STEPS):
+        """background=False builds and writes on the caller's thread (a test that reads between flushes)."""
         self.store, self.tokenizer = store, model.tokenizer
-        # Writes go to one background thread, in order, so the engine computes while DuckDB inserts and
-        # checkpoints; finish() and fail() wait for them.
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvviz-recorder") if background else None
-        self._writes: list[Future] = []
         self.run_id, self.oracle, self.attention, self.flush_every = run_id, oracle, attention, flush_every
         self.flush_seconds, self._flushed_at = flush_seconds, time.monotonic()
+        self._oracle_steps = 0  # the oracle's steps handed over (engine thread)
+        self._labelled: set[int] = set()  # token ids whose text is recorded (caller's thread: the tokenizer's)
+        self.drain_oracle = False  # a server: drop the oracle's steps once handed over (it runs for days)
+        # The writer thread's own: rows in columns, the oracle's steps and attention chunks, not yet written.
         self.rows: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
-        self._oracle_steps = self._pending = 0
-        self._labelled: set[int] = set()  # token ids whose text is recorded
-        self.drain_oracle = False  # a server: drop the oracle's steps once written (it runs for days)
+        self._metrics: list[StepLeak] = []
+        self._chunks: list[dict] = []
+        self._pending = 0
+        self._u64: dict[bytes, int] = {}  # each block hash's low 64 bits, computed once
+        self._error: BaseException | None = None  # the writer's first failure; it writes nothing after it
         scope = None if fault_scope is None else json.dumps(fault_scope)
         row = [run_id, datetime.now(UTC).replace(tzinfo=None), model.name, model.fingerprint, scenario, fault, scope,
                workload.seed, json.dumps(workload.engine.to_dict()), json.dumps(workload.to_dict(), ensure_ascii=False),
@@ -59,43 +71,145 @@ class RunRecorder:
             con.execute("INSERT INTO runs (run_id, created_at, status, model, model_fingerprint, scenario, fault, "
                         "fault_scope, seed, engine, workload, kvviz_version, backend) "
                         "VALUES (?, ?, 'running', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", row)
+        self._queue: queue.Queue[Callable[[], None] | None] | None = None
+        self._thread: threading.Thread | None = None
+        if background:
+            self._queue = queue.Queue(maxsize=max(1, queue_steps))
+            self._thread = threading.Thread(target=self._drain, name=f"kvviz-recorder-{run_id}", daemon=True)
+            self._thread.start()
+
+    # -- the engine's thread -------------------------------------------------------------------
+    def on_step(self, rec: StepRecord) -> None:
+        """The engine's per-step callback: hands the step over (waiting only while the queue is full)."""
+        metrics, chunks = self._take_observed()
+        self._submit(partial(self._step_rows, rec, metrics, chunks))
+
+    def flush(self) -> None:
+        """Write everything handed over so far (in the writer's turn: wait() waits for it)."""
+        self._raise_if_failed()
+        self._hand_over_rest()
+        self._raise_if_failed()
+
+    def _hand_over_rest(self) -> None:
+        """Everything observed so far, to be written now (a writer that failed writes nothing more)."""
+        metrics, chunks = self._take_observed()
+        self._put(partial(self._write, metrics, chunks))
+
+    def _take_observed(self) -> tuple[list[StepLeak], list[dict]]:
+        """The oracle's steps and the attention rows since the last hand-over: taken on the engine's
+        thread, which appends to both; the writer gets lists no one else touches."""
+        new: list[StepLeak] = []
+        if self.oracle is not None:
+            new = self.oracle.steps[self._oracle_steps:]
+            self._oracle_steps += len(new)
+            if self.drain_oracle and new:
+                del self.oracle.steps[:self._oracle_steps]
+                self._oracle_steps = 0
+        return new, self.attention.take_chunks() if self.attention is not None else []
+
+    def _submit(self, work: Callable[[], None]) -> None:
+        self._raise_if_failed()
+        self._put(work)
+        self._raise_if_failed()
+
+    def _put(self, work: Callable[[], None]) -> None:
+        """To the writer (waiting while the queue is full), or done here without one."""
+        if self._queue is None:
+            self._do(work, catch=Exception)
+        else:
+            self._queue.put(work)
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise self._failure()
+
+    def _failure(self) -> KvvizError:
+        e = self._error
+        if isinstance(e, KvvizError):
+            return e
+        return StoreError(f"recording run {self.run_id} into {self.store.path} failed: {failure_reason(e)}")
+
+    def wait(self) -> None:
+        """Let the writer write what it was handed, stop it, and raise its failure if it failed."""
+        self._stop()
+        self._raise_if_failed()
+
+    def _stop(self) -> None:
+        """Wait for the writer to finish what it was handed; from then on work is done on the caller's thread."""
+        if self._thread is not None:
+            self._queue.put(_STOP)
+            self._thread.join()
+            self._thread = self._queue = None
+
+    # -- the writer's thread -------------------------------------------------------------------
+    def _drain(self) -> None:
+        """Do the work handed over, in order; after a failure only take it off the queue (the engine
+        must never wait on a writer that has stopped)."""
+        while (work := self._queue.get()) is not _STOP:
+            self._do(work, catch=BaseException)
+
+    def _do(self, work: Callable[[], None], catch: type[BaseException]) -> None:
+        if self._error is None:
+            try:
+                work()
+            except catch as e:  # raised on the engine's thread, as a StoreError
+                self._error = e
 
     def _add(self, table: str, **cols) -> None:
+        """One row."""
         for k, v in cols.items():
             self.rows[table][k].append(v)
 
-    def on_step(self, rec: StepRecord) -> None:
-        """The engine's per-step callback: plan, page tables, blocks and events after the step."""
+    def _add_columns(self, table: str, n: int, **cols) -> None:
+        """n rows of this run: each value a list of n, or one value for every row."""
+        rows = self.rows[table]
+        rows["run_id"].extend([self.run_id] * n)
+        for k, v in cols.items():
+            rows[k].extend(v if isinstance(v, list) else [v] * n)
+
+    def _u64_of(self, h: bytes | None) -> int | None:
+        if h is None:
+            return None
+        if (v := self._u64.get(h)) is None:
+            v = self._u64[h] = hash_to_u64(h)
+        return v
+
+    def _step_rows(self, rec: StepRecord, metrics: list[StepLeak], chunks: list[dict]) -> None:
+        """Plan, page tables, blocks and events after the step, as rows."""
         rid, s = self.run_id, rec.step
-        for req, (start, n) in rec.work.items():
-            self._add("step_work", run_id=rid, step=s, request_id=req, start=start, tokens=n,
-                      admitted=req in rec.admitted, preempted=req in rec.preempted,
-                      sampled_token=rec.sampled.get(req), finished=req in rec.finished)
+        reqs = list(rec.work)
+        self._add_columns("step_work", len(reqs), step=s, request_id=reqs, start=[rec.work[r][0] for r in reqs],
+                          tokens=[rec.work[r][1] for r in reqs], admitted=[r in rec.admitted for r in reqs],
+                          preempted=[r in rec.preempted for r in reqs],
+                          sampled_token=[rec.sampled.get(r) for r in reqs], finished=[r in rec.finished for r in reqs])
         snap = rec.snapshot
         B = snap.block_size
         for req, slots in rec.writes.items():
-            start = rec.work[req][0]
-            for k, slot in enumerate(slots):
-                self._add("slot_writes", run_id=rid, step=s, request_id=req, position=start + k,
-                          token=rec.tokens[req][k], slot=slot, block=slot // B,
-                          lifetime=snap.lifetimes[slot // B])
+            start, n = rec.work[req][0], len(slots)
+            blocks = [slot // B for slot in slots]
+            self._add_columns("slot_writes", n, step=s, request_id=req, position=list(range(start, start + n)),
+                              token=list(rec.tokens[req][:n]), slot=list(slots), block=blocks,
+                              lifetime=[snap.lifetimes[b] for b in blocks])
         self._add("steps", run_id=rid, step=s, seconds=rec.seconds, free_blocks=len(snap.free_queue),
                   live_slots=snap.live_slots())
         for req, table in snap.page_tables.items():
-            for i, b in enumerate(table):
-                self._add("page_tables", run_id=rid, step=s, request_id=req, logical_block=i, physical_block=b)
-        for b, (ref, h, life) in enumerate(zip(snap.refcounts, snap.hashes, snap.lifetimes, strict=True)):
-            self._add("blocks", run_id=rid, step=s, block=b, refcount=ref, hash=None if h is None else hash_to_u64(h),
-                      lifetime=life, state=snap.state(b))
+            self._add_columns("page_tables", len(table), step=s, request_id=req,
+                              logical_block=list(range(len(table))), physical_block=list(table))
+        n = len(snap.refcounts)
+        self._add_columns("blocks", n, step=s, block=list(range(n)), refcount=list(snap.refcounts),
+                          hash=[self._u64_of(h) for h in snap.hashes], lifetime=list(snap.lifetimes),
+                          state=[snap.state(b) for b in range(n)])
         for i, e in enumerate(rec.events):
             self._add("block_events", run_id=rid, step=s, seq=i, kind=e.kind, block=e.block, request_id=e.request,
-                      refcount=e.refcount, source=e.source, hash=None if e.hash is None else hash_to_u64(e.hash),
-                      parent_hash=None if e.parent_hash is None else hash_to_u64(e.parent_hash),
+                      refcount=e.refcount, source=e.source, hash=self._u64_of(e.hash),
+                      parent_hash=self._u64_of(e.parent_hash),
                       token_ids=list(e.token_ids) if e.kind == "cache" else None, salt=e.salt, adapter=e.adapter,
                       medium=e.medium)
-        for b, h in enumerate(snap.host_hashes):
-            self._add("host_blocks", run_id=rid, step=s, block=b, hash=None if h is None else hash_to_u64(h),
-                      state="free" if h is None else "cached")
+        if snap.host_hashes:
+            n = len(snap.host_hashes)
+            self._add_columns("host_blocks", n, step=s, block=list(range(n)),
+                              hash=[self._u64_of(h) for h in snap.host_hashes],
+                              state=["free" if h is None else "cached" for h in snap.host_hashes])
         for t in rec.transfers:
             self._add("kv_transfers", run_id=rid, step=s, request_id=t.request, blocks=t.blocks, bytes=t.bytes,
                       status=t.status, from_blocks=list(t.from_blocks), to_blocks=list(t.to_blocks),
@@ -103,23 +217,20 @@ class RunRecorder:
         for req, lookup in rec.lookups.items():
             self._add("cache_lookups", run_id=rid, step=s, request_id=req, salt=lookup.salt, tokens=lookup.tokens,
                       hit_tokens=lookup.hit_tokens)
+        self._metrics += metrics
+        self._chunks += chunks
         self._pending += 1
         # Each flush opens, writes and closes (checkpoints) the file: at most one every flush_seconds.
         if self._pending >= self.flush_every and time.monotonic() - self._flushed_at >= self.flush_seconds:
-            self.flush()
+            self._write()
 
     def _oracle_table(self) -> pa.Table | None:
-        """The oracle's metrics since the last flush, one row per (step, request, layer, head), built
-        from its arrays (a SmolLM2 step has 270 rows per request: no Python loop per row)."""
-        new = self.oracle.steps[self._oracle_steps:] if self.oracle is not None else []
-        self._oracle_steps += len(new)
-        if self.drain_oracle and new:
-            del self.oracle.steps[:self._oracle_steps]
-            self._oracle_steps = 0
-        if not new:
+        """The oracle's metrics not yet written, one row per (step, request, layer, head), built from
+        its arrays (a SmolLM2 step has 270 rows per request: no Python loop per row)."""
+        if not self._metrics:
             return None
         parts = []
-        for st in new:
+        for st in self._metrics:
             R, layers, H = st.max_foreign.shape
             n = R * layers * H
             part = {"step": np.full(n, st.step, np.int32),
@@ -134,26 +245,20 @@ class RunRecorder:
         return pa.table({"run_id": pa.array([self.run_id] * len(cols["step"])),
                          **{k: pa.array(v) for k, v in cols.items()}})
 
-    def flush(self) -> None:
-        """Insert everything buffered, in one transaction."""
+    def _write(self, metrics: Iterable[StepLeak] = (), chunks: Iterable[dict] = ()) -> None:
+        """Insert everything buffered (and what is given), in one transaction."""
+        self._metrics += metrics
+        self._chunks += chunks
         tables = {t: schema.arrow_table(t, cols) for t, cols in self.rows.items() if cols}
-        metrics = self._oracle_table()
-        if metrics is not None:
-            tables["leak_metrics"] = metrics
-        attention = self.attention.take(self.run_id) if self.attention is not None else None
-        if attention is not None:
+        if (oracle := self._oracle_table()) is not None:
+            tables["leak_metrics"] = oracle
+        if (attention := attention_table(self._chunks, self.run_id)) is not None:
             tables["attention"] = attention
         self.rows.clear()
+        self._metrics, self._chunks = [], []
         self._pending, self._flushed_at = 0, time.monotonic()
-        if not tables:
-            return
-        if self._writer is None:
+        if tables:
             self._insert(tables)
-        else:
-            for done in [f for f in self._writes if f.done()]:
-                done.result()  # a write that failed raises here, on the engine's thread
-            self._writes = [f for f in self._writes if not f.done()]
-            self._writes.append(self._writer.submit(self._insert, tables))
 
     def _insert(self, tables: dict[str, pa.Table]) -> None:
         with self.store.write() as con:
@@ -166,42 +271,44 @@ class RunRecorder:
                 self.store.insert(con, table, rows)
             con.execute("COMMIT")
 
-    def wait(self) -> None:
-        """Wait for every write in flight (raising the first that failed) and stop the writer thread."""
-        try:
-            for f in self._writes:
-                f.result()
-        finally:
-            self._writes = []
-            if self._writer is not None:
-                self._writer.shutdown(wait=True)
-                self._writer = None
-
+    # -- the end of the run (the engine's thread) ----------------------------------------------
     def finish(self, run: CheckedRun, seconds: float | None = None) -> None:
         res, summary = run.result, run.summary()
         specs = {s.id: s for s in run.workload.requests}
         for r in res.requests:
             self.add_request(r, specs[r.id].cache_salt, specs[r.id].parent)
         self.add_findings(run.findings)
-        for d in run.divergences:
-            self._add("divergence", run_id=self.run_id, request_id=d.request,
-                      first_divergent_step=d.first_divergent_step, max_logit_diff=d.max_logit_diff, max_kl=d.max_kl,
-                      classification=d.classification)
+        self._submit(partial(self._divergence_rows, list(run.divergences)))
         st = res.stats
         self.complete(st.steps, seconds if seconds is not None else st.seconds, st.generated_tokens,
                       summary["leak"]["max_foreign_mass"], summary["leak"]["leak_rate"], len(run.findings))
 
+    def _divergence_rows(self, divergences: list) -> None:
+        for d in divergences:
+            self._add("divergence", run_id=self.run_id, request_id=d.request,
+                      first_divergent_step=d.first_divergent_step, max_logit_diff=d.max_logit_diff, max_kl=d.max_kl,
+                      classification=d.classification)
+
     def add_request(self, r: RequestResult, tenant: str | None, parent: str | None = None) -> None:
-        """A finished request and the text of the tokens it holds (each id labelled once per run)."""
+        """A finished request and the text of the tokens it holds (each id labelled once per run, here:
+        the tokenizer is not used from the writer's thread)."""
+        new = sorted({*r.prompt_ids, *r.output_ids} - self._labelled)
+        self._labelled.update(new)
+        labels = [token_label(self.tokenizer, tok) for tok in new]
+        self._submit(partial(self._request_rows, r, tenant, parent, new, labels))
+
+    def _request_rows(self, r: RequestResult, tenant: str | None, parent: str | None, tokens: list[int],
+                      labels: list[str]) -> None:
         self._add("requests", run_id=self.run_id, request_id=r.id, tenant=tenant, parent=parent,
                   prompt_ids=r.prompt_ids, output_ids=r.output_ids, text=r.text, arrival_step=r.arrival_step,
                   first_token_step=r.first_token_step, finish_step=r.finish_step, finish_reason=r.finish_reason,
                   cached_tokens=r.cached_tokens)
-        for tok in sorted({*r.prompt_ids, *r.output_ids} - self._labelled):
-            self._add("token_text", run_id=self.run_id, token_id=tok, text=token_label(self.tokenizer, tok))
-            self._labelled.add(tok)
+        self._add_columns("token_text", len(tokens), token_id=tokens, text=labels)
 
     def add_findings(self, findings: Iterable[Finding]) -> None:
+        self._submit(partial(self._finding_rows, list(findings)))
+
+    def _finding_rows(self, findings: list[Finding]) -> None:
         for f in findings:
             self._add("findings", run_id=self.run_id, kind=f.kind, request_id=f.request, step=f.step, layer=f.layer,
                       head=f.head, position=f.position, source_request=f.source_request, mass=f.mass, block=f.block,
@@ -210,9 +317,13 @@ class RunRecorder:
     def complete(self, steps: int, seconds: float, generated: int, max_foreign: float | None, leak_rate: float | None,
                  findings: int, workload: dict | None = None) -> None:
         """Write what is buffered and mark the run complete with its totals (and, for a run whose
-        requests arrived as it went, the workload they made)."""
-        self.flush()
-        self.wait()
+        requests arrived as it went, the workload they made); a write that failed marks it failed."""
+        self._hand_over_rest()
+        self._stop()
+        if self._error is not None:
+            failure = self._failure()
+            self._mark_failed(failure)
+            raise failure
         values = [steps, seconds, generated, max_foreign, leak_rate, findings, self.run_id]
         with self.store.write() as con:
             con.execute("UPDATE runs SET status = 'complete', steps = ?, seconds = ?, generated_tokens = ?, "
@@ -222,16 +333,17 @@ class RunRecorder:
                             [json.dumps(workload, ensure_ascii=False), self.run_id])
 
     def fail(self, error: BaseException) -> None:
-        """Keep what was recorded and mark the run failed with the reason."""
+        """Keep what was recorded (the writer writes what it holds) and mark the run failed with the reason."""
         try:
-            self.flush()
+            self._hand_over_rest()
+            self._stop()
         finally:
-            try:
-                self.wait()
-            finally:
-                with self.store.write() as con:
-                    con.execute("UPDATE runs SET status = 'failed', error = ? WHERE run_id = ?",
-                                [failure_reason(error), self.run_id])
+            self._mark_failed(error)
+
+    def _mark_failed(self, error: BaseException) -> None:
+        with self.store.write() as con:
+            con.execute("UPDATE runs SET status = 'failed', error = ? WHERE run_id = ?",
+                        [failure_reason(error), self.run_id])
 
 
 def failure_reason(error: BaseException) -> str:

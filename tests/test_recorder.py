@@ -1,0 +1,154 @@
+"""The recorder's writer thread: the engine hands steps over through a bounded queue and waits only
+when it is full; a write that fails reaches the engine's thread as a StoreError with the run marked
+failed; a run stopped midway leaves a readable database with the run marked."""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from kvviz.checked_run import run_checked
+from kvviz.engine import Engine
+from kvviz.ids import new_run_id
+from kvviz.models import load_model
+from kvviz.scenarios import SCENARIOS
+from kvviz.store import RunStore, StoreError
+from kvviz.store.recorder import RunRecorder
+from kvviz.workload import Workload
+
+
+@functools.cache
+def tiny():
+    return load_model("tiny-llama")
+
+
+def workload() -> Workload:
+    return Workload.from_dict(SCENARIOS["control_forks"].workload)
+
+
+def status(store: RunStore, run_id: str) -> tuple:
+    with store.read() as con:
+        return con.execute("SELECT status, error, (SELECT count(*) FROM steps WHERE run_id = $r), "
+                           "(SELECT count(*) FROM blocks WHERE run_id = $r) FROM runs WHERE run_id = $r",
+                           {"r": run_id}).fetchone()
+
+
+def run_recorded(store: RunStore, rec: RunRecorder, stop_at: int | None = None,
+                 stop: BaseException | None = None) -> None:
+    """What record_run does around a run: a failure marks the run failed and is raised."""
+    wl = workload()
+
+    def on_step(r):
+        rec.on_step(r)
+        if r.step == stop_at:
+            raise stop
+
+    try:
+        run = run_checked(tiny(), wl, on_step=on_step, run_id=rec.run_id)
+    except BaseException as e:
+        rec.fail(e)
+        raise
+    rec.finish(run)
+
+
+def test_the_engine_waits_only_when_the_queue_is_full(tmp_path):
+    """A writer held at its first step: the engine hands over queue_steps more and then waits;
+    released, every step is written."""
+    m, store = tiny(), RunStore.open(tmp_path / "k.duckdb")
+    records = []
+    Engine(m, workload().engine).run(workload(), on_step=records.append)
+    assert len(records) >= 5
+    rec = RunRecorder(store, new_run_id(), model=m, workload=workload(), queue_steps=2, flush_every=100)
+    started, release = threading.Event(), threading.Event()
+    step_rows = rec._step_rows
+
+    def held(*args):
+        started.set()
+        release.wait(10)
+        step_rows(*args)
+
+    rec._step_rows = held
+    handed = []
+
+    def engine():
+        for r in records:
+            rec.on_step(r)
+            handed.append(r.step)
+
+    producer = threading.Thread(target=engine, daemon=True)
+    producer.start()
+    assert started.wait(10)
+    deadline = time.monotonic() + 10
+    while len(handed) < 3 and time.monotonic() < deadline:  # one in the writer's hands, two queued
+        time.sleep(0.01)
+    producer.join(0.3)
+    assert producer.is_alive() and len(handed) == 3  # the fourth waits for room
+    release.set()
+    producer.join(10)
+    assert not producer.is_alive() and len(handed) == len(records)
+    rec.complete(len(records), 0.0, 0, None, None, 0)
+    assert status(store, rec.run_id)[:3] == ("complete", None, len(records))
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_a_failed_write_reaches_the_engine_and_marks_the_run_failed(tmp_path, monkeypatch, broken):
+    store = RunStore.open(tmp_path / "k.duckdb")
+    rec = RunRecorder(store, new_run_id(), model=tiny(), workload=workload(), flush_every=1, flush_seconds=0)
+    insert, writes = rec._insert, []
+
+    def failing_insert(tables):
+        writes.append(threading.current_thread().name)
+        if broken and len(writes) == 2:
+            raise OSError("No space left on device")
+        insert(tables)
+
+    monkeypatch.setattr(rec, "_insert", failing_insert)
+    if not broken:  # the control: the same run, written in full
+        run_recorded(store, rec)
+        assert status(store, rec.run_id)[:2] == ("complete", None)
+        return
+    with pytest.raises(StoreError, match=r"recording run .* failed: OSError: No space left on device"):
+        run_recorded(store, rec)
+    state, error, steps, _ = status(store, rec.run_id)
+    assert state == "failed" and "No space left on device" in error
+    assert steps == 1  # what was written before the failure stays readable
+    assert set(writes) == {f"kvviz-recorder-{rec.run_id}"}  # written off the engine's thread
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt(), RuntimeError("power cut")])
+def test_a_run_stopped_midway_leaves_a_readable_database_with_the_run_marked(tmp_path, stop):
+    """Steps the writer still held when the run stopped are written before the run is marked."""
+    store = RunStore.open(tmp_path / "k.duckdb")
+    rec = RunRecorder(store, new_run_id(), model=tiny(), workload=workload(), flush_every=100)
+    with pytest.raises(type(stop)):
+        run_recorded(store, rec, stop_at=2, stop=stop)
+    state, error, steps, blocks = status(store, rec.run_id)
+    assert state == "failed" and steps == 3 and blocks > 0
+    assert error == ("stopped before it finished (Ctrl-C)" if isinstance(stop, KeyboardInterrupt)
+                     else "RuntimeError: power cut")
+
+
+def test_attention_cells_found_once_per_query_match_the_per_head_pass():
+    """The usual case (no weight outside what a query could see) takes the per-query pass: the same
+    rows, slots, weights and classes, in the same order, as the per-head pass it replaces."""
+    from kvviz.store.attention import _cells_per_head, _cells_per_query
+
+    gen = torch.Generator().manual_seed(0)
+    R, H, Q, L = 3, 4, 5, 9
+    visible = torch.rand(R, Q, L, generator=gen) > 0.4
+    visible[1] = False  # a request whose rows are not kept
+    probs = torch.rand(R, H, Q, L, generator=gen) * visible[:, None]
+    rows = torch.cat([probs.mean(1, keepdim=True), probs], 1)
+    slots = torch.randint(0, 100, (R, L), generator=gen)
+    classes = torch.randint(0, 3, (R, Q, L), generator=gen, dtype=torch.uint8)
+    for n_heads in (1, H + 1):
+        kept = rows[:, :n_heads]
+        got = _cells_per_query(visible, kept, slots, classes)
+        want = _cells_per_head(visible[:, None].expand(R, n_heads, Q, L).contiguous(), kept, slots, classes)
+        assert all(g.dtype == w.dtype and np.array_equal(g, w) for g, w in zip(got, want, strict=True))
+        assert len(got[1]) == int(visible.sum()) * n_heads > 0
