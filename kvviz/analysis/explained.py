@@ -7,7 +7,6 @@ lookups are not all there yet."""
 from __future__ import annotations
 
 import json
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,9 +26,6 @@ EXPLAIN_S_PER_EVENT = 10e-6  # 7.8 s for a million events measured once on 2 bus
 FIELDS = ("request", "step", "hit_tokens", "stop_block", "stop_token", "reason")
 READING, KEEPING = "reading the answer back", "keeping it in the run store"
 STAGES = (*explain_sql.STAGES, READING, KEEPING)  # what explaining a run does, in order
-# A dataset registered in place is explained on a DuckDB of its own (the store stays free for others):
-# two threads, spilling to disk past this.
-OWN_CONFIG = {"threads": 2, "memory_limit": "1GB"}
 
 
 class Watch(Protocol):
@@ -112,8 +108,7 @@ def _from_dataset(store: RunStore, run_id: str, path: Path, watch: Watch | None
 @contextmanager
 def _own_connection(store: RunStore, run_id: str, path: Path) -> Iterator[duckdb.DuckDBPyConnection]:
     """A DuckDB of its own whose kv_events is the dataset's (a read of it that fails: StoreError)."""
-    with tempfile.TemporaryDirectory(dir=store.path.parent, prefix=".explain-") as spill:
-        con = duckdb.connect(":memory:", config={**OWN_CONFIG, "temp_directory": spill})
+    with store.scratch() as con:
         try:
             con.execute("SET enable_progress_bar = true; SET enable_progress_bar_print = false")  # measured, unsaid
             con.execute(f"CREATE VIEW kv_events AS {dataset_query(run_id, path)}")
@@ -122,8 +117,6 @@ def _own_connection(store: RunStore, run_id: str, path: Path) -> Iterator[duckdb
             gone = "" if path.is_dir() else ": it is no longer there"
             raise StoreError(f"the capture's dataset at {path} could not be read{gone} "
                              f"({str(e).splitlines()[0]})") from None
-        finally:
-            con.close()
 
 
 def contradiction_sentence(store: RunStore, run_id: str) -> str | None:

@@ -13,6 +13,7 @@ One object per file per process (`RunStore.open`), made from `--db` / `$KVVIZ_DB
 from __future__ import annotations
 
 import os
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -161,6 +162,19 @@ class RunStore:
                 raise self._wrong_version(found)
             with self.write():  # upgrades in place, or drops a dataset that has gone from kv_events
                 pass
+
+    @contextmanager
+    def scratch(self, threads: int = 2, memory_limit: str = "1GB") -> Iterator[duckdb.DuckDBPyConnection]:
+        """An in-memory DuckDB that holds nothing of the store (long work over a dataset registered in
+        place, so the store's readers and writers go on), spilling into a folder beside the store that
+        is removed with it."""
+        with tempfile.TemporaryDirectory(dir=self.path.parent, prefix=".scratch-") as spill:
+            con = duckdb.connect(":memory:", config={"threads": threads, "memory_limit": memory_limit,
+                                                     "temp_directory": spill})
+            try:
+                yield con
+            finally:
+                con.close()
 
     @staticmethod
     def insert(con: duckdb.DuckDBPyConnection, table: str, rows: pa.Table) -> None:
