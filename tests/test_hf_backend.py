@@ -536,3 +536,40 @@ def test_smollm2_greedy_outputs_equal_generate_batch_and_stay_clean(monkeypatch)
     run = run_checked(m, wl)
     assert {r.id: r.output_ids for r in run.result.requests} == stock_generate_batch(m, wl, monkeypatch)
     assert run.oracle.summary()["max_foreign_mass"] == 0 and run.findings == []
+
+
+def test_a_catalogue_scenario_runs_on_transformers_from_the_command_line_as_the_scenarios_page_runs_it(tmp_path):
+    """`run --scenario S --backend transformers` runs S's requests through transformers as shipped: the
+    scenario's fault and masked isolation (kvviz's engine's) are left out, each with a note; a fault given
+    with --fault is still refused."""
+
+    def run(name, *extra):
+        db = tmp_path / "k.duckdb"
+        return kvviz(
+            "run",
+            "--scenario",
+            name,
+            "--model",
+            "tiny-llama",
+            "--backend",
+            "transformers",
+            "--db",
+            db,
+            "--quiet",
+            "--json",
+            *extra,
+        )
+
+    masked = run("passphrase")
+    assert masked.returncode == 0, masked.stderr
+    assert "its isolation 'masked' is kvviz's engine's" in masked.stderr
+    s = json.loads(masked.stdout.splitlines()[-1])
+    assert (s["engine"]["isolation"], s["fault"], s["findings"]) == ("paged", None, [])
+    unsalted = run("unsalted_prefix")
+    assert unsalted.returncode == 0, unsalted.stderr
+    assert "its fault 'unsalted_prefix' strikes kvviz's engine only and is left out" in unsalted.stderr
+    s = json.loads(unsalted.stdout.splitlines()[-1])
+    assert s["fault"] is None and {f["kind"] for f in s["findings"]} == {"cross_tenant"}
+    refused = run("boundary", "--fault", "boundary")
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1
+    assert "fault 'boundary': kvviz's faults are injected into kvviz's own engine" in refused.stderr
