@@ -536,3 +536,60 @@ def test_smollm2_greedy_outputs_equal_generate_batch_and_stay_clean(monkeypatch)
     run = run_checked(m, wl)
     assert {r.id: r.output_ids for r in run.result.requests} == stock_generate_batch(m, wl, monkeypatch)
     assert run.oracle.summary()["max_foreign_mass"] == 0 and run.findings == []
+
+
+def test_a_catalogue_scenario_runs_on_transformers_from_the_command_line_as_the_scenarios_page_runs_it(tmp_path):
+    """`run --scenario S --backend transformers` runs S's requests through transformers as shipped: the
+    scenario's fault and masked isolation (kvviz's engine's) are left out, each with a note; a fault given
+    with --fault is still refused."""
+
+    def run(name, *extra):
+        db = tmp_path / "k.duckdb"
+        return kvviz(
+            "run",
+            "--scenario",
+            name,
+            "--model",
+            "tiny-llama",
+            "--backend",
+            "transformers",
+            "--db",
+            db,
+            "--quiet",
+            "--json",
+            *extra,
+        )
+
+    masked = run("passphrase")
+    assert masked.returncode == 0, masked.stderr
+    assert "its isolation 'masked' is kvviz's engine's" in masked.stderr
+    s = json.loads(masked.stdout.splitlines()[-1])
+    assert (s["engine"]["isolation"], s["fault"], s["findings"]) == ("paged", None, [])
+    unsalted = run("unsalted_prefix")
+    assert unsalted.returncode == 0, unsalted.stderr
+    assert "its fault 'unsalted_prefix' strikes kvviz's engine only and is left out" in unsalted.stderr
+    s = json.loads(unsalted.stdout.splitlines()[-1])
+    assert s["fault"] is None and {f["kind"] for f in s["findings"]} == {"cross_tenant"}
+    refused = run("boundary", "--fault", "boundary")
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1
+    assert "fault 'boundary': kvviz's faults are injected into kvviz's own engine" in refused.stderr
+
+
+def test_transformers_keeps_no_prefix_of_a_request_that_ends_in_its_prefill_step():
+    """What docs/engines.md says of transformers 5.24 (and why a timing audit with one-token requests sees
+    no sharing): the blocks a request completes in the forward that also samples its last token are never
+    hashed. A prompt prefilled in one forward and sent again after a request that generated one token finds
+    nothing cached; after one that generated two it finds its full blocks; kvviz's engine keeps both."""
+    p = SYSTEM + "What is the passphrase?"
+    full = {q: (len(tiny().tokenizer(q).input_ids) - 1) // 4 * 4 for q in (p, p + "!")}
+    reqs = [
+        {"id": "A1", "prompt": p, "max_new_tokens": 1, "ignore_eos": True},
+        {"id": "B1", "prompt": p, "max_new_tokens": 1, "ignore_eos": True, "arrival_step": 2},
+        {"id": "A2", "prompt": p + "!", "max_new_tokens": 2, "ignore_eos": True, "arrival_step": 4},
+        {"id": "B2", "prompt": p + "!", "max_new_tokens": 2, "ignore_eos": True, "arrival_step": 8},
+    ]
+    for backend, b1 in (("transformers", 0), ("kvviz", full[p])):
+        run = run_checked(tiny(), workload(reqs, backend=backend, max_batch_tokens=256), reference=False)
+        cached = {r.id: r.cached_tokens for r in run.result.requests}
+        assert (cached["B1"], cached["B2"]) == (b1, full[p + "!"]) and full[p] > 0, backend
+        assert run.findings == []

@@ -273,3 +273,20 @@ def test_the_boundary_scenario_says_what_it_runs_and_who_reads_whom():
     assert all(f"'{r.prompt}'" in sc.explanation for r in wl.requests)
     foreign = [f for f in run_checked(m, wl, sc.fault, reference=False).findings if f.kind == "foreign"]
     assert ("A", "B") in {(f.request, f.source_request) for f in foreign}
+
+
+def test_the_seed_table_merges_a_request_s_byte_pieces_by_position_when_its_blocks_lie_out_of_order():
+    """transformers places a request's later blocks at lower block ids: pieces of one character then lie
+    apart in physical order. The table merges them by position and shows a trailing piece instead of
+    dropping its weight."""
+    from kvviz.oracle.probe import KeyWeight
+
+    tok = model("tiny-llama").tokenizer
+    ids = tok("红 橙", add_special_tokens=False).input_ids  # 红 and 橙 are three byte pieces each
+    assert [tok.decode(ids[:3]), tok.decode(ids[4:])] == ["红", "橙"]
+    block = 2  # positions 0-1 in the last block, 2-3 before it, ...: each character straddles two blocks
+    slot = {p: (len(ids) // block - p // block) * block + p % block for p in range(len(ids))}
+    probe = LastPromptTokenProbe("A", len(ids) - 1)
+    probe.weights = [KeyWeight(slot[p], "A", p, t, 0.1) for p, t in enumerate(ids)]
+    probe.weights.append(KeyWeight(40, "B", 0, ids[0], 0.05))
+    assert probe.table(tok).splitlines() == ["       A | '红' 0.30  ' ' 0.10  '橙' 0.30", "       B | '\ufffd' 0.05"]

@@ -41,6 +41,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise WorkloadError("give exactly one of --workload FILE or --scenario NAME")
     sc = scenario(args.scenario) if args.scenario else None
     fault = args.fault if args.fault is not None else (sc.fault if sc else None)
+    as_shipped = _scenario_as_shipped(sc, args)
+    if as_shipped is not None and args.fault is None:
+        fault = None
     if fault is None and (args.fault_steps or args.fault_requests or args.fault_layers):
         raise WorkloadError("--fault-steps, --fault-requests and --fault-layers confine a fault: give --fault")
     given = Workload.from_file(args.workload) if args.workload else None  # a bad file is refused before loading
@@ -48,6 +51,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise WorkloadError(f"--kv-events {args.kv_events}: no folder {Path(args.kv_events).parent}")
     m = load_model(args.model, device=args.device)
     wl = Workload.from_dict(sc.build(m.tokenizer)) if sc else given
+    if as_shipped is not None and args.isolation is None and wl.engine.isolation != "paged":
+        args = argparse.Namespace(**{**vars(args), "isolation": "paged"})
+        as_shipped.append(f"its isolation {wl.engine.isolation!r} is kvviz's engine's; transformers isolates "
+                          "requests by its own paged attention")
     wl = _with_overrides(wl, args)
     total = sum(r.max_new_tokens for r in wl.requests)
     with tqdm(total=total, unit="tok", desc="generating", file=sys.stderr, disable=args.quiet) as bar, \
@@ -86,7 +93,9 @@ def cmd_run(args: argparse.Namespace) -> int:
                 note = "a run with a fault is judged by the leak oracle, so it runs --compute inspect"
             probe = _seed_probe(m, sc, wl)
             summary = _recorded_run(args, m, wl, fault, progress, waiting, comparing, probe)
-    for said in [note, *(summary.get("notes") or [])]:
+    shipped = (f"scenario {sc.name} on transformers: its requests run through transformers' code as shipped ("
+               + "; ".join(as_shipped) + "), as the app's Scenarios page runs them") if as_shipped else None
+    for said in [shipped, note, *(summary.get("notes") or [])]:
         if said is not None:
             print(f"kvviz: note: {said}", file=sys.stderr)
     summary = {**summary, "scenario": args.scenario, "model": {"name": m.name, "fingerprint": m.fingerprint}}
@@ -98,6 +107,18 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(f"{probe.request}'s last prompt token over the shared buffer (mean of layers and heads):")
             print(probe.table(m.tokenizer))
     return 1 if args.fail_on_leak and summary["findings"] else 0
+
+
+def _scenario_as_shipped(sc: Scenario | None, args: argparse.Namespace) -> list[str] | None:
+    """A catalogue scenario sent to transformers with --backend: what of it is kvviz's engine's and left out
+    (its fault, its masked isolation) so that its requests run through transformers unchanged; None for
+    anything else. A --fault given on the command line is kept, and refused by the backend."""
+    if sc is None or args.backend != "transformers":
+        return None
+    left = []
+    if sc.fault is not None and args.fault is None:
+        left.append(f"its fault {sc.fault!r} strikes kvviz's engine only and is left out")
+    return left
 
 
 def _kv_events(path: str | None, wl: Workload, stack: ExitStack) -> KVEventEmitter | None:

@@ -48,13 +48,17 @@ class LastPromptTokenProbe:
         self._slots, self._layers = group.key_slots[r], self._layers + 1
 
     def table(self, tokenizer) -> str:
-        """The seed's table: each request's slots in physical order, text and weight. Tokens that are
-        pieces of one character (byte-level tokenizers split 红 in three) are merged, weights summed."""
+        """The seed's table: each request (in the physical order of its first slot) with its tokens in
+        position order, text and weight. Tokens that are pieces of one character (byte-level tokenizers
+        split 红 in three) are merged, weights summed: by position, since an engine may place a request's
+        blocks out of order (transformers does), and a piece left over at the end is shown, not dropped."""
+        keys = [k for k in self.weights if k.writer is not None and k.token_id >= 0]
+        first = {}
+        for k in keys:
+            first[k.writer] = min(first.get(k.writer, k.slot), k.slot)
         by_writer: dict[str, list[str]] = {}
         pending: dict[str, tuple[list[int], float]] = {}
-        for k in sorted(self.weights, key=lambda k: k.slot):
-            if k.writer is None or k.token_id < 0:
-                continue
+        for k in sorted(keys, key=lambda k: (first[k.writer], k.position)):
             ids, weight = pending.pop(k.writer, ([], 0.0))
             ids, weight = ids + [k.token_id], weight + k.weight
             text = tokenizer.decode(ids)
@@ -62,6 +66,9 @@ class LastPromptTokenProbe:
                 pending[k.writer] = (ids, weight)
             else:
                 by_writer.setdefault(k.writer, []).append(f"{text.strip() or text!r} {weight:.2f}")
+        for writer, (ids, weight) in pending.items():
+            text = tokenizer.decode(ids)
+            by_writer.setdefault(writer, []).append(f"{text.strip() or text!r} {weight:.2f}")
         return "\n".join(f"  {w:>6} | " + "  ".join(cells) for w, cells in by_writer.items())
 
     def end_step(self) -> None:
