@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import shutil
 import time
 from collections import Counter
 from decimal import Decimal
@@ -26,7 +27,7 @@ from kvviz.analysis.explain import Contradictions, contradictions
 from kvviz.capture import explain_sql
 from kvviz.capture.capture_file import CaptureWriter, Message
 from kvviz.capture.dataset import DatasetWriter
-from kvviz.capture.events import decode_batch
+from kvviz.capture.events import CaptureError, decode_batch
 from kvviz.capture.fleet_sql import register_duckdb
 from kvviz.capture.rows import EventRows
 from kvviz.store import RunStore, schema
@@ -555,8 +556,51 @@ def test_the_explain_queries_run_in_duckdb_over_a_dataset_registered_in_place(tm
     assert {r[12] for r in rows} >= {"cold", "evicted", "diverged", "namespace"}
 
 
+def explained_here_and_by_the_result(tmp_path, folder: Path) -> tuple[list, list]:
+    """The dataset registered in place twice: once bare (explained here) and once carrying the result
+    written into its _explained folder (kept as imported)."""
+    from kvviz.analysis.explained import explained, kept
+    from kvviz.analysis.uploads import import_file
+
+    bare = tmp_path / "bare"
+    shutil.copytree(folder, bare, ignore=shutil.ignore_patterns("_explained"))
+    store = RunStore.open(tmp_path / "k.duckdb")
+    carried = import_file(folder, store, in_place=True)
+    with store.read() as con:
+        assert kept(con, carried), "import --in-place keeps the reasons the result carries"
+    here = explained(store, import_file(bare, store, in_place=True))
+    return here, explained(store, carried)
+
+
+def test_import_in_place_keeps_the_reasons_a_result_written_beside_the_dataset_carries(tmp_path):
+    """What a cluster writes back (explain_result as Parquet in DIR/_explained) opens with its reasons,
+    named and evidenced as if explained here; a result that is no explain_result imports nothing."""
+    from kvviz.analysis.uploads import import_file
+
+    folder = two_replica_dataset(tmp_path / "capture")
+    con = duckdb.connect()
+    register_duckdb(con, str(folder))
+    sql = explain_sql.DuckSql(con)
+    explain_sql.capture_inputs(sql.view)
+    explain_sql.explain(sql)
+    (folder / "_explained").mkdir()
+    con.execute(f"COPY explain_result TO '{folder / '_explained' / 'part-0.parquet'}' (FORMAT parquet)")
+    here, imported = explained_here_and_by_the_result(tmp_path, folder)
+    assert imported == here and len(here) >= 100
+    con.execute(f"COPY (SELECT lid, reason FROM explain_result) TO '{folder / '_explained' / 'part-0.parquet'}' "
+                "(FORMAT parquet)")
+    store = RunStore.open(tmp_path / "other.duckdb")
+    with pytest.raises(CaptureError, match="_explained: not an explain_result kvviz can read"):
+        import_file(folder, store, in_place=True)
+    with store.read() as con:
+        assert con.execute("SELECT count(*) FROM runs").fetchone()[0] == 0, "all or nothing"
+    assert folder.is_dir(), "the user's dataset stays where it is"
+
+
 @pytest.mark.spark
 def test_the_explain_queries_give_the_same_rows_in_spark(tmp_path, spark):
+    """On a cluster as the README says: Spark explains the dataset, writes explain_result back beside it,
+    and import --in-place opens it with those reasons, the same as DuckDB's."""
     folder = two_replica_dataset(tmp_path / "capture")
     want = duck_explain(folder)
     started = time.monotonic()
@@ -567,3 +611,6 @@ def test_the_explain_queries_give_the_same_rows_in_spark(tmp_path, spark):
     got = sql.rows(f"SELECT {', '.join(explain_sql.RESULT_COLUMNS)} FROM explain_result")
     assert normalise(got) == normalise(want) and len(want) >= 100
     assert time.monotonic() - started < 300
+    spark.table("explain_result").write.parquet(str(folder / "_explained"))
+    here, imported = explained_here_and_by_the_result(tmp_path, folder)
+    assert imported == here

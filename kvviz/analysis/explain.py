@@ -125,6 +125,21 @@ def explain_capture(con: duckdb.DuckDBPyConnection, run_id: str,
         sql.close()
 
 
+def explain_from_result(con: duckdb.DuckDBPyConnection, run_id: str, files: str) -> list[Explanation]:
+    """A capture's explanations from an explain_result another engine worked out (Spark on a cluster,
+    written as Parquet `files`, a glob), named and evidenced as explain_capture names them. Hashes come
+    back as Spark writes them (decimal(20,0)) or as DuckDB does (UBIGINT)."""
+    sql = explain_sql.DuckSql(con)
+    try:
+        _capture_view(sql, run_id)
+        cols = ", ".join(f"CAST({c} AS UBIGINT) AS {c}" if c in ("hash", "continues_block") else c
+                         for c in explain_sql.RESULT_COLUMNS)
+        sql.view("explain_result", f"SELECT {cols} FROM read_parquet('{files.replace(chr(39), chr(39) * 2)}')")
+        return _capture_explanations(sql, _result(sql))
+    finally:
+        sql.close()
+
+
 def _result(sql: explain_sql.DuckSql) -> list[dict]:
     cur = sql.con.execute(f"SELECT {', '.join(explain_sql.RESULT_COLUMNS)} FROM explain_result")
     return [dict(zip(explain_sql.RESULT_COLUMNS, r, strict=True)) for r in cur.fetchall()]

@@ -17,10 +17,11 @@ import pandas as pd
 import pyarrow as pa
 
 from ..capture import explain_sql
+from ..capture.events import CaptureError
 from ..capture.import_vllm import CAPTURE_MODEL
 from ..store import RunStore, StoreError
 from ..store.schema import dataset_query
-from .explain import Explanation, contradictions, explain_capture, explain_run
+from .explain import Explanation, contradictions, explain_capture, explain_from_result, explain_run
 
 EXPLAIN_S_PER_EVENT = 10e-6  # 7.8 s for a million events measured once on 2 busy cores, rounded up
 FIELDS = ("request", "step", "hit_tokens", "stop_block", "stop_token", "reason")
@@ -117,6 +118,29 @@ def _own_connection(store: RunStore, run_id: str, path: Path) -> Iterator[duckdb
             gone = "" if path.is_dir() else ": it is no longer there"
             raise StoreError(f"the capture's dataset at {path} could not be read{gone} "
                              f"({str(e).splitlines()[0]})") from None
+
+
+CLUSTER_RESULT = "_explained"  # in a capture dataset's folder: the explain_result a cluster wrote back (README)
+
+
+def keep_cluster_result(store: RunStore, run_id: str, path: Path) -> int | None:
+    """A dataset registered in place that carries explain's answer (DIR/_explained/*.parquet, written by
+    Spark on a cluster, say) is kept with those reasons, as if explained here: how many lookups (None:
+    it carries none). One that is not an explain_result kvviz reads is a CaptureError naming it."""
+    folder = path / CLUSTER_RESULT
+    if not folder.is_dir():
+        return None
+    with _own_connection(store, run_id, path) as con:
+        try:
+            found = explain_from_result(con, run_id, str(folder / "*.parquet"))
+        except (duckdb.Error, KeyError, TypeError, ValueError) as e:
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise CaptureError(f"{folder}: not an explain_result kvviz can read ({first}); its columns are "
+                               "explain_sql.RESULT_COLUMNS") from None
+        times = dict(con.execute("SELECT step, min(ts) FROM kv_events WHERE run_id = ? GROUP BY step",
+                                 [run_id]).fetchall())
+    _keep(store, run_id, found, times)
+    return len(found)
 
 
 def contradiction_sentence(store: RunStore, run_id: str) -> str | None:

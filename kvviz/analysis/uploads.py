@@ -24,7 +24,10 @@ def import_file(path: str | Path, store: RunStore, progress: Progress | None = N
     if path.is_dir() or path.suffix.lower() == ".parquet":
         if not path.exists():
             raise CaptureError(f"{path}: no such file or folder")
-        return import_dataset(path, store, progress, in_place)
+        run_id = import_dataset(path, store, progress, in_place)
+        if in_place:
+            _with_cluster_result(store, run_id, path)
+        return run_id
     if not path.is_file():
         raise CaptureError(f"{path}: no such file")
     if path.stat().st_size == 0:
@@ -34,6 +37,19 @@ def import_file(path: str | Path, store: RunStore, progress: Progress | None = N
     if path.suffix.lower() == ".zip" or zipfile.is_zipfile(path):
         return import_trace(path, store)  # a .zip that is no zip gets the trace reader's "not a zip" error
     return import_capture(path, store, progress)
+
+
+def _with_cluster_result(store: RunStore, run_id: str, path: Path) -> None:
+    """Keep the reasons a cluster wrote back beside the dataset; a result that cannot be read undoes the
+    import (all or nothing, as for the dataset itself)."""
+    from .explained import keep_cluster_result
+    from .runs import delete_run
+
+    try:
+        keep_cluster_result(store, run_id, path)
+    except Exception:
+        delete_run(store, run_id)
+        raise
 
 
 def save_upload(name: str, data: bytes, folder: str | Path) -> Path:

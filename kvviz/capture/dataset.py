@@ -116,11 +116,14 @@ class DatasetWriter:
 
 
 def dataset_files(path: Path) -> list[Path]:
-    """The finished Parquet files of a dataset folder (or the one file given), sorted; a folder
-    without any is refused, saying whether it is a capture that received nothing."""
+    """The finished Parquet files of a dataset folder (or the one file given), sorted; what lies under
+    a name starting with `_` (a part still being written, explain's answer in `_explained`) is not the
+    capture's, as DuckDB, Spark and Trino skip it. A folder without any is refused, saying whether it
+    is a capture that received nothing."""
     if path.is_file():
         return [path]
-    files = sorted(p for p in path.rglob("*.parquet") if p.is_file() and not p.name.startswith("_"))
+    files = sorted(p for p in path.rglob("*.parquet")  # a part or folder named _x is not the capture's
+                   if p.is_file() and not any(part.startswith("_") for part in p.relative_to(path).parts))
     if not files:
         if (path / MANIFEST).is_file():
             raise CaptureError(f"{path}: the capture holds no messages (nothing was received, or it is still "
