@@ -119,6 +119,24 @@ def test_a_clean_workload_has_no_foreign_mass_and_matches_each_request_alone(ker
     assert run.summary()["backend"] == "transformers" and run.notes == []
 
 
+def test_the_live_metrics_count_transformers_data_blocks_not_its_trash_blocks():
+    """The Run page's tiles: utilisation is of the blocks requests can hold (the workload's num_blocks),
+    as the inspector's memory view counts them; the reserved trash blocks read as held otherwise."""
+    from kvviz.analysis.run_metrics import LiveMetrics
+
+    wl, seen = workload(three_requests()), []
+
+    def on_step(rec):
+        live = LiveMetrics()
+        live.update(rec)
+        held = [b for b, r in enumerate(rec.snapshot.refcounts) if r > 0]
+        assert all(b < wl.engine.num_blocks for b in held), "no trash block is held"
+        seen.append((live.values()["block_utilisation"], len(held) / wl.engine.num_blocks))
+    run_checked(tiny(), wl, on_step=on_step)
+    assert seen and all(got == pytest.approx(want) for got, want in seen), seen
+    assert max(got for got, _ in seen) > 0
+
+
 def test_tenants_with_a_common_prefix_share_blocks_in_transformers_not_in_kvviz_with_salts():
     """transformers has no salt: the second tenant reads the first tenant's prefix blocks, which the
     oracle reports as cross_tenant reads (own by content, no foreign mass); kvviz's engine, salted,

@@ -67,8 +67,10 @@ class LiveMetrics:
         snap = rec.snapshot
         for lookup in rec.lookups.values():
             self.looked_up, self.served = self.looked_up + lookup.tokens, self.served + lookup.hit_tokens
-        self.num_blocks = len(snap.refcounts)
-        self.used_blocks = self.num_blocks - len(snap.free_queue)
+        self.used_blocks = sum(1 for r in snap.refcounts if r > 0)
+        # the blocks requests can hold: every one is held or free, but transformers' reserved trash blocks
+        # (last in its snapshot) are neither, and counted they read as held
+        self.num_blocks = self.used_blocks + len(snap.free_queue)
         self.live_slots, self.allocated_slots = snap.live_slots(), self.used_blocks * snap.block_size
         if oracle is not None and oracle.steps and oracle.steps[-1].step == rec.step:
             s = oracle.steps[-1]
