@@ -76,9 +76,12 @@ def render() -> None:
         requests, engine0 = None, sc.workload.get("engine", {})
     engine, fault, scope_text, selection, seed = _settings(sc, engine0)
     limits = _thresholds()
-    if st.button("Run", type="primary", icon=":material/play_arrow:", key="run_go", disabled=not name):
-        _run(name, sc, requests, engine, fault, scope_text, selection, seed, limits)
-    _finished(limits)
+    go = st.button("Run", type="primary", icon=":material/play_arrow:", key="run_go", disabled=not name)
+    with st.empty().container():  # one slot: a new run's live view replaces the last run's panel whole
+        if go:
+            _run(name, sc, requests, engine, fault, scope_text, selection, seed, limits)
+        else:
+            _finished(limits)
 
 
 def _finished(limits: dict[str, float]) -> None:
@@ -284,11 +287,17 @@ def _run(name, sc, requests, engine, fault, scope_text, selection, seed, limits)
             pool.plotly_chart(block_fig.block_map(s.blocks, title=f"Pool after step {s.step}"), width="stretch",
                               key=f"run_live_{s.step}")
 
+    def comparing(done: int, n: int, request: str) -> None:
+        bar.progress(done / n, text=live.comparing_message(done, n, request))
+        if done == 0:  # the run's steps are over: its tiles as the finished panel will show them
+            with counters.container():
+                _show_metrics(_settled(final[0], steps)[0], final[0].history, limits, found, final[0].cross_tenant)
+
     try:
         out = live.run(store(), m, workload, fault, scenario_name=sc.name if sc else None, scope=scope,
                        selection=selection, on_step=on_step,
                        on_wait=lambda n: bar.progress(0.0, text=live.waiting_message(n).capitalize()),
-                       on_reference=lambda done, n, r: bar.progress(done / n, text=live.comparing_message(done, n, r)))
+                       on_reference=comparing)
     except Exception:
         bar.empty()  # the error the app shows replaces the progress, which would still say "starting..."
         raise
