@@ -365,17 +365,17 @@ def test_the_sql_quick_chart_draws_a_line_per_series_and_bars_along_names(with_r
     at.text_area(key="sql_text").input("SELECT * FROM (VALUES (0, 'A', 0.0), (1, 'A', 0.0), (0, 'B', 0.0), "
                                        "(1, 'B', 0.0)) t(step, request_id, leak_rate)")
     at.button[0].click().run()
-    assert at.selectbox(key="sql_colour").value == "request_id" and at.radio(key="sql_kind").value == "line"
+    assert at.selectbox(key="sql_colour_1").value == "request_id" and at.radio(key="sql_kind_1").value == "line"
     chart = charts(at)["sql_chart"]
     assert sorted(t["name"] for t in chart["data"]) == ["A", "B"]
     assert chart["layout"]["yaxis"]["rangemode"] == "tozero"
     at.text_area(key="sql_text").input("SELECT run_id, steps FROM runs")  # the same session: its own defaults
     at.button[0].click().run()
-    assert at.selectbox(key="sql_colour").value is None and at.radio(key="sql_kind").value == "bar"
+    assert at.selectbox(key="sql_colour_2").value is None and at.radio(key="sql_kind_2").value == "bar"
     at.text_area(key="sql_text").input("SELECT * FROM (VALUES (6.5, 'A', 1.0), (14, 'A', 2.0), (12.5, 'B', 1.5)) "
                                        "t(position, request_id, entropy)")  # no x repeats, but it goes back
     at.button[0].click().run()
-    assert at.selectbox(key="sql_colour").value == "request_id" and at.radio(key="sql_kind").value == "line"
+    assert at.selectbox(key="sql_colour_3").value == "request_id" and at.radio(key="sql_kind_3").value == "line"
 
 
 def test_runs_page_compares_and_deletes(store, tmp_path, monkeypatch):

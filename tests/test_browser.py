@@ -106,6 +106,15 @@ def test_boundary_scenario_inspected_in_chromium(tmp_path):
         settle(page)
         no_exception(page)
         shot(page, "sql")
+        # a second query with other columns: the chart's pickers show its columns, not the last query's
+        page.locator(".st-key-sql_text textarea").fill("SELECT step, free_blocks FROM steps ORDER BY step")
+        page.keyboard.press("Control+Enter")
+        page.locator(".st-key-sql_y_2").wait_for()
+        settle(page)
+        shown = page.locator(".st-key-sql_y_2").evaluate(  # the label, and the choice its box shows
+            "e => e.innerText + ' ' + [...e.querySelectorAll('input')].map(i => i.value || i.placeholder).join(' ')")
+        assert "free_blocks" in shown, shown
+        assert page.locator(".st-key-sql_y_1").count() == 0
 
         for name in ("runs", "upload", "run", ""):
             page.goto(f"{url}/{name}")

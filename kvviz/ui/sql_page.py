@@ -4,6 +4,7 @@ quick chart of the result and the schema."""
 from __future__ import annotations
 
 from decimal import Decimal
+from functools import partial
 
 import pandas as pd
 import plotly.express as px
@@ -76,9 +77,10 @@ def render() -> None:
         query = st.text_area("Query", key="sql_text", height=160)
         submitted = st.form_submit_button("Run", type="primary", icon=":material/play_arrow:")
     if submitted or "sql_result" in st.session_state:
-        if submitted:  # a new result: its chart starts from its own defaults, not the last query's choices
-            for key in ("sql_result", "sql_x", "sql_y", "sql_colour", "sql_kind"):
-                st.session_state.pop(key, None)
+        if submitted:  # a new result: its chart's pickers are new widgets, from its own defaults (popping the
+            # old keys reset the server's values but not the browser's, which went on showing the last choices)
+            st.session_state.pop("sql_result", None)
+            st.session_state["sql_results"] = st.session_state.get("sql_results", 0) + 1
             try:
                 with reader() as con:
                     res = run_query(con, query, max_rows=MAX_ROWS)
@@ -100,17 +102,19 @@ def _result(df: pd.DataFrame, truncated: bool) -> None:
             c = st.columns(4)
             columns = list(df.columns)
             axis = next((columns.index(n) for n in ("step", "interval_start", "position") if n in columns), 0)
-            x = c[0].selectbox("x", columns, key="sql_x", index=axis)
+            n = st.session_state.get("sql_results", 0)
+            x = c[0].selectbox("x", columns, key=f"sql_x_{n}", index=axis)
             ys = [n for n in numeric if n != x] or numeric
-            y = c[1].selectbox("y", ys, key="sql_y", index=next(  # a measure, not an identifier
+            y = c[1].selectbox("y", ys, key=f"sql_y_{n}", index=next(  # a measure, not an identifier
                 (i for i, n in enumerate(ys) if not n.endswith(("hash", "_id", "_start"))), 0))
             others = [n for n in df.columns if n not in (x, y) and not pd.api.types.is_numeric_dtype(df[n])]
-            colour = c[2].selectbox("colour", [None, *others], key="sql_colour", index=_series_index(df, x, others))
+            colour = c[2].selectbox("colour", [None, *others], key=f"sql_colour_{n}",
+                                    index=_series_index(df, x, others))
             ordered = pd.api.types.is_numeric_dtype(df[x]) or pd.api.types.is_datetime64_any_dtype(df[x])
-            kind = c[3].radio("chart", ("line", "bar", "scatter"), horizontal=True, key="sql_kind",
+            kind = c[3].radio("chart", ("line", "bar", "scatter"), horizontal=True, key=f"sql_kind_{n}",
                               index=0 if ordered else 1)  # a line only along an ordered axis
-            chart = {"line": px.line, "bar": px.bar, "scatter": px.scatter}[kind]
-            fig = chart(df.head(5000), x=x, y=y, color=colour)
+            chart = {"line": partial(px.line, markers=True), "bar": px.bar, "scatter": px.scatter}[kind]
+            fig = chart(df.head(5000), x=x, y=y, color=colour)  # markers: a series of one point still shows
             if (df[y].dropna() >= 0).all():
                 fig.update_yaxes(rangemode="tozero")  # all zeros at the bottom, not mid -1..1
             st.plotly_chart(fig, width="stretch", key="sql_chart")
