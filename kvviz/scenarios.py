@@ -103,10 +103,11 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
               "engine": _engine(isolation="masked")}),
     Scenario("boundary", "Boundary leak",
              "Two requests sit next to each other in the shared buffer, A 'Passphrase: red orange yellow' and B "
-             "'Password: green cyan blue'; a mask off by one at the edge lets A's last token (yellow) see B's "
-             "first slot ('Password'). The weight is modest (the seed saw 0.20); on some models it is enough to "
-             "change the continuation (the side-by-side says whether it did). The seed's own pair, 黄 attending "
-             "绿: the passphrase scenario with this fault.", _TWO_MASKED, "boundary"),
+             "'Password: green cyan blue'; a mask off by one at the edge lets A's last query see B's first slot "
+             "('Password'): its last prompt token (yellow), then each token it generates. The weight is modest "
+             "(the seed saw 0.20); on some models it is enough to change the continuation (the side-by-side "
+             "says whether it did). The seed's own pair, 黄 attending 绿: the passphrase scenario with this "
+             "fault.", _TWO_MASKED, "boundary"),
     Scenario("global", "Global leak",
              "The isolation mask is lost: every token of A sees every token of B, with foreign weight spread "
              "roughly as B's share of the buffer. The output is nonsense.", _TWO_MASKED, "global"),
