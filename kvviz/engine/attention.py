@@ -18,10 +18,8 @@ from .defences import sdpa_attend
 
 
 class KVTensors:
-    """The physical K/V pool of every layer, [kv_heads, num_slots, head_dim], made on first write (on
-    the model's device, or on `device`: the host tier's pool). Head-major, as the model's K/V come:
-    a gather of a request's slots is then, per KV head, one [L, head_dim] run that SDPA reads in
-    place (slot-major gathers had to be transposed, and decode's attention took twice as long)."""
+    """The physical K/V pool of every layer, [num_slots, kv_heads, head_dim], made on first write (on
+    the model's device, or on `device`: the host tier's pool)."""
 
     def __init__(self, num_slots: int, device: str | None = None):
         self.num_slots, self.device = num_slots, device
@@ -30,14 +28,14 @@ class KVTensors:
 
     def layer(self, idx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if idx not in self.k:
-            shape = (like.shape[-3], self.num_slots, like.shape[-1])  # like: [1, KVH, T, D] or a pool [KVH, S, D]
+            shape = (self.num_slots, like.shape[1], like.shape[-1])  # like: [1, KVH, T, D] or a pool [S, KVH, D]
             self.k[idx] = torch.zeros(shape, dtype=like.dtype, device=self.device or like.device)
             self.v[idx] = torch.zeros(shape, dtype=like.dtype, device=self.device or like.device)
         return self.k[idx], self.v[idx]
 
     def bytes_per_slot(self) -> int:
         """K and V of one slot in every layer made so far."""
-        return sum(t[:, 0].numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
+        return sum(t[0].numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
 
     def copy_blocks(self, pairs: list[tuple[int, int]], block_size: int) -> None:
         """Copy-on-write: duplicate whole blocks (src -> dst) in every layer."""
@@ -66,8 +64,8 @@ def _copy(src: KVTensors, dst: KVTensors, pairs: list[tuple[int, int]], block_si
     for idx in src.k:
         kd, vd = dst.layer(idx, src.k[idx])
         d = d.to(kd.device)
-        kd[:, d] = src.k[idx][:, s].to(kd.device)
-        vd[:, d] = src.v[idx][:, s].to(vd.device)
+        kd[d] = src.k[idx][s].to(kd.device)
+        vd[d] = src.v[idx][s].to(vd.device)
 
 
 @dataclass
@@ -94,9 +92,8 @@ class AttentionGroup:
 
 
 def _gather(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """The keys (or values) at slots [R, L] of a pool [KVH, S, D], as a [R, L, KVH, D] view of one
-    [KVH, R, L, D] copy; index_select is several times faster than indexing on CPU."""
-    return pool.index_select(1, slots.flatten()).view(pool.shape[0], *slots.shape, pool.shape[-1]).permute(1, 2, 0, 3)
+    """pool[slots] for slots [R, L]; index_select is several times faster than indexing on CPU."""
+    return pool.index_select(0, slots.flatten()).view(*slots.shape, *pool.shape[1:])
 
 
 @dataclass
@@ -112,8 +109,8 @@ class StepBatch:
     def __call__(self, module, query, key, value, scaling=None):
         """One layer's attention; query [1, H, T, D], key/value [1, KVH, T, D] (RoPE applied)."""
         kc, vc = self.kv.layer(module.layer_idx, key)
-        kc[:, self.write_slots] = key[0]
-        vc[:, self.write_slots] = value[0]
+        kc[self.write_slots] = key[0].transpose(0, 1)
+        vc[self.write_slots] = value[0].transpose(0, 1)
         q = query[0].transpose(0, 1)  # [T, H, D]
         out = torch.empty_like(q)
         for g in self.groups:
