@@ -129,14 +129,25 @@ def reuse_tree(con: duckdb.DuckDBPyConnection, run_id: str, start: float, end: f
 def cross_tenant_findings(con: duckdb.DuckDBPyConnection, run_id: str, limit: int = 2000) -> pd.DataFrame:
     """A capture's cross_tenant findings as an operator reads them: the tenant (salt) that stored a block
     hash another had stored first, that first one, the message where it happened, the replica and the
-    block hash (the findings table keeps the message and block index; the event names the rest)."""
+    block hash. A finding keeps its message and block index only; several events of a message (and
+    the replicas' messages of one number) share those, so its event is one there whose hash the first
+    tenant had stored on that replica, the k-th finding of a (tenant, message, index) taking the k-th."""
     return con.execute("""
         WITH f AS (
-            SELECT request_id AS tenant, source_request AS stored_first_by, step, position FROM findings
-            WHERE run_id = $run AND kind = 'cross_tenant' ORDER BY step, position LIMIT $limit)
-        SELECT f.tenant, f.stored_first_by, e.replica, printf('%016x', e.block_hash) AS block_hash,
-               f.step AS message
-        FROM f JOIN kv_events e ON e.run_id = $run AND e.kind = 'BlockStored' AND e.step = f.step
-             AND e.block_index = f.position AND coalesce(e.salt, '(no salt)') = f.tenant
-        QUALIFY row_number() OVER (PARTITION BY f.tenant, f.step, f.position ORDER BY e.replica, e.event_index) = 1
+            SELECT request_id AS tenant, source_request AS stored_first_by, step, position,
+                   row_number() OVER (PARTITION BY request_id, source_request, step, position) AS k
+            FROM findings WHERE run_id = $run AND kind = 'cross_tenant' ORDER BY step, position LIMIT $limit),
+        stored AS (
+            SELECT replica, block_hash, coalesce(salt, '(no salt)') AS salt, step, block_index, event_index
+            FROM kv_events WHERE run_id = $run AND kind = 'BlockStored'),
+        candidates AS (
+            SELECT f.tenant, f.stored_first_by, f.step, f.position, e.replica, e.block_hash,
+                   row_number() OVER (PARTITION BY f.tenant, f.stored_first_by, f.step, f.position
+                                      ORDER BY e.replica, e.event_index) AS k
+            FROM (SELECT DISTINCT tenant, stored_first_by, step, position FROM f) f
+            JOIN stored e ON e.step = f.step AND e.block_index = f.position AND e.salt = f.tenant
+            WHERE EXISTS (SELECT 1 FROM stored o WHERE o.replica = e.replica AND o.block_hash = e.block_hash
+                          AND o.salt = f.stored_first_by))
+        SELECT f.tenant, f.stored_first_by, c.replica, printf('%016x', c.block_hash) AS block_hash, f.step AS message
+        FROM f JOIN candidates c USING (tenant, stored_first_by, step, position, k)
         ORDER BY message, replica, block_hash""", {"run": run_id, "limit": limit}).df()
