@@ -78,13 +78,18 @@ def cases(vocab: int, sizes: list[int], new_tokens: int, seed: int = 0) -> list[
     return out
 
 
+def pool_blocks(case: BenchCase, page: int) -> int:
+    """The cache every peer gets for a case: room for every request at its longest, and 8 blocks spare."""
+    longest = max(len(p) for p in case.prompts) + case.new_tokens
+    return len(case.prompts) * -(-longest // page) + 8
+
+
 def run_kvviz(m: LoadedModel, case: BenchCase, compute: str, prefix_caching: bool = True,
               oracle: bool = False, record: bool = False, engine: dict | None = None,
               peer: str | None = None) -> Measurement:
     """One kvviz run of the case (`engine`: settings over the defaults, `peer`: its name then)."""
-    longest = max(len(p) for p in case.prompts) + case.new_tokens
-    cfg = EngineConfig(block_size=16, num_blocks=len(case.prompts) * (-(-longest // 16)) + 8,
-                       max_batch_tokens=2048, isolation="paged", compute=compute, prefix_caching=prefix_caching)
+    cfg = EngineConfig(block_size=16, num_blocks=pool_blocks(case, 16), max_batch_tokens=2048, isolation="paged",
+                       compute=compute, prefix_caching=prefix_caching)
     cfg = EngineConfig.from_dict({**cfg.to_dict(), **(engine or {})})
     reqs = [RequestSpec(f"r{i}", prompt_ids=p, max_new_tokens=case.new_tokens, ignore_eos=True)
             for i, p in enumerate(case.prompts)]
@@ -158,9 +163,8 @@ def run_generate_batch(m: LoadedModel, case: BenchCase) -> Measurement:
     to itself on a CPU it sizes its cache from the host's free memory, and allocating and clearing
     gigabytes was most of what this peer's time measured."""
     model = stock_copy(m.model)  # generate_batch switches the attention of the model it runs on
-    longest = max(len(p) for p in case.prompts) + case.new_tokens
     page = 16
-    cache = ContinuousBatchingConfig(page_size=page, num_blocks=len(case.prompts) * (-(-longest // page)) + 8,
+    cache = ContinuousBatchingConfig(page_size=page, num_blocks=pool_blocks(case, page),
                                      max_batch_tokens=2048)
     t = time.perf_counter()
     with torch.inference_mode():
@@ -176,8 +180,7 @@ def run_hf_observed(m: LoadedModel, case: BenchCase, kernel: str = "eager_paged"
     cache."""
     from .hf_backend import run_workload
 
-    longest = max(len(p) for p in case.prompts) + case.new_tokens
-    cfg = EngineConfig(block_size=16, num_blocks=len(case.prompts) * (-(-longest // 16)) + 8, max_batch_tokens=2048,
+    cfg = EngineConfig(block_size=16, num_blocks=pool_blocks(case, 16), max_batch_tokens=2048,
                        backend="transformers", kernel=kernel)
     wl = Workload([RequestSpec(f"r{i}", prompt_ids=p, max_new_tokens=case.new_tokens, ignore_eos=True)
                    for i, p in enumerate(case.prompts)], cfg)
