@@ -16,10 +16,10 @@ import argparse
 import random
 from collections import defaultdict
 
-from kvviz.checked_run import run_checked
+from kvviz.engine.workload import Workload
 from kvviz.hf_backend import kernel_check
 from kvviz.models import load_model
-from kvviz.workload import Workload
+from kvviz.runners.checked import run_checked
 
 
 def workloads(vocab: int, long: int) -> list[tuple[list[list[int]], int, int]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvviz.workload import Workload
+from kvviz.engine.workload import Workload
 
 TEXT = (
     "The seven colours of the rainbow are red, orange, yellow, green, cyan, blue and violet. "

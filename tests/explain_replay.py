@@ -22,8 +22,8 @@ import duckdb
 
 from kvviz.analysis import explain as product
 from kvviz.analysis.explain import Explanation
-from kvviz.gcpause import paused_gc
 from kvviz.store import StoreError
+from kvviz.util.gcpause import paused_gc
 
 ROOT = b"kvviz/explain-root"
 

@@ -17,16 +17,17 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from kvviz.analysis import attention, blocks, captures, leaks, live, runs, tokens, uploads
+from kvviz.analysis import attention, blocks, captures, leaks, runs, tokens
 from kvviz.analysis.runs import delete_run
+from kvviz.catalogue.scenarios import scenario
+from kvviz.engine.workload import WorkloadError
 from kvviz.errors import KvvizError
 from kvviz.figures.captures import prefix_tree as tree_figure
 from kvviz.models import load_model
-from kvviz.scenarios import scenario
+from kvviz.runners import live, uploads
 from kvviz.store import RunStore, StoreError
 from kvviz.store.attention import AttentionSelection
 from kvviz.store.trace import export_run
-from kvviz.workload import WorkloadError
 
 from .test_capture import batch, stored_map, write_capture
 

@@ -12,9 +12,9 @@ import duckdb
 import numpy as np
 import pytest
 
-from kvviz.analysis import explain_jobs, live
 from kvviz.analysis.explained import explained, kept
 from kvviz.models import load_model
+from kvviz.runners import explain_jobs, live
 from kvviz.store import RunStore
 from kvviz.store.trace import export_run
 
@@ -455,7 +455,7 @@ def test_an_uploaded_capture_opens_with_the_views_it_supports(empty_db, tmp_path
 
 
 def test_a_capture_the_cli_explained_opens_with_its_reasons_and_is_not_explained_again(empty_db, tmp_path):
-    from kvviz.analysis.uploads import import_file
+    from kvviz.runners.uploads import import_file
 
     from .test_capture import batch, stored_map, write_capture
 
@@ -472,7 +472,7 @@ def test_a_capture_the_cli_explained_opens_with_its_reasons_and_is_not_explained
 
 
 def test_a_fleet_capture_shows_one_replicas_tree_at_a_time_and_its_occupancy_each(empty_db, tmp_path):
-    from kvviz.analysis.uploads import import_file
+    from kvviz.runners.uploads import import_file
 
     from .test_fleet_capture import full_mode_messages, interleaved, write_dataset
 
@@ -497,7 +497,7 @@ def test_a_fleet_capture_shows_one_replicas_tree_at_a_time_and_its_occupancy_eac
 
 
 def test_a_capture_whose_dataset_moved_says_so_and_keeps_to_the_capture_views(empty_db, tmp_path):
-    from kvviz.analysis.uploads import import_file
+    from kvviz.runners.uploads import import_file
 
     from .test_fleet_capture import full_mode_messages, write_dataset
 
@@ -511,7 +511,7 @@ def test_a_capture_whose_dataset_moved_says_so_and_keeps_to_the_capture_views(em
 
 
 def test_a_long_capture_is_looked_at_over_a_time_range_not_message_by_message(empty_db, tmp_path):
-    from kvviz.analysis.uploads import import_file
+    from kvviz.runners.uploads import import_file
     from kvviz.ui.inspector import MANY_STEPS
 
     from .test_fleet_capture import full_mode_messages, write_dataset
@@ -587,8 +587,8 @@ def test_a_fault_scope_naming_no_request_is_refused_before_recording(empty_db):
 
 
 def test_a_run_that_died_before_its_first_step_opens_without_error(tiny, tmp_path, monkeypatch):
+    from kvviz.engine.workload import Workload
     from kvviz.store.recorder import RunRecorder
-    from kvviz.workload import Workload
 
     db = tmp_path / "dead.duckdb"
     rec = RunRecorder(RunStore.open(db), "dead0", model=tiny,
@@ -605,8 +605,8 @@ def test_a_run_that_died_before_its_first_step_opens_without_error(tiny, tmp_pat
 def test_two_captures_compare_and_a_fault_that_never_struck_is_said(empty_db, tiny, tmp_path):
     """Review findings: comparing two captures (no leak metrics) drew a traceback; a fault confined to
     steps after the run's end looked like a detector miss."""
-    from kvviz.analysis.uploads import import_file
-    from kvviz.faults import Scope
+    from kvviz.catalogue.faults import Scope
+    from kvviz.runners.uploads import import_file
 
     from .test_capture import batch, stored_map, write_capture
 

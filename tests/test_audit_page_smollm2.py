@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvviz.audit_timing import AuditConfig, AuditResult
+from kvviz.audit_timing.probe import AuditConfig, AuditResult
 from kvviz.models import load_model
 from kvviz.store import RunStore
 from tests.test_audit_smollm2 import ALPHA, EXPECTED, ROUNDS
@@ -16,8 +16,8 @@ from tests.test_audit_smollm2 import ALPHA, EXPECTED, ROUNDS
 
 def page_audit(sharing: str, rounds: int, alpha: float, db: Path) -> tuple[AuditResult, int]:
     """What the page runs: audit_local, drawing the figure between rounds; and how many it drew."""
-    from kvviz.analysis.audits import audit_local
-    from kvviz.figures.audit import ttft_ecdf
+    from kvviz.audit_timing.recorded import audit_local
+    from kvviz.figures.audit_timing import ttft_ecdf
 
     drawn = []
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvviz.audit_verdict import samples_to_separate
+from kvviz.audit_timing.verdict import samples_to_separate
 from kvviz.models import load_model
 from tests.cli import kvviz
 from tests.test_serve import Server

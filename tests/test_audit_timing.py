@@ -13,8 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from kvviz.audit_timing import ORDERS, AuditConfig, record, run_audit
-from kvviz.audit_verdict import contradicted, fewest_samples, judge, ks_test, samples_to_separate, server_says, tone
+from kvviz.audit_timing.probe import ORDERS, AuditConfig, record, run_audit
+from kvviz.audit_timing.verdict import (
+    contradicted,
+    fewest_samples,
+    judge,
+    ks_test,
+    samples_to_separate,
+    server_says,
+    tone,
+)
 from kvviz.errors import AuditError
 from kvviz.models import load_model
 from kvviz.store import RunStore
@@ -251,7 +259,7 @@ def test_the_audit_page_runs_an_audit_and_shows_it_beside_the_past(tmp_path, mon
 
 
 def test_the_figure_marks_the_ks_distance_and_draws_the_null_and_the_floor():
-    from kvviz.figures.audit import ttft_ecdf
+    from kvviz.figures.audit_timing import ttft_ecdf
 
     hit, miss = [5.0, 6.0, 30.0, 7.0], [20.0, 25.0, 8.0, 40.0]
     fig = ttft_ecdf(hit, miss, null=[21.0, 9.0, 30.0], floor=[1.0, 2.0, 3.0])
@@ -263,7 +271,7 @@ def test_the_figure_marks_the_ks_distance_and_draws_the_null_and_the_floor():
 
 
 def test_each_curve_rises_from_zero_so_the_first_round_draws_a_step():
-    from kvviz.figures.audit import ttft_ecdf
+    from kvviz.figures.audit_timing import ttft_ecdf
 
     fig = ttft_ecdf([5.0], [9.0], null=[7.0, 8.0])
     assert [(list(t.x), list(t.y)) for t in fig.data[:3]] == [([5.0, 5.0], [0.0, 1.0]), ([9.0, 9.0], [0.0, 1.0]),
@@ -272,7 +280,7 @@ def test_each_curve_rises_from_zero_so_the_first_round_draws_a_step():
 
 
 def test_audits_drawn_side_by_side_share_one_time_axis():
-    from kvviz.figures.audit import ttft_ecdf
+    from kvviz.figures.audit_timing import ttft_ecdf
 
     assert ttft_ecdf([5.0], [9.0], x_max=100.0).layout.xaxis.range == (0, 102.0)
     assert ttft_ecdf([5.0], [9.0]).layout.xaxis.range is None  # alone: plotly fits it

@@ -12,7 +12,7 @@ from urllib.parse import urlparse
 import duckdb
 import pytest
 
-from kvviz.scenarios import scenario
+from kvviz.catalogue.scenarios import scenario
 
 from .browser import SKIP_REASON, chromium, new_page, shot, streamlit_app, wait_for_app
 from .cli import finish, stacks_on_failure
@@ -168,7 +168,7 @@ def test_two_sessions_run_scenarios_at_once_while_the_cli_records(tmp_path):
 def test_a_capture_is_brushed_on_its_time_axis_in_chromium(tmp_path):
     """A two-replica capture of 600 messages (one a second): the inspector opens on its activity; a drag
     across the chart narrows the time range, and every other view draws for that range."""
-    from kvviz.analysis.uploads import import_file
+    from kvviz.runners.uploads import import_file
     from kvviz.store import RunStore
 
     from .test_fleet_capture import full_mode_messages, interleaved, write_dataset

@@ -9,12 +9,12 @@ import random
 
 import pytest
 
-from kvviz.checked_run import run_checked
+from kvviz.catalogue.faults import FAULTS, defences_with
 from kvviz.engine import Defences, Engine, KVCacheManager
 from kvviz.engine.pool_patches import PoolPatches
-from kvviz.faults import FAULTS, defences_with
+from kvviz.engine.workload import Workload
 from kvviz.models import load_model
-from kvviz.workload import Workload
+from kvviz.runners.checked import run_checked
 
 NEW_FAULTS = ["offload_wrong_block", "offload_stale_restore", "transfer_wrong_request", "transfer_failed_silently",
               "untagged_namespace", "stale_hash_after_truncate", "partial_hash_promoted"]
@@ -328,9 +328,9 @@ def test_a_double_free_the_catalogue_does_not_name_is_caught():
         {"id": "C", "prompt": "and a third one that gets them again", "max_new_tokens": 6, "arrival_step": 2}],
         "engine": {"block_size": 4, "prefix_caching": False}})
     m = model("tiny-llama")
-    from kvviz.checked_run import CheckedRun
     from kvviz.oracle import ProvenanceOracle
     from kvviz.oracle.reference import compare_with_isolated
+    from kvviz.runners.checked import CheckedRun
 
     oracle = ProvenanceOracle()
     result = Engine(m, wl.engine, Defences(pool_patches=double_free)).run(wl, observers=[oracle], keep_logits=True)
@@ -340,7 +340,7 @@ def test_a_double_free_the_catalogue_does_not_name_is_caught():
 
 
 def test_every_new_fault_is_in_the_catalogue_with_its_scenario():
-    from kvviz.scenarios import SCENARIOS
+    from kvviz.catalogue.scenarios import SCENARIOS
 
     assert set(NEW_FAULTS) <= set(FAULTS)
     assert set(NEW_FAULTS) <= {s.fault for s in SCENARIOS.values()}
@@ -391,9 +391,9 @@ def test_a_fault_or_an_engine_rename_that_misses_a_pool_method_fails_at_once(mon
     """Faults replace engine methods by name, typed: an unknown name is refused where the fault is made,
     and a method renamed in the engine fails when the engine is imported (check_owners runs then), not
     by a fault that silently stops firing."""
+    from kvviz.catalogue.faults import _pool_patch
     from kvviz.engine.block_pool import BlockPool
     from kvviz.engine.pool_patches import check_owners
-    from kvviz.faults import _pool_patch
 
     with pytest.raises(TypeError, match="free_blocks"):
         _pool_patch(free_blocks=lambda pool: pool.release)

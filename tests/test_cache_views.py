@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvviz.analysis.uploads import import_file
 from kvviz.capture.capture_file import CaptureWriter, Message
+from kvviz.runners.uploads import import_file
 from kvviz.store import RunStore
 from tests.test_capture import batch, stored_map
 from tests.test_explain import misses  # noqa: F401 (a fixture)

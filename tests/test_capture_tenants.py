@@ -15,11 +15,11 @@ from kvviz.analysis import capture_time
 from kvviz.capture.capture_file import DEFAULT_REPLICA, CaptureWriter, Message
 from kvviz.capture.emit import KVEventEmitter
 from kvviz.capture.import_vllm import import_capture
+from kvviz.engine.workload import Workload
 from kvviz.models import load_model
-from kvviz.recorded import record_run
+from kvviz.runners.recorded import record_run
 from kvviz.store import RunStore
 from kvviz.store.attention import AttentionSelection
-from kvviz.workload import Workload
 from tests.explain_replay import agreed
 from tests.test_capture import batch, stored_map, write_capture
 
@@ -289,7 +289,7 @@ def test_a_dataset_written_before_salt_named_imports_with_it_unknown(tmp_path):
     null, and explain says of a store naming no salt no more than it did before kvviz kept it."""
     import pyarrow.parquet as pq
 
-    from kvviz.analysis.uploads import import_file
+    from kvviz.runners.uploads import import_file
     from tests.test_fleet_capture import write_dataset
 
     sent = [stored_map([1, 2, 3], None, [1, 2, 3, 4, 5, 6], salt="tenant-1"), REMOVED | {"block_hashes": [3]},

@@ -130,7 +130,7 @@ def test_scenarios_lists_the_seed_patterns_first():
     names = [line.split()[0] for line in p.stdout.splitlines()]
     assert p.returncode == 0 and names[:4] == ["passphrase", "boundary", "global", "positional"]
     assert "control_tenants" in names
-    from kvviz.scenarios import SCENARIOS
+    from kvviz.catalogue.scenarios import SCENARIOS
 
     faults = [line.split()[1] for line in p.stdout.splitlines()]
     assert faults == [sc.fault or "(control)" for sc in SCENARIOS.values()], "no long name runs into the next column"
@@ -202,7 +202,7 @@ def test_bad_scenario_or_fault_exits_2(args, message):
 
 @pytest.mark.slow
 def test_audit_on_both_tiny_models_passes():
-    from kvviz.faults import FAULTS
+    from kvviz.catalogue.faults import FAULTS
 
     p = kvviz("audit", "--model", "tiny-llama,tiny-gpt2")
     assert p.returncode == 0, p.stdout[-2000:]
@@ -227,7 +227,7 @@ def test_bench_tiers_compares_an_unused_host_tier_and_disaggregation_with_plain(
 
 @pytest.mark.slow
 def test_bench_repeats_interleaved_and_reports_medians(tmp_path):
-    from kvviz.bench import PEERS
+    from kvviz.bench.throughput import PEERS
 
     out = tmp_path / "b.md"
     p = kvviz("bench", "--model", "tiny-llama", "--sizes", "2", "--new-tokens", "2", "--repeat", "3",

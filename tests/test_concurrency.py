@@ -11,13 +11,13 @@ import time
 import pytest
 import torch
 
-from kvviz.checked_run import run_checked
+from kvviz.catalogue.scenarios import scenario
 from kvviz.engine import Engine
+from kvviz.engine.workload import Workload
 from kvviz.models import load_model
 from kvviz.models.queue import ModelQueue, waiting_message
 from kvviz.oracle.reference import isolated_logits
-from kvviz.scenarios import scenario
-from kvviz.workload import Workload
+from kvviz.runners.checked import run_checked
 
 from .engine_workloads import make, workloads
 

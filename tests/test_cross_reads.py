@@ -7,9 +7,10 @@ import functools
 
 import pytest
 
-from kvviz.analysis import cross_reads, live
+from kvviz.analysis import cross_reads
 from kvviz.analysis.cross_reads import BlockRead
 from kvviz.models import load_model
+from kvviz.runners import live
 from kvviz.store import RunStore
 
 

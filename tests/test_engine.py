@@ -11,8 +11,8 @@ import torch
 
 from kvviz.engine import Engine, EngineConfig
 from kvviz.engine.defences import masked_softmax_attend, sdpa_attend
+from kvviz.engine.workload import Workload, WorkloadError
 from kvviz.models import load_model
-from kvviz.workload import Workload, WorkloadError
 
 from .engine_workloads import make, workloads
 
@@ -213,7 +213,7 @@ def test_requests_admitted_together_compute_a_shared_prefix_once():
 def test_a_reset_of_the_prefix_cache_waits_for_an_idle_loop_and_goes_out_with_the_next_step(disaggregated):
     """vLLM's reset_prefix_cache: refused while a request runs; once idle, every pool (both instances
     of a disaggregated engine) forgets its hashes, and the clear events open the next step's record."""
-    from kvviz.workload import RequestSpec
+    from kvviz.engine.workload import RequestSpec
 
     cfg = EngineConfig(block_size=4, num_blocks=16, max_batch_tokens=64, compute="fast", disaggregated=disaggregated)
     loop, prompt = Engine(tiny(), cfg).open(), list(range(100, 113))  # three full blocks, then one token

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from kvviz.analysis import leaks, live
+from kvviz.analysis import leaks
 from kvviz.models import load_model
+from kvviz.runners import live
 from kvviz.store import RunStore
 from kvviz.store.attention import AttentionSelection
 from tests.cli import kvviz

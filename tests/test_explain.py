@@ -182,8 +182,8 @@ def test_an_explanation_is_kept_once_then_read_back_by_sql_the_cli_and_the_app(m
 
 def explained_capture(tmp_path, events: list[dict]) -> list:
     """Each event a message of one replica's JSONL capture, imported; its lookups explained."""
-    from kvviz.analysis.uploads import import_file
     from kvviz.capture.capture_file import CaptureWriter, Message
+    from kvviz.runners.uploads import import_file
     from tests.test_capture import batch
 
     w = CaptureWriter(tmp_path / "c.jsonl", {"replica-0": "x"})
@@ -268,8 +268,8 @@ def test_each_replica_of_a_fleet_capture_is_explained_from_its_own_cache(tmp_pat
     """pod-b stores the chain pod-a holds: a miss of its own (cold), not a block that was "cached"
     (on another replica); pod-a's eviction does not end pod-b's copy, and pod-a storing it again is
     evicted on pod-a. Lookups are named by replica."""
-    from kvviz.analysis.uploads import import_file
     from kvviz.capture.capture_file import CaptureWriter, Message
+    from kvviz.runners.uploads import import_file
     from tests.test_capture import batch, stored_map
 
     chain = stored_map([1, 2], None, [10, 11, 12, 13])
@@ -294,8 +294,8 @@ def test_the_closest_cached_sibling_is_the_one_cached_at_the_lookups_time(tmp_pa
     where it was cached before the lookup's message (`after`), else (1, 2, 9), sharing one: stored in
     the lookup's own message (`same-message`), or removed in it (`removed`). Between two siblings
     sharing as much, the one cached first (`tie`, `tie-reversed`)."""
-    from kvviz.analysis.uploads import import_file
     from kvviz.capture.capture_file import CaptureWriter, Message
+    from kvviz.runners.uploads import import_file
     from tests.test_capture import batch, stored_map
 
     def store(h, block):
@@ -366,8 +366,8 @@ def test_a_hit_on_another_tenants_blocks_is_named(tmp_path, fault):
     """With the salt left out of the hash, B (tenant b) hits the prompt A (tenant a) cached: whatever
     stopped B's lookup, its explanation names where its hits were cached. Salted, B hits nothing of A's
     and nothing is named."""
-    from kvviz.analysis import live
     from kvviz.models import load_model
+    from kvviz.runners import live
 
     m = load_model("tiny-llama")
     store = RunStore.open(tmp_path / "k.duckdb")

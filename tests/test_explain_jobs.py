@@ -9,13 +9,13 @@ import threading
 
 import pytest
 
-from kvviz.analysis import explain_jobs
 from kvviz.analysis import explained as explained_mod
 from kvviz.analysis.explained import STAGES, kept
-from kvviz.analysis.uploads import import_file
 from kvviz.capture.dataset import DatasetWriter
 from kvviz.capture.events import decode_batch
 from kvviz.capture.synthetic import fleet_messages
+from kvviz.runners import explain_jobs
+from kvviz.runners.uploads import import_file
 from kvviz.store import RunStore
 
 from .test_app import charts, page, values
@@ -180,8 +180,8 @@ def test_progress_says_the_stage_and_never_goes_back():
 
 EXITING = """
 import sys, time
-from kvviz.analysis import explain_jobs
-from kvviz.analysis.uploads import import_file
+from kvviz.runners import explain_jobs
+from kvviz.runners.uploads import import_file
 from kvviz.capture.dataset import DatasetWriter
 from kvviz.capture.events import decode_batch
 from kvviz.capture.synthetic import fleet_messages

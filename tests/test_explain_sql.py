@@ -424,7 +424,7 @@ def contradicting(path: Path, contradict: bool) -> Path:
 def test_a_capture_that_contradicts_itself_is_explained_where_it_can_be_and_the_contradictions_are_said(tmp_path):
     """Each contradiction counted and said (by the CLI), the rest explained as the replay explains it;
     the same capture without them says nothing of the kind."""
-    from kvviz.analysis.uploads import import_file
+    from kvviz.runners.uploads import import_file
 
     store = RunStore.open(tmp_path / "k.duckdb")
     runs = {
@@ -457,7 +457,7 @@ def test_a_capture_that_contradicts_itself_is_explained_where_it_can_be_and_the_
 @pytest.mark.parametrize("contradict", [True, False], ids=["contradicts", "control"])
 def test_the_activity_view_says_what_a_capture_contradicts(tmp_path, monkeypatch, contradict):
     """Beside the explained lookups, the counts in a sentence; nothing of the kind for the control."""
-    from kvviz.analysis.uploads import import_file
+    from kvviz.runners.uploads import import_file
     from tests.test_app import explained_in_background, page
 
     db = tmp_path / "kvviz.duckdb"
@@ -542,7 +542,7 @@ def normalise(rows):
 def test_the_explain_queries_run_in_duckdb_over_a_dataset_registered_in_place(tmp_path):
     """The same queries over the Parquet dataset where it lies (fleet_sql's capture_events) give what
     explain says of the same dataset registered in the store, lookup by lookup."""
-    from kvviz.analysis.uploads import import_file
+    from kvviz.runners.uploads import import_file
 
     folder = two_replica_dataset(tmp_path / "capture")
     rows = duck_explain(folder)
@@ -560,7 +560,7 @@ def explained_here_and_by_the_result(tmp_path, folder: Path) -> tuple[list, list
     """The dataset registered in place twice: once bare (explained here) and once carrying the result
     written into its _explained folder (kept as imported)."""
     from kvviz.analysis.explained import explained, kept
-    from kvviz.analysis.uploads import import_file
+    from kvviz.runners.uploads import import_file
 
     bare = tmp_path / "bare"
     shutil.copytree(folder, bare, ignore=shutil.ignore_patterns("_explained"))
@@ -575,7 +575,7 @@ def explained_here_and_by_the_result(tmp_path, folder: Path) -> tuple[list, list
 def test_import_in_place_keeps_the_reasons_a_result_written_beside_the_dataset_carries(tmp_path):
     """What a cluster writes back (explain_result as Parquet in DIR/_explained) opens with its reasons,
     named and evidenced as if explained here; a result that is no explain_result imports nothing."""
-    from kvviz.analysis.uploads import import_file
+    from kvviz.runners.uploads import import_file
 
     folder = two_replica_dataset(tmp_path / "capture")
     con = duckdb.connect()

@@ -11,7 +11,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import pytest
 
-from kvviz.analysis import attention, blocks, cross_reads, leaks, live, runs
+from kvviz.analysis import attention, blocks, cross_reads, leaks, runs
 from kvviz.figures import attention as fig_attention
 from kvviz.figures import blocks as fig_blocks
 from kvviz.figures import captures as fig_captures
@@ -26,6 +26,7 @@ from kvviz.figures.palette import (
     request_colours,
 )
 from kvviz.models import load_model
+from kvviz.runners import live
 from kvviz.store import RunStore
 
 

@@ -20,7 +20,6 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from kvviz.analysis.uploads import import_file
 from kvviz.capture import import_vllm
 from kvviz.capture.capture_file import CaptureWriter, Message
 from kvviz.capture.dataset import DatasetWriter
@@ -28,6 +27,7 @@ from kvviz.capture.events import CaptureError, decode_batch
 from kvviz.capture.rows import EventRows
 from kvviz.capture.zmq_capture import Endpoint, FleetCapture
 from kvviz.cli.capture import parse_sources
+from kvviz.runners.uploads import import_file
 from kvviz.store import RunStore
 from tests.cli import kvviz, kvviz_process
 from tests.test_capture import Publisher, batch, free_port, stored_map

@@ -18,17 +18,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvviz.analysis.runs import delete_run
-from kvviz.analysis.uploads import import_file
 from kvviz.capture.capture_file import CaptureWriter, Message
+from kvviz.catalogue.scenarios import scenario
 from kvviz.cli import main
 from kvviz.engine import Engine
+from kvviz.engine.workload import Workload
 from kvviz.errors import KvvizError, WorkloadError
 from kvviz.models import load_model
-from kvviz.scenarios import scenario
+from kvviz.runners.uploads import import_file
 from kvviz.store import RunStore
 from kvviz.store.schema import TRACE_TABLES
 from kvviz.store.trace import export_run
-from kvviz.workload import Workload
 
 from .test_store import record
 

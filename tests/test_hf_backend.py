@@ -31,15 +31,16 @@ from transformers.integrations import sdpa_attention
 from transformers.integrations.eager_paged import eager_paged_attention_forward
 
 from kvviz.analysis import cross_reads, leaks
-from kvviz.checked_run import run_checked
 from kvviz.engine import Engine, EngineError
+from kvviz.engine.workload import Workload
 from kvviz.errors import WorkloadError
 from kvviz.hf_backend import adapter
 from kvviz.models import load_model
 from kvviz.models.routing import stock_copy
-from kvviz.recorded import record_run
-from kvviz.store import RunStore, replay
-from kvviz.workload import Workload
+from kvviz.runners import replay
+from kvviz.runners.checked import run_checked
+from kvviz.runners.recorded import record_run
+from kvviz.store import RunStore
 
 from .cli import kvviz
 

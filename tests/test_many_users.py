@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from kvviz.checked_run import run_checked
+from kvviz.catalogue.scenarios import scenario
+from kvviz.engine.workload import Workload
 from kvviz.models import load_model
-from kvviz.scenarios import scenario
+from kvviz.runners.checked import run_checked
 from kvviz.store import RunStore
-from kvviz.workload import Workload
 
 from .apptest import AppTest
 

@@ -14,11 +14,11 @@ import pytest
 
 from kvviz.analysis.memory import FirstFit, RequestSpan, Usage, contiguous_replay, overall, run_memory, spans
 from kvviz.engine.kv_cache import PoolSnapshot
+from kvviz.engine.workload import Workload
 from kvviz.models import load_model
-from kvviz.recorded import record_run
+from kvviz.runners.recorded import record_run
 from kvviz.store import RunStore
 from kvviz.store.trace import export_run, import_trace
-from kvviz.workload import Workload
 from tests.cli import kvviz
 
 from .apptest import AppTest
@@ -214,7 +214,7 @@ def test_the_blocks_view_shows_the_comparison(tiny, tmp_path, monkeypatch):
 
 
 def test_the_sharing_sweep_accounts_for_every_prefill_token(tiny):
-    from kvviz.bench_sharing import NEW, PRIVATE, sweep
+    from kvviz.bench.sharing import NEW, PRIVATE, sweep
 
     n, length = 3, 128
     (p,) = sweep(tiny, (length,), n, progress=lambda s: None)
@@ -228,7 +228,7 @@ def test_the_sharing_sweep_accounts_for_every_prefill_token(tiny):
 
 
 def test_the_memory_bench_measures_both_allocators(tiny):
-    from kvviz.bench_memory import exact_workload, measure, memory_report
+    from kvviz.bench.memory import exact_workload, measure, memory_report
 
     reqs = exact_workload(tiny.config.vocab_size, 4, random.Random(0))
     r = measure(tiny, "exact-4", reqs)

@@ -9,15 +9,15 @@ import random
 import pytest
 import torch
 
-from kvviz.audit import audit
-from kvviz.checked_run import FaultMismatch, run_checked
+from kvviz.catalogue.faults import FAULTS, UnknownFault
+from kvviz.catalogue.scenarios import SCENARIOS
 from kvviz.engine import Engine
-from kvviz.faults import FAULTS, UnknownFault
+from kvviz.engine.workload import Workload
 from kvviz.models import load_model
 from kvviz.oracle import ProvenanceOracle
 from kvviz.oracle.probe import LastPromptTokenProbe
-from kvviz.scenarios import SCENARIOS
-from kvviz.workload import Workload
+from kvviz.runners.checked import FaultMismatch, run_checked
+from kvviz.runners.detection_matrix import audit
 
 
 @functools.cache
@@ -178,7 +178,7 @@ def test_catalogue_has_every_fault_of_the_issue():
 
 
 def passphrase_weights(m, fault):
-    from kvviz.faults import defences_with
+    from kvviz.catalogue.faults import defences_with
 
     wl = Workload.from_dict(SCENARIOS["passphrase"].build(m.tokenizer))
     a_len = len(m.tokenizer(wl.requests[0].prompt).input_ids)
@@ -229,7 +229,7 @@ def test_positional_entropy_is_zero_for_a_single_key_and_grows_with_context():
 
 
 def test_fault_scope_confines_a_fault_to_steps_requests_and_layers():
-    from kvviz.faults import Scope
+    from kvviz.catalogue.faults import Scope
 
     m = model("tiny-llama")
     three = Workload.from_dict(SCENARIOS["padding_as_isolation"].workload)  # masked, requests A, B, C

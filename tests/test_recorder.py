@@ -12,14 +12,15 @@ import numpy as np
 import pytest
 import torch
 
-from kvviz.checked_run import run_checked
+from kvviz.catalogue.scenarios import SCENARIOS
 from kvviz.engine import Engine
-from kvviz.ids import new_run_id
+from kvviz.engine.workload import Workload
 from kvviz.models import load_model
-from kvviz.scenarios import SCENARIOS
+from kvviz.runners.checked import run_checked
+from kvviz.runners.recorded import save_run
 from kvviz.store import RunStore, StoreError
 from kvviz.store.recorder import RunRecorder
-from kvviz.workload import Workload
+from kvviz.util.ids import new_run_id
 
 
 @functools.cache
@@ -53,7 +54,7 @@ def run_recorded(store: RunStore, rec: RunRecorder, stop_at: int | None = None,
     except BaseException as e:
         rec.fail(e)
         raise
-    rec.finish(run)
+    save_run(rec, run)
 
 
 def test_the_engine_waits_only_when_the_queue_is_full(tmp_path):

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvviz.analysis import live
 from kvviz.analysis.run_metrics import METRICS
 from kvviz.models import load_model
+from kvviz.runners import live
 from kvviz.store import RunStore
 
 from .apptest import AppTest

@@ -19,11 +19,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvviz.engine import Engine, EngineConfig
+from kvviz.engine.workload import RequestSpec, Workload
 from kvviz.models import load_model
 from kvviz.serve.app import ServeOptions
 from kvviz.serve.local import LocalServer, free_port
 from kvviz.store import RunStore
-from kvviz.workload import RequestSpec, Workload
 from tests.cli import kvviz
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -16,15 +16,16 @@ import duckdb
 import pyarrow as pa
 import pytest
 
-from kvviz.checked_run import run_checked
-from kvviz.ids import new_run_id
+from kvviz.catalogue.scenarios import SCENARIOS
+from kvviz.engine.workload import Workload
 from kvviz.models import load_model
 from kvviz.oracle import ProvenanceOracle
-from kvviz.scenarios import SCENARIOS
+from kvviz.runners.checked import run_checked
+from kvviz.runners.recorded import save_run
 from kvviz.store import SCHEMA_VERSION, RunStore, SqlError, StoreError, run_query
 from kvviz.store.attention import AttentionRecorder, AttentionSelection
 from kvviz.store.recorder import RunRecorder
-from kvviz.workload import Workload
+from kvviz.util.ids import new_run_id
 from tests.cli import finish, kvviz
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,7 +44,7 @@ def record(db: Path, scenario: str, fault: str | None = None):
     rec = RunRecorder(RunStore.open(db), run_id, model=m, workload=wl, scenario=scenario, fault=fault, oracle=oracle,
                       attention=attention, flush_every=3, flush_seconds=0)
     run = run_checked(m, wl, fault, on_step=rec.on_step, run_id=run_id, oracle=oracle, probes=[attention])
-    rec.finish(run)
+    save_run(rec, run)
     return run
 
 
@@ -342,7 +343,7 @@ def test_the_database_can_be_read_between_flushes(tmp_path):
             con.close()
 
     run = run_checked(m, wl, on_step=on_step)
-    rec.finish(run)
+    save_run(rec, run)
     assert seen == [("running", 6)]
 
 
@@ -394,7 +395,7 @@ def test_default_recording_keeps_every_head_where_a_leak_was_seen(tmp_path, faul
     """A finding's own head can always be shown; a cross-tenant read (every layer, no one head) has
     every head of every layer kept at each of its steps; a clean run keeps only the default layers'
     heads."""
-    from kvviz.analysis import live
+    from kvviz.runners import live
 
     m = tiny()
     db = tmp_path / "k.duckdb"
@@ -457,7 +458,7 @@ def test_a_run_deleted_while_it_records_stops_writing_and_says_so(tmp_path):
     """Another session deletes a run that is still recording: the recorder writes no orphan rows and
     the run ends with the reason, instead of reporting success for a run that no longer exists."""
     from kvviz.analysis import runs
-    from kvviz.recorded import record_run
+    from kvviz.runners.recorded import record_run
 
     m, store = tiny(), RunStore.open(tmp_path / "k.duckdb")
     wl = Workload.from_dict(SCENARIOS["control_forks"].workload)

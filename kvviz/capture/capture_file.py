@@ -19,7 +19,7 @@ from typing import Annotated, BinaryIO
 
 import msgspec
 
-from ..jsonio import parse_json
+from ..util.jsonio import parse_json
 from .events import CaptureError
 
 FORMAT, VERSION = "kvviz-vllm-capture", 2

@@ -27,12 +27,12 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from .. import __version__
-from ..gcpause import paused_gc
-from ..ids import new_run_id
-from ..jsonio import parse_json
 from ..store import RunStore
 from ..store.run_store import TURN_S, WriterTurns
 from ..store.schema import DATASET_COLUMNS
+from ..util.gcpause import paused_gc
+from ..util.ids import new_run_id
+from ..util.jsonio import parse_json
 from .capture_file import DEFAULT_REPLICA, Message, read_capture
 from .dataset import LATER, MANIFEST, DatasetWriter, check_files, check_name, dataset_files
 from .events import CaptureError, decode_batch

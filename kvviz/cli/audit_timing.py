@@ -11,14 +11,14 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ..audit_timing import AuditConfig
-    from ..audit_verdict import Verdict
+    from ..audit_timing.probe import AuditConfig
+    from ..audit_timing.verdict import Verdict
 
 
 def cmd_audit_timing(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from ..audit_timing import AuditConfig, record, run_audit
+    from ..audit_timing.probe import AuditConfig, record, run_audit
 
     cfg = AuditConfig(args.base_url.rstrip("/"), args.model, args.level, args.samples, args.prompt_tokens,
                       args.interval, args.alpha, args.endpoint, args.api_key)
@@ -36,7 +36,7 @@ def cmd_audit_timing(args: argparse.Namespace) -> int:
 
 
 def _say(audit_id: str, cfg: AuditConfig, v: Verdict) -> None:
-    from ..audit_verdict import HEADLINES, in_words, server_says
+    from ..audit_timing.verdict import HEADLINES, in_words, server_says
 
     print(f"timing audit {audit_id} of {cfg.base_url} ({cfg.model}), level {cfg.level}, {v.samples} rounds of a "
           f"hit, a miss and a null of {v.prompt_tokens or cfg.prompt_tokens} tokens"

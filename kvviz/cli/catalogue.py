@@ -9,7 +9,7 @@ import sys
 
 def cmd_scenarios(args: argparse.Namespace) -> int:
     """One line a scenario (name, fault or control, title) for picking a --scenario to run."""
-    from ..scenarios import SCENARIOS
+    from ..catalogue.scenarios import SCENARIOS
 
     name = max(len(sc.name) for sc in SCENARIOS.values())
     fault = max(len(sc.fault or "(control)") for sc in SCENARIOS.values())
@@ -23,8 +23,8 @@ AUDIT_MODELS = ("tiny-llama", "tiny-gpt2", "smollm2")
 
 def cmd_audit(args: argparse.Namespace) -> int:
     """The detection matrix of each model: every fault against its scenario and the same workload clean."""
-    from ..audit import audit, format_matrix
     from ..models import load_model
+    from ..runners.detection_matrix import audit, format_matrix
 
     names = AUDIT_MODELS if args.model == "all" else [n.strip() for n in args.model.split(",") if n.strip()]
     bad, total = [], 0

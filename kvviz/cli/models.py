@@ -25,7 +25,7 @@ def cmd_fetch_model(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     """Throughput against transformers' generate and generate_batch (or memory utilisation, the sharing
     sweep, many sessions), as a markdown table."""
-    from ..bench import CASES, report, run_bench
+    from ..bench.throughput import CASES, report, run_bench
     from ..models import load_model
 
     given = args.sizes or ("32" if args.memory or args.serve else "8" if args.sharing_sweep else "8,32")
@@ -45,17 +45,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if only and not any(case.startswith(o) for o in only for case in CASES):
         return fail(f"--cases {args.cases!r} matches no case; the cases are {', '.join(CASES)}")
     if args.sharing_sweep:
-        from ..bench_sharing import NEW, PRIVATE
+        from ..bench.sharing import NEW, PRIVATE
 
         if min(lengths) <= PRIVATE + NEW:
             return fail(f"--lengths: a sequence holds a shared prefix, {PRIVATE} private and {NEW} generated "
                         f"tokens, so every length must exceed {PRIVATE + NEW}, got {args.lengths!r}")
     if args.capture_live:
-        from ..bench_capture import live_report, run_live_bench
+        from ..bench.capture_import import live_report, run_live_bench
 
         return _write(live_report(run_live_bench(duration=args.duration, progress=say)), args.out)
     if args.capture_import:
-        from ..bench_capture import capture_report, run_capture_bench
+        from ..bench.capture_import import capture_report, run_capture_bench
 
         events = _positive_ints(args.sizes or "1000000", "--sizes")
         if events is None:
@@ -63,26 +63,26 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return _write(capture_report(run_capture_bench(events, progress=say)), args.out)
     m = load_model(args.model, device=args.device)
     if args.memory:
-        from ..bench_memory import memory_report, run_memory_bench
+        from ..bench.memory import memory_report, run_memory_bench
 
         return _write(memory_report(m, run_memory_bench(m, sizes, progress=say)), args.out)
     if args.serve:
-        from ..bench_serve import run_serve_bench, serve_report
+        from ..bench.serve import run_serve_bench, serve_report
 
         results = run_serve_bench(m, args.model, args.device, sizes, args.new_tokens, only, progress=say)
         return _write(serve_report(m, results, args.new_tokens), args.out)
     if args.sharing_sweep:
-        from ..bench_sharing import sweep, sweep_report
+        from ..bench.sharing import sweep, sweep_report
 
         points = [p for n in sizes for p in sweep(m, tuple(lengths), n, args.repeat, progress=say)]
         return _write(sweep_report(m, points, args.repeat), args.out)
     if args.tiers:
-        from ..bench_tiers import run_tiers_bench, tiers_report
+        from ..bench.tiers import run_tiers_bench, tiers_report
 
         results = run_tiers_bench(m, sizes, args.new_tokens, args.repeat, progress=say)
         return _write(tiers_report(m, results, args.repeat), args.out)
     if args.sessions:
-        from ..bench_sessions import run_sessions, sessions_report
+        from ..bench.sessions import run_sessions, sessions_report
 
         return _write(sessions_report(m, run_sessions(m, args.sessions, args.repeat, progress=say)), args.out)
     results = run_bench(m, sizes, args.new_tokens, progress=say, repeat=args.repeat, only=only)

@@ -16,13 +16,13 @@ from .common import finding_text
 
 if TYPE_CHECKING:
     from ..capture.emit import KVEventEmitter
+    from ..catalogue.faults import Scope
+    from ..catalogue.scenarios import Scenario
     from ..engine import StepRecord
-    from ..faults import Scope
+    from ..engine.workload import Workload
     from ..models import LoadedModel
     from ..oracle.probe import LastPromptTokenProbe
-    from ..scenarios import Scenario
     from ..store.attention import AttentionSelection
-    from ..workload import Workload
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -30,11 +30,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     Exit 1 with --fail-on-leak when the run has findings, 2 on bad input."""
     from tqdm import tqdm
 
+    from ..catalogue.scenarios import scenario
     from ..engine import Engine
+    from ..engine.workload import Workload, WorkloadError
     from ..models import load_model
     from ..models.queue import waiting_message
-    from ..scenarios import scenario
-    from ..workload import Workload, WorkloadError
 
     probe, note = None, None
     if (args.workload is None) == (args.scenario is None):
@@ -138,7 +138,7 @@ def _recorded_run(args: argparse.Namespace, m: LoadedModel, wl: Workload, fault:
                   progress: Callable[[StepRecord], None], waiting: Callable[[int], None],
                   comparing: Callable[[int, int, str], None], probe: LastPromptTokenProbe | None) -> dict:
     """A checked run recorded step by step into --db; a run that dies is marked failed there."""
-    from ..recorded import record_run
+    from ..runners.recorded import record_run
 
     run = record_run(args.store, m, wl, fault, scenario=args.scenario, scope=_fault_scope(args),
                      selection=_attention_selection(args), on_step=lambda r, _oracle: progress(r),
@@ -160,7 +160,7 @@ def _with_overrides(wl: Workload, args: argparse.Namespace) -> Workload:
 
 def _fault_scope(args: argparse.Namespace) -> Scope | None:
     """--fault-steps/--fault-requests/--fault-layers as a Scope, or None for the fault's own."""
-    from ..faults import Scope
+    from ..catalogue.faults import Scope
 
     return Scope.parse(args.fault_steps, args.fault_requests, args.fault_layers,
                        names=("--fault-steps", "--fault-layers"))
@@ -168,7 +168,7 @@ def _fault_scope(args: argparse.Namespace) -> Scope | None:
 
 def _attention_selection(args: argparse.Namespace) -> AttentionSelection:
     """--attention and its filters: which attention rows the recorder keeps (the store's biggest table)."""
-    from ..faults import int_set, name_set
+    from ..catalogue.faults import int_set, name_set
     from ..store.attention import AttentionSelection
 
     return AttentionSelection(args.attention, int_set(args.attention_layers, "--attention-layers"),

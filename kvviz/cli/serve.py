@@ -15,14 +15,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """Serve until SIGTERM or Ctrl-C; requests in flight finish first."""
     import uvicorn
 
-    from ..checked_run import check_fault
+    from ..catalogue.faults import FAULTS
     from ..engine import ConfigError, EngineConfig
+    from ..engine.workload import Workload
     from ..errors import WorkloadError
-    from ..faults import FAULTS
     from ..models import load_model
+    from ..runners.checked import check_fault
     from ..serve.app import ServeOptions, create_app
     from ..serve.worker import EngineWorker
-    from ..workload import Workload
 
     if not 0 < args.port < 65536:
         return fail(f"--port must be 1-65535, got {args.port}")

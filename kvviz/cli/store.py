@@ -61,7 +61,7 @@ def _print_rows(columns: list[str], rows: list[tuple], fmt: str) -> None:
 
 def cmd_replay(args: argparse.Namespace) -> int:
     """Show a recorded run at one step, or re-execute it and verify it (exit 1 on a mismatch)."""
-    from ..store.replay import load_run, state_at, verify
+    from ..runners.replay import load_run, state_at, verify
 
     if args.verify:
         problems = verify(args.store, args.run_id, device=args.device)
@@ -103,7 +103,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_import(args: argparse.Namespace) -> int:
     """Validate and import a kvviz trace or a vLLM/SGLang KV-event capture into the store; a bad file
     is refused whole, with the reason."""
-    from ..analysis.uploads import import_file
+    from ..runners.uploads import import_file
 
     tty = sys.stderr.isatty()
 

@@ -1,6 +1,6 @@
 """The isolation defences, each a small replaceable function.
 
-A fault (kvviz.faults) swaps one of these for a deliberately broken variant; nothing else in the
+A fault (kvviz.catalogue.faults) swaps one of these for a deliberately broken variant; nothing else in the
 engine changes. The leak oracle never calls them: it judges from slot provenance alone.
 """
 

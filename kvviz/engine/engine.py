@@ -8,15 +8,15 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..ids import new_run_id
 from ..models import LoadedModel
 from ..models.queue import WaitCallback
-from ..workload import RequestSpec, Workload, WorkloadError
+from ..util.ids import new_run_id
 from .config import EngineConfig
 from .defences import Defences
 from .loop import EngineError, EngineLoop
 from .observer import AttentionObserver
 from .records import RunResult, StepRecord
+from .workload import RequestSpec, Workload, WorkloadError
 
 __all__ = ["Engine", "EngineError"]
 
@@ -42,7 +42,8 @@ class Engine:
         specs = self.resolve(workload)
         arrivals = sorted(specs, key=lambda s: s[0].arrival_step)
         with self.m.queue.turn(on_wait), torch.inference_mode():
-            loop = EngineLoop(self, workload.seed, observers, keep_logits)  # times count from the turn
+            loop = EngineLoop(self.m, self.config, self.defences, self.eos_ids, workload.seed, observers,
+                              keep_logits)  # times count from the turn
             while arrivals or loop.busy:
                 while arrivals and arrivals[0][0].arrival_step <= loop.step:
                     loop.add(*arrivals.pop(0))
@@ -59,7 +60,7 @@ class Engine:
         """A loop that requests join one by one between steps (a server's); the caller holds the
         model's turn and torch's inference mode around its steps."""
         self._own_backend()
-        return EngineLoop(self, seed, observers)
+        return EngineLoop(self.m, self.config, self.defences, self.eos_ids, seed, observers)
 
     def _own_backend(self) -> None:
         """A workload for another backend never runs here by mistake (replaying, serving it)."""

@@ -12,23 +12,22 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
+from ..models import LoadedModel
 from ..models.routing import step_kwargs
-from ..workload import RequestSpec, WorkloadError
 from .attention import KVTensors, StepBatch
 from .block_pool import OutOfBlocks
+from .config import EngineConfig
+from .defences import Defences
 from .kv_cache import KVCacheManager
 from .observer import AttentionObserver, StepContext
 from .plan import ScheduledWork, build_step
 from .records import KVTransfer, Lookup, RequestResult, RunStats, StepRecord
 from .sampler import request_generator, sample
 from .scheduler import Scheduler, StepSchedule
-
-if TYPE_CHECKING:
-    from .engine import Engine
+from .workload import RequestSpec, WorkloadError
 
 
 class EngineError(WorkloadError):
@@ -63,10 +62,10 @@ class EngineLoop:
     """One shared pool, its scheduler and its requests (or a prefill and a decode instance); `advance`
     runs one step."""
 
-    def __init__(self, engine: Engine, seed: int = 0, observers: Sequence[AttentionObserver] = (),
-                 keep_logits: bool = False):
-        cfg = self.config = engine.config
-        self.engine, self.m, self.seed = engine, engine.m, seed
+    def __init__(self, m: LoadedModel, config: EngineConfig, defences: Defences, eos_ids: set[int], seed: int = 0,
+                 observers: Sequence[AttentionObserver] = (), keep_logits: bool = False):
+        cfg = self.config = config
+        self.m, self.defences, self.eos_ids, self.seed = m, defences, eos_ids, seed
         self.observers, self.keep_logits = observers, keep_logits
         N, arena = cfg.num_blocks, cfg.num_blocks * (2 if cfg.disaggregated else 1)
         host = cfg.offload.cpu_blocks if cfg.offload else 0  # on the instance that looks prefixes up
@@ -81,7 +80,7 @@ class EngineLoop:
             self.prefill = Instance(pkv, Scheduler(pkv, cfg.max_batch_tokens))
         self.handoff: list[str] = []  # prefilled, waiting for room in the decode pool
         for inst in self.instances:
-            engine.defences.pool_patches.apply(inst.kv)
+            defences.pool_patches.apply(inst.kv)
         self.tensors = KVTensors(arena * cfg.block_size)
         self.host_tensors = KVTensors(cfg.offload.cpu_blocks * cfg.block_size, "cpu") if cfg.offload else None
         self.live: dict[str, _Live] = {}
@@ -168,7 +167,7 @@ class EngineLoop:
                       key=lambda w: len(w.token_ids) > 1)  # single-token rows first: groups are contiguous
         live_tables = {s.id: s.block_table for s in seqs.values() if s.block_table}
         inp = build_step(self.step, work, live_tables, self.config.block_size, self.tensors.num_slots,
-                         self.config.isolation, self.engine.defences, self.m.device)
+                         self.config.isolation, self.defences, self.m.device)
         writes = self._commit(work, inp)
         sampling = [r for r, w in enumerate(work) if w.end == len(seqs[w.seq_id].token_ids)]
         logits = self._forward(work, inp, seqs, [inp.offsets[r] + len(work[r].token_ids) - 1 for r in sampling])
@@ -220,7 +219,7 @@ class EngineLoop:
             for o in observers:
                 o.on_attention(layer, group, probs)
 
-        attend = None if cfg.compute == "fast" else self.engine.defences.attend
+        attend = None if cfg.compute == "fast" else self.defences.attend
         batch = StepBatch(inp.write_slots, inp.groups, self.tensors, attend, on_attention if observers else None)
         logits = self.m.model(input_ids=inp.input_ids, position_ids=inp.position_ids, use_cache=False,
                               logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.m.device),
@@ -243,7 +242,7 @@ class EngineLoop:
                 state.first_token_step, state.first_token_at = self.step, now
             sampled[sid] = tok
             self.stats.generated_tokens += 1
-            eos = tok in self.engine.eos_ids and not state.spec.ignore_eos
+            eos = tok in self.eos_ids and not state.spec.ignore_eos
             if eos or len(state.output_ids) >= state.spec.max_new_tokens:
                 state.finish_reason = "eos" if eos else "length"
                 state.finish_step, state.finish_at = self.step, now

@@ -1,4 +1,4 @@
-"""The pool side's replaceable methods, typed: what a lifecycle fault (kvviz.faults) may swap out on a
+"""The pool side's replaceable methods, typed: what a lifecycle fault (kvviz.catalogue.faults) may swap out on a
 run's fresh KV cache manager, its block pool or its host tier.
 
 A fault names the methods it replaces as fields of PoolPatches, so a name that is not a field fails

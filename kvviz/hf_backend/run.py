@@ -16,9 +16,9 @@ import torch
 
 from ..engine import Engine, EngineError, RequestResult, RunResult, RunStats, StepRecord
 from ..engine.observer import AttentionObserver
-from ..ids import new_run_id
+from ..engine.workload import Workload, WorkloadError
 from ..models import LoadedModel
-from ..workload import Workload, WorkloadError
+from ..util.ids import new_run_id
 from .observe import Observation
 
 if TYPE_CHECKING:

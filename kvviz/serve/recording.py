@@ -8,13 +8,13 @@ from __future__ import annotations
 import time
 
 from ..engine import EngineConfig, RequestResult, StepRecord
-from ..ids import new_run_id
+from ..engine.workload import Workload
 from ..models import LoadedModel
 from ..oracle import ProvenanceOracle
 from ..oracle.provenance import Finding
 from ..store import RunStore
 from ..store.recorder import RunRecorder
-from ..workload import Workload
+from ..util.ids import new_run_id
 
 
 class ServedRecording:

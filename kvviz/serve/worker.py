@@ -18,14 +18,14 @@ from dataclasses import dataclass, field
 import torch
 
 from ..analysis.run_metrics import LiveMetrics
+from ..catalogue.faults import defences_with
 from ..engine import Engine, EngineConfig, EngineLoop, StepRecord
 from ..engine.sampler import request_generator
-from ..faults import defences_with
-from ..ids import new_run_id
+from ..engine.workload import RequestSpec, Workload
 from ..models import LoadedModel
 from ..oracle import ProvenanceOracle
 from ..store import RunStore
-from ..workload import RequestSpec, Workload
+from ..util.ids import new_run_id
 from .recording import ServedRecording
 
 

@@ -36,9 +36,9 @@ from .run_store import RunStore
 from .token_text import token_label
 
 if TYPE_CHECKING:
-    from ..checked_run import CheckedRun
     from ..oracle import ProvenanceOracle
     from ..oracle.provenance import Finding, StepLeak
+    from ..oracle.reference import Divergence
 
 QUEUE_STEPS = 4  # steps handed over and not yet turned into rows before the engine waits for the writer
 _STOP = None  # what the queue holds last: the writer thread ends
@@ -272,16 +272,8 @@ class RunRecorder:
             con.execute("COMMIT")
 
     # -- the end of the run (the engine's thread) ----------------------------------------------
-    def finish(self, run: CheckedRun, seconds: float | None = None) -> None:
-        res, summary = run.result, run.summary()
-        specs = {s.id: s for s in run.workload.requests}
-        for r in res.requests:
-            self.add_request(r, specs[r.id].cache_salt, specs[r.id].parent)
-        self.add_findings(run.findings)
-        self._submit(partial(self._divergence_rows, list(run.divergences)))
-        st = res.stats
-        self.complete(st.steps, seconds if seconds is not None else st.seconds, st.generated_tokens,
-                      summary["leak"]["max_foreign_mass"], summary["leak"]["leak_rate"], len(run.findings))
+    def add_divergences(self, divergences: Iterable[Divergence]) -> None:
+        self._submit(partial(self._divergence_rows, list(divergences)))
 
     def _divergence_rows(self, divergences: list) -> None:
         for d in divergences:

@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..errors import CaptureError, StoreError
-from ..jsonio import parse_json
+from ..util.jsonio import parse_json
 from .run_store import RunStore
 from .schema import TABLES as DECLARED
 from .schema import TRACE_TABLES as TABLES  # table -> its trace columns; run_id is the manifest's

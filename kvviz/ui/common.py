@@ -99,7 +99,7 @@ def reader() -> Iterator[duckdb.DuckDBPyConnection]:
 def model(name: str):
     """One copy of each model per process, shared by every session. The engine (torch, transformers:
     seconds to import) is imported here, when a page first needs a model, not when the app starts."""
-    from ..analysis import live
+    from ..runners import live
 
     return live.model(name)
 

@@ -10,12 +10,13 @@ from datetime import UTC, datetime
 import pandas as pd
 import streamlit as st
 
-from ..analysis import capture_time, captures, cross_reads, explain_jobs
+from ..analysis import capture_time, captures, cross_reads
 from ..analysis.explained import contradiction_sentence, explain_seconds, explained_in, kept, reasons_per_interval
 from ..analysis.runs import RunInfo
 from ..errors import StoreError
 from ..figures import capture_time as time_fig
 from ..figures import captures as tree_fig
+from ..runners import explain_jobs
 from .common import db_path, lookups_table, reader, store
 
 VIEWS = ("Activity", "Occupancy", "Lifetimes", "Shared prefixes", "Prefix tree", "Cross-tenant")

@@ -9,11 +9,11 @@ import time
 import pandas as pd
 import streamlit as st
 
-from ..analysis import live
 from ..analysis.run_metrics import METRICS
-from ..faults import FAULTS, Scope
+from ..catalogue.faults import FAULTS, Scope
+from ..catalogue.scenarios import SCENARIOS
 from ..figures import blocks as block_fig
-from ..scenarios import SCENARIOS
+from ..runners import live
 from ..store.attention import AttentionSelection
 from .common import (
     ENGINE_HELP,

@@ -6,10 +6,11 @@ from __future__ import annotations
 import numpy as np
 import streamlit as st
 
-from ..analysis import attention, cross_reads, leaks, live, runs
-from ..faults import FAULTS
+from ..analysis import attention, cross_reads, leaks, runs
+from ..catalogue.faults import FAULTS
+from ..catalogue.scenarios import SCENARIOS
 from ..figures import attention as fig
-from ..scenarios import SCENARIOS
+from ..runners import live
 from .common import ENGINE_HELP, ENGINES, MODELS, cross_tenant_warning, load_model_or_error, open_run, reader, store
 
 

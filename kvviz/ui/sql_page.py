@@ -10,8 +10,8 @@ import pandas as pd
 import plotly.express as px
 import streamlit as st
 
-from ..analysis import explain_jobs
 from ..analysis.runs import CAPTURE_MODEL
+from ..runners import explain_jobs
 from ..store import SqlError
 from ..store.sql import run_query
 from .common import empty_store_hint, has_db, reader, store

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import streamlit as st
 
-from ..analysis.uploads import earlier_import, import_file, imported, refused, save_upload
 from ..errors import KvvizError
+from ..runners.uploads import earlier_import, import_file, imported, refused, save_upload
 from .common import db_path, open_run, store
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
-from .errors import WorkloadError
+from ..errors import WorkloadError
 from .faults import FAULTS
 
 SYSTEM = "You are a helpful assistant. Answer in one short sentence."

@@ -42,8 +42,8 @@ def import_file(path: str | Path, store: RunStore, progress: Progress | None = N
 def _with_cluster_result(store: RunStore, run_id: str, path: Path) -> None:
     """Keep the reasons a cluster wrote back beside the dataset; a result that cannot be read undoes the
     import (all or nothing, as for the dataset itself)."""
-    from .explained import keep_cluster_result
-    from .runs import delete_run
+    from ..analysis.explained import keep_cluster_result
+    from ..analysis.runs import delete_run
 
     try:
         keep_cluster_result(store, run_id, path)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from .errors import KvvizError
+from ..errors import KvvizError
 
 
 def parse_json(text: str | bytes, where: str, error: type[KvvizError], one_line: bool = False) -> object:

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from ..analysis import audits
-from ..audit_timing import LEVELS, AuditConfig, AuditResult
-from ..audit_verdict import HEADLINES, Verdict, fewest_samples, in_words, server_says, tone
+from ..audit_timing import recorded as audits
+from ..audit_timing.probe import LEVELS, AuditConfig, AuditResult
+from ..audit_timing.verdict import HEADLINES, Verdict, fewest_samples, in_words, server_says, tone
 from ..errors import KvvizError
-from ..figures.audit import ttft_ecdf
+from ..figures.audit_timing import ttft_ecdf
 from ..serve import SHARING
 from .common import MODELS, has_db, load_model_or_error, reader, store
 

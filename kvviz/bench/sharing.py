@@ -15,9 +15,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .engine import Engine, EngineConfig, StepRecord
-from .models import LoadedModel
-from .workload import RequestSpec, Workload
+from ..engine import Engine, EngineConfig, StepRecord
+from ..engine.workload import RequestSpec, Workload
+from ..models import LoadedModel
 
 LENGTHS = (128, 512, 2048)
 PRIVATE, NEW = 32, 32  # each request's own prompt tokens and generated tokens

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import duckdb
 
+from ..analysis import explained as explaining
+from ..analysis.explained import contradiction_sentence, explained, kept
 from ..capture import explain_sql
 from ..errors import KvvizError
 from ..store import RunStore
-from . import explained as explaining
-from .explained import contradiction_sentence, explained, kept
 
 STOP_S = 5.0  # at exit, how long to wait for a job's thread once its statement is interrupted
 COUNTING = "counting what the capture's events contradict"

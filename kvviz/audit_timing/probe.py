@@ -12,7 +12,7 @@ hit or miss, follows an untimed primer of the same token count from the first se
 for a hit, a fresh one for a miss), which also takes any work the server or this process still had
 from before. Each round times a hit, a miss and a null (a second miss) in one of the six orders in
 turn, then a one-word floor. The null against the misses is the control: when it too "comes faster",
-the measurement is biased and the verdict is inconclusive (kvviz/audit_verdict.py).
+the measurement is biased and the verdict is inconclusive (kvviz/audit_timing/verdict.py).
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from .audit_verdict import Verdict, fewest_samples, judge, smallest_p
-from .errors import AuditError
-from .ids import new_run_id
-from .store import RunStore
+from ..errors import AuditError
+from ..store import RunStore
+from ..util.ids import new_run_id
+from .verdict import Verdict, fewest_samples, judge, smallest_p
 
 LEVELS = ("global", "per-user")
 ENDPOINTS = ("completions", "chat")
@@ -216,7 +216,7 @@ def _add(out: AuditResult, kind: str, i: int, r: Reply, primer: Reply | None,
 def record(store: RunStore, result: AuditResult, verdict: Verdict | None = None) -> str:
     """The audit, its verdict and its raw timings (partial ones too) into the run store, in one
     transaction; its id."""
-    from .store.schema import arrow_table
+    from ..store.schema import arrow_table
 
     audit_id, cfg, v = new_run_id(), result.config, verdict or result.judge()
     hit, miss = result.times("hit"), result.times("miss")

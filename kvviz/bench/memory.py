@@ -15,10 +15,10 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .analysis.memory import ARTICLE, ContiguousReplay, Usage, contiguous_replay, overall, spans
-from .engine import Engine, EngineConfig, StepRecord
-from .models import LoadedModel
-from .workload import RequestSpec, Workload
+from ..analysis.memory import ARTICLE, ContiguousReplay, Usage, contiguous_replay, overall, spans
+from ..engine import Engine, EngineConfig, StepRecord
+from ..engine.workload import RequestSpec, Workload
+from ..models import LoadedModel
 
 CHAT_CAP = 256
 INSTRUCTIONS = (

@@ -15,17 +15,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .capture.capture_file import CaptureWriter
-from .capture.dataset import DatasetWriter
-from .capture.events import decode_batch
-from .capture.synthetic import fleet_messages
+from ..capture.capture_file import CaptureWriter
+from ..capture.dataset import DatasetWriter
+from ..capture.events import decode_batch
+from ..capture.synthetic import fleet_messages
 
 # Peak RSS is the child's VmHWM: getrusage's ru_maxrss survives exec on Linux, so it would count the
 # parent (which holds the synthetic messages) as well.
 CHILD = """
 import json, sys, time
-from kvviz.analysis.uploads import import_file
-from kvviz.store import RunStore
+from ..runners.uploads import import_file
+from ..store import RunStore
 t = time.perf_counter()
 import_file(sys.argv[1], RunStore.open(sys.argv[2]))
 seconds = time.perf_counter() - t
@@ -36,8 +36,8 @@ print(json.dumps({"seconds": seconds, "peak_mb": int(hwm.split()[1]) / 1024}))
 
 EXPLAIN_CHILD = """
 import json, sys, time
-from kvviz.analysis.explained import explained
-from kvviz.store import RunStore
+from ..analysis.explained import explained
+from ..store import RunStore
 store = RunStore.open(sys.argv[1])
 with store.read() as con:
     run = con.execute("SELECT run_id FROM runs").fetchone()[0]
@@ -49,9 +49,9 @@ print(json.dumps({"seconds": seconds, "lookups": len(found), "peak_mb": int(hwm.
 """
 VIEWS_CHILD = """
 import json, sys, time
-from kvviz.analysis import capture_time, captures, explained, runs
-from kvviz.analysis.uploads import import_file
-from kvviz.store import RunStore
+from ..analysis import capture_time, captures, explained, runs
+from ..runners.uploads import import_file
+from ..store import RunStore
 store = RunStore.open(sys.argv[1])
 t = time.perf_counter()
 in_place = import_file(sys.argv[2], store, in_place=True)
@@ -157,7 +157,7 @@ def capture_report(results: list[ImportResult]) -> str:
 PUBLISHER = """
 import sys, time, zmq
 sys.path.insert(0, sys.argv[4])
-from kvviz.capture.synthetic import step_batches
+from ..capture.synthetic import step_batches
 endpoint, rate, duration = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 ctx = zmq.Context()
 pub = ctx.socket(zmq.PUB)
@@ -195,7 +195,7 @@ def run_live_bench(replicas: int = 2, rate: int = 10_000, duration: float = 60.0
     import os
     import socket
 
-    from .capture.zmq_capture import Endpoint, FleetCapture
+    from ..capture.zmq_capture import Endpoint, FleetCapture
 
     def port() -> int:
         with socket.socket() as s:

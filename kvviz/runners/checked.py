@@ -5,18 +5,18 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from .analysis import cross_reads
-from .engine import Engine, RunResult, StepRecord
-from .engine.observer import AttentionObserver
-from .errors import WorkloadError
-from .faults import FAULTS, Scope, UnknownFault, defences_with
-from .hf_backend import BACKEND as TRANSFORMERS
-from .hf_backend import check_workload, fault_refused, run_workload
-from .models import LoadedModel
-from .models.queue import WaitCallback
-from .oracle import Finding, OracleConfig, ProvenanceOracle
-from .oracle.reference import Divergence, ReferenceCallback, compare_with_isolated, divergence_summary
-from .workload import Workload
+from ..analysis import cross_reads
+from ..catalogue.faults import FAULTS, Scope, UnknownFault, defences_with
+from ..engine import Engine, RunResult, StepRecord
+from ..engine.observer import AttentionObserver
+from ..engine.workload import Workload
+from ..errors import WorkloadError
+from ..hf_backend import BACKEND as TRANSFORMERS
+from ..hf_backend import check_workload, fault_refused, run_workload
+from ..models import LoadedModel
+from ..models.queue import WaitCallback
+from ..oracle import Finding, OracleConfig, ProvenanceOracle
+from ..oracle.reference import Divergence, ReferenceCallback, compare_with_isolated, divergence_summary
 
 
 class FaultMismatch(WorkloadError):

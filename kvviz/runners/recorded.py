@@ -6,21 +6,21 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from .checked_run import CheckedRun, check_fault, run_checked
-from .engine import Engine, StepRecord
-from .engine.observer import AttentionObserver
-from .faults import Scope
-from .hf_backend import BACKEND as TRANSFORMERS
-from .hf_backend import check_workload
-from .ids import new_run_id
-from .models import LoadedModel
-from .models.queue import WaitCallback
-from .oracle import ProvenanceOracle
-from .oracle.reference import ReferenceCallback
-from .store import RunStore
-from .store.attention import AttentionRecorder, AttentionSelection
-from .store.recorder import RunRecorder
-from .workload import Workload, WorkloadError
+from ..catalogue.faults import Scope
+from ..engine import Engine, StepRecord
+from ..engine.observer import AttentionObserver
+from ..engine.workload import Workload, WorkloadError
+from ..hf_backend import BACKEND as TRANSFORMERS
+from ..hf_backend import check_workload
+from ..models import LoadedModel
+from ..models.queue import WaitCallback
+from ..oracle import ProvenanceOracle
+from ..oracle.reference import ReferenceCallback
+from ..store import RunStore
+from ..store.attention import AttentionRecorder, AttentionSelection
+from ..store.recorder import RunRecorder
+from ..util.ids import new_run_id
+from .checked import CheckedRun, check_fault, run_checked
 
 DEFAULT_SELECTION = AttentionSelection()
 StepCallback = Callable[[StepRecord, ProvenanceOracle], None]
@@ -58,8 +58,22 @@ def record_run(store: RunStore, m: LoadedModel, wl: Workload, fault: str | None 
         except BaseException as e:
             rec.fail(e)
             raise
-        rec.finish(run)
+        save_run(rec, run)
         return run
+
+
+def save_run(rec: RunRecorder, run: CheckedRun, seconds: float | None = None) -> None:
+    """The end of a recorded run: its requests, findings, divergences and totals (the engine's thread;
+    the writer thread turns them into rows)."""
+    res, summary = run.result, run.summary()
+    specs = {s.id: s for s in run.workload.requests}
+    for r in res.requests:
+        rec.add_request(r, specs[r.id].cache_salt, specs[r.id].parent)
+    rec.add_findings(run.findings)
+    rec.add_divergences(run.divergences)
+    st = res.stats
+    rec.complete(st.steps, seconds if seconds is not None else st.seconds, st.generated_tokens,
+                 summary["leak"]["max_foreign_mass"], summary["leak"]["leak_rate"], len(run.findings))
 
 
 def check_scope(wl: Workload, num_layers: int, what: str, requests: frozenset[str] | None,

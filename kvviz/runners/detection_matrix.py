@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .checked_run import run_checked
-from .models import LoadedModel
-from .scenarios import SCENARIOS
-from .workload import Workload
+from ..catalogue.scenarios import SCENARIOS
+from ..engine.workload import Workload
+from ..models import LoadedModel
+from .checked import run_checked
 
 
 @dataclass

@@ -16,8 +16,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .bench import BenchCase, Measurement, cases, run_kvviz
-from .models import LoadedModel
+from ..models import LoadedModel
+from .throughput import BenchCase, Measurement, cases, run_kvviz
 
 
 @dataclass

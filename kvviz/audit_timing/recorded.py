@@ -9,12 +9,12 @@ from dataclasses import replace
 import duckdb
 import pandas as pd
 
-from ..audit_timing import AuditConfig, AuditResult, Sample, record, run_audit
 from ..engine import EngineConfig
 from ..models import LoadedModel
 from ..serve.app import ServeOptions
 from ..serve.local import LocalServer
 from ..store import RunStore
+from .probe import AuditConfig, AuditResult, Sample, record, run_audit
 
 LOCAL_ENGINE = EngineConfig(block_size=16, num_blocks=1024, max_batch_tokens=2048, compute="fast")
 

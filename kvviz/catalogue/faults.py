@@ -12,10 +12,10 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .engine import Defences
-from .engine.defences import NOT_OWNED, grouped_attend, shared_axis_mask
-from .engine.pool_patches import PoolPatches
-from .errors import WorkloadError
+from ..engine import Defences
+from ..engine.defences import NOT_OWNED, grouped_attend, shared_axis_mask
+from ..engine.pool_patches import PoolPatches
+from ..errors import WorkloadError
 
 
 @dataclass(frozen=True)

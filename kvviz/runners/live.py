@@ -8,19 +8,19 @@ from dataclasses import dataclass
 
 import pandas as pd
 
+from ..analysis import cross_reads
+from ..analysis.run_metrics import LiveMetrics
+from ..catalogue.faults import Scope
+from ..catalogue.scenarios import scenario
 from ..engine import StepRecord
-from ..faults import Scope
+from ..engine.workload import Workload
 from ..models import LoadedModel, load_model
 from ..models.queue import WaitCallback, waiting_message  # noqa: F401 (the pages say it)
 from ..oracle import ProvenanceOracle
 from ..oracle.reference import ReferenceCallback
-from ..recorded import DEFAULT_SELECTION, record_run
-from ..scenarios import scenario
 from ..store import RunStore
 from ..store.attention import AttentionSelection
-from ..workload import Workload
-from . import cross_reads
-from .run_metrics import LiveMetrics
+from .recorded import DEFAULT_SELECTION, record_run
 
 
 @dataclass

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import duckdb
 
 from ..errors import StoreError
-from .run_store import RunStore
+from ..store.run_store import RunStore
 
 LEAK_TOLERANCE = 1e-5  # max foreign mass per (step, request, layer, head), recomputed vs recorded
 FINDING_FIELDS = ("kind", "request", "step", "layer", "head", "position", "source_request", "mass", "block",
@@ -75,10 +75,10 @@ def state_at(con: duckdb.DuckDBPyConnection, run_id: str, step: int) -> StepStat
 def verify(store: RunStore, run_id: str, device: str = "auto") -> list[str]:
     """Re-execute a recorded run and list every difference, first divergence first ([] = identical).
     The record is read first and the store let go: re-execution holds no connection."""
-    from ..checked_run import run_checked
-    from ..faults import Scope
+    from ..catalogue.faults import Scope
+    from ..engine.workload import Workload
     from ..models import load_model
-    from ..workload import Workload
+    from .checked import run_checked
 
     with store.read() as con:
         rec = load_run(con, run_id)

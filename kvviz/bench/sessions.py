@@ -15,12 +15,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .checked_run import CheckedRun
-from .models import LoadedModel
-from .recorded import record_run
-from .scenarios import scenario
-from .store import RunStore
-from .workload import Workload
+from ..catalogue.scenarios import scenario
+from ..engine.workload import Workload
+from ..models import LoadedModel
+from ..runners.checked import CheckedRun
+from ..runners.recorded import record_run
+from ..store import RunStore
 
 SESSION_SCENARIOS = ("boundary", "global", "control_forks", "early_free")  # issue 13's team
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from .engine.config import ConfigError, EngineConfig
-from .errors import WorkloadError  # the message starts with the path of the offending field
-from .jsonio import parse_json
+from ..errors import WorkloadError  # the message starts with the path of the offending field
+from ..util.jsonio import parse_json
+from .config import ConfigError, EngineConfig
 
 MAX_WORKLOAD_BYTES = 64 << 20
 

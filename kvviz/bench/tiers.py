@@ -11,8 +11,8 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 
-from .bench import BenchCase, Measurement, cases, run_kvviz
-from .models import LoadedModel
+from ..models import LoadedModel
+from .throughput import BenchCase, Measurement, cases, run_kvviz
 
 VARIANTS: dict[str, dict] = {
     "plain": {},

@@ -22,14 +22,14 @@ from pathlib import Path
 import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from .engine import Engine, EngineConfig, StepRecord
-from .models import LoadedModel
-from .models.routing import stock_copy
-from .oracle import ProvenanceOracle
-from .store import RunStore
-from .store.attention import AttentionRecorder, AttentionSelection
-from .store.recorder import RunRecorder
-from .workload import RequestSpec, Workload
+from ..engine import Engine, EngineConfig, StepRecord
+from ..engine.workload import RequestSpec, Workload
+from ..models import LoadedModel
+from ..models.routing import stock_copy
+from ..oracle import ProvenanceOracle
+from ..store import RunStore
+from ..store.attention import AttentionRecorder, AttentionSelection
+from ..store.recorder import RunRecorder
 
 
 @dataclass(frozen=True)
@@ -178,7 +178,7 @@ def run_hf_observed(m: LoadedModel, case: BenchCase, kernel: str = "eager_paged"
     """transformers' continuous batching as kvviz's transformers backend runs it, the provenance oracle
     on every layer: what observing a real engine costs, against `generate_batch` alone with the same
     cache."""
-    from .hf_backend import run_workload
+    from ..hf_backend import run_workload
 
     cfg = EngineConfig(block_size=16, num_blocks=pool_blocks(case, 16), max_batch_tokens=2048,
                        backend="transformers", kernel=kernel)
