@@ -11,14 +11,17 @@ import pandas as pd
 import plotly.graph_objects as go
 import pytest
 
-from kvviz.analysis import attention, blocks, cross_reads, leaks, live, runs
+from kvviz.analysis import attention, blocks, cross_reads, leaks, live, memory, runs
 from kvviz.figures import attention as fig_attention
 from kvviz.figures import blocks as fig_blocks
+from kvviz.figures import cache as fig_cache
 from kvviz.figures import captures as fig_captures
 from kvviz.figures import timeline
 from kvviz.figures.palette import (
     CROSS_TENANT,
     LEAK,
+    LINE_PX,
+    MODEBAR_PX,
     REQUEST_COLOURS,
     STALE,
     STATE_COLOURS,
@@ -132,6 +135,18 @@ def test_occupancy_is_a_heatmap_of_the_grid(recorded):
     short, long = fig_blocks.occupancy(grid[:, :4], steps[:4]), fig_blocks.occupancy(np.zeros((2, 60)), list(range(60)))
     assert short.layout.xaxis.dtick == 1 and long.layout.xaxis.dtick is None, "a tick per step only when few"
 
+
+def test_occupancy_of_a_small_pool_is_tall_enough_to_read_each_block():
+    """A pool of a few blocks was a strip 100 px high with a tick every few blocks: now the plot is at least 200 px
+    tall, a tick a block; a big pool is capped, not a screen tall."""
+    for n in (1, 2, 4, 16):
+        fig = fig_blocks.occupancy(np.zeros((n, 5)), list(range(5)))
+        assert fig.layout.height - fig.layout.margin.t - fig.layout.margin.b >= 200, n
+        assert fig.layout.yaxis.dtick == 1, n
+    grouped = fig_blocks.occupancy(np.zeros((8, 5)), list(range(5)), per_row=4)
+    assert grouped.layout.yaxis.dtick == 4  # a row of 4 blocks: a tick a row, labelled by its first block
+    big = fig_blocks.occupancy(np.zeros((400, 5)), list(range(5)))
+    assert big.layout.height <= 520 and big.layout.yaxis.dtick is None
 
 def test_page_tables_outline_shared_blocks_and_copies():
     entries = pd.DataFrame({"request_id": ["P", "P", "F", "G"], "logical_block": [0, 1, 0, 0],
@@ -439,3 +454,46 @@ def test_miss_reasons_do_not_share_a_colour_with_the_block_churn_above_them():
 
     assert not set(REASONS.values()) & {STORED, EVICTED, HIT}  # (the reasons replace the plain misses' grey)
     assert len(set(REASONS.values())) == len(REASONS)
+
+
+def modebar_clear(fig: go.Figure) -> bool:
+    """Whether the title and a horizontal legend above the plot lie under the toolbar's band (plotly draws it at
+    the top right of the chart, over whatever the top margin holds there)."""
+    lay, height = fig.layout, fig.layout.height
+    title = lay.title.text or ""
+    lines = title.count("<br>") + 1 if title else 0
+    if lines and not (lay.title.yref == "container" and lay.title.y == 1 and lay.title.yanchor == "top"
+                      and lay.title.pad.t >= MODEBAR_PX):
+        return False
+    legend = lay.legend
+    if legend.orientation == "h":
+        below = legend.yref != "container" and legend.y is not None and legend.y < 0  # put below on purpose
+        on_top = legend.yref == "container" and (1 - legend.y) * height >= MODEBAR_PX + LINE_PX * lines - 0.5
+        if not (below or on_top):  # in the top margin under the toolbar, or plotly's default: over the x axis title
+            return False
+    return lay.margin.t >= MODEBAR_PX + LINE_PX * lines
+
+
+def test_no_title_or_legend_lies_under_plotlys_toolbar(recorded):
+    """The walk through the app found the toolbar over legends and titles: each figure keeps its title and its
+    legend under the toolbar's band, and its plot the height it had (the figure grows by the margin it adds)."""
+    db, rid, _ = recorded
+    with RunStore.open(db).read() as con:
+        info = runs.run_info(con, rid)
+        view = attention.attention_view(con, rid, info.requests[0], 3, 1, attention.HEAD_MEAN, info.block_size,
+                                        upto=True)
+        figs = {
+            "memory": fig_blocks.memory_utilisation(memory.run_memory(con, rid).frame(), memory.ARTICLE, 2),
+            "page tables": fig_blocks.page_tables(blocks.page_tables(con, rid, 1)),
+            "block map": fig_blocks.block_map(blocks.block_map(con, rid, 1), title="Pool after step 1"),
+            "heatmap": fig_attention.attention_heatmap(view.weights, view.classes, view.query_labels, view.key_labels,
+                                                       view.key_owners, "a<br><sup>two lines</sup>"),
+            "timeline": timeline.leak_timeline(leaks.leak_over_time(con, rid), 2),
+            "hit rate": fig_cache.hit_rate(pd.DataFrame({"interval_start": [0, 1], "tokens": [8, 8],
+                                                         "hit_tokens": [0, 4], "hit_rate": [0.0, 0.5]})),
+        }
+    for name, fig in figs.items():
+        assert modebar_clear(fig), name
+    heat = figs["heatmap"]
+    assert heat.layout.margin.t >= MODEBAR_PX + 2 * LINE_PX  # two title lines
+    assert heat.layout.height - heat.layout.margin.t == min(900, max(380, 260 + 14 * len(view.query_labels))) - 40

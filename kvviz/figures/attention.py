@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from .palette import CROSS_TENANT, GRID_BG, LEAK, STALE, request_colours
+from .palette import CROSS_TENANT, GRID_BG, LEAK, STALE, clear_of_modebar, request_colours
 
 FOREIGN, STALE_CLASS, CROSS = 1, 2, 3  # as analysis.attention codes them
 CROSS_NAME = "another tenant's (same content)"
@@ -61,7 +61,7 @@ def attention_heatmap(weights: np.ndarray, classes: np.ndarray, query_labels: li
                      title="query", showgrid=False)
     fig.update_layout(title=title, plot_bgcolor=GRID_BG, height=min(900, max(380, 260 + 14 * len(query_labels))),
                       margin={"l": 10, "r": 10, "t": 40, "b": 10})
-    return fig
+    return clear_of_modebar(fig)
 
 
 def heatmap_title(request: str, step: int, layer: int, shown: str, leak: float, cross_tenant: str | None) -> str:
@@ -90,7 +90,7 @@ def leak_grid(cells: pd.DataFrame, num_layers: int, num_heads: int,
                       margin={"l": 10, "r": 10, "t": 40, "b": 10}, clickmode="event+select", dragmode=False)
     fig.update_xaxes(title="head", dtick=1, range=[-0.7, num_heads - 0.3])
     fig.update_yaxes(title="layer", range=[num_layers - 0.3, -0.7], dtick=max(1, num_layers // 15))
-    return fig
+    return clear_of_modebar(fig)
 
 
 def cell_at(point: dict) -> tuple[int, int] | None:
