@@ -294,6 +294,30 @@ def test_leak_grid_of_a_real_run(recorded):
     assert len(empty.data[0].x) == 6
 
 
+def test_difference_grid_shows_the_layers_that_differ_on_a_scale_centred_at_zero():
+    """The scenario-minus-control grid was leak_grid's: 30 x 9 squares, less mass clipped to white, a few pale
+    squares. Now: the differing layers only, zero at the middle of a diverging scale, each difference written and
+    tinted however small; a control with the same mass says so in the title."""
+    df = pd.DataFrame([(layer, h, 0.0) for layer in range(30) for h in range(9)],
+                      columns=["layer", "head", "max_foreign"])
+    df.loc[(df.layer == 11) & (df["head"] == 3), "max_foreign"] = 0.41
+    df.loc[(df.layer == 11) & (df["head"] == 5), "max_foreign"] = 0.0007
+    df.loc[(df.layer == 20) & (df["head"] == 0), "max_foreign"] = -0.05
+    fig = fig_attention.difference_grid(df, 30, 9, "A: boundary minus control")
+    (heat,) = fig.data
+    assert list(heat.y) == ["layer 11", "layer 20"] and list(heat.x) == list(range(9))
+    assert heat.zmid == 0 and heat.zmin == -0.41 and heat.zmax == 0.41
+    z = np.asarray(heat.z, float)
+    assert z[0, 3] == 0.41 and z[1, 0] == -0.05 and np.isnan(z[0, 0]), "a head that does not differ shows no number"
+    assert heat.text[0][3] == "+0.410" and heat.text[1][0] == "-0.050" and heat.text[0][0] == ""
+    # the smallest difference either way is a tint, not white: the scale jumps at 0 from pale blue to pale red
+    (_, darkest), (m1, pale_blue), (m2, pale_red), (_, reddest) = heat.colorscale
+    assert m1 == m2 == 0.5 and "#ffffff" not in {darkest.lower(), pale_blue.lower(), pale_red.lower()}
+    assert reddest == LEAK
+    assert "2 of 30 layers differ; the other 28 are the same in both runs" in fig.layout.title.text
+    none = fig_attention.difference_grid(df.assign(max_foreign=0.0), 30, 9, "A")
+    assert len(none.data[0].y) == 0 and "no layer or head differs" in none.layout.title.text
+
 # -- timelines -----------------------------------------------------------------------------------------------
 
 def test_leak_timeline_has_a_line_per_request_and_panel(recorded):
