@@ -204,6 +204,25 @@ def test_attention_heatmap_puts_foreign_weights_in_their_own_trace(recorded):
     assert set(clean) == {"own"}
 
 
+def test_heatmap_axes_name_a_cjk_character_split_over_tokens_never_its_bytes(tmp_path):
+    """A newcomer's walk on SmolLM2 found <E7>-like byte labels on the heatmap's axes for Chinese text: the
+    byte-level tokenizer splits each character over tokens. Both axes now name the character in each piece."""
+    import re
+
+    wl = {"requests": [{"id": "A", "prompt": "红 橙 ok", "max_new_tokens": 1}]}
+    rid = live.run(RunStore.open(tmp_path / "kvviz.duckdb"), tiny(), wl).run_id
+    with RunStore.open(tmp_path / "kvviz.duckdb").read() as con:
+        info = runs.run_info(con, rid)
+        view = attention.attention_view(con, rid, "A", info.steps[-1], 0, attention.HEAD_MEAN, info.block_size,
+                                        upto=True)
+    fig = fig_attention.attention_heatmap(view.weights, view.classes, view.query_labels, view.key_labels,
+                                          view.key_owners)
+    keys, queries = list(fig.layout.xaxis.ticktext), list(fig.layout.yaxis.ticktext)
+    assert queries[:4] == ["0 红(1/3)", "1 红(2/3)", "2 红(3/3)", "3 ␣"]
+    assert any(">A:4 橙(1/3)<" in k for k in keys) and any(">A:6 橙(3/3)<" in k for k in keys)
+    raw = re.compile(r"<(0x)?[0-9A-F]{2}( [0-9A-F]{2})*>|\\x[0-9a-f]{2}")
+    assert not [lab for lab in queries + keys if raw.search(re.sub(r"<[^<>]*span[^<>]*>", "", lab))]
+
 def test_attention_heatmap_stale_and_unseen():
     w = np.array([[0.5, 0.5, np.nan], [0.2, 0.3, 0.5]], np.float32)
     c = np.array([[0, 2, -1], [0, 0, 1]], np.int8)
