@@ -313,6 +313,9 @@ def test_the_scenarios_side_by_side_draws_the_foreign_mass_a_fault_adds(empty_db
     at.button(key="sc_go").click().run()
     assert not at.exception and not at.error
     assert "sc_diff" in {el.key for el in at.get("plotly_chart")}
+    (grid,) = charts(at)["sc_diff"]["data"]  # the difference on a scale centred at 0, the layers that differ only
+    assert grid["type"] == "heatmap" and grid["zmid"] == 0 and grid["zmin"] == -grid["zmax"]
+    assert 0 < len(grid["y"]) and all(any(t for t in row) for row in grid["text"])
     panels = [charts(at)[f"sc_hm_{r}"] for r in ("scenario", "control")]
     tops = {t["zmax"] for p in panels for t in p["data"] if t["name"] == "own"}
     assert len(tops) == 1, f"the two heatmaps colour their own weights on different scales: {tops}"

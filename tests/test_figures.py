@@ -11,14 +11,17 @@ import pandas as pd
 import plotly.graph_objects as go
 import pytest
 
-from kvviz.analysis import attention, blocks, cross_reads, leaks, runs
+from kvviz.analysis import attention, blocks, cross_reads, leaks, memory, runs
 from kvviz.figures import attention as fig_attention
 from kvviz.figures import blocks as fig_blocks
+from kvviz.figures import cache as fig_cache
 from kvviz.figures import captures as fig_captures
 from kvviz.figures import timeline
 from kvviz.figures.palette import (
     CROSS_TENANT,
     LEAK,
+    LINE_PX,
+    MODEBAR_PX,
     REQUEST_COLOURS,
     STALE,
     STATE_COLOURS,
@@ -134,6 +137,18 @@ def test_occupancy_is_a_heatmap_of_the_grid(recorded):
     assert short.layout.xaxis.dtick == 1 and long.layout.xaxis.dtick is None, "a tick per step only when few"
 
 
+def test_occupancy_of_a_small_pool_is_tall_enough_to_read_each_block():
+    """A pool of a few blocks was a strip 100 px high with a tick every few blocks: now the plot is at least 200 px
+    tall, a tick a block; a big pool is capped, not a screen tall."""
+    for n in (1, 2, 4, 16):
+        fig = fig_blocks.occupancy(np.zeros((n, 5)), list(range(5)))
+        assert fig.layout.height - fig.layout.margin.t - fig.layout.margin.b >= 200, n
+        assert fig.layout.yaxis.dtick == 1, n
+    grouped = fig_blocks.occupancy(np.zeros((8, 5)), list(range(5)), per_row=4)
+    assert grouped.layout.yaxis.dtick == 4  # a row of 4 blocks: a tick a row, labelled by its first block
+    big = fig_blocks.occupancy(np.zeros((400, 5)), list(range(5)))
+    assert big.layout.height <= 520 and big.layout.yaxis.dtick is None
+
 def test_page_tables_outline_shared_blocks_and_copies():
     entries = pd.DataFrame({"request_id": ["P", "P", "F", "G"], "logical_block": [0, 1, 0, 0],
                             "physical_block": [0, 2, 0, 1], "refcount": [2, 1, 2, 1],
@@ -189,6 +204,25 @@ def test_attention_heatmap_puts_foreign_weights_in_their_own_trace(recorded):
                                                            c.key_owners))
     assert set(clean) == {"own"}
 
+
+def test_heatmap_axes_name_a_cjk_character_split_over_tokens_never_its_bytes(tmp_path):
+    """A newcomer's walk on SmolLM2 found <E7>-like byte labels on the heatmap's axes for Chinese text: the
+    byte-level tokenizer splits each character over tokens. Both axes now name the character in each piece."""
+    import re
+
+    wl = {"requests": [{"id": "A", "prompt": "红 橙 ok", "max_new_tokens": 1}]}
+    rid = live.run(RunStore.open(tmp_path / "kvviz.duckdb"), tiny(), wl).run_id
+    with RunStore.open(tmp_path / "kvviz.duckdb").read() as con:
+        info = runs.run_info(con, rid)
+        view = attention.attention_view(con, rid, "A", info.steps[-1], 0, attention.HEAD_MEAN, info.block_size,
+                                        upto=True)
+    fig = fig_attention.attention_heatmap(view.weights, view.classes, view.query_labels, view.key_labels,
+                                          view.key_owners)
+    keys, queries = list(fig.layout.xaxis.ticktext), list(fig.layout.yaxis.ticktext)
+    assert queries[:4] == ["0 红(1/3)", "1 红(2/3)", "2 红(3/3)", "3 ␣"]
+    assert any(">A:4 橙(1/3)<" in k for k in keys) and any(">A:6 橙(3/3)<" in k for k in keys)
+    raw = re.compile(r"<(0x)?[0-9A-F]{2}( [0-9A-F]{2})*>|\\x[0-9a-f]{2}")
+    assert not [lab for lab in queries + keys if raw.search(re.sub(r"<[^<>]*span[^<>]*>", "", lab))]
 
 def test_attention_heatmap_stale_and_unseen():
     w = np.array([[0.5, 0.5, np.nan], [0.2, 0.3, 0.5]], np.float32)
@@ -279,6 +313,30 @@ def test_leak_grid_of_a_real_run(recorded):
     empty = fig_attention.leak_grid(pd.DataFrame(columns=["layer", "head", "max_foreign"]), 2, 3)
     assert len(empty.data[0].x) == 6
 
+
+def test_difference_grid_shows_the_layers_that_differ_on_a_scale_centred_at_zero():
+    """The scenario-minus-control grid was leak_grid's: 30 x 9 squares, less mass clipped to white, a few pale
+    squares. Now: the differing layers only, zero at the middle of a diverging scale, each difference written and
+    tinted however small; a control with the same mass says so in the title."""
+    df = pd.DataFrame([(layer, h, 0.0) for layer in range(30) for h in range(9)],
+                      columns=["layer", "head", "max_foreign"])
+    df.loc[(df.layer == 11) & (df["head"] == 3), "max_foreign"] = 0.41
+    df.loc[(df.layer == 11) & (df["head"] == 5), "max_foreign"] = 0.0007
+    df.loc[(df.layer == 20) & (df["head"] == 0), "max_foreign"] = -0.05
+    fig = fig_attention.difference_grid(df, 30, 9, "A: boundary minus control")
+    (heat,) = fig.data
+    assert list(heat.y) == ["layer 11", "layer 20"] and list(heat.x) == list(range(9))
+    assert heat.zmid == 0 and heat.zmin == -0.41 and heat.zmax == 0.41
+    z = np.asarray(heat.z, float)
+    assert z[0, 3] == 0.41 and z[1, 0] == -0.05 and np.isnan(z[0, 0]), "a head that does not differ shows no number"
+    assert heat.text[0][3] == "+0.410" and heat.text[1][0] == "-0.050" and heat.text[0][0] == ""
+    # the smallest difference either way is a tint, not white: the scale jumps at 0 from pale blue to pale red
+    (_, darkest), (m1, pale_blue), (m2, pale_red), (_, reddest) = heat.colorscale
+    assert m1 == m2 == 0.5 and "#ffffff" not in {darkest.lower(), pale_blue.lower(), pale_red.lower()}
+    assert reddest == LEAK
+    assert "2 of 30 layers differ; the other 28 are the same in both runs" in fig.layout.title.text
+    none = fig_attention.difference_grid(df.assign(max_foreign=0.0), 30, 9, "A")
+    assert len(none.data[0].y) == 0 and "no layer or head differs" in none.layout.title.text
 
 # -- timelines -----------------------------------------------------------------------------------------------
 
@@ -440,3 +498,46 @@ def test_miss_reasons_do_not_share_a_colour_with_the_block_churn_above_them():
 
     assert not set(REASONS.values()) & {STORED, EVICTED, HIT}  # (the reasons replace the plain misses' grey)
     assert len(set(REASONS.values())) == len(REASONS)
+
+
+def modebar_clear(fig: go.Figure) -> bool:
+    """Whether the title and a horizontal legend above the plot lie under the toolbar's band (plotly draws it at
+    the top right of the chart, over whatever the top margin holds there)."""
+    lay, height = fig.layout, fig.layout.height
+    title = lay.title.text or ""
+    lines = title.count("<br>") + 1 if title else 0
+    if lines and not (lay.title.yref == "container" and lay.title.y == 1 and lay.title.yanchor == "top"
+                      and lay.title.pad.t >= MODEBAR_PX):
+        return False
+    legend = lay.legend
+    if legend.orientation == "h":
+        below = legend.yref != "container" and legend.y is not None and legend.y < 0  # put below on purpose
+        on_top = legend.yref == "container" and (1 - legend.y) * height >= MODEBAR_PX + LINE_PX * lines - 0.5
+        if not (below or on_top):  # in the top margin under the toolbar, or plotly's default: over the x axis title
+            return False
+    return lay.margin.t >= MODEBAR_PX + LINE_PX * lines
+
+
+def test_no_title_or_legend_lies_under_plotlys_toolbar(recorded):
+    """The walk through the app found the toolbar over legends and titles: each figure keeps its title and its
+    legend under the toolbar's band, and its plot the height it had (the figure grows by the margin it adds)."""
+    db, rid, _ = recorded
+    with RunStore.open(db).read() as con:
+        info = runs.run_info(con, rid)
+        view = attention.attention_view(con, rid, info.requests[0], 3, 1, attention.HEAD_MEAN, info.block_size,
+                                        upto=True)
+        figs = {
+            "memory": fig_blocks.memory_utilisation(memory.run_memory(con, rid).frame(), memory.ARTICLE, 2),
+            "page tables": fig_blocks.page_tables(blocks.page_tables(con, rid, 1)),
+            "block map": fig_blocks.block_map(blocks.block_map(con, rid, 1), title="Pool after step 1"),
+            "heatmap": fig_attention.attention_heatmap(view.weights, view.classes, view.query_labels, view.key_labels,
+                                                       view.key_owners, "a<br><sup>two lines</sup>"),
+            "timeline": timeline.leak_timeline(leaks.leak_over_time(con, rid), 2),
+            "hit rate": fig_cache.hit_rate(pd.DataFrame({"interval_start": [0, 1], "tokens": [8, 8],
+                                                         "hit_tokens": [0, 4], "hit_rate": [0.0, 0.5]})),
+        }
+    for name, fig in figs.items():
+        assert modebar_clear(fig), name
+    heat = figs["heatmap"]
+    assert heat.layout.margin.t >= MODEBAR_PX + 2 * LINE_PX  # two title lines
+    assert heat.layout.height - heat.layout.margin.t == min(900, max(380, 260 + 14 * len(view.query_labels))) - 40

@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 
 from .cross_reads import BlockRead, tenant_name
-from .tokens import label, request_tokens, slot_contents, slot_contents_at, token_texts
+from .tokens import label, request_tokens, sequence_labels, slot_contents, slot_contents_at, token_texts
 
 UNSEEN, OWN, FOREIGN, STALE = -1, 0, 1, 2  # as recorded
 CROSS = 3  # own by content, written by another tenant (the view's, never recorded)
@@ -89,15 +89,27 @@ def attention_view(con: duckdb.DuckDBPyConnection, run_id: str, request: str, st
         idx = [col[s] for s in ks]
         weights[i, idx] = ws
         classes[i, idx] = cs
-    texts, seq = token_texts(con, run_id), request_tokens(con, run_id).get(request, [])
-    q_labels = [f"{pos} {label(texts, seq[pos] if pos < len(seq) else None)}" for _, pos, *_ in rows]
+    texts = token_texts(con, run_id)
+    sequences = request_tokens(con, run_id)
+    seq = sequences.get(request, [])
+    named: dict[str, list[str]] = {}  # a writer's labels with a character's pieces named as one, when it shows
+
+    def token_at(writer, pos: int, token: int | None) -> str:
+        s = sequences.get(writer, [])
+        if token is None or not 0 <= pos < len(s) or s[pos] != token:
+            return label(texts, token)
+        if writer not in named:
+            named[writer] = sequence_labels(texts, s)
+        return named[writer][pos]
+
+    q_labels = [f"{pos} {token_at(request, pos, seq[pos] if pos < len(seq) else None)}" for _, pos, *_ in rows]
     held = dict(zip(contents.index, zip(contents.request_id, contents.position, contents.token, strict=True),
                     strict=True))
     owners = [str(held[s][0]) if s in held else "" for s in slots]
     tenant = dict(con.execute("SELECT request_id, tenant FROM requests WHERE run_id = ?", [run_id]).fetchall())
     crossed = {o: f" [{tenant[o] or 'no tenant'}]" for o in set(owners)  # an exact copy, written under another salt
                if o in tenant and request in tenant and tenant[o] != tenant[request]}
-    k_labels = [f"{held[s][0]}:{held[s][1]} {label(texts, held[s][2])}{crossed.get(owners[i], '')}" if s in held
+    k_labels = [f"{held[s][0]}:{held[s][1]} {token_at(*held[s])}{crossed.get(owners[i], '')}" if s in held
                 else f"slot {s}" for i, s in enumerate(slots)]
     other = np.array([o in crossed for o in owners], bool)
     classes[(classes == OWN) & other[None, :]] = CROSS

@@ -7,6 +7,9 @@ from collections.abc import Iterable, Iterator
 import duckdb
 import pandas as pd
 
+from ..models.byte_level import whole_characters
+from ..store.token_text import label_bytes
+
 
 def token_texts(con: duckdb.DuckDBPyConnection, run_id: str) -> dict[int, str]:
     """token id -> text (runs imported without a token_text table label tokens by id)."""
@@ -17,10 +20,26 @@ def label(texts: dict[int, str], token: int | None) -> str:
     if token is None:
         return "?"
     text = texts.get(int(token))
-    if text is None:
-        return f"#{token}"
+    return f"#{token}" if text is None else _shown(text)
+
+
+def _shown(text: str) -> str:
     shown = repr(text)[1:-1]
     return shown if text.strip() else shown.replace(" ", "␣") or "∅"  # a lone space must show
+
+
+def sequence_labels(texts: dict[int, str], seq: list[int]) -> list[str]:
+    """label() of each position of a request's sequence, but a character split over tokens (byte-level BPE
+    splits 红 in three, whose labels alone are its bytes, <E7> <BA> <A2>) named in each piece with which piece
+    it is: 红(1/3) 红(2/3) 红(3/3); a piece that makes no whole character with its neighbours shows as �."""
+    raw = [label_bytes(texts[t]) if t in texts else f"#{t}".encode() for t in seq]
+    out: list[str] = []
+    for a, b, text in whole_characters(len(seq), lambda a, b: b"".join(raw[a:b]).decode("utf-8", "replace")):
+        if b - a == 1 and "\ufffd" not in text:
+            out.append(label(texts, seq[a]))
+        else:
+            out += [f"{_shown(text)}({k}/{b - a})" if b - a > 1 else _shown(text) for k in range(1, b - a + 1)]
+    return out
 
 
 def request_tokens(con: duckdb.DuckDBPyConnection, run_id: str) -> dict[str, list[int]]:

@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from .palette import CROSS_TENANT, GRID_BG, LEAK, STALE, request_colours
+from .palette import CROSS_TENANT, GRID_BG, LEAK, STALE, clear_of_modebar, request_colours
 
 FOREIGN, STALE_CLASS, CROSS = 1, 2, 3  # as analysis.attention codes them
 CROSS_NAME = "another tenant's (same content)"
@@ -61,7 +61,7 @@ def attention_heatmap(weights: np.ndarray, classes: np.ndarray, query_labels: li
                      title="query", showgrid=False)
     fig.update_layout(title=title, plot_bgcolor=GRID_BG, height=min(900, max(380, 260 + 14 * len(query_labels))),
                       margin={"l": 10, "r": 10, "t": 40, "b": 10})
-    return fig
+    return clear_of_modebar(fig)
 
 
 def heatmap_title(request: str, step: int, layer: int, shown: str, leak: float, cross_tenant: str | None) -> str:
@@ -90,7 +90,37 @@ def leak_grid(cells: pd.DataFrame, num_layers: int, num_heads: int,
                       margin={"l": 10, "r": 10, "t": 40, "b": 10}, clickmode="event+select", dragmode=False)
     fig.update_xaxes(title="head", dtick=1, range=[-0.7, num_heads - 0.3])
     fig.update_yaxes(title="layer", range=[num_layers - 0.3, -0.7], dtick=max(1, num_layers // 15))
-    return fig
+    return clear_of_modebar(fig)
+
+
+def difference_grid(cells: pd.DataFrame, num_layers: int, num_heads: int, title: str = "") -> go.Figure:
+    """cells: layer, head, max_foreign (one run's minus another's, the same request). Only the layers where some
+    head differs, heads across, on a colour scale centred at 0: more foreign mass red, less blue, the same grey;
+    each cell that differs says by how much, and even the smallest difference is tinted (on a screen of 30
+    layers x 9 heads, drawn as leak_grid, a few pale squares were all it showed and less mass was white)."""
+    full = pd.MultiIndex.from_product([range(num_layers), range(num_heads)], names=["layer", "head"])
+    z = cells.set_index(["layer", "head"]).max_foreign.reindex(full).fillna(0.0).to_numpy().reshape(
+        num_layers, num_heads)
+    shown = [layer for layer in range(num_layers) if (z[layer] != 0).any()]
+    top = float(np.abs(z).max()) or 1.0
+    # no white in the middle: the least difference either way is a pale tint (a cell with none shows no number)
+    scale = [[0, "#2166ac"], [0.5, "#d1e5f0"], [0.5, "#fddbc7"], [1, LEAK]]
+    text = [[f"{v:+.3f}" if v else "" for v in z[layer]] for layer in shown]
+    rows = [f"layer {layer}" for layer in shown]
+    fig = go.Figure(go.Heatmap(  # a cell that does not differ is no number: it shows the grey background
+        z=np.where(z[shown] == 0, np.nan, z[shown]), x=list(range(num_heads)), y=rows, zmin=-top, zmax=top, zmid=0,
+        colorscale=scale, text=text, texttemplate="%{text}", textfont={"size": 10}, xgap=2, ygap=2,
+        colorbar={"title": {"text": "difference", "side": "top"}, "thickness": 12},
+        hovertemplate="%{y}, head %{x}<br>difference %{z:+.4f}<extra></extra>"))
+    same = num_layers - len(shown)
+    note = (f"{len(shown)} of {num_layers} layers differ" + (f"; the other {same} are the same in both runs"
+                                                             if same else "") if shown else
+            "no layer or head differs: the same foreign mass in both runs")
+    fig.update_layout(title=f"{title}<br><sup>{note}</sup>" if title else note, plot_bgcolor=GRID_BG,
+                      height=max(200, 110 + 30 * len(shown)), margin={"l": 10, "r": 10, "t": 40, "b": 10})
+    fig.update_xaxes(title="head", dtick=1, range=[-0.5, num_heads - 0.5], showgrid=False)
+    fig.update_yaxes(type="category", autorange="reversed", showgrid=False)
+    return clear_of_modebar(fig)
 
 
 def cell_at(point: dict) -> tuple[int, int] | None:

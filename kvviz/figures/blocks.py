@@ -8,7 +8,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from .palette import CROSS_READ, LEAK, STATE_COLOURS, grid_columns, request_colours
+from .palette import CROSS_READ, LEAK, STATE_COLOURS, clear_of_modebar, grid_columns, request_colours
 
 
 def block_map(blocks: pd.DataFrame, leaky: set[int] = frozenset(), colour_by: str = "owner",
@@ -53,7 +53,7 @@ def block_map(blocks: pd.DataFrame, leaky: set[int] = frozenset(), colour_by: st
     fig.update_traces(unselected={"marker": {"opacity": 1}, "textfont": {"color": "#333"}})  # a click fades nothing
     fig.update_xaxes(visible=False, range=[-0.7, cols - 0.3])
     fig.update_yaxes(visible=False, autorange="reversed", scaleanchor="x")
-    return fig
+    return clear_of_modebar(fig)
 
 
 def block_at(point: dict, num_blocks: int) -> int | None:
@@ -76,10 +76,12 @@ def occupancy(grid: np.ndarray, steps: list[int], current: int | None = None, pe
                                hovertemplate=f"step %{{x}}, {what.split(' ')[0]} %{{y}}<extra></extra>"))
     if current is not None:
         fig.add_vline(x=current, line={"color": "black", "width": 1, "dash": "dot"})
-    fig.update_layout(height=min(420, 160 + 4 * len(grid)), margin={"l": 10, "r": 10, "t": 30, "b": 10},
+    # the plot at least 200 px tall (a pool of a few blocks was a thin strip), 12 px a row up to 480 px in all; a
+    # tick a row while they fit
+    fig.update_layout(height=max(300, min(480, 100 + 12 * len(grid))), margin={"l": 10, "r": 10, "t": 30, "b": 10},
                       xaxis_title="step", yaxis_title=what)
-    fig.update_yaxes(autorange="reversed")
-    return whole_steps(fig, steps)
+    fig.update_yaxes(autorange="reversed", **({"dtick": per_row} if len(grid) <= 24 else {}))
+    return clear_of_modebar(whole_steps(fig, steps))
 
 
 def whole_steps(fig: go.Figure, steps) -> go.Figure:
@@ -122,7 +124,7 @@ def memory_utilisation(frame: pd.DataFrame, article: dict[str, float], current: 
     fig.update_xaxes(title_text="step", row=2, col=1)
     fig.update_layout(height=420, margin={"l": 10, "r": 10, "t": 40, "b": 10},
                       legend={"orientation": "h", "y": 1.12, "x": 1, "xanchor": "right"})
-    return whole_steps(fig, frame.step.tolist())
+    return clear_of_modebar(whole_steps(fig, frame.step.tolist()))
 
 
 PAGE_KINDS = {"own": ("white", 1), "shared": ("black", 3), "copy-on-write copy": ("#e377c2", 4)}
@@ -148,4 +150,4 @@ def page_tables(entries: pd.DataFrame) -> go.Figure:
                       plot_bgcolor="white", xaxis_title="logical block", legend={"orientation": "h"})
     fig.update_xaxes(dtick=1)
     fig.update_yaxes(autorange="reversed", type="category")
-    return fig
+    return clear_of_modebar(fig)

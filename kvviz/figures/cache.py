@@ -8,6 +8,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from .blocks import whole_steps
+from .palette import clear_of_modebar
 
 HIT, MISS = "#54a24b", "#bab0ac"
 
@@ -31,7 +32,7 @@ def hit_rate(df: pd.DataFrame, current: int | None = None, steps: tuple[int, int
     fig.update_xaxes(title="step", range=None if steps is None else [steps[0] - 0.5, steps[1] + 0.5])
     fig.update_yaxes(title="prompt tokens looked up", secondary_y=False)
     fig.update_yaxes(title="hit rate", range=[0, 1], tickformat=".0%", dtick=0.25, secondary_y=True)
-    return whole_steps(fig, list(steps or df.interval_start))
+    return clear_of_modebar(whole_steps(fig, list(steps or df.interval_start)))
 
 
 def lifetimes(df: pd.DataFrame) -> go.Figure:
@@ -43,4 +44,4 @@ def lifetimes(df: pd.DataFrame) -> go.Figure:
     fig.add_trace(go.Histogram(x=ended.idle_steps, name="idle", marker_color="#e45756"), row=1, col=2)
     fig.update_layout(height=260, showlegend=False, margin={"l": 10, "r": 10, "t": 40, "b": 10})
     fig.update_yaxes(title="lives", row=1, col=1)
-    return fig
+    return clear_of_modebar(fig)

@@ -12,7 +12,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from .cache import HIT, MISS
-from .palette import request_colours
+from .palette import clear_of_modebar, request_colours
 
 STORED, EVICTED = "#4c78a8", "#e45756"
 REASONS = {"cold": "#bab0ac", "evicted": "#ff9da6", "capacity": "#9c2b2b", "namespace": "#b279a2",
@@ -51,7 +51,7 @@ def activity(churn: pd.DataFrame, origin: float, width: float, reasons: pd.DataF
     fig.update_layout(barmode="relative", height=460, margin=MARGIN, legend={"orientation": "h", "y": -0.22},
                       dragmode="select", selectdirection="h")
     fig.update_xaxes(title="seconds since the capture began (drag across the chart to choose a range)", row=2, col=1)
-    return fig
+    return clear_of_modebar(fig)
 
 
 def occupancy(df: pd.DataFrame, origin: float, split: str) -> go.Figure:
@@ -66,7 +66,7 @@ def occupancy(df: pd.DataFrame, origin: float, split: str) -> go.Figure:
                       showlegend=True, title=f"blocks cached, per {split}")  # named even when there is one
     fig.update_xaxes(title="seconds since the capture began")
     fig.update_yaxes(title="blocks")
-    return fig
+    return clear_of_modebar(fig)
 
 
 def durations(df: pd.DataFrame, bins_per_decade: int) -> go.Figure:
@@ -90,7 +90,7 @@ def durations(df: pd.DataFrame, bins_per_decade: int) -> go.Figure:
     fig.update_layout(height=280, showlegend=False, margin=MARGIN)
     fig.update_yaxes(type="log", dtick=1)
     fig.update_yaxes(title="blocks (log)", row=1, col=1)
-    return fig
+    return clear_of_modebar(fig)
 
 
 def cross_tenant(events: pd.DataFrame, origin: float) -> go.Figure:
@@ -114,4 +114,4 @@ def cross_tenant(events: pd.DataFrame, origin: float) -> go.Figure:
     fig.update_xaxes(title="seconds since the capture began")
     fig.update_yaxes(title="block hash", type="category", categoryorder="array",
                      categoryarray=list(dict.fromkeys(df.block))[::-1])  # the most used at the top
-    return fig
+    return clear_of_modebar(fig)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import plotly.graph_objects as go
 
-from .palette import LEAK, request_colours
+from .palette import LEAK, clear_of_modebar, request_colours
 
 
 def tree_layout(nodes: pd.DataFrame) -> pd.DataFrame:
@@ -77,7 +77,7 @@ def prefix_tree(nodes: pd.DataFrame, token_text=lambda ids: str(list(ids)[:8])) 
                       legend={"orientation": "h", "y": 1.02, "yanchor": "bottom"},  # off the depth axis
                       xaxis_title="block in chain (depth)", xaxis={"dtick": 1, "rangemode": "tozero"})
     fig.update_yaxes(visible=False)
-    return fig
+    return clear_of_modebar(fig)
 
 
 FOLDED = "#9e9e9e"  # a segment's less used children, folded into one
@@ -106,4 +106,4 @@ def reuse_tree(df: pd.DataFrame, depth: int = 3) -> go.Figure:
         tiling={"orientation": "h"}))
     # a label that fits only shrunk below a readable size is hidden (its hover still says it), not drawn tiny
     fig.update_layout(height=640, margin={"l": 5, "r": 5, "t": 5, "b": 5}, uniformtext={"minsize": 11, "mode": "hide"})
-    return fig
+    return clear_of_modebar(fig)

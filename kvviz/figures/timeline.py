@@ -7,7 +7,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from .blocks import whole_steps
-from .palette import request_colours
+from .palette import clear_of_modebar, request_colours
 
 
 def _per_request_panels(df: pd.DataFrame, x: str, top: str, bottom: str, titles: tuple[str, str],
@@ -36,7 +36,7 @@ def leak_timeline(df: pd.DataFrame, current: int | None = None) -> go.Figure:
     if current is not None:
         fig.add_vline(x=current, line={"color": "black", "width": 1, "dash": "dot"})
     fig.update_xaxes(title="step", row=2, col=1)
-    return whole_steps(fig, df.step.tolist())
+    return clear_of_modebar(whole_steps(fig, df.step.tolist()))
 
 
 def entropy_by_position(df: pd.DataFrame) -> go.Figure:
@@ -45,4 +45,4 @@ def entropy_by_position(df: pd.DataFrame) -> go.Figure:
     fig = _per_request_panels(df, "position", "entropy", "leak_rate", ("positional entropy (nats)", "leak rate"),
                               row_heights=[0.65, 0.35])
     fig.update_xaxes(title="query position", row=2, col=1)
-    return fig
+    return clear_of_modebar(fig)

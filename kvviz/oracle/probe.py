@@ -9,6 +9,7 @@ import torch
 
 from ..engine.attention import AttentionGroup
 from ..engine.observer import StepContext
+from ..models.byte_level import whole_characters
 
 
 @dataclass(frozen=True)
@@ -56,20 +57,14 @@ class LastPromptTokenProbe:
         first = {}
         for k in keys:
             first[k.writer] = min(first.get(k.writer, k.slot), k.slot)
-        by_writer: dict[str, list[str]] = {}
-        pending: dict[str, tuple[list[int], float]] = {}
+        by_writer: dict[str, list[KeyWeight]] = {}
         for k in sorted(keys, key=lambda k: (first[k.writer], k.position)):
-            ids, weight = pending.pop(k.writer, ([], 0.0))
-            ids, weight = ids + [k.token_id], weight + k.weight
-            text = tokenizer.decode(ids)
-            if "\ufffd" in text and len(ids) < 4:
-                pending[k.writer] = (ids, weight)
-            else:
-                by_writer.setdefault(k.writer, []).append(f"{text.strip() or text!r} {weight:.2f}")
-        for writer, (ids, weight) in pending.items():
-            text = tokenizer.decode(ids)
-            by_writer.setdefault(writer, []).append(f"{text.strip() or text!r} {weight:.2f}")
-        return "\n".join(f"  {w:>6} | " + "  ".join(cells) for w, cells in by_writer.items())
+            by_writer.setdefault(k.writer, []).append(k)
+        cells = {}
+        for writer, ks in by_writer.items():
+            runs = whole_characters(len(ks), lambda a, b, ks=ks: tokenizer.decode([k.token_id for k in ks[a:b]]))
+            cells[writer] = [f"{text.strip() or text!r} {sum(k.weight for k in ks[a:b]):.2f}" for a, b, text in runs]
+        return "\n".join(f"  {w:>6} | " + "  ".join(shown) for w, shown in cells.items())
 
     def end_step(self) -> None:
         if self._sum is None or self.weights:

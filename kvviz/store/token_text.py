@@ -11,6 +11,7 @@ from ..models.byte_level import CHAR_TO_BYTE
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's spelling of a raw byte
 _ESCAPED = re.compile(r"(?:\\x[0-9a-f]{2})+")  # what a bytes decode with backslashreplace leaves
 _ESCAPED_BYTE = re.compile(r"\\x([0-9a-f]{2})")
+_HEX = re.compile(r"<0x([0-9A-Fa-f]{2})>|<((?:[0-9A-F]{2} )*[0-9A-F]{2})>")  # what token_label writes for bytes
 
 
 def token_label(tokenizer, token_id: int) -> str:
@@ -32,3 +33,13 @@ def _piece_bytes(piece: str) -> bytes | None:
     if piece and all(c in CHAR_TO_BYTE for c in piece):
         return bytes(CHAR_TO_BYTE[c] for c in piece)
     return None
+
+
+def label_bytes(label: str) -> bytes:
+    """The bytes a label of token_label stands for (its text in UTF-8, each <E7 BA> as those bytes): the pieces
+    of one character, labelled apart, put together again (analysis.tokens.sequence_labels)."""
+    out, end = [], 0
+    for m in _HEX.finditer(label):
+        out += [label[end:m.start()].encode(), bytes.fromhex(m.group(1) or m.group(2))]
+        end = m.end()
+    return b"".join([*out, label[end:].encode()])

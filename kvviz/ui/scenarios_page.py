@@ -146,7 +146,8 @@ def _compare(pair: dict) -> None:
                         "layer and head" + (": the keys read across tenants hold the content it would have written "
                                             "itself, so they count as its own" if crossed[subject] else "") + ".")
         else:
-            st.plotly_chart(fig.leak_grid(diff[["layer", "head", "max_foreign"]], layers, heads,
-                                          title=f"{focus.request}: foreign mass, {subject} minus control (whole run)"),
+            st.plotly_chart(fig.difference_grid(diff[["layer", "head", "max_foreign"]], layers, heads,
+                                                title=f"{focus.request}: foreign mass, {subject} minus control "
+                                                      "(whole run)"),
                             width="stretch", key="sc_diff")
             st.caption(f"Largest difference: {float(np.nanmax(diff.max_foreign)):.4f}.")
