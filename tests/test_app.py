@@ -718,6 +718,16 @@ def test_the_run_page_runs_transformers_and_the_inspector_says_which_engine_ran(
     assert any("cross-tenant reads: " in w.value and "tenant-1 read by tenant-2" in w.value for w in at.warning)
 
 
+def test_the_engine_pickers_show_short_names_and_say_the_rest_in_their_help(empty_db):
+    """Walk finding: "transformers' continuous batching" was cut to "transformers' co..." in the Run page's
+    fifth of a row; the options are the engines' short names, the help says what each one is."""
+    for name, key in (("run", "run_be_passphrase"), ("scenarios", "sc_engine")):
+        picker = page(name).selectbox(key=key)
+        assert picker.options == ["kvviz", "transformers"], picker.options
+        assert picker.help.startswith("kvviz: kvviz's own paged engine. transformers: Hugging Face transformers' "
+                                      "own continuous batching")
+
+
 def test_the_run_page_runs_a_masked_scenario_in_transformers_with_its_own_paged_isolation(empty_db):
     """The default scenario (passphrase, masked on kvviz's engine) with transformers chosen: the settings
     transformers cannot take are shown fixed, not refused after Run; kvviz's engine keeps them editable."""

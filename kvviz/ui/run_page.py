@@ -178,7 +178,7 @@ def _settings(sc, engine0: dict):
         engine["disaggregated"] = False if hf else c[1].checkbox(
             "disaggregated prefill", key=_key("dis", tag, bool(engine0.get("disaggregated", False))),
             help="a prefill instance with a pool of its own computes each prompt, then transfers its K/V here")
-        engine["backend"] = c[2].selectbox("engine", list(ENGINES), format_func=ENGINES.get, help=ENGINE_HELP,
+        engine["backend"] = c[2].selectbox("engine", list(ENGINES), help=ENGINE_HELP,
                                            key=_key("be", tag, engine0.get("backend", "kvviz")))
         if hf:
             engine["kernel"] = c[3].selectbox("attention kernel", KERNELS, key=_key("kern", tag, engine0.get(
