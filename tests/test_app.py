@@ -358,6 +358,31 @@ def test_sql_page_runs_a_select_and_shows_a_refusal(with_runs):
     assert len(run_ids(with_runs[0])) == 2
 
 
+def test_the_sql_leak_rate_example_looks_at_the_newest_run_with_findings(with_runs, tmp_path, monkeypatch):
+    """Walk finding: after a scenario replay the newest run is its clean control, and the example showed
+    its flat zeros. It takes the newest run with findings; in a store with none, the newest run."""
+    db, faulty, control = with_runs
+    at = page("sql")
+    at.selectbox(key="sql_example").set_value("Leak rate over time").run()
+    at.button[0].click().run()
+    shown = at.dataframe[0].value
+    with RunStore.open(db).read() as con:
+        want = con.execute("SELECT step, request_id, leak_rate FROM leak_rate_per_step WHERE run_id = ?",
+                           [faulty]).fetchall()
+    assert sorted(zip(shown.step, shown.request_id, shown.leak_rate, strict=True)) == sorted(want), \
+        "the faulty run's rows, not the newer control's"
+    assert max(r[2] for r in want) > 0 and set(shown.run_id) == {faulty}, "and it says which run it took"
+    clean = tmp_path / "clean.duckdb"
+    clean.write_bytes(Path(db).read_bytes())
+    with duckdb.connect(str(clean)) as con:
+        con.execute("UPDATE runs SET findings = 0")  # as if no run had found anything
+    monkeypatch.setenv("KVVIZ_DB", str(clean))
+    at = page("sql")
+    at.selectbox(key="sql_example").set_value("Leak rate over time").run()
+    at.button[0].click().run()
+    assert set(at.dataframe[0].value.run_id) == {control}, "none with findings: the newest"
+
+
 def test_the_sql_quick_chart_draws_a_line_per_series_and_bars_along_names(with_runs):
     """Two requests' rows along one step axis are two lines, not one zig-zag; run ids along x are
     bars; all-zero values sit at the bottom of the axis."""
