@@ -204,6 +204,29 @@ def test_inspector_shows_the_leak_of_a_faulty_run(with_runs):
     assert not at.exception
 
 
+def test_the_inspector_opens_a_run_at_its_first_finding_or_its_fullest_pool_and_says_why(with_runs):
+    """Walk finding: a run opened at a step in its middle (the heaviest finding's) with no reason given.
+    A faulty run opens at the first step with a finding, a clean one where the most blocks were in use,
+    and a caption beside the slider says which and why, until the user moves to another step."""
+    db, faulty, control = with_runs
+    with RunStore.open(db).read() as con:
+        first = con.execute("SELECT min(step) FROM findings WHERE run_id = ?", [faulty]).fetchone()[0]
+        fullest = con.execute("SELECT step FROM blocks WHERE run_id = ? GROUP BY step ORDER BY count(*) FILTER "
+                              "(state = 'used') DESC, step LIMIT 1", [control]).fetchone()[0]
+        last = con.execute("SELECT max(step) FROM steps WHERE run_id = ?", [control]).fetchone()[0]
+    at = page("inspector", run_id=faulty)
+    assert at.session_state["insp_step"] == first
+    said = [c.value for c in at.caption if c.value.startswith("Opened at step ")]
+    assert said and said[0].startswith(f"Opened at step {first}, the first step with a finding (foreign, request "), said
+    at.session_state["insp_step"] = first + 1
+    at.run()
+    assert not [c for c in at.caption if c.value.startswith("Opened at step ")], "said only at the step it opened at"
+    at = page("inspector", run_id=control)
+    assert at.session_state["insp_step"] == fullest != last
+    assert any(c.value == f"Opened at step {fullest}, where the most blocks were in use: this run has no finding."
+               for c in at.caption)
+
+
 def test_inspector_shows_no_finding_for_the_control(with_runs):
     _, _, control = with_runs
     at = page("inspector", run_id=control)
