@@ -217,7 +217,7 @@ def test_the_inspector_opens_a_run_at_its_first_finding_or_its_fullest_pool_and_
     at = page("inspector", run_id=faulty)
     assert at.session_state["insp_step"] == first
     said = [c.value for c in at.caption if c.value.startswith("Opened at step ")]
-    assert said and said[0].startswith(f"Opened at step {first}, the first step with a finding (foreign, request "), said
+    assert said and said[0].startswith(f"Opened at step {first}, the first step with a finding (foreign, "), said
     at.session_state["insp_step"] = first + 1
     at.run()
     assert not [c for c in at.caption if c.value.startswith("Opened at step ")], "said only at the step it opened at"
