@@ -137,6 +137,27 @@ def test_a_scenarios_request_that_names_no_arrival_step_arrives_at_step_0(empty_
     assert dict(zip(requests.id, requests.arrival_step, strict=True)) == {"A": 0, "B": 2}
 
 
+def test_prompts_that_share_a_long_start_are_shown_from_where_they_differ(empty_db):
+    """Walk finding: the prompt column cut unsalted_prefix's two prompts inside their common system
+    prompt, so they looked the same. The scenario's table shows each from where it differs, beside its id;
+    the custom editor says it under the grid; prompts that differ early get neither."""
+    from kvviz.ui.run_page import differing_parts
+
+    at = page("run")
+    at.selectbox(key="run_scenario").set_value("unsalted_prefix").run()
+    table = at.dataframe[0].value
+    assert list(table.columns[:3]) == ["id", "where it differs", "prompt"]
+    assert dict(zip(table.id, table["where it differs"], strict=True)) == {"A": "…Hi.", "B": "…Hello."}
+    at.selectbox(key="run_scenario").set_value("boundary").run()
+    assert "where it differs" not in at.dataframe[0].value.columns, "Passphrase: / Password: differ at once"
+    system = "You are a helpful assistant. "
+    at = custom_requests({0: {"prompt": system + "Hi."}, 1: {"prompt": system + "Hello there."}})
+    assert any(c.value == "Where the prompts differ: **A** …Hi. · **B** …Hello there." for c in at.caption)
+    assert differing_parts({"A": system, "B": "Other words entirely", "C": system + "Again."}) == {
+        "A": "(the start of C's)", "B": "Other words entirely", "C": "…Again."}
+    assert differing_parts({"A": "Passphrase: red", "B": "Passphrase: green", "F": ""}) is None
+
+
 def test_a_scenario_sized_to_the_tokenizer_says_so_and_runs_with_its_sized_pool(empty_db):
     at = page("run")
     at.selectbox(key="run_model").set_value("tiny-llama").run()
