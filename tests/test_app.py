@@ -181,6 +181,36 @@ def custom_requests(edited_rows: dict) -> AppTest:
     return at
 
 
+def test_a_run_stopped_by_a_rerun_says_so_and_keeps_the_edits(empty_db, monkeypatch):
+    """Walk finding, checked in chromium: an edit committed while a run goes is kept, but the rerun it
+    starts stops the run (recorded as failed) and the page said nothing. Streamlit stops the script by
+    raising in it (a StopException out of the run, as here); the next render says so, edits in place.
+    A refused run and a finished one say nothing of the kind."""
+    from streamlit.runtime.scriptrunner_utils.exceptions import StopException
+
+    def stopped(*args, **kw):
+        raise StopException()
+
+    stop = "The last run stopped before it finished"
+    at = custom_requests({0: {"prompt": "an edit made before Run"}})
+    monkeypatch.setattr(live, "run", stopped)
+    at.button(key="run_go").click().run()
+    at.session_state["run_requests"] = {"edited_rows": {0: {"prompt": "an edit made before Run"},
+                                                        1: {"prompt": "an edit made while it ran"}},
+                                        "added_rows": [], "deleted_rows": []}
+    at.run()
+    assert any(w.value.startswith(stop) for w in at.warning) and not at.exception
+    assert list(at.session_state["run_requests_edited"].prompt) == ["an edit made before Run",
+                                                                    "an edit made while it ran"]
+    monkeypatch.undo()
+    at.button(key="run_go").click().run()
+    assert not at.exception and not at.error and at.success, "run again: it finishes"
+    assert not any(w.value.startswith(stop) for w in at.warning)
+    at = custom_requests({1: {"parent": "nobody"}})
+    at.button(key="run_go").click().run()
+    assert at.error and not any(w.value.startswith(stop) for w in at.warning), "refused: nothing was stopped"
+
+
 def test_run_page_custom_workload_refused_with_the_field_named(empty_db):
     at = custom_requests({1: {"parent": "nobody"}})
     at.button(key="run_go").click().run()

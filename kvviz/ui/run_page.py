@@ -89,6 +89,11 @@ def render() -> None:
         if go:
             _run(name, sc, requests, engine, fault, scope_text, selection, seed, limits)
         else:
+            if st.session_state.get("run_started"):  # set while a run goes: this render stopped it
+                st.warning("The last run stopped before it finished: a change on this page while it ran (an edit, a "
+                           "click) or leaving the page reruns the page, and that stops the run (the Runs page lists "
+                           "it as failed). What you changed is kept: press Run to start again.",
+                           icon=":material/stop_circle:")
             _finished(limits)
 
 
@@ -311,6 +316,7 @@ def _run(name, sc, requests, engine, fault, scope_text, selection, seed, limits)
     pool = st.empty()
     last, found, steps, final = [0.0], [], [], [None]
     st.session_state.pop("run_finished", None)
+    st.session_state["run_started"] = True  # until it finishes or is refused: a rerun meanwhile stops it
 
     def on_step(s: live.LiveStep) -> None:
         found.append(s.findings)
@@ -336,8 +342,10 @@ def _run(name, sc, requests, engine, fault, scope_text, selection, seed, limits)
                        selection=selection, on_step=on_step,
                        on_wait=lambda n: bar.progress(0.0, text=live.waiting_message(n).capitalize()),
                        on_reference=comparing)
-    except Exception:
+    except Exception:  # a refusal or a bug, not Streamlit stopping the script (a BaseException)
         bar.empty()  # the error the app shows replaces the progress, which would still say "starting..."
+        st.session_state.pop("run_started", None)
         raise
+    st.session_state.pop("run_started", None)
     st.session_state["run_finished"] = {"run_id": out.run_id, "last": final[0], "found": found, "steps": steps}
     st.rerun()  # the finished panel replaces the live one, drawn once with the last step
