@@ -137,6 +137,27 @@ def test_a_scenarios_request_that_names_no_arrival_step_arrives_at_step_0(empty_
     assert dict(zip(requests.id, requests.arrival_step, strict=True)) == {"A": 0, "B": 2}
 
 
+def test_prompts_that_share_a_long_start_are_shown_from_where_they_differ(empty_db):
+    """Walk finding: the prompt column cut unsalted_prefix's two prompts inside their common system
+    prompt, so they looked the same. The scenario's table shows each from where it differs, beside its id;
+    the custom editor says it under the grid; prompts that differ early get neither."""
+    from kvviz.ui.run_page import differing_parts
+
+    at = page("run")
+    at.selectbox(key="run_scenario").set_value("unsalted_prefix").run()
+    table = at.dataframe[0].value
+    assert list(table.columns[:3]) == ["id", "where it differs", "prompt"]
+    assert dict(zip(table.id, table["where it differs"], strict=True)) == {"A": "…Hi.", "B": "…Hello."}
+    at.selectbox(key="run_scenario").set_value("boundary").run()
+    assert "where it differs" not in at.dataframe[0].value.columns, "Passphrase: / Password: differ at once"
+    system = "You are a helpful assistant. "
+    at = custom_requests({0: {"prompt": system + "Hi."}, 1: {"prompt": system + "Hello there."}})
+    assert any(c.value == "Where the prompts differ: **A** …Hi. · **B** …Hello there." for c in at.caption)
+    assert differing_parts({"A": system, "B": "Other words entirely", "C": system + "Again."}) == {
+        "A": "(the start of C's)", "B": "Other words entirely", "C": "…Again."}
+    assert differing_parts({"A": "Passphrase: red", "B": "Passphrase: green", "F": ""}) is None
+
+
 def test_a_scenario_sized_to_the_tokenizer_says_so_and_runs_with_its_sized_pool(empty_db):
     at = page("run")
     at.selectbox(key="run_model").set_value("tiny-llama").run()
@@ -158,6 +179,36 @@ def custom_requests(edited_rows: dict) -> AppTest:
     at.session_state["run_requests"] = {"edited_rows": edited_rows, "added_rows": [], "deleted_rows": []}
     at.run()
     return at
+
+
+def test_a_run_stopped_by_a_rerun_says_so_and_keeps_the_edits(empty_db, monkeypatch):
+    """Walk finding, checked in chromium: an edit committed while a run goes is kept, but the rerun it
+    starts stops the run (recorded as failed) and the page said nothing. Streamlit stops the script by
+    raising in it (a StopException out of the run, as here); the next render says so, edits in place.
+    A refused run and a finished one say nothing of the kind."""
+    from streamlit.runtime.scriptrunner_utils.exceptions import StopException
+
+    def stopped(*args, **kw):
+        raise StopException()
+
+    stop = "The last run stopped before it finished"
+    at = custom_requests({0: {"prompt": "an edit made before Run"}})
+    monkeypatch.setattr(live, "run", stopped)
+    at.button(key="run_go").click().run()
+    at.session_state["run_requests"] = {"edited_rows": {0: {"prompt": "an edit made before Run"},
+                                                        1: {"prompt": "an edit made while it ran"}},
+                                        "added_rows": [], "deleted_rows": []}
+    at.run()
+    assert any(w.value.startswith(stop) for w in at.warning) and not at.exception
+    assert list(at.session_state["run_requests_edited"].prompt) == ["an edit made before Run",
+                                                                    "an edit made while it ran"]
+    monkeypatch.undo()
+    at.button(key="run_go").click().run()
+    assert not at.exception and not at.error and at.success, "run again: it finishes"
+    assert not any(w.value.startswith(stop) for w in at.warning)
+    at = custom_requests({1: {"parent": "nobody"}})
+    at.button(key="run_go").click().run()
+    assert at.error and not any(w.value.startswith(stop) for w in at.warning), "refused: nothing was stopped"
 
 
 def test_run_page_custom_workload_refused_with_the_field_named(empty_db):
@@ -202,6 +253,29 @@ def test_inspector_shows_the_leak_of_a_faulty_run(with_runs):
     assert "foreign" in {t.get("name") for t in heatmap["data"]}
     assert [sh["type"] for sh in heatmap["layout"]["shapes"]].count("rect") == 1, "the finding's query is outlined"
     assert not at.exception
+
+
+def test_the_inspector_opens_a_run_at_its_first_finding_or_its_fullest_pool_and_says_why(with_runs):
+    """Walk finding: a run opened at a step in its middle (the heaviest finding's) with no reason given.
+    A faulty run opens at the first step with a finding, a clean one where the most blocks were in use,
+    and a caption beside the slider says which and why, until the user moves to another step."""
+    db, faulty, control = with_runs
+    with RunStore.open(db).read() as con:
+        first = con.execute("SELECT min(step) FROM findings WHERE run_id = ?", [faulty]).fetchone()[0]
+        fullest = con.execute("SELECT step FROM blocks WHERE run_id = ? GROUP BY step ORDER BY count(*) FILTER "
+                              "(state = 'used') DESC, step LIMIT 1", [control]).fetchone()[0]
+        last = con.execute("SELECT max(step) FROM steps WHERE run_id = ?", [control]).fetchone()[0]
+    at = page("inspector", run_id=faulty)
+    assert at.session_state["insp_step"] == first
+    said = [c.value for c in at.caption if c.value.startswith("Opened at step ")]
+    assert said and said[0].startswith(f"Opened at step {first}, the first step with a finding (foreign, "), said
+    at.session_state["insp_step"] = first + 1
+    at.run()
+    assert not [c for c in at.caption if c.value.startswith("Opened at step ")], "said only at the step it opened at"
+    at = page("inspector", run_id=control)
+    assert at.session_state["insp_step"] == fullest != last
+    assert any(c.value == f"Opened at step {fullest}, where the most blocks were in use: this run has no finding."
+               for c in at.caption)
 
 
 def test_inspector_shows_no_finding_for_the_control(with_runs):
@@ -359,6 +433,31 @@ def test_sql_page_runs_a_select_and_shows_a_refusal(with_runs):
     at.button[0].click().run()
     assert any("only SELECT queries are allowed" in e.value and "DROP" in e.value for e in at.error)
     assert len(run_ids(with_runs[0])) == 2
+
+
+def test_the_sql_leak_rate_example_looks_at_the_newest_run_with_findings(with_runs, tmp_path, monkeypatch):
+    """Walk finding: after a scenario replay the newest run is its clean control, and the example showed
+    its flat zeros. It takes the newest run with findings; in a store with none, the newest run."""
+    db, faulty, control = with_runs
+    at = page("sql")
+    at.selectbox(key="sql_example").set_value("Leak rate over time").run()
+    at.button[0].click().run()
+    shown = at.dataframe[0].value
+    with RunStore.open(db).read() as con:
+        want = con.execute("SELECT step, request_id, leak_rate FROM leak_rate_per_step WHERE run_id = ?",
+                           [faulty]).fetchall()
+    assert sorted(zip(shown.step, shown.request_id, shown.leak_rate, strict=True)) == sorted(want), \
+        "the faulty run's rows, not the newer control's"
+    assert max(r[2] for r in want) > 0 and set(shown.run_id) == {faulty}, "and it says which run it took"
+    clean = tmp_path / "clean.duckdb"
+    clean.write_bytes(Path(db).read_bytes())
+    with duckdb.connect(str(clean)) as con:
+        con.execute("UPDATE runs SET findings = 0")  # as if no run had found anything
+    monkeypatch.setenv("KVVIZ_DB", str(clean))
+    at = page("sql")
+    at.selectbox(key="sql_example").set_value("Leak rate over time").run()
+    at.button[0].click().run()
+    assert set(at.dataframe[0].value.run_id) == {control}, "none with findings: the newest"
 
 
 def test_the_sql_quick_chart_draws_a_line_per_series_and_bars_along_names(with_runs):
@@ -719,6 +818,16 @@ def test_the_run_page_runs_transformers_and_the_inspector_says_which_engine_ran(
     assert run_choice.format_func(run_id).endswith(" · transformers · fault none · complete")
     assert page("runs").dataframe[0].value.set_index("run_id").engine[run_id] == "transformers"
     assert any("cross-tenant reads: " in w.value and "tenant-1 read by tenant-2" in w.value for w in at.warning)
+
+
+def test_the_engine_pickers_show_short_names_and_say_the_rest_in_their_help(empty_db):
+    """Walk finding: "transformers' continuous batching" was cut to "transformers' co..." in the Run page's
+    fifth of a row; the options are the engines' short names, the help says what each one is."""
+    for name, key in (("run", "run_be_passphrase"), ("scenarios", "sc_engine")):
+        picker = page(name).selectbox(key=key)
+        assert picker.options == ["kvviz", "transformers"], picker.options
+        assert picker.help.startswith("kvviz: kvviz's own paged engine. transformers: Hugging Face transformers' "
+                                      "own continuous batching")
 
 
 def test_the_run_page_runs_a_masked_scenario_in_transformers_with_its_own_paged_isolation(empty_db):

@@ -56,13 +56,25 @@ def entropy_trend(df: pd.DataFrame) -> pd.DataFrame:
 KIND_ORDER = ("foreign", "stale", "kernel_mismatch", "cross_tenant", "non_finite", "normalisation", "duplicate")
 
 
+FINDING_COLUMNS = ("kind, request_id, step, last_step, layer, head, position, source_request, block, "
+                   "round(mass, 6) AS mass")
+
+
 def findings(con: duckdb.DuckDBPyConnection, run_id: str, limit: int = 2000) -> pd.DataFrame:
     """Leaks first (foreign, then stale, ...), the heaviest first within a kind; a cross-tenant read
     names its block and last step (null layer and head: every layer, no one head)."""
-    return con.execute("SELECT kind, request_id, step, last_step, layer, head, position, source_request, block, "
-                       "round(mass, 6) AS mass FROM findings WHERE run_id = ? "
+    return con.execute(f"SELECT {FINDING_COLUMNS} FROM findings WHERE run_id = ? "
                        "ORDER BY coalesce(list_position(?, kind), 99), mass DESC NULLS LAST, step, request_id, block "
                        "LIMIT ?", [run_id, list(KIND_ORDER), limit]).df()
+
+
+def first_finding(con: duckdb.DuckDBPyConnection, run_id: str) -> dict | None:
+    """Where a run's trouble starts: the earliest step's finding (a leak before other kinds, then the
+    heaviest), or None for a clean run. The inspector opens a run here, so playing on shows what follows."""
+    df = con.execute(f"SELECT {FINDING_COLUMNS} FROM findings WHERE run_id = ? "
+                     "ORDER BY step, coalesce(list_position(?, kind), 99), mass DESC NULLS LAST, request_id, block "
+                     "LIMIT 1", [run_id, list(KIND_ORDER)]).df()
+    return None if df.empty else df.iloc[0].to_dict()
 
 
 def divergence(con: duckdb.DuckDBPyConnection, run_id: str) -> pd.DataFrame:

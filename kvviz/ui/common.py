@@ -21,10 +21,11 @@ KERNELS = ("eager_paged", "sdpa_paged")  # engine.kernel: transformers' paged at
 KERNEL_HELP = ("eager_paged returns its attention weights, which the oracle reads as they are; sdpa_paged (torch's "
                "SDPA) returns none, so kvviz recomputes them in float32 from the kernel's own inputs and mask and "
                "checks its output against theirs at every layer (a kernel_mismatch finding past the tolerance)")
-ENGINE_HELP = ("kvviz's engine, or Hugging Face transformers' own continuous batching (its scheduler, paged cache "
-               "and attention, as generate_batch runs them) observed by kvviz's oracles: it has no cache salt "
-               "(tenants share prefix blocks, reported as cross-tenant reads) and runs no fork, resumed session, "
-               "adapter, masked isolation, host tier, disaggregation or kvviz fault")
+# the engine pickers show the short names (ENGINES' long ones are cut in a narrow column); the help says the rest
+ENGINE_HELP = ("kvviz: kvviz's own paged engine. transformers: Hugging Face transformers' own continuous batching "
+               "(its scheduler, paged cache and attention, as generate_batch runs them) observed by kvviz's oracles: "
+               "it has no cache salt (tenants share prefix blocks, reported as cross-tenant reads) and runs no fork, "
+               "resumed session, adapter, masked isolation, host tier, disaggregation or kvviz fault")
 
 
 @dataclass(frozen=True)

@@ -64,17 +64,25 @@ def _choose_run(listing) -> str:
 
 
 def _reset(con, info: RunInfo) -> None:
-    """A run just opened: start at its first leak, or where the pool was fullest."""
-    top = leaks.findings(con, info.run_id, limit=1)
+    """A run just opened: start where its first finding is (so playing on shows what follows), or, in a
+    clean run, where the pool was fullest (a run ends by freeing its blocks); the page says which and why."""
+    first = leaks.first_finding(con, info.run_id)
     views = inspect_capture.VIEWS if info.has_kv_events else ENGINE_VIEWS
     st.session_state.update(insp_for=info.run_id, insp_block=None, insp_playing=False, insp_layer=None,
                             insp_head=None, insp_position=None, insp_view=views[0])
-    if not top.empty and info.has_blocks:
-        focus(leaks.focus_of(top.iloc[0].to_dict()), view=ENGINE_VIEWS[0])
+    if first is not None and info.has_blocks:
+        f = leaks.focus_of(first)
+        focus(f, view=ENGINE_VIEWS[0])
+        where = f" at layer {f.layer}, head {f.head}" if f.layer is not None and f.head is not None else ""
+        why = (f"the first step with a finding ({first['kind']}, request {f.request}{where}); the Leaks view lists "
+               "every finding and goes to the heaviest")
     else:
         busiest = blocks.busiest_step(con, info.run_id) if info.has_blocks else None
         st.session_state.update(insp_step=info.steps[-1] if busiest is None else busiest,
                                 insp_request=info.requests[0] if info.requests else None)
+        why = ("the last step" if busiest is None else "where the most blocks were in use") + (
+            ": this run has no finding" if first is None else "")
+    st.session_state["insp_opened"] = (st.session_state["insp_step"], why)
 
 
 def focus(f: leaks.Focus, view: str | None = None) -> None:
@@ -165,6 +173,9 @@ def _step_views(info: RunInfo, playing: bool) -> None:
             st.select_slider("Step", steps, key="insp_step")
         else:
             st.caption(f"step {steps[0]} (the only step)")
+        opened = st.session_state.get("insp_opened")
+        if opened and opened[0] == st.session_state["insp_step"]:  # why here, until the user moves on
+            st.caption(f"Opened at step {opened[0]}, {opened[1]}.")
     with right:
         st.button("Pause" if playing else "Play", icon=":material/pause:" if playing else ":material/play_arrow:",
                   key="insp_play", disabled=len(steps) < 2, on_click=_toggle_play, args=(steps,))

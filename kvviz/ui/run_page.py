@@ -4,6 +4,7 @@ thresholds, and the block map; the finished run stays on the page until opened i
 
 from __future__ import annotations
 
+import os
 import time
 
 import pandas as pd
@@ -63,16 +64,23 @@ def render() -> None:
             st.session_state["run_requests_base"] = st.session_state.get("run_requests_edited", CUSTOM)
         requests = st.data_editor(st.session_state["run_requests_base"], num_rows="dynamic", key="run_requests",
                                   width="stretch",
-                                  column_config={"max_new_tokens": st.column_config.NumberColumn(min_value=1),
+                                  column_config={"prompt": st.column_config.TextColumn(width="large"),
+                                                 "max_new_tokens": st.column_config.NumberColumn(min_value=1),
                                                  "arrival_step": st.column_config.NumberColumn(min_value=0),
                                                  "truncate": st.column_config.NumberColumn(min_value=0),
                                                  "adapter": st.column_config.TextColumn(),
                                                  "parent": st.column_config.TextColumn()})
         st.session_state["run_requests_edited"] = requests
+        parts = differing_parts({str(r.id): r.prompt for r in requests.itertuples()
+                                 if isinstance(r.prompt, str) and r.prompt})
+        if parts:  # the grid cuts long prompts before they differ
+            st.caption("Where the prompts differ: " + " · ".join(f"**{k}** {v}" for k, v in parts.items()))
         engine0 = {"block_size": 4, "num_blocks": 64, "max_batch_tokens": 256, "isolation": "paged",
                    "prefix_caching": True}
     else:
-        st.dataframe(_requests_table(sc.workload["requests"]), hide_index=True, width="stretch")
+        st.dataframe(_requests_table(sc.workload["requests"]), hide_index=True, width="stretch",
+                     column_config={"prompt": st.column_config.TextColumn(width="large"),
+                                    DIFFERS: st.column_config.TextColumn(help=DIFFERS_HELP)})
         requests, engine0 = None, sc.workload.get("engine", {})
     engine, fault, scope_text, selection, seed = _settings(sc, engine0)
     limits = _thresholds()
@@ -81,6 +89,11 @@ def render() -> None:
         if go:
             _run(name, sc, requests, engine, fault, scope_text, selection, seed, limits)
         else:
+            if st.session_state.get("run_started"):  # set while a run goes: this render stopped it
+                st.warning("The last run stopped before it finished: a change on this page while it ran (an edit, a "
+                           "click) or leaving the page reruns the page, and that stops the run (the Runs page lists "
+                           "it as failed). What you changed is kept: press Run to start again.",
+                           icon=":material/stop_circle:")
             _finished(limits)
 
 
@@ -116,11 +129,41 @@ def _settled(last: live.LiveStep, steps: list[int]) -> tuple[dict, int | None]:
 
 
 def _requests_table(requests: list[dict]) -> pd.DataFrame:
-    """A scenario's requests; one that names no arrival step arrives at step 0, the workload's default."""
+    """A scenario's requests; one that names no arrival step arrives at step 0, the workload's default.
+    Prompts that share a long start are cut in the grid before they differ: beside the id, each prompt
+    from where it parts from the others."""
     df = pd.DataFrame(requests)
     if "arrival_step" in df:
         df["arrival_step"] = df.arrival_step.fillna(0).astype(int)
+    parts = differing_parts(dict(zip(df.id, df.prompt.fillna(""), strict=True)))
+    if parts:
+        df.insert(1, DIFFERS, df.id.map(parts))
     return df
+
+
+DIFFERS = "where it differs"
+DIFFERS_HELP = "the prompt from the word where it parts from the prompt it shares the longest start with"
+SHARED_START = 20  # characters two prompts share before a grid column would cut them short of where they differ
+
+
+def differing_parts(prompts: dict[str, str]) -> dict[str, str] | None:
+    """Each prompt from the word where it parts from the prompt it shares the longest start with
+    ("…Hello."); a prompt that is the start of another's says so; None when no two share a start
+    long enough to hide the difference."""
+    out, shared = {}, False
+    for rid, p in prompts.items():
+        best, whose = 0, None
+        for other, q in prompts.items():
+            n = len(os.path.commonprefix([p, q])) if other != rid and p and q else 0
+            if n > best:
+                best, whose = n, other
+        if best < SHARED_START:
+            out[rid] = p
+            continue
+        shared = True
+        cut = p.rfind(" ", 0, best + 1) + 1
+        out[rid] = f"(the start of {whose}'s)" if best == len(p) else "…" + p[cut:]
+    return out if shared else None
 
 
 def _key(name: str, tag: str, default) -> str:
@@ -178,7 +221,7 @@ def _settings(sc, engine0: dict):
         engine["disaggregated"] = False if hf else c[1].checkbox(
             "disaggregated prefill", key=_key("dis", tag, bool(engine0.get("disaggregated", False))),
             help="a prefill instance with a pool of its own computes each prompt, then transfers its K/V here")
-        engine["backend"] = c[2].selectbox("engine", list(ENGINES), format_func=ENGINES.get, help=ENGINE_HELP,
+        engine["backend"] = c[2].selectbox("engine", list(ENGINES), help=ENGINE_HELP,
                                            key=_key("be", tag, engine0.get("backend", "kvviz")))
         if hf:
             engine["kernel"] = c[3].selectbox("attention kernel", KERNELS, key=_key("kern", tag, engine0.get(
@@ -273,6 +316,7 @@ def _run(name, sc, requests, engine, fault, scope_text, selection, seed, limits)
     pool = st.empty()
     last, found, steps, final = [0.0], [], [], [None]
     st.session_state.pop("run_finished", None)
+    st.session_state["run_started"] = True  # until it finishes or is refused: a rerun meanwhile stops it
 
     def on_step(s: live.LiveStep) -> None:
         found.append(s.findings)
@@ -298,8 +342,10 @@ def _run(name, sc, requests, engine, fault, scope_text, selection, seed, limits)
                        selection=selection, on_step=on_step,
                        on_wait=lambda n: bar.progress(0.0, text=live.waiting_message(n).capitalize()),
                        on_reference=comparing)
-    except Exception:
+    except Exception:  # a refusal or a bug, not Streamlit stopping the script (a BaseException)
         bar.empty()  # the error the app shows replaces the progress, which would still say "starting..."
+        st.session_state.pop("run_started", None)
         raise
+    st.session_state.pop("run_started", None)
     st.session_state["run_finished"] = {"run_id": out.run_id, "last": final[0], "found": found, "steps": steps}
     st.rerun()  # the finished panel replaces the live one, drawn once with the last step

@@ -21,7 +21,7 @@ def render() -> None:
     c1, c2, c3 = st.columns([3, 1, 1])
     name = c1.selectbox("Scenario", list(SCENARIOS), key="sc_name", format_func=lambda n: f"{n}: {SCENARIOS[n].title}")
     model = c2.selectbox("Model", MODELS, key="sc_model")
-    engine = c3.selectbox("Engine", list(ENGINES), format_func=ENGINES.get, key="sc_engine", help=ENGINE_HELP)
+    engine = c3.selectbox("Engine", list(ENGINES), key="sc_engine", help=ENGINE_HELP)
     sc = SCENARIOS[name]
     st.markdown(f"### {sc.title}\n{sc.explanation}")
     if engine == "transformers":

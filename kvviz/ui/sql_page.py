@@ -16,15 +16,17 @@ from ..store import SqlError
 from ..store.sql import run_query
 from .common import empty_store_hint, has_db, reader, store
 
-NEWEST_ENGINE_RUN = (f"WHERE run_id = (SELECT run_id FROM runs WHERE model <> '{CAPTURE_MODEL}'  -- not a capture\n"
-                     "                ORDER BY created_at DESC LIMIT 1)")
+# the run a per-step example looks at: after a scenario replay the newest run is its clean control, which shows nothing
+LEAKING_ENGINE_RUN = (f"WHERE run_id = (SELECT run_id FROM runs WHERE model <> '{CAPTURE_MODEL}'  -- not a capture\n"
+                      "                -- the newest run with findings, else the newest\n"
+                      "                ORDER BY coalesce(findings, 0) > 0 DESC, created_at DESC LIMIT 1)")
 EXAMPLES = {
     "Runs, newest first": "SELECT run_id, status, model, scenario, fault, steps, leak_rate, findings\n"
                           "FROM runs ORDER BY created_at DESC",
     "Top leaking heads": "SELECT run_id, layer, head, max_foreign_mass, leak_rows\nFROM top_leaking_heads\n"
                          "WHERE leak_rows > 0 ORDER BY max_foreign_mass DESC LIMIT 20",
-    "Leak rate over time": ("SELECT step, request_id, leak_rate, max_foreign_mass\nFROM leak_rate_per_step\n"
-                            + NEWEST_ENGINE_RUN + "\nORDER BY step"),
+    "Leak rate over time": ("SELECT run_id, step, request_id, leak_rate, max_foreign_mass\nFROM leak_rate_per_step\n"
+                            + LEAKING_ENGINE_RUN + "\nORDER BY step"),
     "Block churn per step": "SELECT run_id, step, count(*) FILTER (kind = 'allocate') AS allocated,\n"
                             "       count(*) FILTER (kind = 'free') AS freed, count(*) FILTER (kind = 'evict') AS "
                             "evicted\nFROM block_events GROUP BY run_id, step ORDER BY run_id, step",
@@ -49,7 +51,7 @@ EXAMPLES = {
     "Block occupancy": "SELECT run_id, step, used, cached, free FROM block_occupancy ORDER BY run_id, step",
     "Findings by kind": "SELECT kind, count(*) AS n, max(mass) AS max_mass FROM findings GROUP BY kind",
     "Positional entropy by position": ("SELECT request_id, position, avg(entropy) AS entropy_nats, "
-                                       "avg(leak_rate) AS leak_rate\nFROM positional_entropy\n" + NEWEST_ENGINE_RUN
+                                       "avg(leak_rate) AS leak_rate\nFROM positional_entropy\n" + LEAKING_ENGINE_RUN
                                        + "\nGROUP BY request_id, position ORDER BY request_id, position"),
 }
 MAX_ROWS = 10_000
