@@ -47,13 +47,13 @@ def audit_url(store: RunStore, cfg: AuditConfig, progress: Callable[[Sample], No
     return record(store, result), result
 
 
-def audit_local(store: RunStore, m: LoadedModel, sharing: str, cfg: AuditConfig,
+def audit_local(store: RunStore, model: LoadedModel, sharing: str, cfg: AuditConfig,
                 progress: Callable[[Sample], None] | None = None,
                 between: Callable[[AuditResult], None] | None = None) -> tuple[str, AuditResult]:
     """The same against a kvviz server on this model with this cache-sharing policy, started for the
     audit and stopped after it (cfg's base_url and model are filled in)."""
     config = EngineConfig(**{**LOCAL_ENGINE.to_dict(), "prefix_caching": sharing != "off"})
-    with LocalServer(m, config, ServeOptions(m.name, sharing)) as server:
-        local = replace(cfg, base_url=server.url + "/v1", model=m.name,
-                        target=f"kvviz serve on {m.name}, cache sharing {sharing}")
+    with LocalServer(model, config, ServeOptions(model.name, sharing)) as server:
+        local = replace(cfg, base_url=server.url + "/v1", model=model.name,
+                        target=f"kvviz serve on {model.name}, cache sharing {sharing}")
         return audit_url(store, local, progress, between)

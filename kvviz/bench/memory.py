@@ -55,8 +55,8 @@ class MemoryResult:
         return overall(self.contiguous.usage)
 
 
-def chat_workload(m: LoadedModel, n: int, rng: random.Random) -> list[RequestSpec]:
-    tok = m.tokenizer
+def chat_workload(model: LoadedModel, n: int, rng: random.Random) -> list[RequestSpec]:
+    tok = model.tokenizer
     out = []
     for i in range(n):
         text = INSTRUCTIONS[i % len(INSTRUCTIONS)]
@@ -75,7 +75,7 @@ def exact_workload(vocab: int, n: int, rng: random.Random) -> list[RequestSpec]:
             for i in range(n)]
 
 
-def measure(m: LoadedModel, name: str, reqs: list[RequestSpec], block_size: int = 16) -> MemoryResult:
+def measure(model: LoadedModel, name: str, reqs: list[RequestSpec], block_size: int = 16) -> MemoryResult:
     """Run the requests on a pool sized for about half of them at their longest, and replay them
     contiguously in the same number of slots."""
     longest = [len(r.prompt_ids) + r.max_new_tokens for r in reqs]
@@ -89,7 +89,7 @@ def measure(m: LoadedModel, name: str, reqs: list[RequestSpec], block_size: int 
         paged.append(Usage(rec.step, snap.live_slots(), (len(snap.refcounts) - len(snap.free_queue)) * block_size))
         work.extend((rec.step, req, start + n) for req, (start, n) in rec.work.items())
 
-    res = Engine(m, cfg).run(Workload(reqs, cfg), on_step=on_step)
+    res = Engine(model, cfg).run(Workload(reqs, cfg), on_step=on_step)
     capacity = num_blocks * block_size
     given = {r.id: r for r in reqs}
     replay = contiguous_replay(spans(((r.id, r.arrival_step, len(r.prompt_ids) + given[r.id].max_new_tokens)
@@ -97,14 +97,14 @@ def measure(m: LoadedModel, name: str, reqs: list[RequestSpec], block_size: int 
     return MemoryResult(name, len(reqs), capacity, paged, replay, res.stats.generated_tokens)
 
 
-def run_memory_bench(m: LoadedModel, sizes: list[int], progress: Callable[[str], None] = print,
+def run_memory_bench(model: LoadedModel, sizes: list[int], progress: Callable[[str], None] = print,
                      seed: int = 0) -> list[MemoryResult]:
     out = []
     for n in sizes:
         rng = random.Random(seed)
-        for name, reqs in ((f"chat-{n}", chat_workload(m, n, rng)),
-                           (f"exact-{n}", exact_workload(m.config.vocab_size, n, rng))):
-            out.append(measure(m, name, reqs))
+        for name, reqs in ((f"chat-{n}", chat_workload(model, n, rng)),
+                           (f"exact-{n}", exact_workload(model.config.vocab_size, n, rng))):
+            out.append(measure(model, name, reqs))
             r = out[-1]
             progress(f"{name:>10}  paged {_pct(r.paged_utilisation)}  contiguous {_pct(r.contiguous_utilisation)}")
     return out
@@ -114,8 +114,8 @@ def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{100 * x:.1f}%"
 
 
-def memory_report(m: LoadedModel, results: list[MemoryResult]) -> str:
-    lines = [f"Model `{m.name}`, device {m.device}. Memory utilisation: allocated KV slots holding a token, "
+def memory_report(model: LoadedModel, results: list[MemoryResult]) -> str:
+    lines = [f"Model `{model.name}`, device {model.device}. Memory utilisation: allocated KV slots holding a token, "
              "summed over every step; both allocators in the same slots. chat-N: N instructions in the chat "
              f"template, answers capped at {CHAT_CAP} tokens, stopping at EOS; exact-N: N random prompts of 32-256 "
              "tokens generating a known 16-128 tokens each (a contiguous reservation is exact).", "",

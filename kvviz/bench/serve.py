@@ -114,22 +114,22 @@ def run_clients(url: str, model: str, case: BenchCase) -> ServeMeasurement:
     return ServeMeasurement(case.name, [c for c in out if c is not None])
 
 
-def run_serve_bench(m: LoadedModel, model_arg: str, device: str, sizes: list[int], new_tokens: int,
+def run_serve_bench(model: LoadedModel, model_arg: str, device: str, sizes: list[int], new_tokens: int,
                     only: set[str] | None = None, progress: Callable[[str], None] = print
                     ) -> list[tuple[Measurement, ServeMeasurement]]:
     """Each case: the engine's fast path here, then the same prompts through the server."""
-    chosen = [c for c in cases(m.config.vocab_size, sizes, new_tokens)
+    chosen = [c for c in cases(model.config.vocab_size, sizes, new_tokens)
               if not only or any(c.name.startswith(o) for o in only)]
     longest = max(len(p) for c in chosen for p in c.prompts) + new_tokens
     server = _ServerProcess(model_arg, device, max(sizes) * -(-longest // 16) + 64)
     out = []
     try:
         warm = BenchCase("warm-up", [[101, 102, 103, 104]] * 2, 2)
-        run_kvviz(m, warm, "fast")  # both sides warmed up before anything is timed
-        run_clients(server.url, m.name, warm)
+        run_kvviz(model, warm, "fast")  # both sides warmed up before anything is timed
+        run_clients(server.url, model.name, warm)
         for case in chosen:
-            fast = run_kvviz(m, case, "fast")
-            served = run_clients(server.url, m.name, case)
+            fast = run_kvviz(model, case, "fast")
+            served = run_clients(server.url, model.name, case)
             out.append((fast, served))
             progress(f"{case.name:>18}  fast {fast.tokens_per_second:7.1f} tok/s   served "
                      f"{served.tokens_per_second:7.1f} tok/s ({len(served.clients)} streaming clients)")
@@ -138,8 +138,8 @@ def run_serve_bench(m: LoadedModel, model_arg: str, device: str, sizes: list[int
     return out
 
 
-def serve_report(m: LoadedModel, results: list[tuple[Measurement, ServeMeasurement]], new_tokens: int) -> str:
-    lines = [f"Model `{m.name}`, device {m.device}: `kvviz serve` (its own process) under one streaming openai "
+def serve_report(model: LoadedModel, results: list[tuple[Measurement, ServeMeasurement]], new_tokens: int) -> str:
+    lines = [f"Model `{model.name}`, device {model.device}: `kvviz serve` (its own process) under one streaming openai "
              f"client per request, all starting together, against `kvviz fast` in this process on the same prompts; "
              f"{new_tokens} tokens each, EOS ignored. Times are the clients' own.", "",
              "| case | clients | served tok/s | fast tok/s | served / fast | TTFT p50 ms | TTFT p99 ms | "

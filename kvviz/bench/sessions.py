@@ -43,19 +43,20 @@ def _fingerprint(run: CheckedRun) -> tuple:
             sorted((f.kind, f.request, f.step, f.layer, f.head, f.position, f.mass) for f in run.findings))
 
 
-def run_sessions(m: LoadedModel, n: int, repeat: int = 1, progress: Callable[[str], None] = print) -> SessionsResult:
+def run_sessions(model: LoadedModel, n: int, repeat: int = 1, progress: Callable[[str],
+                                                                                 None] = print) -> SessionsResult:
     names = [SESSION_SCENARIOS[i % len(SESSION_SCENARIOS)] for i in range(n)]
-    jobs = [(Workload.from_dict(scenario(s).build(m.tokenizer)), scenario(s).fault, s) for s in names]
+    jobs = [(Workload.from_dict(scenario(s).build(model.tokenizer)), scenario(s).fault, s) for s in names]
     sequential, concurrent, ahead, identical = [], [], 0, True
     with tempfile.TemporaryDirectory() as tmp:
         store = RunStore.open(Path(tmp) / "sessions.duckdb")
-        record_run(store, m, *jobs[0][:2])  # warm-up: caches, the store's schema
+        record_run(store, model, *jobs[0][:2])  # warm-up: caches, the store's schema
         for round_ in range(repeat):
             t = time.perf_counter()
-            alone, _ = _sessions(store, m, jobs, at_once=False)
+            alone, _ = _sessions(store, model, jobs, at_once=False)
             sequential.append(time.perf_counter() - t)
             t = time.perf_counter()
-            together, heard = _sessions(store, m, jobs, at_once=True)
+            together, heard = _sessions(store, model, jobs, at_once=True)
             concurrent.append(time.perf_counter() - t)
             identical &= [_fingerprint(r) for r in together] == [_fingerprint(r) for r in alone]
             ahead = max([ahead, *(max(h) for h in heard if h)])
@@ -64,7 +65,8 @@ def run_sessions(m: LoadedModel, n: int, repeat: int = 1, progress: Callable[[st
     return SessionsResult(n, sequential, concurrent, ahead, identical)
 
 
-def _sessions(store: RunStore, m: LoadedModel, jobs: list, at_once: bool) -> tuple[list[CheckedRun], list[list[int]]]:
+def _sessions(store: RunStore, model: LoadedModel, jobs: list, at_once: bool) -> tuple[list[CheckedRun],
+                                                                                       list[list[int]]]:
     """Every job recorded from its own thread, as each app session runs in its own script thread:
     started together, or each after the last has finished. Returns the runs and what each heard
     while it waited for the model."""
@@ -74,7 +76,7 @@ def _sessions(store: RunStore, m: LoadedModel, jobs: list, at_once: bool) -> tup
     def session(i: int) -> None:
         wl, fault, s = jobs[i]
         try:
-            done[i] = record_run(store, m, wl, fault, scenario=s, on_wait=heard[i].append)
+            done[i] = record_run(store, model, wl, fault, scenario=s, on_wait=heard[i].append)
         except BaseException as e:  # noqa: BLE001 (reported below)
             done[i] = e
 
@@ -91,9 +93,9 @@ def _sessions(store: RunStore, m: LoadedModel, jobs: list, at_once: bool) -> tup
     return done, heard
 
 
-def sessions_report(m: LoadedModel, r: SessionsResult) -> str:
+def sessions_report(model: LoadedModel, r: SessionsResult) -> str:
     rounds = "" if len(r.sequential_s) == 1 else f" (medians of {len(r.sequential_s)} interleaved rounds)"
-    return (f"Model `{m.name}`, device {m.device}: {r.sessions} sessions recording the scenarios "
+    return (f"Model `{model.name}`, device {model.device}: {r.sessions} sessions recording the scenarios "
             f"{', '.join(SESSION_SCENARIOS[:r.sessions])} with both oracles{rounds}.\n\n"
             "| sessions | one after another s | at once s | at once / one after another | most runs ahead | "
             "same records |\n| ---: | ---: | ---: | ---: | ---: | --- |\n"

@@ -69,7 +69,7 @@ def sweep_requests(vocab: int, length: int, n: int, seed: int = 0) -> list[Reque
                         max_new_tokens=NEW, ignore_eos=True) for i in range(n)]
 
 
-def run_once(m: LoadedModel, reqs: list[RequestSpec], caching: bool) -> SweepRun:
+def run_once(model: LoadedModel, reqs: list[RequestSpec], caching: bool) -> SweepRun:
     length = len(reqs[0].prompt_ids) + NEW
     cfg = EngineConfig(block_size=BLOCK, num_blocks=len(reqs) * -(-length // BLOCK) + 8,
                        max_batch_tokens=max(2048, length), compute="fast", prefix_caching=caching)
@@ -80,23 +80,23 @@ def run_once(m: LoadedModel, reqs: list[RequestSpec], caching: bool) -> SweepRun
         peak[0] = max(peak[0], len(snap.refcounts) - len(snap.free_queue))
 
     t = time.perf_counter()
-    res = Engine(m, cfg).run(Workload(reqs, cfg), on_step=on_step)
+    res = Engine(model, cfg).run(Workload(reqs, cfg), on_step=on_step)
     seconds = time.perf_counter() - t
     s = res.stats
     return SweepRun(length, caching, seconds, s.generated_tokens, s.prompt_tokens, s.prefill_tokens_computed, peak[0])
 
 
-def sweep(m: LoadedModel, lengths: tuple[int, ...] = LENGTHS, n: int = 8, repeat: int = 1,
+def sweep(model: LoadedModel, lengths: tuple[int, ...] = LENGTHS, n: int = 8, repeat: int = 1,
           progress: Callable[[str], None] = print) -> list[SweepPoint]:
     """Every length with caching on and off, interleaved `repeat` times; each side reports its median."""
-    run_once(m, sweep_requests(m.config.vocab_size, 96, 2), True)  # warm-up
+    run_once(model, sweep_requests(model.config.vocab_size, 96, 2), True)  # warm-up
     out = []
     for length in lengths:
-        reqs = sweep_requests(m.config.vocab_size, length, n)
+        reqs = sweep_requests(model.config.vocab_size, length, n)
         runs: dict[bool, list[SweepRun]] = {True: [], False: []}
         for i in range(repeat):
             for caching in ((True, False) if i % 2 == 0 else (False, True)):
-                runs[caching].append(run_once(m, reqs, caching))
+                runs[caching].append(run_once(model, reqs, caching))
         on, off = (sorted(runs[c], key=lambda r: r.seconds)[len(runs[c]) // 2] for c in (True, False))
         out.append(SweepPoint(length, n, on, off))
         progress(f"{length:>5} tokens  throughput {100 * out[-1].throughput_gained:+.0f}%  "
@@ -104,9 +104,10 @@ def sweep(m: LoadedModel, lengths: tuple[int, ...] = LENGTHS, n: int = 8, repeat
     return out
 
 
-def sweep_report(m: LoadedModel, points: list[SweepPoint], repeat: int = 1) -> str:
+def sweep_report(model: LoadedModel, points: list[SweepPoint], repeat: int = 1) -> str:
     runs = "" if repeat == 1 else f" Each figure is the median of {repeat} interleaved runs."
-    lines = [f"Model `{m.name}`, device {m.device}, `fast` compute, {points[0].requests if points else 0} requests "
+    requests = points[0].requests if points else 0
+    lines = [f"Model `{model.name}`, device {model.device}, `fast` compute, {requests} requests "
              f"arriving together; each sequence is a shared prefix + {PRIVATE} private prompt tokens + {NEW} "
              f"generated." + runs, "",
              "| sequence tokens | shared prefix | tok/s cache on | tok/s cache off | throughput gained | "

@@ -84,7 +84,7 @@ def pool_blocks(case: BenchCase, page: int) -> int:
     return len(case.prompts) * -(-longest // page) + 8
 
 
-def run_kvviz(m: LoadedModel, case: BenchCase, compute: str, prefix_caching: bool = True,
+def run_kvviz(model: LoadedModel, case: BenchCase, compute: str, prefix_caching: bool = True,
               oracle: bool = False, record: bool = False, engine: dict | None = None,
               peer: str | None = None) -> Measurement:
     """One kvviz run of the case (`engine`: settings over the defaults, `peer`: its name then)."""
@@ -105,11 +105,11 @@ def run_kvviz(m: LoadedModel, case: BenchCase, compute: str, prefix_caching: boo
 
     if record:  # default recording: every step, oracle metrics, default attention rows
         tmp = tempfile.TemporaryDirectory()
-        observers.append(AttentionRecorder(observers[0], m.config.num_hidden_layers, AttentionSelection()))
-        recorder = RunRecorder(RunStore.open(Path(tmp.name) / "bench.duckdb"), "bench", model=m, workload=wl,
+        observers.append(AttentionRecorder(observers[0], model.config.num_hidden_layers, AttentionSelection()))
+        recorder = RunRecorder(RunStore.open(Path(tmp.name) / "bench.duckdb"), "bench", model=model, workload=wl,
                                oracle=observers[0], attention=observers[1])
     t = time.perf_counter()
-    res = Engine(m, cfg).run(wl, observers=observers, on_step=on_step)
+    res = Engine(model, cfg).run(wl, observers=observers, on_step=on_step)
     if recorder is not None:
         recorder.flush()
         recorder.wait()
@@ -124,9 +124,9 @@ def run_kvviz(m: LoadedModel, case: BenchCase, compute: str, prefix_caching: boo
                        statistics.median(decoding) if decoding else None)
 
 
-def _no_eos(m: LoadedModel, n: int) -> GenerationConfig:
+def _no_eos(model: LoadedModel, n: int) -> GenerationConfig:
     return GenerationConfig(max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
-                            pad_token_id=m.tokenizer.pad_token_id or 0)
+                            pad_token_id=model.tokenizer.pad_token_id or 0)
 
 
 class _StepClock(LogitsProcessor):
@@ -140,15 +140,16 @@ class _StepClock(LogitsProcessor):
         return scores
 
 
-def run_generate(m: LoadedModel, case: BenchCase) -> Measurement:
+def run_generate(model: LoadedModel, case: BenchCase) -> Measurement:
     width = max(len(p) for p in case.prompts)
-    pad = m.tokenizer.pad_token_id or 0
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in case.prompts], device=m.device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in case.prompts], device=m.device)
+    pad = model.tokenizer.pad_token_id or 0
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in case.prompts], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in case.prompts], device=model.device)
     clock = _StepClock()
     t = time.perf_counter()
     with torch.inference_mode():
-        out = m.model.generate(input_ids=ids, attention_mask=mask, generation_config=_no_eos(m, case.new_tokens),
+        out = model.model.generate(input_ids=ids, attention_mask=mask, generation_config=_no_eos(model,
+                                                                                                 case.new_tokens),
                                logits_processor=LogitsProcessorList([clock]))
     end = time.perf_counter()
     steps = len(clock.times)
@@ -158,23 +159,23 @@ def run_generate(m: LoadedModel, case: BenchCase) -> Measurement:
                        statistics.median(gaps))
 
 
-def run_generate_batch(m: LoadedModel, case: BenchCase) -> Measurement:
+def run_generate_batch(model: LoadedModel, case: BenchCase) -> Measurement:
     """transformers' continuous batching with a cache of the size kvviz's engine gets for the case: left
     to itself on a CPU it sizes its cache from the host's free memory, and allocating and clearing
     gigabytes was most of what this peer's time measured."""
-    model = stock_copy(m.model)  # generate_batch switches the attention of the model it runs on
+    stock = stock_copy(model.model)  # generate_batch switches the attention of the model it runs on
     page = 16
     cache = ContinuousBatchingConfig(page_size=page, num_blocks=pool_blocks(case, page),
                                      max_batch_tokens=2048)
     t = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate_batch(inputs=case.prompts, generation_config=_no_eos(m, case.new_tokens),
+        out = stock.generate_batch(inputs=case.prompts, generation_config=_no_eos(model, case.new_tokens),
                                    continuous_batching_config=cache, progress_bar=False)
     seconds = time.perf_counter() - t
     return Measurement(case.name, "hf generate_batch", seconds, sum(len(o.generated_tokens) for o in out.values()))
 
 
-def run_hf_observed(m: LoadedModel, case: BenchCase, kernel: str = "eager_paged") -> Measurement:
+def run_hf_observed(model: LoadedModel, case: BenchCase, kernel: str = "eager_paged") -> Measurement:
     """transformers' continuous batching as kvviz's transformers backend runs it, the provenance oracle
     on every layer: what observing a real engine costs, against `generate_batch` alone with the same
     cache."""
@@ -185,7 +186,7 @@ def run_hf_observed(m: LoadedModel, case: BenchCase, kernel: str = "eager_paged"
     wl = Workload([RequestSpec(f"r{i}", prompt_ids=p, max_new_tokens=case.new_tokens, ignore_eos=True)
                    for i, p in enumerate(case.prompts)], cfg)
     t = time.perf_counter()
-    res = run_workload(m, wl, observers=[ProvenanceOracle()])
+    res = run_workload(model, wl, observers=[ProvenanceOracle()])
     seconds = time.perf_counter() - t
     n = len(res.requests)
     return Measurement(case.name, f"transformers backend ({kernel}) + oracle", seconds, res.stats.generated_tokens,
@@ -194,39 +195,39 @@ def run_hf_observed(m: LoadedModel, case: BenchCase, kernel: str = "eager_paged"
 
 
 PEERS: dict[str, Callable[[LoadedModel, BenchCase], Measurement]] = {
-    "kvviz fast": lambda m, c: run_kvviz(m, c, "fast"),
-    "kvviz inspect": lambda m, c: run_kvviz(m, c, "inspect"),
-    "kvviz inspect + oracle": lambda m, c: run_kvviz(m, c, "inspect", oracle=True),
-    "kvviz inspect + oracle + recorder": lambda m, c: run_kvviz(m, c, "inspect", record=True),
+    "kvviz fast": lambda model, c: run_kvviz(model, c, "fast"),
+    "kvviz inspect": lambda model, c: run_kvviz(model, c, "inspect"),
+    "kvviz inspect + oracle": lambda model, c: run_kvviz(model, c, "inspect", oracle=True),
+    "kvviz inspect + oracle + recorder": lambda model, c: run_kvviz(model, c, "inspect", record=True),
     "hf generate": run_generate,
     "hf generate_batch": run_generate_batch,
     "transformers backend + oracle": run_hf_observed,
 }
 
 
-def run_bench(m: LoadedModel, sizes: list[int], new_tokens: int, progress: Callable[[str], None] = print,
+def run_bench(model: LoadedModel, sizes: list[int], new_tokens: int, progress: Callable[[str], None] = print,
               repeat: int = 1, only: set[str] | None = None) -> list[Measurement]:
     """Every peer on every case (`only`: cases whose name starts with one of these). With repeat > 1
     the peers take turns, in a rotated order each round, and each reports its median run: on a noisy
     machine that compares like with like."""
     warm = BenchCase("warm-up", [[101, 102, 103, 104]] * 2, 2)
     for fn in PEERS.values():
-        fn(m, warm)
+        fn(model, warm)
     out = []
-    for case in cases(m.config.vocab_size, sizes, new_tokens):
+    for case in cases(model.config.vocab_size, sizes, new_tokens):
         if only and not any(case.name.startswith(o) for o in only):
             continue
         runs: dict[str, list[Measurement]] = {peer: [] for peer in PEERS}
         names = list(PEERS)
         for i in range(repeat):
             for peer in names[i % len(names):] + names[:i % len(names)]:
-                runs[peer].append(PEERS[peer](m, case))
+                runs[peer].append(PEERS[peer](model, case))
         for peer, measured in runs.items():
             out.append(sorted(measured, key=lambda r: r.tokens_per_second)[len(measured) // 2])
             spread = "" if repeat == 1 else " (runs: " + ", ".join(f"{r.tokens_per_second:.1f}" for r in measured) + ")"
             progress(f"{case.name:>18}  {peer:<20} {out[-1].tokens_per_second:8.1f} tok/s{spread}")
         if case.name.startswith("shared"):
-            out.append(run_kvviz(m, case, "fast", prefix_caching=False))
+            out.append(run_kvviz(model, case, "fast", prefix_caching=False))
             progress(f"{case.name:>18}  {out[-1].peer:<20} prefill computed {out[-1].prefill_computed}")
     return out
 
@@ -264,13 +265,13 @@ def _where_fast_gains(case: str, fast: Measurement, gen: Measurement, new_tokens
             f"generate's, fast would be {ceiling:.2f}x generate.")
 
 
-def report(m: LoadedModel, results: list[Measurement], sizes: list[int], new_tokens: int, repeat: int = 1) -> str:
+def report(model: LoadedModel, results: list[Measurement], sizes: list[int], new_tokens: int, repeat: int = 1) -> str:
     """A markdown table: tokens/s per case and peer, ratio to `generate`, prefill tokens computed."""
     runs = "" if repeat == 1 else f" Each figure is the median of {repeat} interleaved runs."
     lines = [
-        f"Model `{m.name}` ({m.config.model_type}, {m.dtype}), device {m.device}, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads, {platform.machine()}; {sizes} requests, {new_tokens} new tokens each."
-        + runs,
+        f"Model `{model.name}` ({model.config.model_type}, {model.dtype}), device {model.device}, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}; {sizes} requests, "
+        f"{new_tokens} new tokens each." + runs,
         "",
         "| case | peer | tok/s | x generate | TTFT ms | TPOT ms | decode step ms | prefill tokens computed |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",

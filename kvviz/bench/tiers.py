@@ -21,24 +21,24 @@ VARIANTS: dict[str, dict] = {
 }
 
 
-def run_tiers_bench(m: LoadedModel, sizes: list[int], new_tokens: int, repeat: int = 3,
+def run_tiers_bench(model: LoadedModel, sizes: list[int], new_tokens: int, repeat: int = 3,
                     progress: Callable[[str], None] = print) -> dict[str, dict[str, list[Measurement]]]:
     """case -> variant -> its runs, the variants taking turns in a rotated order each round."""
     out: dict[str, dict[str, list[Measurement]]] = {}
     names = list(VARIANTS)
     for v in names:  # warm up every variant's code paths before anything is timed
-        run_kvviz(m, BenchCase("warm-up", [[101, 102, 103, 104]] * 2, 2), "fast", engine=VARIANTS[v])
-    for case in cases(m.config.vocab_size, sizes, new_tokens):
+        run_kvviz(model, BenchCase("warm-up", [[101, 102, 103, 104]] * 2, 2), "fast", engine=VARIANTS[v])
+    for case in cases(model.config.vocab_size, sizes, new_tokens):
         runs = out[case.name] = {v: [] for v in names}
         for i in range(repeat):
             for v in names[i % len(names):] + names[:i % len(names)]:
-                runs[v].append(run_kvviz(m, case, "fast", engine=VARIANTS[v], peer=v))
+                runs[v].append(run_kvviz(model, case, "fast", engine=VARIANTS[v], peer=v))
                 progress(f"{case.name:>18}  {v:<18} {runs[v][-1].seconds:7.2f} s")
     return out
 
 
-def tiers_report(m: LoadedModel, results: dict[str, dict[str, list[Measurement]]], repeat: int) -> str:
-    lines = [f"Model `{m.name}`, device {m.device}, fast path; the median of {repeat} interleaved runs per "
+def tiers_report(model: LoadedModel, results: dict[str, dict[str, list[Measurement]]], repeat: int) -> str:
+    lines = [f"Model `{model.name}`, device {model.device}, fast path; the median of {repeat} interleaved runs per "
              "variant, and its time against plain in the same run.", "",
              "| case | variant | seconds (median) | runs | x plain |", "| --- | --- | ---: | --- | ---: |"]
     for case, runs in results.items():

@@ -107,13 +107,13 @@ class Fault:
 
 
 # -- page tables and slot mapping --------------------------------------------------------------
-def _zero_block_table(d: Defences, scope: Scope, B: int) -> Defences:
+def _zero_block_table(d: Defences, scope: Scope, block_size: int) -> Defences:
     def read_table(step, seq_ids, tables):
         return [[0] * len(t) if scope.hits(step, s) else t for s, t in zip(seq_ids, tables, strict=True)]
     return replace(d, read_table=read_table)
 
 
-def _positional(d: Defences, scope: Scope, B: int) -> Defences:
+def _positional(d: Defences, scope: Scope, block_size: int) -> Defences:
     """On struck steps, the first block after the prefix a request shares with the previous request
     in the batch resolves to that request's block (a prefix-sharing boundary off by one)."""
     def read_table(step, seq_ids, tables):
@@ -127,7 +127,7 @@ def _positional(d: Defences, scope: Scope, B: int) -> Defences:
     return replace(d, read_table=read_table)
 
 
-def _wrong_slot_mapping(d: Defences, scope: Scope, B: int) -> Defences:
+def _wrong_slot_mapping(d: Defences, scope: Scope, block_size: int) -> Defences:
     """Writes assume a request's new slots are contiguous from its first slot of the step."""
     def slot_mapping(tables, q_row, q_pos, block_size):
         first = torch.full((tables.shape[0],), 1 << 62, dtype=torch.long, device=q_pos.device)
@@ -142,14 +142,14 @@ def _owned(owner_pos: torch.Tensor) -> torch.Tensor:
     return owner_pos < NOT_OWNED
 
 
-def _boundary(d: Defences, scope: Scope, B: int) -> Defences:
+def _boundary(d: Defences, scope: Scope, block_size: int) -> Defences:
     """Each request's last query also sees the first slot of the block physically after its last block."""
     def mask_fn(owner_pos, q_row, q_pos):
         mask = shared_axis_mask(owner_pos, q_row, q_pos)
         R, S = owner_pos.shape
-        blocks = _owned(owner_pos).view(R, S // B, B).any(-1)  # [R, blocks on the axis]
-        last_block = torch.where(blocks, torch.arange(S // B, device=blocks.device), -1).amax(-1)
-        nxt = (last_block + 1) * B  # axis index of the next block's first slot
+        blocks = _owned(owner_pos).view(R, S // block_size, block_size).any(-1)  # [R, blocks on the axis]
+        last_block = torch.where(blocks, torch.arange(S // block_size, device=blocks.device), -1).amax(-1)
+        nxt = (last_block + 1) * block_size  # axis index of the next block's first slot
         last_query = torch.zeros_like(q_pos, dtype=torch.bool)
         for r in range(R):
             rows = (q_row == r).nonzero()[:, 0]
@@ -162,7 +162,7 @@ def _boundary(d: Defences, scope: Scope, B: int) -> Defences:
     return replace(d, shared_axis_mask=mask_fn)
 
 
-def _global(d: Defences, scope: Scope, B: int) -> Defences:
+def _global(d: Defences, scope: Scope, block_size: int) -> Defences:
     """The isolation mask is gone: a query sees every slot any other request has written."""
     def mask_fn(owner_pos, q_row, q_pos):
         others = _owned(owner_pos).any(0)[None, :] & ~_owned(owner_pos)[q_row]
@@ -170,7 +170,7 @@ def _global(d: Defences, scope: Scope, B: int) -> Defences:
     return replace(d, shared_axis_mask=mask_fn)
 
 
-def _padding_as_isolation(d: Defences, scope: Scope, B: int) -> Defences:
+def _padding_as_isolation(d: Defences, scope: Scope, block_size: int) -> Defences:
     """Only padding is masked: a query sees every written slot up to its own place on the axis."""
     def mask_fn(owner_pos, q_row, q_pos):
         own_place = (owner_pos[q_row] == q_pos[:, None]).int().argmax(-1)  # [T] axis index of the query
@@ -179,7 +179,7 @@ def _padding_as_isolation(d: Defences, scope: Scope, B: int) -> Defences:
     return replace(d, shared_axis_mask=mask_fn)
 
 
-def _additive_mask_sum(d: Defences, scope: Scope, B: int) -> Defences:
+def _additive_mask_sum(d: Defences, scope: Scope, block_size: int) -> Defences:
     """Isolation and causal planes summed as 0/1 instead of combined with AND: 1 + 0 still passes."""
     def mask_fn(owner_pos, q_row, q_pos):
         same_request = _owned(owner_pos)[q_row].int()
@@ -189,13 +189,13 @@ def _additive_mask_sum(d: Defences, scope: Scope, B: int) -> Defences:
 
 
 # -- the attention arithmetic ------------------------------------------------------------------
-def _softmax_then_mask(d: Defences, scope: Scope, B: int) -> Defences:
+def _softmax_then_mask(d: Defences, scope: Scope, block_size: int) -> Defences:
     def probs(logits, m):
         return torch.softmax(logits, -1) * m
     return replace(d, attend=lambda q, k, v, mask, scale, layer=None: grouped_attend(q, k, v, mask, scale, probs))
 
 
-def _low_precision_fill(d: Defences, scope: Scope, B: int) -> Defences:
+def _low_precision_fill(d: Defences, scope: Scope, block_size: int) -> Defences:
     """float16 logits large enough (scaled x10^4, as a model with huge attention logits) that the
     finite fill -1e4 no longer hides masked keys; fully masked rows become uniform, not zero."""
     def probs(logits, m):
@@ -209,7 +209,7 @@ def _pool_patch(**patches: Callable) -> Callable[[Defences, Scope, int], Defence
     factory of its replacement for the run's owner of that method."""
     typed = PoolPatches(**patches)  # a name that is no field fails here, as FAULTS is built at import
 
-    def apply(d: Defences, scope: Scope, B: int) -> Defences:
+    def apply(d: Defences, scope: Scope, block_size: int) -> Defences:
         return replace(d, pool_patches=typed)
     return apply
 

@@ -49,8 +49,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     given = Workload.from_file(args.workload) if args.workload else None  # a bad file is refused before loading
     if args.kv_events and not Path(args.kv_events).resolve().parent.is_dir():
         raise WorkloadError(f"--kv-events {args.kv_events}: no folder {Path(args.kv_events).parent}")
-    m = load_model(args.model, device=args.device)
-    wl = Workload.from_dict(sc.build(m.tokenizer)) if sc else given
+    model = load_model(args.model, device=args.device)
+    wl = Workload.from_dict(sc.build(model.tokenizer)) if sc else given
     if as_shipped is not None and args.isolation is None and wl.engine.isolation != "paged":
         args = argparse.Namespace(**{**vars(args), "isolation": "paged"})
         as_shipped.append(f"its isolation {wl.engine.isolation!r} is kvviz's engine's; transformers isolates "
@@ -81,7 +81,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             if args.fail_on_leak:
                 raise WorkloadError("--fail-on-leak needs the leak oracle, which reads attention weights that "
                                     "--compute fast does not compute; use --compute inspect")
-            summary = Engine(m, wl.engine).run(wl, on_step=progress, on_wait=waiting).summary()
+            summary = Engine(model, wl.engine).run(wl, on_step=progress, on_wait=waiting).summary()
             summary.update(fault=None, leak=None, entropy=None, divergence=None, findings=None, cross_tenant=None,
                            db=None)
             note = "--compute fast runs are not judged or recorded (no attention weights); --compute inspect is"
@@ -91,21 +91,21 @@ def cmd_run(args: argparse.Namespace) -> int:
                         "with weights, judged and recorded")
             elif wl.engine.compute == "fast":
                 note = "a run with a fault is judged by the leak oracle, so it runs --compute inspect"
-            probe = _seed_probe(m, sc, wl)
-            summary = _recorded_run(args, m, wl, fault, progress, waiting, comparing, probe)
+            probe = _seed_probe(model, sc, wl)
+            summary = _recorded_run(args, model, wl, fault, progress, waiting, comparing, probe)
     shipped = (f"scenario {sc.name} on transformers: its requests run through transformers' code as shipped ("
                + "; ".join(as_shipped) + "), as the app's Scenarios page runs them") if as_shipped else None
     for said in [shipped, note, *(summary.get("notes") or [])]:
         if said is not None:
             print(f"kvviz: note: {said}", file=sys.stderr)
-    summary = {**summary, "scenario": args.scenario, "model": {"name": m.name, "fingerprint": m.fingerprint}}
+    summary = {**summary, "scenario": args.scenario, "model": {"name": model.name, "fingerprint": model.fingerprint}}
     if args.json:
         print(json.dumps(summary, ensure_ascii=False))
     else:
         _print_run(summary)
         if probe is not None and probe.weights:
             print(f"{probe.request}'s last prompt token over the shared buffer (mean of layers and heads):")
-            print(probe.table(m.tokenizer))
+            print(probe.table(model.tokenizer))
     return 1 if args.fail_on_leak and summary["findings"] else 0
 
 
@@ -134,13 +134,13 @@ def _kv_events(path: str | None, wl: Workload, stack: ExitStack) -> KVEventEmitt
         Message(DEFAULT_REPLICA, 0, seq, topic.decode(), payload)))
 
 
-def _recorded_run(args: argparse.Namespace, m: LoadedModel, wl: Workload, fault: str | None,
+def _recorded_run(args: argparse.Namespace, model: LoadedModel, wl: Workload, fault: str | None,
                   progress: Callable[[StepRecord], None], waiting: Callable[[int], None],
                   comparing: Callable[[int, int, str], None], probe: LastPromptTokenProbe | None) -> dict:
     """A checked run recorded step by step into --db; a run that dies is marked failed there."""
     from ..runners.recorded import record_run
 
-    run = record_run(args.store, m, wl, fault, scenario=args.scenario, scope=_fault_scope(args),
+    run = record_run(args.store, model, wl, fault, scenario=args.scenario, scope=_fault_scope(args),
                      selection=_attention_selection(args), on_step=lambda r, _oracle: progress(r),
                      probes=[probe] if probe else [], on_wait=waiting, on_reference=comparing)
     return {**run.summary(), "db": str(args.store.path)}
@@ -175,13 +175,13 @@ def _attention_selection(args: argparse.Namespace) -> AttentionSelection:
                               int_set(args.attention_steps, "--attention-steps"), name_set(args.attention_requests))
 
 
-def _seed_probe(m: LoadedModel, sc: Scenario | None, wl: Workload) -> LastPromptTokenProbe | None:
+def _seed_probe(model: LoadedModel, sc: Scenario | None, wl: Workload) -> LastPromptTokenProbe | None:
     """For the seed's scenarios, watch request A's last prompt token (the seed's table)."""
     from ..oracle.probe import LastPromptTokenProbe
 
     if sc is None or sc.name not in ("passphrase", "boundary", "global"):
         return None
-    return LastPromptTokenProbe("A", len(m.tokenizer(wl.requests[0].prompt).input_ids) - 1)
+    return LastPromptTokenProbe("A", len(model.tokenizer(wl.requests[0].prompt).input_ids) - 1)
 
 
 def _print_run(s: dict) -> None:

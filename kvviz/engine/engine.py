@@ -23,7 +23,7 @@ __all__ = ["Engine", "EngineError"]
 
 class Engine:
     def __init__(self, model: LoadedModel, config: EngineConfig, defences: Defences | None = None):
-        self.m, self.config, self.defences = model, config, defences or Defences()
+        self.model, self.config, self.defences = model, config, defences or Defences()
         gen = model.model.generation_config
         eos = gen.eos_token_id if gen is not None else None
         self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
@@ -41,8 +41,8 @@ class Engine:
             raise EngineError("attention observers (the leak oracle) need compute='inspect'")
         specs = self.resolve(workload)
         arrivals = sorted(specs, key=lambda s: s[0].arrival_step)
-        with self.m.queue.turn(on_wait), torch.inference_mode():
-            loop = EngineLoop(self.m, self.config, self.defences, self.eos_ids, workload.seed, observers,
+        with self.model.queue.turn(on_wait), torch.inference_mode():
+            loop = EngineLoop(self.model, self.config, self.defences, self.eos_ids, workload.seed, observers,
                               keep_logits)  # times count from the turn
             while arrivals or loop.busy:
                 while arrivals and arrivals[0][0].arrival_step <= loop.step:
@@ -60,7 +60,7 @@ class Engine:
         """A loop that requests join one by one between steps (a server's); the caller holds the
         model's turn and torch's inference mode around its steps."""
         self._own_backend()
-        return EngineLoop(self.m, self.config, self.defences, self.eos_ids, seed, observers)
+        return EngineLoop(self.model, self.config, self.defences, self.eos_ids, seed, observers)
 
     def _own_backend(self) -> None:
         """A workload for another backend never runs here by mistake (replaying, serving it)."""
@@ -75,9 +75,10 @@ class Engine:
 
     def resolve(self, workload: Workload) -> list[tuple[RequestSpec, list[int]]]:
         """Token ids of each request's own prompt, checked against the vocabulary and the pool."""
-        tok, cfg = self.m.tokenizer, self.config
-        vocab = self.m.config.vocab_size
-        max_pos = getattr(self.m.config, "max_position_embeddings", None) or getattr(self.m.config, "n_positions", None)
+        tok, cfg = self.model.tokenizer, self.config
+        vocab = self.model.config.vocab_size
+        max_pos = getattr(self.model.config, "max_position_embeddings", None) or getattr(self.model.config,
+                                                                                         "n_positions", None)
         out, longest = [], {}
         for i, s in enumerate(workload.requests):
             ids = list(s.prompt_ids) if s.prompt_ids is not None else (tok(s.prompt).input_ids if s.prompt else [])

@@ -62,10 +62,10 @@ class EngineLoop:
     """One shared pool, its scheduler and its requests (or a prefill and a decode instance); `advance`
     runs one step."""
 
-    def __init__(self, m: LoadedModel, config: EngineConfig, defences: Defences, eos_ids: set[int], seed: int = 0,
+    def __init__(self, model: LoadedModel, config: EngineConfig, defences: Defences, eos_ids: set[int], seed: int = 0,
                  observers: Sequence[AttentionObserver] = (), keep_logits: bool = False):
         cfg = self.config = config
-        self.m, self.defences, self.eos_ids, self.seed = m, defences, eos_ids, seed
+        self.model, self.defences, self.eos_ids, self.seed = model, defences, eos_ids, seed
         self.observers, self.keep_logits = observers, keep_logits
         N, arena = cfg.num_blocks, cfg.num_blocks * (2 if cfg.disaggregated else 1)
         host = cfg.offload.cpu_blocks if cfg.offload else 0  # on the instance that looks prefixes up
@@ -167,7 +167,7 @@ class EngineLoop:
                       key=lambda w: len(w.token_ids) > 1)  # single-token rows first: groups are contiguous
         live_tables = {s.id: s.block_table for s in seqs.values() if s.block_table}
         inp = build_step(self.step, work, live_tables, self.config.block_size, self.tensors.num_slots,
-                         self.config.isolation, self.defences, self.m.device)
+                         self.config.isolation, self.defences, self.model.device)
         writes = self._commit(work, inp)
         sampling = [r for r, w in enumerate(work) if w.end == len(seqs[w.seq_id].token_ids)]
         logits = self._forward(work, inp, seqs, [inp.offsets[r] + len(work[r].token_ids) - 1 for r in sampling])
@@ -221,8 +221,8 @@ class EngineLoop:
 
         attend = None if cfg.compute == "fast" else self.defences.attend
         batch = StepBatch(inp.write_slots, inp.groups, self.tensors, attend, on_attention if observers else None)
-        logits = self.m.model(input_ids=inp.input_ids, position_ids=inp.position_ids, use_cache=False,
-                              logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.m.device),
+        logits = self.model.model(input_ids=inp.input_ids, position_ids=inp.position_ids, use_cache=False,
+                              logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.model.device),
                               **step_kwargs(batch)).logits[0]
         for o in observers:
             o.end_step()
@@ -266,7 +266,7 @@ class EngineLoop:
         tokens of its parent's history, with the parent's hashes of those tokens' full blocks. Sampling
         draws from `generator`, by default one seeded by the loop's seed and the request's id."""
         live, entry = self.live, self.instances[0]  # new requests enter at the prefill instance, if any
-        gen = generator or request_generator(self.seed, spec.id, self.m.device)
+        gen = generator or request_generator(self.seed, spec.id, self.model.device)
         held = self.instance_of(spec.parent) if spec.parent is not None else entry
         parent = held.kv.seqs.get(spec.parent)
         if spec.parent is None:
@@ -323,7 +323,7 @@ class EngineLoop:
 
     def result(self, request_id: str) -> RequestResult:
         s, t0 = self.live[request_id], self.t0
-        text = self.m.tokenizer.decode(s.output_ids, skip_special_tokens=True)
+        text = self.model.tokenizer.decode(s.output_ids, skip_special_tokens=True)
         return RequestResult(s.spec.id, s.prompt_ids, s.output_ids, text, s.finish_reason, s.cached_tokens,
                              s.spec.arrival_step, s.first_token_step, s.finish_step, s.spec.temperature == 0, s.logits,
                              s.first_token_at - t0, s.finish_at - t0)

@@ -82,7 +82,7 @@ def fault_refused(fault: str | None) -> None:
 
 
 def run_workload(
-    m: LoadedModel,
+    model: LoadedModel,
     wl: Workload,
     on_step: Callable[[StepRecord], None] | None = None,
     observers: Sequence[AttentionObserver] = (),
@@ -95,16 +95,16 @@ def run_workload(
     from .adapter import ContinuousBatching  # refuses a transformers release it does not read, in one sentence
 
     check_workload(wl)
-    cfg, engine = wl.engine, Engine(m, wl.engine)  # its prompt checks and EOS ids; it runs nothing here
+    cfg, engine = wl.engine, Engine(model, wl.engine)  # its prompt checks and EOS ids; it runs nothing here
     specs = engine.resolve(wl)
     eos = sorted(engine.eos_ids)
     salts = {s.id: s.cache_salt for s in wl.requests}
     with (
-        torch.random.fork_rng(devices=[m.device.index or 0] if m.device.type == "cuda" else []),
+        torch.random.fork_rng(devices=[model.device.index or 0] if model.device.type == "cuda" else []),
         torch.inference_mode(),
     ):
         cb = ContinuousBatching(
-            m.model,
+            model.model,
             page_size=cfg.block_size,
             num_blocks=cfg.num_blocks,
             max_batch_tokens=cfg.max_batch_tokens,
@@ -131,7 +131,7 @@ def run_workload(
                 spec.id,
                 ids,
                 out,
-                m.tokenizer.decode(out, skip_special_tokens=True),
+                model.tokenizer.decode(out, skip_special_tokens=True),
                 "eos" if eos_end else "length",
                 obs.admitted[spec.id].hit_tokens,
                 spec.arrival_step,

@@ -33,11 +33,11 @@ class Divergence:
         return dict(self.__dict__)
 
 
-def isolated_logits(m: LoadedModel, prompt_ids: list[int], output_ids: list[int]) -> torch.Tensor:
+def isolated_logits(model: LoadedModel, prompt_ids: list[int], output_ids: list[int]) -> torch.Tensor:
     """Logits the model gives each generated position when the request runs alone: [n, V]."""
-    ids = torch.tensor([prompt_ids + output_ids[:-1]], device=m.device)
+    ids = torch.tensor([prompt_ids + output_ids[:-1]], device=model.device)
     with torch.inference_mode():
-        out = m.model(input_ids=ids, logits_to_keep=len(output_ids)).logits[0]
+        out = model.model(input_ids=ids, logits_to_keep=len(output_ids)).logits[0]
     return out.float().cpu()
 
 
@@ -46,7 +46,7 @@ def isolated_logits(m: LoadedModel, prompt_ids: list[int], output_ids: list[int]
 ReferenceCallback = Callable[[int, int, str], None]
 
 
-def compare_with_isolated(m: LoadedModel, result: RunResult, leaked: dict[str, float],
+def compare_with_isolated(model: LoadedModel, result: RunResult, leaked: dict[str, float],
                           tolerance: float = TOLERANCE,
                           on_request: ReferenceCallback | None = None) -> list[Divergence]:
     """One Divergence per request; `leaked` maps request -> its max foreign + stale mass."""
@@ -58,7 +58,7 @@ def compare_with_isolated(m: LoadedModel, result: RunResult, leaked: dict[str, f
             raise ValueError("the run kept no logits: run the engine with keep_logits=True")
         if not r.output_ids:
             continue
-        ref = isolated_logits(m, r.prompt_ids, r.output_ids)
+        ref = isolated_logits(model, r.prompt_ids, r.output_ids)
         mine = torch.stack(r.logits)
         diff = (mine - ref).abs().amax(-1)
         kl = torch.nn.functional.kl_div(mine.log_softmax(-1), ref.log_softmax(-1), log_target=True,

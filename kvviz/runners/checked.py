@@ -61,7 +61,7 @@ def check_fault(fault: str | None, workload: Workload) -> None:
                             f"isolation {workload.engine.isolation!r}")
 
 
-def run_checked(m: LoadedModel, workload: Workload, fault: str | None = None,
+def run_checked(model: LoadedModel, workload: Workload, fault: str | None = None,
                 on_step: Callable[[StepRecord], None] | None = None, config: OracleConfig | None = None,
                 reference: bool = True, probes: Sequence[AttentionObserver] = (), run_id: str | None = None,
                 oracle: ProvenanceOracle | None = None, scope: Scope | None = None,
@@ -75,15 +75,15 @@ def run_checked(m: LoadedModel, workload: Workload, fault: str | None = None,
     notes = check_workload(workload) if engine_cfg.backend == TRANSFORMERS else []
     oracle = oracle or ProvenanceOracle(config or OracleConfig())
     observers = [oracle, *probes]
-    with m.queue.turn(on_wait):
+    with model.queue.turn(on_wait):
         if engine_cfg.backend == TRANSFORMERS:
-            result = run_workload(m, replace(workload, engine=engine_cfg), on_step, observers, reference, run_id)
+            result = run_workload(model, replace(workload, engine=engine_cfg), on_step, observers, reference, run_id)
         else:
-            result = Engine(m, engine_cfg, defences_with(fault, engine_cfg.block_size, scope)).run(
+            result = Engine(model, engine_cfg, defences_with(fault, engine_cfg.block_size, scope)).run(
                 workload, on_step=on_step, observers=observers, keep_logits=reference, run_id=run_id)
         leaked: dict[str, float] = {}
         for s in oracle.steps:
             for r, name in enumerate(s.requests):
                 leaked[name] = max(leaked.get(name, 0.0), float(s.max_foreign[r].max()))
-        divs = compare_with_isolated(m, result, leaked, on_request=on_reference) if reference else []
+        divs = compare_with_isolated(model, result, leaked, on_request=on_reference) if reference else []
     return CheckedRun(workload, fault, result, oracle, divs, notes)

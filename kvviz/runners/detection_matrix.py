@@ -37,12 +37,12 @@ class AuditRow:
         return "reference" if self.diverged else "-"
 
 
-def audit(m: LoadedModel, progress: Callable[[str], None] = lambda s: None) -> list[AuditRow]:
+def audit(model: LoadedModel, progress: Callable[[str], None] = lambda s: None) -> list[AuditRow]:
     rows = []
     for sc in SCENARIOS.values():
-        wl = Workload.from_dict(sc.build(m.tokenizer))
+        wl = Workload.from_dict(sc.build(model.tokenizer))
         for fault in ([sc.fault, None] if sc.fault else [None]):
-            run = run_checked(m, wl, fault)
+            run = run_checked(model, wl, fault)
             s = run.summary()
             rows.append(AuditRow(sc.name, fault, sc.expected if fault else (),
                                  tuple(sorted({f.kind for f in run.findings})), s["leak"]["max_foreign_mass"],

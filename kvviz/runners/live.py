@@ -48,12 +48,13 @@ def model(name: str, device: str = "auto") -> LoadedModel:
     return load_model(name, device=device)
 
 
-def scenario_workload(name: str, m: LoadedModel) -> dict:
+def scenario_workload(name: str, model: LoadedModel) -> dict:
     """A scenario's workload for this model (a tight pool is sized by its tokenizer)."""
-    return scenario(name).build(m.tokenizer)
+    return scenario(name).build(model.tokenizer)
 
 
-def run(store: RunStore, m: LoadedModel, workload: dict, fault: str | None = None, *, scenario_name: str | None = None,
+def run(store: RunStore, model: LoadedModel, workload: dict, fault: str | None = None, *,
+        scenario_name: str | None = None,
         scope: Scope | None = None, selection: AttentionSelection = DEFAULT_SELECTION,
         on_step: Callable[[LiveStep], None] | None = None, on_wait: WaitCallback | None = None,
         on_reference: ReferenceCallback | None = None) -> Outcome:
@@ -74,7 +75,8 @@ def run(store: RunStore, m: LoadedModel, workload: dict, fault: str | None = Non
             on_step(LiveStep(rec.step, done, total, pool_frame(rec), len(oracle.findings), said, metrics.values(),
                              metrics.history))
 
-    checked = record_run(store, m, wl, fault, scenario=scenario_name, scope=scope, selection=selection, on_step=step,
+    checked = record_run(store, model, wl, fault, scenario=scenario_name, scope=scope, selection=selection,
+                         on_step=step,
                          on_wait=on_wait, on_reference=on_reference)
     summary = checked.summary()
     return Outcome(checked.result.run_id, {r.id: r.text for r in checked.result.requests}, len(checked.findings),

@@ -26,7 +26,7 @@ DEFAULT_SELECTION = AttentionSelection()
 StepCallback = Callable[[StepRecord, ProvenanceOracle], None]
 
 
-def record_run(store: RunStore, m: LoadedModel, wl: Workload, fault: str | None = None, *,
+def record_run(store: RunStore, model: LoadedModel, wl: Workload, fault: str | None = None, *,
                scenario: str | None = None, scope: Scope | None = None,
                selection: AttentionSelection = DEFAULT_SELECTION, on_step: StepCallback | None = None,
                probes: Sequence[AttentionObserver] = (), on_wait: WaitCallback | None = None,
@@ -35,16 +35,16 @@ def record_run(store: RunStore, m: LoadedModel, wl: Workload, fault: str | None 
     run row is written once the run has its turn on the model (on_wait hears the queue until then)."""
     wl = replace(wl, engine=replace(wl.engine, compute="inspect"))  # what the oracle runs: the record says so
     check_fault(fault, wl)  # bad input is refused before a run row exists
-    Engine(m, wl.engine).check(wl)
+    Engine(model, wl.engine).check(wl)
     if wl.engine.backend == TRANSFORMERS:
         check_workload(wl)
     if scope is not None:
-        check_scope(wl, m.config.num_hidden_layers, "fault", scope.requests, scope.layers)
-    check_scope(wl, m.config.num_hidden_layers, "attention", selection.requests, selection.full_layers)
-    with m.queue.turn(on_wait):
+        check_scope(wl, model.config.num_hidden_layers, "fault", scope.requests, scope.layers)
+    check_scope(wl, model.config.num_hidden_layers, "attention", selection.requests, selection.full_layers)
+    with model.queue.turn(on_wait):
         run_id, oracle = new_run_id(), ProvenanceOracle()
-        attention = AttentionRecorder(oracle, m.config.num_hidden_layers, selection)
-        rec = RunRecorder(store, run_id, model=m, workload=wl, scenario=scenario, fault=fault, oracle=oracle,
+        attention = AttentionRecorder(oracle, model.config.num_hidden_layers, selection)
+        rec = RunRecorder(store, run_id, model=model, workload=wl, scenario=scenario, fault=fault, oracle=oracle,
                           fault_scope=None if scope is None or fault is None else scope.to_dict(), attention=attention)
 
         def step(r: StepRecord) -> None:
@@ -53,7 +53,7 @@ def record_run(store: RunStore, m: LoadedModel, wl: Workload, fault: str | None 
                 on_step(r, oracle)
 
         try:
-            run = run_checked(m, wl, fault, on_step=step, probes=[attention, *probes], run_id=run_id, oracle=oracle,
+            run = run_checked(model, wl, fault, on_step=step, probes=[attention, *probes], run_id=run_id, oracle=oracle,
                               scope=scope, on_reference=on_reference)
         except BaseException as e:
             rec.fail(e)

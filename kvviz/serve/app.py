@@ -61,7 +61,7 @@ def create_app(worker: EngineWorker, options: ServeOptions,
             on_stop(worker)
 
     app = FastAPI(title="kvviz serve", version="1", lifespan=lifespan)
-    tok = worker.m.tokenizer
+    tok = worker.model.tokenizer
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, e: ApiError) -> JSONResponse:
@@ -125,7 +125,7 @@ def create_app(worker: EngineWorker, options: ServeOptions,
         if not (options.chat_template or getattr(tok, "chat_template", None)):
             raise ApiError(400, f"the model {options.model_name} has no chat template; start the server with "
                                 "--chat-template FILE or use /v1/completions", param="messages")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        messages = [{"role": model.role, "content": model.text()} for model in body.messages]
         try:
             ids = tok.apply_chat_template(messages, chat_template=options.chat_template, add_generation_prompt=True,
                                           tokenize=True, return_dict=True)["input_ids"]

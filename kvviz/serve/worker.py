@@ -98,7 +98,7 @@ class EngineWorker:
         this catalogue fault injected; record: record the served traffic into this store as one run;
         on_step: hears every step on the engine's thread (a KV-event publisher)."""
         self.on_step = on_step
-        self.m, self.engine = model, Engine(model, config, defences_with(fault, config.block_size))
+        self.model, self.engine = model, Engine(model, config, defences_with(fault, config.block_size))
         self.max_in_flight = max_in_flight
         self.oracle = ProvenanceOracle() if oracle else None
         self.recording = ServedRecording(record, model, config, fault, self.oracle) if record is not None else None
@@ -195,7 +195,7 @@ class EngineWorker:
                     return
                 if not (self._pending or self._cancelled or self._flights):
                     continue  # a reset alone needs no turn of the model
-            with self.m.queue.turn(), torch.inference_mode():
+            with self.model.queue.turn(), torch.inference_mode():
                 while self._intake(loop):
                     self._step(loop)
 
@@ -205,7 +205,7 @@ class EngineWorker:
             self._reset(loop)
             while self._pending:
                 rid, sub = self._pending.popleft()
-                gen = request_generator(sub.seed, "", self.m.device) if sub.seed is not None else None
+                gen = request_generator(sub.seed, "", self.model.device) if sub.seed is not None else None
                 spec = RequestSpec(rid, prompt_ids=sub.prompt_ids, max_new_tokens=sub.max_tokens,
                                    arrival_step=loop.step, cache_salt=sub.salt, temperature=sub.temperature,
                                    top_p=sub.top_p, ignore_eos=sub.ignore_eos)
@@ -240,7 +240,7 @@ class EngineWorker:
                 self.oracle.steps.clear()
         self.stats.steps += 1
         self.stats.peak_batch = max(self.stats.peak_batch, len(rec.work))
-        tok = self.m.tokenizer
+        tok = self.model.tokenizer
         with self._lock:
             flights = {rid: self._flights.get(rid) for rid in rec.sampled}
         for rid, token in rec.sampled.items():
