@@ -10,6 +10,8 @@ import sys
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
+from .common import Subcommands, add_db
+
 if TYPE_CHECKING:
     from ..audit_timing.probe import AuditConfig
     from ..audit_timing.verdict import Verdict
@@ -58,7 +60,7 @@ def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x:.1f} ms"
 
 
-def add_audit_timing(sub, add_db) -> None:
+def add_audit_timing(sub: Subcommands) -> None:
     p = sub.add_parser("audit-timing", help="does a server share its prompt cache across users? a TTFT timing audit")
     p.add_argument("--base-url", required=True, help="the server's OpenAI API, e.g. http://127.0.0.1:8000/v1")
     p.add_argument("--model", required=True, help="the model name the server serves")

@@ -9,6 +9,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from ..errors import CaptureError
+from .common import Subcommands
 
 if TYPE_CHECKING:
     from ..capture.zmq_capture import Endpoint, ReplicaState
@@ -134,3 +135,20 @@ def cmd_capture_vllm(args: argparse.Namespace) -> int:
             print(f"kvviz: {st.source.name}: lost messages {lo}..{hi} (a gap in sequence numbers)", file=sys.stderr)
     print(f"{args.out}: {sink.count} messages from {len(sources)} replica{'' if len(sources) == 1 else 's'}")
     return 0
+
+
+def add_capture_vllm(sub: Subcommands) -> None:
+    cap = sub.add_parser("capture-vllm", help="record vLLM/SGLang KV-cache events from the ZMQ publishers of a fleet")
+    cap.add_argument("--endpoint", required=True, action="append", metavar="[NAME=]URL",
+                     help="a replica's publisher, e.g. pod-a=tcp://HOST:5557; repeat it for every replica "
+                          "(default names replica-0, replica-1, ...)")
+    cap.add_argument("--replay", action="append", metavar="[NAME=]URL",
+                     help="a replica's replay endpoint, e.g. pod-a=tcp://HOST:5558 (paired by name, or by order "
+                          "when unnamed): its buffered history is fetched first and again after a restart")
+    cap.add_argument("--topic", default="", help="topic to subscribe to (default: all)")
+    cap.add_argument("--duration", type=float, help="stop after this many seconds (default: Ctrl-C or SIGTERM)")
+    cap.add_argument("--out", required=True,
+                     help="a new folder for the Parquet dataset (DIR/replica=NAME/part-NNNNN.parquet), or FILE.jsonl")
+    cap.add_argument("--rotate-rows", type=int, default=1_000_000,
+                     help="rows per Parquet part before the next one starts (default 1,000,000)")
+    cap.set_defaults(func=cmd_capture_vllm)

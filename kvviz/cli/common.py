@@ -3,7 +3,23 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
+
+Subcommands = argparse._SubParsersAction  # what each command module's add_* registers its parser on
+MODEL_HELP = "smollm2 (default), tiny-llama, tiny-gpt2 or a path"
+DEVICE_HELP = "auto (default), cpu, cuda or cuda:N"
+
+
+def add_model_device(p: argparse.ArgumentParser) -> None:
+    """--model and --device, the same for every command that loads a model."""
+    p.add_argument("--model", default="smollm2", help=MODEL_HELP)
+    p.add_argument("--device", default="auto", help=DEVICE_HELP)
+
+
+def add_db(p: argparse.ArgumentParser, what: str = "run store") -> None:
+    """--db, the run store every command that reads or writes runs shares with the UI."""
+    p.add_argument("--db", help=f"{what} (default $KVVIZ_DB, else runs/kvviz.duckdb)")
 
 
 def fail(reason: object, topic: str = "error") -> int:

@@ -8,17 +8,17 @@ import argparse
 import sys
 from pathlib import Path
 
-from .common import fail
+from .common import MODEL_HELP, Subcommands, add_model_device, fail
 
 
 def cmd_fetch_model(args: argparse.Namespace) -> int:
     """Fetch and convert a model now (e.g. at image build time) so later loads are fast."""
     from ..models import load_model
 
-    m = load_model(args.model, device="cpu")
-    cfg = m.config
-    print(f"{m.name}: {cfg.model_type}, {cfg.num_hidden_layers} layers, "
-          f"{sum(p.numel() for p in m.model.parameters()):,} parameters, weights sha256 {m.fingerprint[:16]}")
+    model = load_model(args.model, device="cpu")
+    cfg = model.config
+    print(f"{model.name}: {cfg.model_type}, {cfg.num_hidden_layers} layers, "
+          f"{sum(p.numel() for p in model.model.parameters()):,} parameters, weights sha256 {model.fingerprint[:16]}")
     return 0
 
 
@@ -61,32 +61,32 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if events is None:
             return 2
         return _write(capture_report(run_capture_bench(events, progress=say)), args.out)
-    m = load_model(args.model, device=args.device)
+    model = load_model(args.model, device=args.device)
     if args.memory:
         from ..bench.memory import memory_report, run_memory_bench
 
-        return _write(memory_report(m, run_memory_bench(m, sizes, progress=say)), args.out)
+        return _write(memory_report(model, run_memory_bench(model, sizes, progress=say)), args.out)
     if args.serve:
         from ..bench.serve import run_serve_bench, serve_report
 
-        results = run_serve_bench(m, args.model, args.device, sizes, args.new_tokens, only, progress=say)
-        return _write(serve_report(m, results, args.new_tokens), args.out)
+        results = run_serve_bench(model, args.model, args.device, sizes, args.new_tokens, only, progress=say)
+        return _write(serve_report(model, results, args.new_tokens), args.out)
     if args.sharing_sweep:
         from ..bench.sharing import sweep, sweep_report
 
-        points = [p for n in sizes for p in sweep(m, tuple(lengths), n, args.repeat, progress=say)]
-        return _write(sweep_report(m, points, args.repeat), args.out)
+        points = [p for n in sizes for p in sweep(model, tuple(lengths), n, args.repeat, progress=say)]
+        return _write(sweep_report(model, points, args.repeat), args.out)
     if args.tiers:
         from ..bench.tiers import run_tiers_bench, tiers_report
 
-        results = run_tiers_bench(m, sizes, args.new_tokens, args.repeat, progress=say)
-        return _write(tiers_report(m, results, args.repeat), args.out)
+        results = run_tiers_bench(model, sizes, args.new_tokens, args.repeat, progress=say)
+        return _write(tiers_report(model, results, args.repeat), args.out)
     if args.sessions:
         from ..bench.sessions import run_sessions, sessions_report
 
-        return _write(sessions_report(m, run_sessions(m, args.sessions, args.repeat, progress=say)), args.out)
-    results = run_bench(m, sizes, args.new_tokens, progress=say, repeat=args.repeat, only=only)
-    return _write(report(m, results, sizes, args.new_tokens, args.repeat), args.out)
+        return _write(sessions_report(model, run_sessions(model, args.sessions, args.repeat, progress=say)), args.out)
+    results = run_bench(model, sizes, args.new_tokens, progress=say, repeat=args.repeat, only=only)
+    return _write(report(model, results, sizes, args.new_tokens, args.repeat), args.out)
 
 
 def say(line: str) -> None:
@@ -112,3 +112,42 @@ def _write(text: str, out: str | None) -> int:
         with open(out, "w", encoding="utf-8") as f:
             f.write(text)
     return 0
+
+
+def add_fetch_model(sub: Subcommands) -> None:
+    fetch = sub.add_parser("fetch-model", help="download and convert a model into the kvviz cache")
+    fetch.add_argument("model", nargs="?", default="smollm2", help=MODEL_HELP)
+    fetch.set_defaults(func=cmd_fetch_model)
+
+
+def add_bench(sub: Subcommands) -> None:
+    bench = sub.add_parser("bench", help="throughput against transformers generate and generate_batch")
+    add_model_device(bench)
+    bench.add_argument("--sizes", help="numbers of requests, comma-separated (default 8,32; --memory and --serve "
+                                       "32; --sharing-sweep 8)")
+    bench.add_argument("--new-tokens", type=int, default=64, help="tokens generated per request (default 64)")
+    bench.add_argument("--repeat", type=int, default=1,
+                       help="run every peer this many times, interleaved, and report medians (default 1)")
+    bench.add_argument("--cases", help="only these cases, comma-separated: uniform, mixed, shared-system")
+    what = bench.add_mutually_exclusive_group()
+    what.add_argument("--sessions", type=int, metavar="N",
+                      help="instead: N sessions recording scenarios at once vs one after another (many users)")
+    what.add_argument("--memory", action="store_true",
+                      help="instead: memory utilisation, the paged pool against a contiguous allocator")
+    what.add_argument("--sharing-sweep", action="store_true",
+                      help="instead: prefix caching on and off at each of --lengths tokens")
+    what.add_argument("--capture-import", action="store_true",
+                      help="instead: import speed and peak memory of synthetic captures of --sizes block events "
+                           "(default 1000000), JSONL and Parquet dataset")
+    what.add_argument("--capture-live", action="store_true",
+                      help="instead: can one capture-vllm process keep up with two publishers at 10,000 batches/s "
+                           "each (for --duration seconds)?")
+    what.add_argument("--tiers", action="store_true",
+                      help="instead: the engine with an unused host tier and disaggregated against plain")
+    what.add_argument("--serve", action="store_true",
+                      help="instead: kvviz serve under one streaming client per request against the fast path")
+    bench.add_argument("--lengths", default="128,512,2048",
+                       help="sequence lengths of --sharing-sweep, comma-separated (default 128,512,2048)")
+    bench.add_argument("--duration", type=float, default=60.0, help="seconds of --capture-live (default 60)")
+    bench.add_argument("--out", metavar="FILE.md", help="also write the markdown table to this file")
+    bench.set_defaults(func=cmd_bench)

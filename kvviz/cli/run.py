@@ -12,7 +12,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .common import finding_text
+from .common import Subcommands, add_db, add_model_device, finding_text
 
 if TYPE_CHECKING:
     from ..capture.emit import KVEventEmitter
@@ -215,3 +215,39 @@ def _print_run(s: dict) -> None:
         n = len(s["findings"]) - len(listed)
         print(f"{s['cross_tenant']}: the same content, so no attention leak, but a trust boundary crossed "
               f"({n} cross_tenant finding{'s' if n != 1 else ''}, one per block and run of steps; --json lists them)")
+
+
+def add_run(sub: Subcommands) -> None:
+    run = sub.add_parser("run", help="run a workload through the engine")
+    run.add_argument("--workload", metavar="FILE.json", help="requests, engine settings and seed")
+    run.add_argument("--scenario", metavar="NAME", help="a catalogue scenario (python -m kvviz scenarios)")
+    run.add_argument("--fault", metavar="NAME", help="inject a fault from the catalogue (docs/faults.md)")
+    run.add_argument("--fault-steps", metavar="1,2", help="strike only at these steps")
+    run.add_argument("--fault-requests", metavar="A,B", help="strike only these requests (page tables, masks)")
+    run.add_argument("--fault-layers", metavar="0,3", help="strike only these layers (attention arithmetic)")
+    run.add_argument("--fail-on-leak", action="store_true", help="exit 1 when the oracles report findings")
+    add_model_device(run)
+    run.add_argument("--backend", choices=["kvviz", "transformers"],
+                     help="whose engine runs the workload: kvviz's own, or Hugging Face transformers' continuous "
+                          "batching, observed (overrides the workload's engine.backend)")
+    run.add_argument("--kernel", choices=["eager_paged", "sdpa_paged"],
+                     help="the transformers backend's paged attention kernel: eager_paged returns its weights; "
+                          "sdpa_paged returns none, so kvviz recomputes them and checks the kernel's output "
+                          "(overrides the workload's engine.kernel)")
+    run.add_argument("--isolation", choices=["paged", "masked"], help="override the workload's isolation mechanism")
+    run.add_argument("--compute", choices=["inspect", "fast"], help="override the workload's compute path")
+    run.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+    run.add_argument("--json", action="store_true", help="print one JSON summary as the last line of stdout")
+    run.add_argument("--kv-events", metavar="FILE.jsonl",
+                     help="also write the KV events a vLLM server would publish for this run, as a capture file "
+                          "(python -m kvviz import reads it)")
+    run.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_db(run, "run store to record into")
+    run.add_argument("--attention", choices=["default", "all", "none"], default="default",
+                     help="attention rows to record: head mean of every layer plus all heads of the first, middle "
+                          "and last layer and of any layer at a step where a leak was seen (default), every head "
+                          "of every layer, or none")
+    run.add_argument("--attention-layers", metavar="0,15", help="layers recorded with all heads (default mode)")
+    run.add_argument("--attention-steps", metavar="0,1", help="record attention at these steps only")
+    run.add_argument("--attention-requests", metavar="A,B", help="record attention of these requests only")
+    run.set_defaults(func=cmd_run)

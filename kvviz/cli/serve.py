@@ -8,7 +8,7 @@ import socket
 import sys
 from pathlib import Path
 
-from .common import fail
+from .common import Subcommands, add_model_device, fail
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -64,15 +64,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if publisher is not None:
             publisher.close()
         return fail(f"--host {args.host} --port {args.port}: {e.strerror or e}")
-    m = load_model(args.model, device=args.device)
+    model = load_model(args.model, device=args.device)
     emitter = None
     if publisher is not None:
         from ..capture.emit import KVEventEmitter
 
         emitter = KVEventEmitter(config.block_size, publisher.send, args.kv_topic)
-    worker = EngineWorker(m, config, args.max_in_flight, oracle, args.fault, args.store if args.record else None,
+    worker = EngineWorker(model, config, args.max_in_flight, oracle, args.fault, args.store if args.record else None,
                           emitter.on_step if emitter else None)
-    options = ServeOptions(args.served_model_name or m.name, args.cache_sharing, chat_template=template)
+    options = ServeOptions(args.served_model_name or model.name, args.cache_sharing, chat_template=template)
     app = create_app(worker, options, on_stop=lambda w: print(
         f"kvviz: stopped after {w.stats.requests} request{'' if w.stats.requests == 1 else 's'}, "
         f"{w.stats.generated_tokens} tokens generated",
@@ -95,7 +95,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_serve(sub, add_model_device) -> None:
+def add_serve(sub: Subcommands) -> None:
     """The serve subcommand's flags."""
     from ..serve import SHARING
 

@@ -9,7 +9,7 @@ import json
 import sys
 from collections import Counter
 
-from .common import fail, finding_text
+from .common import DEVICE_HELP, Subcommands, add_db, fail, finding_text
 
 
 def cmd_sql(args: argparse.Namespace) -> int:
@@ -170,3 +170,60 @@ def cmd_explain(args: argparse.Namespace) -> int:
     for r in (head, *rows):
         print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip())
     return 0
+
+
+def add_runs(sub: Subcommands) -> None:
+    runs = sub.add_parser("runs", help="the runs in the run store, newest first")
+    add_db(runs)
+    runs.add_argument("--format", choices=["table", "csv", "json"], default="table")
+    runs.add_argument("--limit", type=int, default=20, help="most runs listed (default 20)")
+    runs.set_defaults(func=cmd_runs)
+
+
+def add_sql(sub: Subcommands) -> None:
+    sql = sub.add_parser("sql", help="a read-only SQL query over the run store")
+    sql.add_argument("query", help='e.g. "SELECT run_id, status, fault, max_foreign_mass FROM runs"')
+    add_db(sql)
+    sql.add_argument("--format", choices=["table", "csv", "json"], default="table")
+    sql.add_argument("--limit", type=int, default=10_000, help="most rows returned (default 10000)")
+    sql.set_defaults(func=cmd_sql)
+
+
+def add_replay(sub: Subcommands) -> None:
+    rep = sub.add_parser("replay", help="a recorded run at one step, or re-executed and verified")
+    rep.add_argument("run_id")
+    rep.add_argument("--step", type=int, default=0, help="the step to show (default 0)")
+    rep.add_argument("--verify", action="store_true", help="re-execute and compare tokens and leak metrics")
+    add_db(rep)
+    rep.add_argument("--device", default="auto", help=DEVICE_HELP)
+    rep.set_defaults(func=cmd_replay)
+
+
+def add_export(sub: Subcommands) -> None:
+    exp = sub.add_parser("export", help="a recorded run as a kvviz trace or Chrome trace JSON (Perfetto)")
+    exp.add_argument("run_id")
+    exp.add_argument("--format", choices=["kvviz", "chrome"], default="kvviz")
+    exp.add_argument("--out", help="output file (default RUN_ID.zip or RUN_ID.json)")
+    add_db(exp)
+    exp.set_defaults(func=cmd_export)
+
+
+def add_import(sub: Subcommands) -> None:
+    imp = sub.add_parser("import", help="import a kvviz trace or a vLLM/SGLang KV-event capture into the run store")
+    imp.add_argument("file", metavar="PATH", help="a kvviz trace (.zip), a capture (.jsonl), a capture dataset "
+                                                 "folder or one of its .parquet parts")
+    imp.add_argument("--in-place", action="store_true",
+                     help="a capture dataset folder: register it where it lies (kv_events reads its files; nothing "
+                          "is copied, and moving it later marks the run failed)")
+    add_db(imp)
+    imp.set_defaults(func=cmd_import)
+
+
+def add_explain(sub: Subcommands) -> None:
+    expl = sub.add_parser("explain", help="why each prefix-cache lookup of a run (or capture) stopped where it did")
+    expl.add_argument("run_id")
+    expl.add_argument("--request", metavar="ID", help="only this request (a capture's: its session id, or chain-HASH)")
+    expl.add_argument("--json", action="store_true", help="one JSON object as the last line")
+    expl.add_argument("--summary", action="store_true", help="only how many lookups stopped for each reason")
+    add_db(expl)
+    expl.set_defaults(func=cmd_explain)

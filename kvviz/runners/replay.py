@@ -89,12 +89,12 @@ def verify(store: RunStore, run_id: str, device: str = "auto") -> list[str]:
             [run_id]).fetchall()}
     if rec.status != "complete":
         return [f"run {run_id} is {rec.status}, not complete: there is no full record to compare with"]
-    m = load_model(rec.model, device=device)
-    if m.fingerprint != rec.fingerprint:
-        return [f"model {rec.model!r} has other weights now (sha256 {m.fingerprint[:12]}, recorded "
+    model = load_model(rec.model, device=device)
+    if model.fingerprint != rec.fingerprint:
+        return [f"model {rec.model!r} has other weights now (sha256 {model.fingerprint[:12]}, recorded "
                 f"{rec.fingerprint[:12]})"]
     scope = Scope.from_dict(rec.fault_scope) if rec.fault_scope else None
-    run = run_checked(m, Workload.from_dict(rec.workload), rec.fault, reference=False, scope=scope)
+    run = run_checked(model, Workload.from_dict(rec.workload), rec.fault, reference=False, scope=scope)
     problems = []
     for r in run.result.requests:
         old = list(stored.get(r.id) or [])

@@ -75,10 +75,10 @@ def _run(name, sharing, url, model, key, level, samples, words, alpha) -> None:
                            key=f"audit_live_{done}")
 
     if name is not None:
-        m = load_model_or_error(name)
-        if m is None:
+        model = load_model_or_error(name)
+        if model is None:
             return
-        audit_id, result = audits.audit_local(store(), m, sharing, cfg, between=between)
+        audit_id, result = audits.audit_local(store(), model, sharing, cfg, between=between)
         what = f"a kvviz server on {name} with cache sharing {sharing}"
     else:
         audit_id, result = audits.audit_url(store(), cfg, between=between)

@@ -256,9 +256,10 @@ def _thresholds() -> dict[str, float]:
         st.caption("The metrics the seed says to watch in production, shown live as the run goes; one turns red "
                    "when it crosses its threshold.")
         c = st.columns(len(METRICS))
-        return {m.key: c[i].number_input(f"{m.label}: alert {m.alert_when}", 0.0, 1.0, step=0.01, format="%.3f",
-                                         key=_key("alert", m.key, m.default_limit), help=m.help)
-                for i, m in enumerate(METRICS.values())}
+        return {metric.key: c[i].number_input(f"{metric.label}: alert {metric.alert_when}", 0.0, 1.0, step=0.01,
+                                              format="%.3f", key=_key("alert", metric.key, metric.default_limit),
+                                              help=metric.help)
+                for i, metric in enumerate(METRICS.values())}
 
 
 def _show_metrics(values: dict, history: dict, limits: dict[str, float], findings: list[int],
@@ -267,17 +268,17 @@ def _show_metrics(values: dict, history: dict, limits: dict[str, float], finding
     then the findings so far (their count after each step), of every kind; a cross-tenant read moves
     no attention metric, so it is said in words below the tiles."""
     cols = st.columns(len(METRICS) + 1)
-    for col, m in zip(cols, METRICS.values(), strict=False):
-        v, limit = values[m.key], limits[m.key]
-        shown = "n/a" if v is None else f"{v:.4f}" if m.key == "max_foreign" else f"{v:.1%}"
-        course = [x for x in history[m.key][-80:] if x is not None]
-        col.metric(m.label, shown, help=m.help, border=True, chart_data=course if len(course) > 1 else None)
-        if m.crossed(v, limit):
-            col.markdown(f":red-badge[:material/warning: {m.alert_when} {limit:g}]")
-        elif m.alert_when == "below" and limit <= 0:
+    for col, metric in zip(cols, METRICS.values(), strict=False):
+        v, limit = values[metric.key], limits[metric.key]
+        shown = "n/a" if v is None else f"{v:.4f}" if metric.key == "max_foreign" else f"{v:.1%}"
+        course = [x for x in history[metric.key][-80:] if x is not None]
+        col.metric(metric.label, shown, help=metric.help, border=True, chart_data=course if len(course) > 1 else None)
+        if metric.crossed(v, limit):
+            col.markdown(f":red-badge[:material/warning: {metric.alert_when} {limit:g}]")
+        elif metric.alert_when == "below" and limit <= 0:
             col.markdown(":gray-badge[no alert: threshold 0]")
         else:
-            col.markdown(f":green-badge[ok: alert {m.alert_when} {limit:g}]")
+            col.markdown(f":green-badge[ok: alert {metric.alert_when} {limit:g}]")
     found = findings[-1] if findings else 0
     new = found - findings[-2] if len(findings) > 1 else found
     cols[-1].metric("findings", found, delta=f"+{new} this step" if new else None, delta_color="inverse", border=True,
@@ -289,9 +290,9 @@ def _show_metrics(values: dict, history: dict, limits: dict[str, float], finding
     cross_tenant_warning(cross_tenant)
 
 
-def _workload(m, sc, requests: pd.DataFrame | None, engine: dict, seed: int) -> dict:
+def _workload(model, sc, requests: pd.DataFrame | None, engine: dict, seed: int) -> dict:
     if sc is not None:
-        wl = live.scenario_workload(sc.name, m)
+        wl = live.scenario_workload(sc.name, model)
         built = wl["engine"]
         if sc.tight_pool:  # sized to this model's tokenizer, the host tier with it
             engine = {**engine, "num_blocks": built["num_blocks"], "offload": built.get("offload")}
@@ -306,11 +307,11 @@ def _workload(m, sc, requests: pd.DataFrame | None, engine: dict, seed: int) -> 
 
 
 def _run(name, sc, requests, engine, fault, scope_text, selection, seed, limits) -> None:
-    m = load_model_or_error(name)
-    if m is None:
+    model = load_model_or_error(name)
+    if model is None:
         return
     scope = Scope.parse(*scope_text)  # a refusal (KvvizError) is shown by the app, with its reason
-    workload = _workload(m, sc, requests, engine, seed)
+    workload = _workload(model, sc, requests, engine, seed)
     bar = st.progress(0.0, text="starting...")
     counters = st.empty()
     pool = st.empty()
@@ -338,7 +339,7 @@ def _run(name, sc, requests, engine, fault, scope_text, selection, seed, limits)
                 _show_metrics(_settled(final[0], steps)[0], final[0].history, limits, found, final[0].cross_tenant)
 
     try:
-        out = live.run(store(), m, workload, fault, scenario_name=sc.name if sc else None, scope=scope,
+        out = live.run(store(), model, workload, fault, scenario_name=sc.name if sc else None, scope=scope,
                        selection=selection, on_step=on_step,
                        on_wait=lambda n: bar.progress(0.0, text=live.waiting_message(n).capitalize()),
                        on_reference=comparing)

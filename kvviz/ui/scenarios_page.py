@@ -52,11 +52,11 @@ def render() -> None:
 def _run_pair(name: str, model_name: str, engine: str = "kvviz") -> None:
     """The scenario and its clean control on kvviz's engine; or, in transformers, the scenario's requests
     through transformers' continuous batching (its own paged isolation, no fault) and kvviz's engine clean."""
-    m = load_model_or_error(model_name)
-    if m is None:
+    model = load_model_or_error(model_name)
+    if model is None:
         return
     sc = SCENARIOS[name]
-    workload = live.scenario_workload(name, m)
+    workload = live.scenario_workload(name, model)
     if engine == "transformers":
         hf = {**workload, "engine": {**workload["engine"], "backend": "transformers", "isolation": "paged"}}
         plan = [("transformers", None, hf), ("control", None, workload)]
@@ -74,7 +74,7 @@ def _run_pair(name: str, model_name: str, engine: str = "kvviz") -> None:
         def on_reference(done: int, n: int, req: str, role=role, i=i) -> None:
             bar.progress((i + done / n) / len(plan), text=f"{role}: {live.comparing_message(done, n, req)}")
 
-        ids[role] = live.run(store(), m, wl, fault, on_step=on_step, on_wait=on_wait, on_reference=on_reference,
+        ids[role] = live.run(store(), model, wl, fault, on_step=on_step, on_wait=on_wait, on_reference=on_reference,
                              scenario_name=f"control of {name}" if role == "control" else name).run_id
     bar.progress(1.0, text="done")
     st.session_state["sc_pair"] = {"name": name, **ids}
