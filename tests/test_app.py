@@ -480,6 +480,18 @@ def test_the_sql_quick_chart_draws_a_line_per_series_and_bars_along_names(with_r
     assert at.selectbox(key="sql_colour_3").value == "request_id" and at.radio(key="sql_kind_3").value == "line"
 
 
+def test_the_sql_quick_chart_plots_a_measure_not_a_layer_number(with_runs):
+    """The walk's 'Top leaking heads' chart plotted the sum of `layer`: y defaults to the mass."""
+    at = page("sql")
+    at.selectbox(key="sql_example").set_value("Top leaking heads").run()
+    at.button[0].click().run()
+    assert at.selectbox(key="sql_y_1").value == "max_foreign_mass"
+    at.text_area(key="sql_text").input("SELECT * FROM (VALUES ('r', 3, 2, 7), ('s', 1, 0, 9)) t(run_id, layer, head, "
+                                       "leak_rows)")  # no float: the first count that is not an identifier
+    at.button[0].click().run()
+    assert at.selectbox(key="sql_y_2").value == "leak_rows"
+
+
 def test_runs_page_compares_and_deletes(store, tmp_path, monkeypatch):
     db = tmp_path / "copy.duckdb"
     with RunStore.open(store[0]).read() as con:

@@ -107,8 +107,7 @@ def _result(df: pd.DataFrame, truncated: bool) -> None:
             n = st.session_state.get("sql_results", 0)
             x = c[0].selectbox("x", columns, key=f"sql_x_{n}", index=axis)
             ys = [n for n in numeric if n != x] or numeric
-            y = c[1].selectbox("y", ys, key=f"sql_y_{n}", index=next(  # a measure, not an identifier
-                (i for i, n in enumerate(ys) if not n.endswith(("hash", "_id", "_start"))), 0))
+            y = c[1].selectbox("y", ys, key=f"sql_y_{n}", index=_measure(df, ys))
             others = [n for n in df.columns if n not in (x, y) and not pd.api.types.is_numeric_dtype(df[n])]
             colour = c[2].selectbox("colour", [None, *others], key=f"sql_colour_{n}",
                                     index=_series_index(df, x, others))
@@ -120,6 +119,17 @@ def _result(df: pd.DataFrame, truncated: bool) -> None:
             if (df[y].dropna() >= 0).all():
                 fig.update_yaxes(rangemode="tozero")  # all zeros at the bottom, not mid -1..1
             st.plotly_chart(fig, width="stretch", key="sql_chart")
+
+
+IDENTIFIERS = ("layer", "head", "step", "position", "replica", "block", "hash", "_id", "_start", "_idx")
+
+
+def _measure(df: pd.DataFrame, columns: list[str]) -> int:
+    """The default y: a measured quantity (a float first: a mass, a rate), never an identifier such as a
+    layer or head number, whose sum means nothing."""
+    named = [i for i, c in enumerate(columns) if not c.endswith(IDENTIFIERS)]
+    floats = [i for i in named if pd.api.types.is_float_dtype(df[columns[i]])]
+    return (floats or named or [0])[0]
 
 
 def _frame(rows: list[tuple], columns: list[str]) -> pd.DataFrame:
