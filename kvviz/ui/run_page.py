@@ -315,7 +315,7 @@ def _run(name, sc, requests, engine, fault, scope_text, selection, seed, limits)
     bar = st.progress(0.0, text="starting...")
     counters = st.empty()
     pool = st.empty()
-    last, found, steps, final = [0.0], [], [], [None]
+    last, found, steps, final, drawn = [0.0], [], [], [None], [None]
     st.session_state.pop("run_finished", None)
     st.session_state["run_started"] = True  # until it finishes or is refused: a rerun meanwhile stops it
 
@@ -329,12 +329,19 @@ def _run(name, sc, requests, engine, fault, scope_text, selection, seed, limits)
             _show_metrics(s.metrics, s.history, limits, found, s.cross_tenant)
         if time.monotonic() - last[0] > 0.4:  # redraw the pool at most a few times a second
             last[0] = time.monotonic()
-            pool.plotly_chart(block_fig.block_map(s.blocks, title=f"Pool after step {s.step}"), width="stretch",
-                              key=f"run_live_{s.step}")
+            draw_pool(s)
+
+    def draw_pool(s: live.LiveStep) -> None:
+        if drawn[0] == s.step:
+            return
+        drawn[0] = s.step
+        pool.plotly_chart(block_fig.block_map(s.blocks, title=f"Pool after step {s.step}"), width="stretch",
+                          key=f"run_live_{s.step}")
 
     def comparing(done: int, n: int, request: str) -> None:
         bar.progress(done / n, text=live.comparing_message(done, n, request))
-        if done == 0:  # the run's steps are over: its tiles as the finished panel will show them
+        if done == 0:  # the run's steps are over: its tiles and pool as the finished panel will show them
+            draw_pool(final[0])  # the throttled map may be a step behind the bar
             with counters.container():
                 _show_metrics(_settled(final[0], steps)[0], final[0].history, limits, found, final[0].cross_tenant)
 
