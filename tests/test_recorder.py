@@ -149,7 +149,8 @@ def test_attention_cells_found_once_per_query_match_the_per_head_pass():
     classes = torch.randint(0, 3, (R, Q, L), generator=gen, dtype=torch.uint8)
     for n_heads in (1, H + 1):
         kept = rows[:, :n_heads]
-        got = _cells_per_query(visible, kept, slots, classes)
+        lengths, cell_slots, cell_classes = _cells_per_query(visible, n_heads, slots, classes)
+        got = lengths, cell_slots, kept.masked_select(visible[:, None]).float().numpy(), cell_classes
         want = _cells_per_head(visible[:, None].expand(R, n_heads, Q, L).contiguous(), kept, slots, classes)
         assert all(g.dtype == w.dtype and np.array_equal(g, w) for g, w in zip(got, want, strict=True))
         assert len(got[1]) == int(visible.sum()) * n_heads > 0

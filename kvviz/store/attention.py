@@ -23,6 +23,21 @@ from ..oracle import ProvenanceOracle
 HEAD_MEAN = -1  # the head column of a row that averages all heads
 
 
+@dataclass
+class _Cells:
+    """A group's kept cells in one layer, all but the weights: (request, head, query) rows and the key
+    slots and classes of their cells, flat."""
+
+    group: AttentionGroup  # held so that its id stays this group's for the step
+    visible: torch.Tensor  # the kept cells' mask
+    head: np.ndarray
+    row: np.ndarray
+    position: np.ndarray
+    lengths: np.ndarray
+    slots: np.ndarray
+    classes: np.ndarray
+
+
 @dataclass(frozen=True)
 class AttentionSelection:
     """Which rows to keep. mode: "default" (head mean of every layer, all heads of full_layers),
@@ -54,6 +69,7 @@ class AttentionRecorder:
         self.skip = sel.mode == "none" or (sel.steps is not None and ctx.step not in sel.steps)
         self.wanted = torch.tensor([sel.requests is None or n in sel.requests for n in self.names],
                                    device=ctx.q_row.device)  # per request of the step, for every layer
+        self.layouts: dict[tuple[int, int], _Cells] = {}  # (group, heads kept) -> its cells this step
 
     def on_attention(self, layer: int, group: AttentionGroup, probs: torch.Tensor) -> None:
         if self.skip:
@@ -62,28 +78,48 @@ class AttentionRecorder:
         every_head = layer in self.full or (self.selection.mode == "default" and self.oracle.leaked_in(layer, group))
         heads = [HEAD_MEAN] + (list(range(H)) if every_head else [])
         rows = torch.cat([probs.mean(1, keepdim=True), probs] if len(heads) > 1 else [probs.mean(1, keepdim=True)], 1)
-        n_heads = len(heads)
         qr = self.ctx.q_row[group.span].view(R, Q)
-        qp = self.ctx.q_pos[group.span].view(R, Q)
-        wanted = self.wanted[qr][:, None, :].expand(R, n_heads, Q)  # [R, heads, Q] rows to keep
-        if not bool(wanted.any()):
+        if not bool(self.wanted[qr].any()):
             return
-        row_keep = wanted.reshape(-1).cpu().numpy()
-        classes = self.oracle.key_classes(group)
         if bool(((rows > 0) & ~group.mask[:, None]).any()):  # weight on keys a query could not see (a fault)
-            keep = ((rows > 0) | group.mask[:, None]) & wanted[..., None]  # [R, heads, Q, L]
-            lengths, slots, weights, key_classes = _cells_per_head(keep, rows, group.key_slots, classes)
-        else:
-            visible = group.mask & self.wanted[qr][..., None]  # [R, Q, L]: the same keys for every head
-            lengths, slots, weights, key_classes = _cells_per_query(visible, rows, group.key_slots, classes)
-        self.chunks.append({
-            "step": self.ctx.step, "layer": layer,
-            "head": np.repeat(np.tile(np.array(heads), R), Q)[row_keep],
-            "row": qr[:, None, :].expand(R, n_heads, Q).reshape(-1).cpu().numpy()[row_keep],
-            "position": qp[:, None, :].expand(R, n_heads, Q).reshape(-1).cpu().numpy()[row_keep],
-            "lengths": lengths[row_keep], "slots": slots, "weights": weights, "classes": key_classes,
-            "names": self.names,
-        })
+            cells, weights = self._cells_per_head(group, heads, rows)
+        else:  # every head keeps the keys its query could see: the cells are the layer's, not the head's
+            cells = self._layout(group, heads)
+            weights = rows.masked_select(cells.visible[:, None]).float().cpu().numpy()  # (request, head, query, key)
+        self.chunks.append({"step": self.ctx.step, "layer": layer, "head": cells.head, "row": cells.row,
+                            "position": cells.position, "lengths": cells.lengths, "slots": cells.slots,
+                            "weights": weights, "classes": cells.classes, "names": self.names})
+
+    def _rows(self, group: AttentionGroup, heads: list[int]) -> tuple[np.ndarray, ...]:
+        """The kept rows of a group as (request, head, query) arrays: which to keep, head, row, position."""
+        R, Q, _ = group.mask.shape
+        qr, qp = self.ctx.q_row[group.span].view(R, Q), self.ctx.q_pos[group.span].view(R, Q)
+        keep = self.wanted[qr][:, None, :].expand(R, len(heads), Q).reshape(-1).cpu().numpy()
+        return (keep, np.repeat(np.tile(np.array(heads), R), Q)[keep],
+                qr[:, None, :].expand(R, len(heads), Q).reshape(-1).cpu().numpy()[keep],
+                qp[:, None, :].expand(R, len(heads), Q).reshape(-1).cpu().numpy()[keep])
+
+    def _layout(self, group: AttentionGroup, heads: list[int]) -> _Cells:
+        """The cells kept when every head keeps the keys its query could see: the same in every layer of
+        the step with as many heads, so found once (the nonzero and the slot and class gathers over a
+        prefill chunk's keys were most of the recorder's cost when done per layer)."""
+        key = (id(group), len(heads))
+        if key not in self.layouts:
+            keep, head, row, position = self._rows(group, heads)
+            qr = self.ctx.q_row[group.span].view(group.mask.shape[:2])
+            visible = group.mask & self.wanted[qr][..., None]  # [R, Q, L]
+            lengths, slots, classes = _cells_per_query(visible, len(heads), group.key_slots,
+                                                       self.oracle.key_classes(group))
+            self.layouts[key] = _Cells(group, visible, head, row, position, lengths[keep], slots, classes)
+        return self.layouts[key]
+
+    def _cells_per_head(self, group: AttentionGroup, heads: list[int], rows: torch.Tensor
+                        ) -> tuple[_Cells, np.ndarray]:
+        keep_rows, head, row, position = self._rows(group, heads)
+        qr = self.ctx.q_row[group.span].view(group.mask.shape[:2])
+        keep = ((rows > 0) | group.mask[:, None]) & self.wanted[qr][:, None, :, None]  # [R, heads, Q, L]
+        lengths, slots, weights, classes = _cells_per_head(keep, rows, group.key_slots, self.oracle.key_classes(group))
+        return _Cells(group, keep, head, row, position, lengths[keep_rows], slots, classes), weights
 
     def end_step(self) -> None:
         pass
@@ -106,23 +142,21 @@ def _cells_per_head(keep: torch.Tensor, rows: torch.Tensor, key_slots: torch.Ten
             rows.reshape(-1)[idx].float().cpu().numpy(), classes.reshape(-1)[(r * Q + q) * L + k].cpu().numpy())
 
 
-def _cells_per_query(visible: torch.Tensor, rows: torch.Tensor, key_slots: torch.Tensor,
+def _cells_per_query(visible: torch.Tensor, n_heads: int, key_slots: torch.Tensor,
                      classes: torch.Tensor) -> tuple[np.ndarray, ...]:
-    """The same cells when every head keeps the keys its query could see (no weight fell outside
-    them, the usual case): found once per query over [R, Q, L] instead of per head, and each
-    request's slots and classes repeated for its heads (a prefill chunk's cost was in the per-head pass)."""
-    R, n_heads = rows.shape[:2]
+    """Row lengths, key slots and classes of the cells when every head keeps the keys its query could
+    see: found once per query over [R, Q, L] and each request's repeated for its heads, in
+    (request, head, query, key) order, the order of the weights' masked_select."""
+    R = visible.shape[0]
     per_query = visible.sum(-1)  # [R, Q]
     r, q, k = visible.nonzero(as_tuple=True)  # in (request, query, key) order
     slots, key_classes = key_slots[r, k].to(torch.int32).cpu().numpy(), classes[r, q, k].cpu().numpy()
-    if n_heads > 1:  # each request's cells once per head: (request, head, query, key) order
+    if n_heads > 1:
         per_request = per_query.sum(1).cpu().numpy()
         spans = list(zip(np.cumsum(per_request) - per_request, np.cumsum(per_request), strict=True))
         slots = np.concatenate([np.tile(slots[s:e], n_heads) for s, e in spans])
         key_classes = np.concatenate([np.tile(key_classes[s:e], n_heads) for s, e in spans])
-    return (per_query[:, None].expand(R, n_heads, -1).reshape(-1).cpu().numpy(), slots,
-            rows.masked_select(visible[:, None]).float().cpu().numpy(),  # in (request, head, query, key) order
-            key_classes)
+    return per_query[:, None].expand(R, n_heads, -1).reshape(-1).cpu().numpy(), slots, key_classes
 
 
 def attention_table(chunks: list[dict], run_id: str) -> pa.Table | None:
