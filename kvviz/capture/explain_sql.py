@@ -105,14 +105,18 @@ SELECT CAST(NULL AS BIGINT) AS lid, CAST(NULL AS BIGINT) AS j, tokens FROM expla
 # stores before it: the how-many-th store of its hash it is, whether any store so far named a tenant,
 # and the block size of the part (its first store's).
 EVENTS = """
+WITH e AS (SELECT i.*, ROW_NUMBER() OVER (ORDER BY replica, step, ev, blk) AS pos FROM explain_input i),
+parts AS (
+    SELECT replica, grp, kind, MIN_BY(block_size, pos) AS first_size,
+           MIN(CASE WHEN kind = 'store' AND chain_salt IS NOT NULL THEN pos END) AS first_tenant
+    FROM e GROUP BY replica, grp, kind),
+tenanted AS (SELECT replica, grp, MIN(first_tenant) AS first_tenant FROM parts GROUP BY replica, grp)
 SELECT e.*,
-       ROW_NUMBER() OVER (PARTITION BY replica, grp, kind, hash ORDER BY pos) AS nth,
-       MAX(CASE WHEN kind = 'store' AND chain_salt IS NOT NULL THEN 1 ELSE 0 END) OVER (
-           PARTITION BY replica, grp ORDER BY pos ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS tenants,
-       COALESCE(NULLIF(FIRST_VALUE(block_size) OVER (
-           PARTITION BY replica, grp, kind ORDER BY pos
-           ROWS BETWEEN UNBOUNDED PRECEDING AND UNBOUNDED FOLLOWING), 0), 16) AS bsize
-FROM (SELECT i.*, ROW_NUMBER() OVER (ORDER BY replica, step, ev, blk) AS pos FROM explain_input i) e
+       ROW_NUMBER() OVER (PARTITION BY e.replica, e.grp, e.kind, e.hash ORDER BY e.pos) AS nth,
+       CASE WHEN e.pos >= t.first_tenant THEN 1 ELSE 0 END AS tenants,
+       COALESCE(NULLIF(p.first_size, 0), 16) AS bsize
+FROM e JOIN parts p ON p.replica = e.replica AND p.grp = e.grp AND p.kind = e.kind
+JOIN tenanted t ON t.replica = e.replica AND t.grp = e.grp
 """
 
 # Each block's link to its parent: the parent hash's latest store before it on its replica and group
@@ -265,62 +269,138 @@ FROM explain_lookups l JOIN xp_links v ON v.lid = l.lid JOIN {chain} c ON c.id =
 WHERE v.j < CAST(floor(CAST(l.hit AS DOUBLE) / COALESCE(NULLIF(l.block_size, 0), 16)) AS BIGINT)
 """
 
-# The reasons. `alive` is a life that serves a lookup at step l.step.
-ALIVE = "v.stored < l.step AND (v.removed IS NULL OR v.removed > l.step)"
-REASONS = f"""
+# The reasons. A life serves a lookup at step s when it was stored before s and not removed by the end
+# of s: it serves the steps stored + 1 .. removed - 1. Each reason asks which lives of some content or
+# parent served each lookup; a join of every lookup with every life of its content (or parent) would
+# grow as the square of the history (a tenant prefix is stored again and again), so the questions are
+# answered by a sweep through time and by aligned time spans, each a pass over the lives.
+
+# Each lookup's stop block (j = -1) and hit blocks, for each namespace the block's content was ever
+# cached under on its replica and group: how many of those lives served it, and the latest one stored
+# before it. A sweep through the lives' stores and removals in time order, the lookups among them: a
+# removal in a lookup's own step counts before it (the life no longer serves it), a store after; a life
+# stored and removed in one step serves nothing.
+SEEN = """
+WITH asked AS (
+    SELECT lid, -1 AS j, replica, grp, stop_lab AS lab, step FROM xp_lookups
+    UNION ALL
+    SELECT h.lid, h.j, l.replica, l.grp, h.lab, l.step FROM xp_hits h JOIN xp_lookups l ON l.lid = h.lid),
+salts AS (SELECT DISTINCT replica, grp, lab, salt FROM xp_lives),
+marks AS (
+    SELECT a.replica, a.grp, a.lab, s.salt, a.step AS t, 1 AS typ, 0 AS pos, a.lid, a.j, 0 AS stores, 0 AS gone
+    FROM asked a JOIN salts s ON s.replica = a.replica AND s.grp = a.grp AND s.lab = a.lab
+    UNION ALL
+    SELECT replica, grp, lab, salt, stored, 2, pos, CAST(NULL AS BIGINT), CAST(NULL AS BIGINT), 1, 0 FROM xp_lives
+    UNION ALL
+    SELECT replica, grp, lab, salt, removed, CASE WHEN removed > stored THEN 0 ELSE 3 END, pos,
+           CAST(NULL AS BIGINT), CAST(NULL AS BIGINT), 0, 1
+    FROM xp_lives WHERE removed IS NOT NULL),
+swept AS (
+    SELECT lid, j, salt, typ,
+           SUM(stores) OVER (PARTITION BY replica, grp, lab, salt ORDER BY t, typ, pos
+                             ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW)
+           - SUM(gone) OVER (PARTITION BY replica, grp, lab, salt ORDER BY t, typ, pos
+                             ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS alive,
+           MAX(CASE WHEN stores = 1 THEN pos END) OVER (PARTITION BY replica, grp, lab, salt ORDER BY t, typ, pos
+                             ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS latest
+    FROM marks)
+SELECT lid, j, salt, alive, latest FROM swept WHERE typ = 1
+"""
+
+# The lives under a parent some lookup stopped under (its siblings), each with its tokens' rank among
+# the siblings' and the lookups' (so that siblings are compared in token order by a number) and the
+# first life of its tokens; the lookups' own ranks beside them (lid; NULL pos).
+KIN = """
+WITH asked AS (SELECT DISTINCT replica, grp, stop_plab AS plab, head FROM xp_lookups),
+siblings AS (
+    SELECT v.replica, v.grp, v.plab, v.head, v.salt, v.tokens, v.pos, v.stored, v.removed,
+           CAST(NULL AS BIGINT) AS lid
+    FROM xp_lives v JOIN asked q ON q.replica = v.replica AND q.grp = v.grp AND q.plab = v.plab AND q.head = v.head
+    UNION ALL
+    SELECT replica, grp, stop_plab, head, salt, stop_tokens, CAST(NULL AS BIGINT), CAST(NULL AS BIGINT),
+           CAST(NULL AS BIGINT), lid
+    FROM xp_lookups)
+SELECT replica, grp, plab, head, salt, pos, stored, removed, lid, r,
+       MIN(pos) OVER (PARTITION BY replica, grp, plab, head, salt, r) AS first_pos
+FROM (SELECT b.*, CASE WHEN tokens IS NOT NULL THEN DENSE_RANK() OVER (
+          PARTITION BY replica, grp, plab, head ORDER BY tokens) END AS r
+      FROM siblings b) ranked
+"""
+
+# The steps each sibling served, as aligned spans of 2^k steps (k from xp_levels), the fewest that tile
+# them: a lookup at step s finds every life that served it, once, among the spans holding s (one per
+# level). A life cached to the end serves up to the last lookup's step.
+STAB = """
+WITH lives AS (
+    SELECT replica, grp, plab, head, salt, r, stored + 1 AS a, COALESCE(removed - 1, {last}) AS b
+    FROM xp_kin WHERE pos IS NOT NULL),
+spans AS (
+    SELECT l.replica, l.grp, l.plab, l.head, l.salt, l.r, x.k,
+           CAST(ceil(CAST(l.a AS DOUBLE) / x.p) AS BIGINT) AS lo,
+           CAST(floor(CAST(l.b + 1 AS DOUBLE) / x.p) AS BIGINT) AS hi
+    FROM lives l CROSS JOIN xp_levels x WHERE x.p <= l.b - l.a + 1)
+SELECT replica, grp, plab, head, salt, r, k, lo AS node FROM spans WHERE lo < hi AND lo % 2 = 1
+UNION ALL
+SELECT replica, grp, plab, head, salt, r, k, hi - 1 FROM spans WHERE lo < hi AND hi % 2 = 1
+"""
+
+REASONS = """
 WITH lk AS (
     SELECT x.*, CAST(floor(CAST(hit AS DOUBLE) / bsize) AS BIGINT) AS k,
            CAST(floor(CAST(n_tokens - 1 AS DOUBLE) / bsize) AS BIGINT) AS usable
     FROM xp_lookups x),
 own AS (
-    SELECT l.lid, COUNT(CASE WHEN v.removed IS NULL OR v.removed > l.step THEN 1 END) AS alive,
-           MAX_BY(v.stored, v.pos) AS stored_at, MAX_BY(v.removed, v.pos) AS removed_at,
-           MAX_BY(v.reset, v.pos) AS reset
-    FROM lk l JOIN xp_lives v ON v.replica = l.replica AND v.grp = l.grp AND v.lab = l.stop_lab
-    WHERE v.salt IS NOT DISTINCT FROM l.salt AND v.stored < l.step
-    GROUP BY l.lid),
+    SELECT s.lid, s.alive, v.stored AS stored_at, v.removed AS removed_at, v.reset
+    FROM xp_seen s JOIN lk l ON l.lid = s.lid JOIN xp_lives v ON v.pos = s.latest
+    WHERE s.j = -1 AND s.salt IS NOT DISTINCT FROM l.salt),
 others AS (
-    SELECT l.lid, COALESCE(MIN(v.salt), '(no salt)') AS cached_under
-    FROM lk l JOIN xp_lives v ON v.replica = l.replica AND v.grp = l.grp AND v.lab = l.stop_lab
-    WHERE v.salt IS DISTINCT FROM l.salt AND {ALIVE}
-    GROUP BY l.lid),
+    SELECT s.lid, COALESCE(MIN(s.salt), '(no salt)') AS cached_under
+    FROM xp_seen s JOIN lk l ON l.lid = s.lid
+    WHERE s.j = -1 AND s.salt IS DISTINCT FROM l.salt AND s.alive > 0
+    GROUP BY s.lid),
+spans AS (
+    SELECT l.lid, l.replica, l.grp, l.stop_plab, l.head, l.salt, q.r, x.k,
+           CAST(floor(CAST(l.step AS DOUBLE) / x.p) AS BIGINT) AS node
+    FROM lk l JOIN xp_kin q ON q.lid = l.lid CROSS JOIN xp_levels x),
 near AS (
-    SELECT l.lid, MAX(CASE WHEN v.tokens < l.stop_tokens THEN v.tokens END) AS below,
-           MIN(CASE WHEN v.tokens > l.stop_tokens THEN v.tokens END) AS above
-    FROM lk l JOIN xp_lives v ON v.replica = l.replica AND v.grp = l.grp AND v.plab = l.stop_plab
-         AND v.head = l.head
-    WHERE v.salt IS NOT DISTINCT FROM l.salt AND {ALIVE}
+    SELECT l.lid, MAX(CASE WHEN v.r < l.r THEN v.r END) AS below, MIN(CASE WHEN v.r > l.r THEN v.r END) AS above
+    FROM spans l
+    JOIN xp_stab v ON v.replica = l.replica AND v.grp = l.grp AND v.plab = l.stop_plab AND v.head = l.head
+         AND v.k = l.k AND v.node = l.node
+    WHERE v.salt IS NOT DISTINCT FROM l.salt
     GROUP BY l.lid),
 candidates AS (
-    SELECT lid, below AS tokens FROM near WHERE below IS NOT NULL
+    SELECT lid, below AS r FROM near WHERE below IS NOT NULL
     UNION ALL
     SELECT lid, above FROM near WHERE above IS NOT NULL),
 firsts AS (
-    SELECT c.lid, c.tokens, MIN(v.pos) AS first_pos
+    SELECT c.lid, f.first_pos
     FROM candidates c JOIN lk l ON l.lid = c.lid
-    JOIN xp_lives v ON v.replica = l.replica AND v.grp = l.grp AND v.plab = l.stop_plab AND v.tokens = c.tokens
-    WHERE v.salt IS NOT DISTINCT FROM l.salt
-    GROUP BY c.lid, c.tokens),
+    JOIN xp_kin f ON f.replica = l.replica AND f.grp = l.grp AND f.plab = l.stop_plab AND f.head = l.head
+         AND f.r = c.r AND f.pos = f.first_pos
+    WHERE f.salt IS NOT DISTINCT FROM l.salt),
 shared AS (
-    SELECT f.lid, f.tokens, f.first_pos,
-           CAST(COALESCE(MIN(CASE WHEN element_at(f.tokens, p.i) <> element_at(l.stop_tokens, p.i) THEN p.i END),
-                         LEAST(cardinality(f.tokens), cardinality(l.stop_tokens)) + 1) - 1 AS BIGINT) AS shared
-    FROM firsts f JOIN lk l ON l.lid = f.lid
-    LEFT JOIN xp_positions p ON p.i <= LEAST(cardinality(f.tokens), cardinality(l.stop_tokens))
-    GROUP BY f.lid, f.tokens, f.first_pos, l.stop_tokens),
+    SELECT f.lid, f.first_pos,
+           CAST(COALESCE(MIN(CASE WHEN element_at(f.theirs, p.i) <> element_at(f.ours, p.i) THEN p.i END),
+                         f.n + 1) - 1 AS BIGINT) AS shared
+    FROM (SELECT f.lid, f.first_pos, v.tokens AS theirs, l.stop_tokens AS ours,
+                 LEAST(cardinality(v.tokens), cardinality(l.stop_tokens)) AS n
+          FROM firsts f JOIN lk l ON l.lid = f.lid JOIN xp_lives v ON v.pos = f.first_pos) f
+    LEFT JOIN xp_positions p ON p.i <= f.n
+    GROUP BY f.lid, f.first_pos, f.n),
 closest AS (
-    SELECT lid, tokens, shared FROM (
+    SELECT r.lid, v.tokens, r.shared FROM (
         SELECT s.*, ROW_NUMBER() OVER (PARTITION BY lid ORDER BY shared DESC, first_pos) AS rn FROM shared s) r
-    WHERE rn = 1),
+    JOIN xp_lives v ON v.pos = r.first_pos
+    WHERE r.rn = 1),
 hit_blocks AS (
-    SELECT h.lid, h.j,
-           MAX(CASE WHEN v.salt IS NOT DISTINCT FROM l.salt THEN 1 ELSE 0 END) AS own,
-           MIN(CASE WHEN v.salt IS DISTINCT FROM l.salt THEN v.salt END) AS salt,
-           MAX(CASE WHEN v.salt IS NULL AND l.salt IS NOT NULL THEN 1 ELSE 0 END) AS unsalted
-    FROM xp_hits h JOIN lk l ON l.lid = h.lid
-    JOIN xp_lives v ON v.replica = l.replica AND v.grp = l.grp AND v.lab = h.lab
-    WHERE {ALIVE}
-    GROUP BY h.lid, h.j),
+    SELECT s.lid, s.j,
+           MAX(CASE WHEN s.salt IS NOT DISTINCT FROM l.salt THEN 1 ELSE 0 END) AS own,
+           MIN(CASE WHEN s.salt IS DISTINCT FROM l.salt THEN s.salt END) AS salt,
+           MAX(CASE WHEN s.salt IS NULL AND l.salt IS NOT NULL THEN 1 ELSE 0 END) AS unsalted
+    FROM xp_seen s JOIN lk l ON l.lid = s.lid
+    WHERE s.j >= 0 AND s.alive > 0
+    GROUP BY s.lid, s.j),
 crossed AS (
     SELECT lid, MIN_BY(COALESCE(salt, '(no salt)'), j) AS hits_cached_under
     FROM hit_blocks WHERE own = 0 AND (salt IS NOT NULL OR unsalted = 1)
@@ -474,8 +554,12 @@ def explain(sql: Sql, progress: Progress | None = None) -> None:
     said(STAGES[6], "")
     sql.table("xp_hits", HITS.format(found=found, chain=final))
     said(STAGES[7], "")
-    longest = sql.rows("SELECT MAX(cardinality(stop_tokens)) FROM xp_lookups")[0][0] or 0
-    sql.table("xp_positions", positions(longest))
+    longest, last = sql.rows("SELECT MAX(cardinality(stop_tokens)), MAX(step) FROM xp_lookups")[0]
+    sql.table("xp_positions", positions(longest or 0))
+    sql.table("xp_levels", levels(last or 0))
+    sql.table("xp_seen", SEEN)
+    sql.table("xp_kin", KIN)
+    sql.table("xp_stab", STAB.format(last=last or 0))
     sql.table("explain_result", REASONS)
 
 
@@ -484,6 +568,13 @@ def capture_inputs(make) -> None:
     make("explain_input", CAPTURE_INPUT)
     make("explain_lookups", NO_LOOKUPS)
     make("explain_lookup_blocks", NO_LOOKUP_BLOCKS)
+
+
+def levels(last: int) -> str:
+    """Each level k of the aligned time spans and its span p = 2^k steps, up to one that holds steps
+    0..last + 1 (a VALUES list)."""
+    top = max(last + 2, 1).bit_length()
+    return "SELECT k, p FROM (VALUES " + ", ".join(f"({k}, {1 << k})" for k in range(top + 1)) + ") AS t(k, p)"
 
 
 def positions(n: int) -> str:
