@@ -101,11 +101,19 @@ NO_LOOKUP_BLOCKS = """
 SELECT CAST(NULL AS BIGINT) AS lid, CAST(NULL AS BIGINT) AS j, tokens FROM explain_input WHERE 1 = 0
 """
 
-# Every event numbered in order (pos, unique across replicas), with what a store's lookup needs of the
+# Every event numbered in order (pos, unique across replicas: each replica's numbered on its own, after
+# the replicas before it, so that the replicas are numbered side by side), with what a store's lookup needs of the
 # stores before it: the how-many-th store of its hash it is, whether any store so far named a tenant,
 # and the block size of the part (its first store's).
 EVENTS = """
-WITH e AS (SELECT i.*, ROW_NUMBER() OVER (ORDER BY replica, step, ev, blk) AS pos FROM explain_input i),
+WITH sizes AS (SELECT replica, COUNT(*) AS n FROM explain_input GROUP BY replica),
+offsets AS (
+    SELECT replica, CAST(SUM(n) OVER (ORDER BY replica ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) - n AS BIGINT)
+           AS before
+    FROM sizes),
+e AS (
+    SELECT i.*, o.before + ROW_NUMBER() OVER (PARTITION BY i.replica ORDER BY i.step, i.ev, i.blk) AS pos
+    FROM explain_input i JOIN offsets o ON o.replica = i.replica),
 parts AS (
     SELECT replica, grp, kind, MIN_BY(block_size, pos) AS first_size,
            MIN(CASE WHEN kind = 'store' AND chain_salt IS NOT NULL THEN pos END) AS first_tenant
@@ -160,7 +168,7 @@ FROM virtual
 CHAIN_START = """
 SELECT id, up AS jump, orphan AS dead,
        MIN(id) OVER (PARTITION BY tokens, CASE WHEN up IS NULL THEN 1 ELSE 0 END) AS lab,
-       fixed, salt, COALESCE(cardinality(tokens), 0) AS ntok, 1 AS depth
+       fixed, salt, CAST(COALESCE(cardinality(tokens), 0) AS BIGINT) AS ntok, 1 AS depth
 FROM xp_links
 """
 
@@ -176,9 +184,11 @@ SELECT c.id, p.jump, c.dead OR COALESCE(p.dead, false) AS dead,
 FROM {chain} c LEFT JOIN {chain} p ON p.id = c.jump
 """
 
-# Every store whose chain is known, with its namespace, its prefix's name and its parent's.
+# Every store whose chain is known, with its namespace, its prefix's name and its parent's (its tokens stay in
+# xp_links, by id = pos: the tables after it are narrow).
 NODES = """
-SELECT e.replica, e.grp, e.pos, e.step, e.hash, e.parent, e.tokens, e.bidx, e.session, e.named,
+SELECT e.replica, e.grp, e.pos, e.step, e.hash, e.parent, CAST(COALESCE(cardinality(e.tokens), 0) AS BIGINT) AS width,
+       e.bidx, e.session, e.named,
        e.nth, e.tenants, e.bsize, f.salt, f.lab, COALESCE(pf.lab, {root}) AS plab, pf.salt AS parent_salt,
        f.ntok, f.depth,
        CASE WHEN pf.lab IS NULL AND COALESCE(cardinality(e.tokens), 0) > 0 THEN element_at(e.tokens, 1)
@@ -195,13 +205,13 @@ WHERE e.kind = 'store' AND NOT f.dead
 # hash at once (vLLM keeps both): a removal ends the oldest life of its hash still open, and one with
 # none open removes nothing. Between two clears that is the n-th store of a hash ended by its n-th
 # removal that found one open, counted as a running sum floored at zero. A block serves lookups in the
-# steps after it was stored, up to its removal's step less one.
+# steps after it was stored, up to its removal's step less one. A history with no clear is one epoch (its
+# running count, a pass over every event of a replica in order, is left out).
+EPOCH = """SUM(CASE WHEN kind = 'clear' THEN 1 ELSE 0 END) OVER (
+               PARTITION BY replica ORDER BY pos ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW)"""
 LIVES = """
 WITH epochs AS (
-    SELECT replica, grp, hash, pos, step, kind,
-           SUM(CASE WHEN kind = 'clear' THEN 1 ELSE 0 END) OVER (
-               PARTITION BY replica ORDER BY pos ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS epoch
-    FROM xp_events),
+    SELECT replica, grp, hash, pos, step, kind, {epoch} AS epoch FROM xp_events),
 summed AS (
     SELECT e.*, SUM(CASE WHEN kind = 'store' THEN 1 ELSE -1 END) OVER (
                PARTITION BY replica, grp, hash, epoch ORDER BY pos
@@ -220,7 +230,7 @@ numbered AS (
            ROW_NUMBER() OVER (PARTITION BY replica, grp, hash, epoch, kind ORDER BY pos) AS n
     FROM effective WHERE kind = 'store' OR open_before > 0),
 clears AS (SELECT replica, epoch, step FROM epochs WHERE kind = 'clear')
-SELECT v.replica, v.grp, v.salt, v.lab, v.plab, v.head, v.tokens, v.pos, v.step AS stored,
+SELECT v.replica, v.grp, v.salt, v.lab, v.plab, v.head, v.pos, v.step AS stored,
        COALESCE(r.step, c.step) AS removed, r.pos IS NULL AND c.step IS NOT NULL AS reset
 FROM xp_nodes v
 JOIN numbered s ON s.pos = v.pos
@@ -233,10 +243,10 @@ LEFT JOIN clears c ON c.replica = s.replica AND c.epoch = s.epoch + 1
 # segments (a store beginning its event's blocks, with a known chain) and an engine run's admissions.
 LOOKUPS = """
 SELECT n.pos AS lid, n.replica, n.grp, n.pos, n.step, CAST(NULL AS VARCHAR(256)) AS request, n.salt, n.bsize,
-       n.ntok AS n_tokens, n.ntok - COALESCE(cardinality(n.tokens), 0) AS hit, false AS whole,
-       CAST(NULL AS BIGINT) AS preempted_at, n.lab AS stop_lab, n.plab AS stop_plab, n.tokens AS stop_tokens,
+       n.ntok AS n_tokens, n.ntok - n.width AS hit, false AS whole,
+       CAST(NULL AS BIGINT) AS preempted_at, n.lab AS stop_lab, n.plab AS stop_plab, t.tokens AS stop_tokens,
        n.head, n.hash, n.session, n.nth, n.parent, n.parent_salt, n.named, n.tenants
-FROM xp_nodes n WHERE n.bidx = 0
+FROM xp_nodes n JOIN xp_links t ON t.id = n.pos WHERE n.bidx = 0
 UNION ALL
 SELECT l.lid, l.replica, l.grp, l.lid, l.step, l.request, l.salt, COALESCE(NULLIF(l.block_size, 0), 16),
        l.n_tokens, l.hit, true, l.preempted_at, s.lab, COALESCE(p.lab, {root}), v.tokens,
@@ -313,9 +323,10 @@ SELECT lid, j, salt, alive, latest FROM swept WHERE typ = 1
 KIN = """
 WITH asked AS (SELECT DISTINCT replica, grp, stop_plab AS plab, head FROM xp_lookups),
 siblings AS (
-    SELECT v.replica, v.grp, v.plab, v.head, v.salt, v.tokens, v.pos, v.stored, v.removed,
+    SELECT v.replica, v.grp, v.plab, v.head, v.salt, t.tokens, v.pos, v.stored, v.removed,
            CAST(NULL AS BIGINT) AS lid
     FROM xp_lives v JOIN asked q ON q.replica = v.replica AND q.grp = v.grp AND q.plab = v.plab AND q.head = v.head
+    JOIN xp_links t ON t.id = v.pos
     UNION ALL
     SELECT replica, grp, stop_plab, head, salt, stop_tokens, CAST(NULL AS BIGINT), CAST(NULL AS BIGINT),
            CAST(NULL AS BIGINT), lid
@@ -385,13 +396,13 @@ shared AS (
                          f.n + 1) - 1 AS BIGINT) AS shared
     FROM (SELECT f.lid, f.first_pos, v.tokens AS theirs, l.stop_tokens AS ours,
                  LEAST(cardinality(v.tokens), cardinality(l.stop_tokens)) AS n
-          FROM firsts f JOIN lk l ON l.lid = f.lid JOIN xp_lives v ON v.pos = f.first_pos) f
+          FROM firsts f JOIN lk l ON l.lid = f.lid JOIN xp_links v ON v.id = f.first_pos) f
     LEFT JOIN xp_positions p ON p.i <= f.n
     GROUP BY f.lid, f.first_pos, f.n),
 closest AS (
     SELECT r.lid, v.tokens, r.shared FROM (
         SELECT s.*, ROW_NUMBER() OVER (PARTITION BY lid ORDER BY shared DESC, first_pos) AS rn FROM shared s) r
-    JOIN xp_lives v ON v.pos = r.first_pos
+    JOIN xp_links v ON v.id = r.first_pos
     WHERE r.rn = 1),
 hit_blocks AS (
     SELECT s.lid, s.j,
@@ -542,7 +553,8 @@ def explain(sql: Sql, progress: Progress | None = None) -> None:
     said(STAGES[3], "")
     sql.table("xp_nodes", NODES.format(chain=final, root=ROOT))
     said(STAGES[4], "")
-    sql.table("xp_lives", LIVES)
+    cleared = sql.rows("SELECT COUNT(*) FROM xp_events WHERE kind = 'clear'")[0][0]
+    sql.table("xp_lives", LIVES.format(epoch=EPOCH if cleared else "0"))
     said(STAGES[5], "")
     sql.table("xp_lookups", LOOKUPS.format(chain=final, root=ROOT))
     found = "xp_up_0"

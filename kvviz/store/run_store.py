@@ -176,6 +176,21 @@ class RunStore:
             finally:
                 con.close()
 
+    @contextmanager
+    def scratch_over(self) -> Iterator[duckdb.DuckDBPyConnection]:
+        """A scratch DuckDB (its own memory limit and spill folder) with this store attached read-only as
+        `store`: long work over rows the store holds, as a reader (writers in this process wait)."""
+        with self._gate.read(), self.scratch() as con:
+
+            def attach() -> None:
+                try:
+                    con.execute("ATTACH '" + str(self.path).replace("'", "''") + "' AS store (READ_ONLY)")
+                except duckdb.Error as e:
+                    raise StoreError(f"cannot open {self.path} read-only: {_first_line(e)}") from None
+
+            self._wait_out_lock(attach)
+            yield con
+
     @staticmethod
     def insert(con: duckdb.DuckDBPyConnection, table: str, rows: pa.Table) -> None:
         """Append an Arrow table to a declared table, by column name, cast to the declared types
