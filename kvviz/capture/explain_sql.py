@@ -307,10 +307,8 @@ marks AS (
     FROM xp_lives WHERE removed IS NOT NULL),
 swept AS (
     SELECT lid, j, salt, typ,
-           SUM(stores) OVER (PARTITION BY replica, grp, lab, salt ORDER BY t, typ, pos
-                             ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW)
-           - SUM(gone) OVER (PARTITION BY replica, grp, lab, salt ORDER BY t, typ, pos
-                             ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS alive,
+           SUM(stores - gone) OVER (PARTITION BY replica, grp, lab, salt ORDER BY t, typ, pos
+                                    ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS alive,
            MAX(CASE WHEN stores = 1 THEN pos END) OVER (PARTITION BY replica, grp, lab, salt ORDER BY t, typ, pos
                              ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS latest
     FROM marks)
