@@ -167,8 +167,12 @@ class RunStore:
     def scratch(self, threads: int = 2, memory_limit: str = "1GB") -> Iterator[duckdb.DuckDBPyConnection]:
         """An in-memory DuckDB that holds nothing of the store (long work over a dataset registered in
         place, so the store's readers and writers go on), spilling into a folder beside the store that
-        is removed with it."""
-        with tempfile.TemporaryDirectory(dir=self.path.parent, prefix=".scratch-") as spill:
+        is removed with it (or in the system's temporary folder, beside a store this user may only read)."""
+        try:
+            beside = tempfile.TemporaryDirectory(dir=self.path.parent, prefix=".scratch-")
+        except OSError:
+            beside = tempfile.TemporaryDirectory(prefix="kvviz-scratch-")
+        with beside as spill:
             con = duckdb.connect(":memory:", config={"threads": threads, "memory_limit": memory_limit,
                                                      "temp_directory": spill})
             try:
