@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvviz.bench_capture import explain_report, run_explain_bench
+from kvviz.bench.capture_import import explain_report, run_explain_bench
 
 
 @pytest.mark.slow  # two fresh Python processes

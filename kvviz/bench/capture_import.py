@@ -25,8 +25,8 @@ from ..capture.synthetic import fleet_messages
 # parent (which holds the synthetic messages) as well.
 CHILD = """
 import json, sys, time
-from ..runners.uploads import import_file
-from ..store import RunStore
+from kvviz.runners.uploads import import_file
+from kvviz.store import RunStore
 t = time.perf_counter()
 import_file(sys.argv[1], RunStore.open(sys.argv[2]))
 seconds = time.perf_counter() - t
@@ -37,8 +37,8 @@ print(json.dumps({"seconds": seconds, "peak_mb": int(hwm.split()[1]) / 1024}))
 
 EXPLAIN_CHILD = """
 import json, sys, time
-from ..analysis.explained import explained
-from ..store import RunStore
+from kvviz.analysis.explained import explained
+from kvviz.store import RunStore
 store = RunStore.open(sys.argv[1])
 with store.read() as con:
     run = con.execute("SELECT run_id FROM runs").fetchone()[0]
@@ -50,9 +50,9 @@ print(json.dumps({"seconds": seconds, "lookups": len(found), "peak_mb": int(hwm.
 """
 VIEWS_CHILD = """
 import json, sys, time
-from ..analysis import capture_time, captures, explained, runs
-from ..runners.uploads import import_file
-from ..store import RunStore
+from kvviz.analysis import capture_time, captures, explained, runs
+from kvviz.runners.uploads import import_file
+from kvviz.store import RunStore
 store = RunStore.open(sys.argv[1])
 t = time.perf_counter()
 in_place = import_file(sys.argv[2], store, in_place=True)
@@ -102,7 +102,7 @@ class ImportResult:
 def _child(script: str, *args: str, what: str) -> dict:
     """Run a bench script in a fresh Python (its peak RSS its own) and read the JSON it prints last."""
     p = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True,
-                       cwd=Path(__file__).parent.parent)
+                       cwd=Path(__file__).parents[2])
     if p.returncode:
         raise RuntimeError(f"{what} failed: {p.stderr.strip()[-2000:]}")
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -196,7 +196,7 @@ def capture_report(results: list[ImportResult]) -> str:
 PUBLISHER = """
 import sys, time, zmq
 sys.path.insert(0, sys.argv[4])
-from ..capture.synthetic import step_batches
+from kvviz.capture.synthetic import step_batches
 endpoint, rate, duration = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 ctx = zmq.Context()
 pub = ctx.socket(zmq.PUB)
@@ -241,7 +241,7 @@ def run_live_bench(replicas: int = 2, rate: int = 10_000, duration: float = 60.0
             s.bind(("127.0.0.1", 0))
             return s.getsockname()[1]
 
-    root = str(Path(__file__).parent.parent)
+    root = str(Path(__file__).parents[2])
     sources = [Endpoint(f"replica-{i}", f"tcp://127.0.0.1:{port()}") for i in range(replicas)]
     pubs = [subprocess.Popen([sys.executable, "-c", PUBLISHER, s.endpoint.replace("127.0.0.1", "*"), str(rate),
                               str(duration), root], stdout=subprocess.PIPE, text=True) for s in sources]
