@@ -9,6 +9,7 @@ import json
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -259,6 +260,14 @@ def test_a_store_that_cannot_be_written_still_gets_its_answer(misses, tmp_path, 
     def refuse():
         raise StoreError(f"cannot open {copy.path} for writing: read-only file system")
     monkeypatch.setattr(copy, "write", refuse)
+    real = tempfile.TemporaryDirectory
+
+    def nothing_beside(*args, dir=None, **kwargs):
+        if dir is not None and Path(dir) == copy.path.parent:
+            raise PermissionError(f"[Errno 13] Permission denied: '{dir}'")
+        return real(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(tempfile, "TemporaryDirectory", nothing_beside)  # nor can its folder: it spills elsewhere
     assert explained(copy, capture_id)
     with copy.read() as con:
         assert not kept(con, capture_id)

@@ -20,9 +20,11 @@ own tenant is unknown: a server that leaves salts out of its hashes lets any ten
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
 import duckdb
+import pyarrow as pa
 
 from ..capture import explain_sql
 from ..store import StoreError
@@ -31,6 +33,7 @@ from ..store import StoreError
 # of the prefix cache takes the hash from) empties the whole cache.
 ENGINE_KINDS = {"cache": "store", "evict": "remove", "clear": "clear"}
 UNKNOWN_TENANT = "unknown (its event names no salt)"
+CAPTURE_ORDER = "step, replica, grp = -1, grp, pos"  # a capture's lookups in time order across replicas and groups
 # Evidence keys in the order they are said, from the result's columns.
 EVIDENCE = (
     ("tokens_after", "tokens_after"),
@@ -47,7 +50,7 @@ EVIDENCE = (
 )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # a capture's can be millions
 class Explanation:
     request: str
     step: int
@@ -101,13 +104,13 @@ def explain_run(con: duckdb.DuckDBPyConnection, run_id: str,
     head = con.execute("SELECT engine FROM runs WHERE run_id = ?", [run_id]).fetchone()
     if head is None:
         raise StoreError(f"no run {run_id!r}")
-    if _is_capture(con, run_id):
+    if is_capture(con, run_id):
         return explain_capture(con, run_id, progress)
     sql = explain_sql.DuckSql(con)
     try:
         _engine_input(sql, run_id, int(json.loads(head[0] or "{}").get("block_size", 16)))
         explain_sql.explain(sql, progress)
-        return [_explained(r["request"], r) for r in sorted(_result(sql), key=lambda r: r["lid"])]
+        return [_explained(r["request"], r) for r in _rows(_answer(sql, "lid"))]
     finally:
         sql.close()
 
@@ -120,9 +123,10 @@ def explain_capture(con: duckdb.DuckDBPyConnection, run_id: str,
     try:
         _capture_input(sql, run_id)
         explain_sql.explain(sql, progress)
-        return _capture_explanations(sql, _result(sql))
+        fleet, answer = _fleet(sql), _answer(sql, CAPTURE_ORDER)
     finally:
-        sql.close()
+        sql.close()  # the steps' tables go before the answer becomes Python objects
+    return _capture_explanations(answer, fleet)
 
 
 def explain_from_result(con: duckdb.DuckDBPyConnection, run_id: str, files: str) -> list[Explanation]:
@@ -135,20 +139,28 @@ def explain_from_result(con: duckdb.DuckDBPyConnection, run_id: str, files: str)
         cols = ", ".join(f"CAST({c} AS UBIGINT) AS {c}" if c in ("hash", "continues_block") else c
                          for c in explain_sql.RESULT_COLUMNS)
         sql.view("explain_result", f"SELECT {cols} FROM read_parquet('{files.replace(chr(39), chr(39) * 2)}')")
-        return _capture_explanations(sql, _result(sql))
+        fleet, answer = _fleet(sql), _answer(sql, CAPTURE_ORDER)
     finally:
         sql.close()
+    return _capture_explanations(answer, fleet)
 
 
-def _result(sql: explain_sql.DuckSql) -> list[dict]:
-    cur = sql.con.execute(f"SELECT {', '.join(explain_sql.RESULT_COLUMNS)} FROM explain_result")
-    return [dict(zip(explain_sql.RESULT_COLUMNS, r, strict=True)) for r in cur.fetchall()]
+def _answer(sql: explain_sql.DuckSql, order: str) -> pa.Table:
+    """explain_result in this order, columnar (a million lookups take tens of MB as Arrow, a GB as dicts)."""
+    return sql.con.sql(f"SELECT {', '.join(explain_sql.RESULT_COLUMNS)} FROM explain_result ORDER BY {order}"
+                       ).to_arrow_table()
+
+
+def _rows(answer: pa.Table) -> Iterator[dict]:
+    """The answer's rows as dicts, a batch at a time."""
+    for batch in answer.to_batches(max_chunksize=10_000):
+        yield from batch.to_pylist()
 
 
 def contradictions(con: duckdb.DuckDBPyConnection, run_id: str) -> Contradictions:
     """What a capture's events say that cannot be so (an engine run's history is consistent by
     construction: its invariants are checked as it runs)."""
-    if not _is_capture(con, run_id):
+    if not is_capture(con, run_id):
         return Contradictions()
     sql = explain_sql.DuckSql(con)
     try:
@@ -158,7 +170,7 @@ def contradictions(con: duckdb.DuckDBPyConnection, run_id: str) -> Contradiction
         sql.close()
 
 
-def _is_capture(con: duckdb.DuckDBPyConnection, run_id: str) -> bool:
+def is_capture(con: duckdb.DuckDBPyConnection, run_id: str) -> bool:
     return bool(
         con.execute("SELECT count(*) FROM (SELECT 1 FROM kv_events WHERE run_id = ? LIMIT 1)", [run_id]).fetchone()[0]
     )
@@ -257,21 +269,24 @@ def _explained(request: str, row: dict) -> Explanation:
     )
 
 
-def _capture_explanations(sql: explain_sql.DuckSql, rows: list[dict]) -> list[Explanation]:
-    """A capture's lookups, named by replica (when it has more than one) and KV group, then by session
-    where the server says one (a conversation's turns) or by the block the segment begins (#n: its
-    n-th store); in time order across replicas and groups."""
-    fleet = (
+def _fleet(sql: explain_sql.DuckSql) -> bool:
+    """Does the capture have more than one replica (its lookups are then named by replica)?"""
+    return (
         sql.rows(
             "SELECT count(DISTINCT coalesce(replica, 'replica-0')) FROM capture_events WHERE kind = 'BlockStored'"
         )[0][0]
         > 1
     )
 
+
+def _capture_explanations(answer: pa.Table, fleet: bool) -> list[Explanation]:
+    """A capture's lookups (the answer, in CAPTURE_ORDER), named by replica (when it has more than one,
+    `fleet`) and KV group, then by session where the server says one (a conversation's turns) or by the
+    block the segment begins (#n: its n-th store)."""
+
     def name(r: dict) -> str:
         part = ([r["replica"]] if fleet else []) + ([f"group-{r['grp']}"] if r["grp"] != -1 else [])
         own = r["session"] or f"chain-{r['hash']:016x}" + (f"#{r['nth']}" if r["nth"] > 1 else "")
         return "/".join([*part, own])
 
-    rows.sort(key=lambda r: (r["step"], r["replica"], r["grp"] == -1, r["grp"], r["pos"]))
-    return [_explained(name(r), r) for r in rows]
+    return [_explained(name(r), r) for r in _rows(answer)]

@@ -21,7 +21,7 @@ from ..capture.events import CaptureError
 from ..capture.import_vllm import CAPTURE_MODEL
 from ..store import RunStore, StoreError
 from ..store.schema import dataset_query
-from .explain import Explanation, contradictions, explain_capture, explain_from_result, explain_run
+from .explain import Explanation, contradictions, explain_capture, explain_from_result, explain_run, is_capture
 
 EXPLAIN_S_PER_EVENT = 10e-6  # 7.8 s for a million events measured once on 2 busy cores, rounded up
 FIELDS = ("request", "step", "hit_tokens", "stop_block", "stop_token", "reason")
@@ -63,10 +63,11 @@ def explained(store: RunStore, run_id: str, watch: Watch | None = None) -> list[
             raise StoreError(f"capture {run_id} cannot be read: {error}")
         complete = status == "complete"
         source = con.execute("SELECT path FROM capture_sources WHERE run_id = ?", [run_id]).fetchone()
-        if source is None:
+        capture = source is None and is_capture(con, run_id)
+        if source is None and not capture:
             found, times = _worked_out(con, run_id, lambda: explain_run(con, run_id, _stage(watch)), watch)
-    if source is not None:
-        found, times = _from_dataset(store, run_id, Path(source[0]), watch)
+    if source is not None or capture:
+        found, times = _from_capture(store, run_id, Path(source[0]) if source else None, watch)
     if complete:
         if watch:
             watch.stage(KEEPING, "")
@@ -98,23 +99,33 @@ def _worked_out(con: duckdb.DuckDBPyConnection, run_id: str, explain, watch: Wat
     return found, times
 
 
-def _from_dataset(store: RunStore, run_id: str, path: Path, watch: Watch | None
+def _from_capture(store: RunStore, run_id: str, path: Path | None, watch: Watch | None
                   ) -> tuple[list[Explanation], dict[int, float]]:
-    """A dataset registered in place, explained on a DuckDB of its own: the store is not held while it
-    works (its readers and writers, here and in other processes, go on), and it spills beside the store."""
+    """A capture explained on a DuckDB of its own, which spills beside the store rather than grow past its
+    memory limit: a dataset registered in place (path; the store is not held while it works, its readers
+    and writers, here and in other processes, go on), or the rows the store copied (path None)."""
     with _own_connection(store, run_id, path) as con:
         return _worked_out(con, run_id, lambda: explain_capture(con, run_id, _stage(watch)), watch)
 
 
 @contextmanager
-def _own_connection(store: RunStore, run_id: str, path: Path) -> Iterator[duckdb.DuckDBPyConnection]:
-    """A DuckDB of its own whose kv_events is the dataset's (a read of it that fails: StoreError)."""
-    with store.scratch() as con:
+def _own_connection(store: RunStore, run_id: str, path: Path | None) -> Iterator[duckdb.DuckDBPyConnection]:
+    """A DuckDB of its own whose kv_events is the run's: a dataset's (a read of it that fails: StoreError),
+    or the store's copied rows (path None)."""
+    own = store.scratch() if path is not None else store.scratch_over()
+    with own as con:
         try:
             con.execute("SET enable_progress_bar = true; SET enable_progress_bar_print = false")  # measured, unsaid
-            con.execute(f"CREATE VIEW kv_events AS {dataset_query(run_id, path)}")
+            con.execute("SET preserve_insertion_order = false")  # every answer is ordered where it is read
+            run = "'" + run_id.replace("'", "''") + "'"
+            rows = (f"SELECT * FROM store.kv_event_rows WHERE run_id = {run}" if path is None
+                    else dataset_query(run_id, path))
+            con.execute(f"CREATE VIEW kv_events AS {rows}")
             yield con
         except duckdb.Error as e:
+            if path is None:
+                raise StoreError(f"capture {run_id} could not be read from {store.path} "
+                                 f"({str(e).splitlines()[0]})") from None
             gone = "" if path.is_dir() else ": it is no longer there"
             raise StoreError(f"the capture's dataset at {path} could not be read{gone} "
                              f"({str(e).splitlines()[0]})") from None

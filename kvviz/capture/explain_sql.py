@@ -101,18 +101,30 @@ NO_LOOKUP_BLOCKS = """
 SELECT CAST(NULL AS BIGINT) AS lid, CAST(NULL AS BIGINT) AS j, tokens FROM explain_input WHERE 1 = 0
 """
 
-# Every event numbered in order (pos, unique across replicas), with what a store's lookup needs of the
+# Every event numbered in order (pos, unique across replicas: each replica's numbered on its own, after
+# the replicas before it, so that the replicas are numbered side by side), with what a store's lookup needs of the
 # stores before it: the how-many-th store of its hash it is, whether any store so far named a tenant,
 # and the block size of the part (its first store's).
 EVENTS = """
+WITH sizes AS (SELECT replica, COUNT(*) AS n FROM explain_input GROUP BY replica),
+offsets AS (
+    SELECT replica, CAST(SUM(n) OVER (ORDER BY replica ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) - n AS BIGINT)
+           AS before
+    FROM sizes),
+e AS (
+    SELECT i.*, o.before + ROW_NUMBER() OVER (PARTITION BY i.replica ORDER BY i.step, i.ev, i.blk) AS pos
+    FROM explain_input i JOIN offsets o ON o.replica = i.replica),
+parts AS (
+    SELECT replica, grp, kind, MIN_BY(block_size, pos) AS first_size,
+           MIN(CASE WHEN kind = 'store' AND chain_salt IS NOT NULL THEN pos END) AS first_tenant
+    FROM e GROUP BY replica, grp, kind),
+tenanted AS (SELECT replica, grp, MIN(first_tenant) AS first_tenant FROM parts GROUP BY replica, grp)
 SELECT e.*,
-       ROW_NUMBER() OVER (PARTITION BY replica, grp, kind, hash ORDER BY pos) AS nth,
-       MAX(CASE WHEN kind = 'store' AND chain_salt IS NOT NULL THEN 1 ELSE 0 END) OVER (
-           PARTITION BY replica, grp ORDER BY pos ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS tenants,
-       COALESCE(NULLIF(FIRST_VALUE(block_size) OVER (
-           PARTITION BY replica, grp, kind ORDER BY pos
-           ROWS BETWEEN UNBOUNDED PRECEDING AND UNBOUNDED FOLLOWING), 0), 16) AS bsize
-FROM (SELECT i.*, ROW_NUMBER() OVER (ORDER BY replica, step, ev, blk) AS pos FROM explain_input i) e
+       ROW_NUMBER() OVER (PARTITION BY e.replica, e.grp, e.kind, e.hash ORDER BY e.pos) AS nth,
+       CASE WHEN e.pos >= t.first_tenant THEN 1 ELSE 0 END AS tenants,
+       COALESCE(NULLIF(p.first_size, 0), 16) AS bsize
+FROM e JOIN parts p ON p.replica = e.replica AND p.grp = e.grp AND p.kind = e.kind
+JOIN tenanted t ON t.replica = e.replica AND t.grp = e.grp
 """
 
 # Each block's link to its parent: the parent hash's latest store before it on its replica and group
@@ -156,7 +168,7 @@ FROM virtual
 CHAIN_START = """
 SELECT id, up AS jump, orphan AS dead,
        MIN(id) OVER (PARTITION BY tokens, CASE WHEN up IS NULL THEN 1 ELSE 0 END) AS lab,
-       fixed, salt, COALESCE(cardinality(tokens), 0) AS ntok, 1 AS depth
+       fixed, salt, CAST(COALESCE(cardinality(tokens), 0) AS BIGINT) AS ntok, 1 AS depth
 FROM xp_links
 """
 
@@ -172,9 +184,11 @@ SELECT c.id, p.jump, c.dead OR COALESCE(p.dead, false) AS dead,
 FROM {chain} c LEFT JOIN {chain} p ON p.id = c.jump
 """
 
-# Every store whose chain is known, with its namespace, its prefix's name and its parent's.
+# Every store whose chain is known, with its namespace, its prefix's name and its parent's (its tokens stay in
+# xp_links, by id = pos: the tables after it are narrow).
 NODES = """
-SELECT e.replica, e.grp, e.pos, e.step, e.hash, e.parent, e.tokens, e.bidx, e.session, e.named,
+SELECT e.replica, e.grp, e.pos, e.step, e.hash, e.parent, CAST(COALESCE(cardinality(e.tokens), 0) AS BIGINT) AS width,
+       e.bidx, e.session, e.named,
        e.nth, e.tenants, e.bsize, f.salt, f.lab, COALESCE(pf.lab, {root}) AS plab, pf.salt AS parent_salt,
        f.ntok, f.depth,
        CASE WHEN pf.lab IS NULL AND COALESCE(cardinality(e.tokens), 0) > 0 THEN element_at(e.tokens, 1)
@@ -191,13 +205,13 @@ WHERE e.kind = 'store' AND NOT f.dead
 # hash at once (vLLM keeps both): a removal ends the oldest life of its hash still open, and one with
 # none open removes nothing. Between two clears that is the n-th store of a hash ended by its n-th
 # removal that found one open, counted as a running sum floored at zero. A block serves lookups in the
-# steps after it was stored, up to its removal's step less one.
+# steps after it was stored, up to its removal's step less one. A history with no clear is one epoch (its
+# running count, a pass over every event of a replica in order, is left out).
+EPOCH = """SUM(CASE WHEN kind = 'clear' THEN 1 ELSE 0 END) OVER (
+               PARTITION BY replica ORDER BY pos ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW)"""
 LIVES = """
 WITH epochs AS (
-    SELECT replica, grp, hash, pos, step, kind,
-           SUM(CASE WHEN kind = 'clear' THEN 1 ELSE 0 END) OVER (
-               PARTITION BY replica ORDER BY pos ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS epoch
-    FROM xp_events),
+    SELECT replica, grp, hash, pos, step, kind, {epoch} AS epoch FROM xp_events),
 summed AS (
     SELECT e.*, SUM(CASE WHEN kind = 'store' THEN 1 ELSE -1 END) OVER (
                PARTITION BY replica, grp, hash, epoch ORDER BY pos
@@ -216,7 +230,7 @@ numbered AS (
            ROW_NUMBER() OVER (PARTITION BY replica, grp, hash, epoch, kind ORDER BY pos) AS n
     FROM effective WHERE kind = 'store' OR open_before > 0),
 clears AS (SELECT replica, epoch, step FROM epochs WHERE kind = 'clear')
-SELECT v.replica, v.grp, v.salt, v.lab, v.plab, v.head, v.tokens, v.pos, v.step AS stored,
+SELECT v.replica, v.grp, v.salt, v.lab, v.plab, v.head, v.pos, v.step AS stored,
        COALESCE(r.step, c.step) AS removed, r.pos IS NULL AND c.step IS NOT NULL AS reset
 FROM xp_nodes v
 JOIN numbered s ON s.pos = v.pos
@@ -229,10 +243,10 @@ LEFT JOIN clears c ON c.replica = s.replica AND c.epoch = s.epoch + 1
 # segments (a store beginning its event's blocks, with a known chain) and an engine run's admissions.
 LOOKUPS = """
 SELECT n.pos AS lid, n.replica, n.grp, n.pos, n.step, CAST(NULL AS VARCHAR(256)) AS request, n.salt, n.bsize,
-       n.ntok AS n_tokens, n.ntok - COALESCE(cardinality(n.tokens), 0) AS hit, false AS whole,
-       CAST(NULL AS BIGINT) AS preempted_at, n.lab AS stop_lab, n.plab AS stop_plab, n.tokens AS stop_tokens,
+       n.ntok AS n_tokens, n.ntok - n.width AS hit, false AS whole,
+       CAST(NULL AS BIGINT) AS preempted_at, n.lab AS stop_lab, n.plab AS stop_plab, t.tokens AS stop_tokens,
        n.head, n.hash, n.session, n.nth, n.parent, n.parent_salt, n.named, n.tenants
-FROM xp_nodes n WHERE n.bidx = 0
+FROM xp_nodes n JOIN xp_links t ON t.id = n.pos WHERE n.bidx = 0
 UNION ALL
 SELECT l.lid, l.replica, l.grp, l.lid, l.step, l.request, l.salt, COALESCE(NULLIF(l.block_size, 0), 16),
        l.n_tokens, l.hit, true, l.preempted_at, s.lab, COALESCE(p.lab, {root}), v.tokens,
@@ -265,62 +279,137 @@ FROM explain_lookups l JOIN xp_links v ON v.lid = l.lid JOIN {chain} c ON c.id =
 WHERE v.j < CAST(floor(CAST(l.hit AS DOUBLE) / COALESCE(NULLIF(l.block_size, 0), 16)) AS BIGINT)
 """
 
-# The reasons. `alive` is a life that serves a lookup at step l.step.
-ALIVE = "v.stored < l.step AND (v.removed IS NULL OR v.removed > l.step)"
-REASONS = f"""
+# The reasons. A life serves a lookup at step s when it was stored before s and not removed by the end
+# of s: it serves the steps stored + 1 .. removed - 1. Each reason asks which lives of some content or
+# parent served each lookup; a join of every lookup with every life of its content (or parent) would
+# grow as the square of the history (a tenant prefix is stored again and again), so the questions are
+# answered by a sweep through time and by aligned time spans, each a pass over the lives.
+
+# Each lookup's stop block (j = -1) and hit blocks, for each namespace the block's content was ever
+# cached under on its replica and group: how many of those lives served it, and the latest one stored
+# before it. A sweep through the lives' stores and removals in time order, the lookups among them: a
+# removal in a lookup's own step counts before it (the life no longer serves it), a store after; a life
+# stored and removed in one step serves nothing.
+SEEN = """
+WITH asked AS (
+    SELECT lid, -1 AS j, replica, grp, stop_lab AS lab, step FROM xp_lookups
+    UNION ALL
+    SELECT h.lid, h.j, l.replica, l.grp, h.lab, l.step FROM xp_hits h JOIN xp_lookups l ON l.lid = h.lid),
+salts AS (SELECT DISTINCT replica, grp, lab, salt FROM xp_lives),
+marks AS (
+    SELECT a.replica, a.grp, a.lab, s.salt, a.step AS t, 1 AS typ, 0 AS pos, a.lid, a.j, 0 AS stores, 0 AS gone
+    FROM asked a JOIN salts s ON s.replica = a.replica AND s.grp = a.grp AND s.lab = a.lab
+    UNION ALL
+    SELECT replica, grp, lab, salt, stored, 2, pos, CAST(NULL AS BIGINT), CAST(NULL AS BIGINT), 1, 0 FROM xp_lives
+    UNION ALL
+    SELECT replica, grp, lab, salt, removed, CASE WHEN removed > stored THEN 0 ELSE 3 END, pos,
+           CAST(NULL AS BIGINT), CAST(NULL AS BIGINT), 0, 1
+    FROM xp_lives WHERE removed IS NOT NULL),
+swept AS (
+    SELECT lid, j, salt, typ,
+           SUM(stores - gone) OVER (PARTITION BY replica, grp, lab, salt ORDER BY t, typ, pos
+                                    ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS alive,
+           MAX(CASE WHEN stores = 1 THEN pos END) OVER (PARTITION BY replica, grp, lab, salt ORDER BY t, typ, pos
+                             ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS latest
+    FROM marks)
+SELECT lid, j, salt, alive, latest FROM swept WHERE typ = 1
+"""
+
+# The lives under a parent some lookup stopped under (its siblings), each with its tokens' rank among
+# the siblings' and the lookups' (so that siblings are compared in token order by a number) and the
+# first life of its tokens; the lookups' own ranks beside them (lid; NULL pos).
+KIN = """
+WITH asked AS (SELECT DISTINCT replica, grp, stop_plab AS plab, head FROM xp_lookups),
+siblings AS (
+    SELECT v.replica, v.grp, v.plab, v.head, v.salt, t.tokens, v.pos, v.stored, v.removed,
+           CAST(NULL AS BIGINT) AS lid
+    FROM xp_lives v JOIN asked q ON q.replica = v.replica AND q.grp = v.grp AND q.plab = v.plab AND q.head = v.head
+    JOIN xp_links t ON t.id = v.pos
+    UNION ALL
+    SELECT replica, grp, stop_plab, head, salt, stop_tokens, CAST(NULL AS BIGINT), CAST(NULL AS BIGINT),
+           CAST(NULL AS BIGINT), lid
+    FROM xp_lookups)
+SELECT replica, grp, plab, head, salt, pos, stored, removed, lid, r,
+       MIN(pos) OVER (PARTITION BY replica, grp, plab, head, salt, r) AS first_pos
+FROM (SELECT b.*, CASE WHEN tokens IS NOT NULL THEN DENSE_RANK() OVER (
+          PARTITION BY replica, grp, plab, head ORDER BY tokens) END AS r
+      FROM siblings b) ranked
+"""
+
+# The steps each sibling served, as aligned spans of 2^k steps (k from xp_levels), the fewest that tile
+# them: a lookup at step s finds every life that served it, once, among the spans holding s (one per
+# level). A life cached to the end serves up to the last lookup's step.
+STAB = """
+WITH lives AS (
+    SELECT replica, grp, plab, head, salt, r, stored + 1 AS a, COALESCE(removed - 1, {last}) AS b
+    FROM xp_kin WHERE pos IS NOT NULL),
+spans AS (
+    SELECT l.replica, l.grp, l.plab, l.head, l.salt, l.r, x.k,
+           CAST(ceil(CAST(l.a AS DOUBLE) / x.p) AS BIGINT) AS lo,
+           CAST(floor(CAST(l.b + 1 AS DOUBLE) / x.p) AS BIGINT) AS hi
+    FROM lives l CROSS JOIN xp_levels x WHERE x.p <= l.b - l.a + 1)
+SELECT replica, grp, plab, head, salt, r, k, lo AS node FROM spans WHERE lo < hi AND lo % 2 = 1
+UNION ALL
+SELECT replica, grp, plab, head, salt, r, k, hi - 1 FROM spans WHERE lo < hi AND hi % 2 = 1
+"""
+
+REASONS = """
 WITH lk AS (
     SELECT x.*, CAST(floor(CAST(hit AS DOUBLE) / bsize) AS BIGINT) AS k,
            CAST(floor(CAST(n_tokens - 1 AS DOUBLE) / bsize) AS BIGINT) AS usable
     FROM xp_lookups x),
 own AS (
-    SELECT l.lid, COUNT(CASE WHEN v.removed IS NULL OR v.removed > l.step THEN 1 END) AS alive,
-           MAX_BY(v.stored, v.pos) AS stored_at, MAX_BY(v.removed, v.pos) AS removed_at,
-           MAX_BY(v.reset, v.pos) AS reset
-    FROM lk l JOIN xp_lives v ON v.replica = l.replica AND v.grp = l.grp AND v.lab = l.stop_lab
-    WHERE v.salt IS NOT DISTINCT FROM l.salt AND v.stored < l.step
-    GROUP BY l.lid),
+    SELECT s.lid, s.alive, v.stored AS stored_at, v.removed AS removed_at, v.reset
+    FROM xp_seen s JOIN lk l ON l.lid = s.lid JOIN xp_lives v ON v.pos = s.latest
+    WHERE s.j = -1 AND s.salt IS NOT DISTINCT FROM l.salt),
 others AS (
-    SELECT l.lid, COALESCE(MIN(v.salt), '(no salt)') AS cached_under
-    FROM lk l JOIN xp_lives v ON v.replica = l.replica AND v.grp = l.grp AND v.lab = l.stop_lab
-    WHERE v.salt IS DISTINCT FROM l.salt AND {ALIVE}
-    GROUP BY l.lid),
+    SELECT s.lid, COALESCE(MIN(s.salt), '(no salt)') AS cached_under
+    FROM xp_seen s JOIN lk l ON l.lid = s.lid
+    WHERE s.j = -1 AND s.salt IS DISTINCT FROM l.salt AND s.alive > 0
+    GROUP BY s.lid),
+spans AS (
+    SELECT l.lid, l.replica, l.grp, l.stop_plab, l.head, l.salt, q.r, x.k,
+           CAST(floor(CAST(l.step AS DOUBLE) / x.p) AS BIGINT) AS node
+    FROM lk l JOIN xp_kin q ON q.lid = l.lid CROSS JOIN xp_levels x),
 near AS (
-    SELECT l.lid, MAX(CASE WHEN v.tokens < l.stop_tokens THEN v.tokens END) AS below,
-           MIN(CASE WHEN v.tokens > l.stop_tokens THEN v.tokens END) AS above
-    FROM lk l JOIN xp_lives v ON v.replica = l.replica AND v.grp = l.grp AND v.plab = l.stop_plab
-         AND v.head = l.head
-    WHERE v.salt IS NOT DISTINCT FROM l.salt AND {ALIVE}
+    SELECT l.lid, MAX(CASE WHEN v.r < l.r THEN v.r END) AS below, MIN(CASE WHEN v.r > l.r THEN v.r END) AS above
+    FROM spans l
+    JOIN xp_stab v ON v.replica = l.replica AND v.grp = l.grp AND v.plab = l.stop_plab AND v.head = l.head
+         AND v.k = l.k AND v.node = l.node
+    WHERE v.salt IS NOT DISTINCT FROM l.salt
     GROUP BY l.lid),
 candidates AS (
-    SELECT lid, below AS tokens FROM near WHERE below IS NOT NULL
+    SELECT lid, below AS r FROM near WHERE below IS NOT NULL
     UNION ALL
     SELECT lid, above FROM near WHERE above IS NOT NULL),
 firsts AS (
-    SELECT c.lid, c.tokens, MIN(v.pos) AS first_pos
+    SELECT c.lid, f.first_pos
     FROM candidates c JOIN lk l ON l.lid = c.lid
-    JOIN xp_lives v ON v.replica = l.replica AND v.grp = l.grp AND v.plab = l.stop_plab AND v.tokens = c.tokens
-    WHERE v.salt IS NOT DISTINCT FROM l.salt
-    GROUP BY c.lid, c.tokens),
+    JOIN xp_kin f ON f.replica = l.replica AND f.grp = l.grp AND f.plab = l.stop_plab AND f.head = l.head
+         AND f.r = c.r AND f.pos = f.first_pos
+    WHERE f.salt IS NOT DISTINCT FROM l.salt),
 shared AS (
-    SELECT f.lid, f.tokens, f.first_pos,
-           CAST(COALESCE(MIN(CASE WHEN element_at(f.tokens, p.i) <> element_at(l.stop_tokens, p.i) THEN p.i END),
-                         LEAST(cardinality(f.tokens), cardinality(l.stop_tokens)) + 1) - 1 AS BIGINT) AS shared
-    FROM firsts f JOIN lk l ON l.lid = f.lid
-    LEFT JOIN xp_positions p ON p.i <= LEAST(cardinality(f.tokens), cardinality(l.stop_tokens))
-    GROUP BY f.lid, f.tokens, f.first_pos, l.stop_tokens),
+    SELECT f.lid, f.first_pos,
+           CAST(COALESCE(MIN(CASE WHEN element_at(f.theirs, p.i) <> element_at(f.ours, p.i) THEN p.i END),
+                         f.n + 1) - 1 AS BIGINT) AS shared
+    FROM (SELECT f.lid, f.first_pos, v.tokens AS theirs, l.stop_tokens AS ours,
+                 LEAST(cardinality(v.tokens), cardinality(l.stop_tokens)) AS n
+          FROM firsts f JOIN lk l ON l.lid = f.lid JOIN xp_links v ON v.id = f.first_pos) f
+    LEFT JOIN xp_positions p ON p.i <= f.n
+    GROUP BY f.lid, f.first_pos, f.n),
 closest AS (
-    SELECT lid, tokens, shared FROM (
+    SELECT r.lid, v.tokens, r.shared FROM (
         SELECT s.*, ROW_NUMBER() OVER (PARTITION BY lid ORDER BY shared DESC, first_pos) AS rn FROM shared s) r
-    WHERE rn = 1),
+    JOIN xp_links v ON v.id = r.first_pos
+    WHERE r.rn = 1),
 hit_blocks AS (
-    SELECT h.lid, h.j,
-           MAX(CASE WHEN v.salt IS NOT DISTINCT FROM l.salt THEN 1 ELSE 0 END) AS own,
-           MIN(CASE WHEN v.salt IS DISTINCT FROM l.salt THEN v.salt END) AS salt,
-           MAX(CASE WHEN v.salt IS NULL AND l.salt IS NOT NULL THEN 1 ELSE 0 END) AS unsalted
-    FROM xp_hits h JOIN lk l ON l.lid = h.lid
-    JOIN xp_lives v ON v.replica = l.replica AND v.grp = l.grp AND v.lab = h.lab
-    WHERE {ALIVE}
-    GROUP BY h.lid, h.j),
+    SELECT s.lid, s.j,
+           MAX(CASE WHEN s.salt IS NOT DISTINCT FROM l.salt THEN 1 ELSE 0 END) AS own,
+           MIN(CASE WHEN s.salt IS DISTINCT FROM l.salt THEN s.salt END) AS salt,
+           MAX(CASE WHEN s.salt IS NULL AND l.salt IS NOT NULL THEN 1 ELSE 0 END) AS unsalted
+    FROM xp_seen s JOIN lk l ON l.lid = s.lid
+    WHERE s.j >= 0 AND s.alive > 0
+    GROUP BY s.lid, s.j),
 crossed AS (
     SELECT lid, MIN_BY(COALESCE(salt, '(no salt)'), j) AS hits_cached_under
     FROM hit_blocks WHERE own = 0 AND (salt IS NOT NULL OR unsalted = 1)
@@ -462,7 +551,8 @@ def explain(sql: Sql, progress: Progress | None = None) -> None:
     said(STAGES[3], "")
     sql.table("xp_nodes", NODES.format(chain=final, root=ROOT))
     said(STAGES[4], "")
-    sql.table("xp_lives", LIVES)
+    cleared = sql.rows("SELECT COUNT(*) FROM xp_events WHERE kind = 'clear'")[0][0]
+    sql.table("xp_lives", LIVES.format(epoch=EPOCH if cleared else "0"))
     said(STAGES[5], "")
     sql.table("xp_lookups", LOOKUPS.format(chain=final, root=ROOT))
     found = "xp_up_0"
@@ -474,8 +564,12 @@ def explain(sql: Sql, progress: Progress | None = None) -> None:
     said(STAGES[6], "")
     sql.table("xp_hits", HITS.format(found=found, chain=final))
     said(STAGES[7], "")
-    longest = sql.rows("SELECT MAX(cardinality(stop_tokens)) FROM xp_lookups")[0][0] or 0
-    sql.table("xp_positions", positions(longest))
+    longest, last = sql.rows("SELECT MAX(cardinality(stop_tokens)), MAX(step) FROM xp_lookups")[0]
+    sql.table("xp_positions", positions(longest or 0))
+    sql.table("xp_levels", levels(last or 0))
+    sql.table("xp_seen", SEEN)
+    sql.table("xp_kin", KIN)
+    sql.table("xp_stab", STAB.format(last=last or 0))
     sql.table("explain_result", REASONS)
 
 
@@ -484,6 +578,13 @@ def capture_inputs(make) -> None:
     make("explain_input", CAPTURE_INPUT)
     make("explain_lookups", NO_LOOKUPS)
     make("explain_lookup_blocks", NO_LOOKUP_BLOCKS)
+
+
+def levels(last: int) -> str:
+    """Each level k of the aligned time spans and its span p = 2^k steps, up to one that holds steps
+    0..last + 1 (a VALUES list)."""
+    top = max(last + 2, 1).bit_length()
+    return "SELECT k, p FROM (VALUES " + ", ".join(f"({k}, {1 << k})" for k in range(top + 1)) + ") AS t(k, p)"
 
 
 def positions(n: int) -> str:

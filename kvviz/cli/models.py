@@ -54,6 +54,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from ..bench.capture_import import live_report, run_live_bench
 
         return _write(live_report(run_live_bench(duration=args.duration, progress=say)), args.out)
+    if args.capture_explain:
+        from ..bench.capture_import import explain_report, run_explain_bench
+
+        events = _positive_ints(args.sizes or "10000000", "--sizes")
+        if events is None:
+            return 2
+        return _write(explain_report(run_explain_bench(events, progress=say)), args.out)
     if args.capture_import:
         from ..bench.capture_import import capture_report, run_capture_bench
 
@@ -139,6 +146,9 @@ def add_bench(sub: Subcommands) -> None:
     what.add_argument("--capture-import", action="store_true",
                       help="instead: import speed and peak memory of synthetic captures of --sizes block events "
                            "(default 1000000), JSONL and Parquet dataset")
+    what.add_argument("--capture-explain", action="store_true",
+                      help="instead: explain's speed and peak memory over synthetic captures of --sizes block events "
+                           "(default 10000000), each imported first")
     what.add_argument("--capture-live", action="store_true",
                       help="instead: can one capture-vllm process keep up with two publishers at 10,000 batches/s "
                            "each (for --duration seconds)?")

@@ -167,14 +167,33 @@ class RunStore:
     def scratch(self, threads: int = 2, memory_limit: str = "1GB") -> Iterator[duckdb.DuckDBPyConnection]:
         """An in-memory DuckDB that holds nothing of the store (long work over a dataset registered in
         place, so the store's readers and writers go on), spilling into a folder beside the store that
-        is removed with it."""
-        with tempfile.TemporaryDirectory(dir=self.path.parent, prefix=".scratch-") as spill:
+        is removed with it (or in the system's temporary folder, beside a store this user may only read)."""
+        try:
+            beside = tempfile.TemporaryDirectory(dir=self.path.parent, prefix=".scratch-")
+        except OSError:
+            beside = tempfile.TemporaryDirectory(prefix="kvviz-scratch-")
+        with beside as spill:
             con = duckdb.connect(":memory:", config={"threads": threads, "memory_limit": memory_limit,
                                                      "temp_directory": spill})
             try:
                 yield con
             finally:
                 con.close()
+
+    @contextmanager
+    def scratch_over(self) -> Iterator[duckdb.DuckDBPyConnection]:
+        """A scratch DuckDB (its own memory limit and spill folder) with this store attached read-only as
+        `store`: long work over rows the store holds, as a reader (writers in this process wait)."""
+        with self._gate.read(), self.scratch() as con:
+
+            def attach() -> None:
+                try:
+                    con.execute("ATTACH '" + str(self.path).replace("'", "''") + "' AS store (READ_ONLY)")
+                except duckdb.Error as e:
+                    raise StoreError(f"cannot open {self.path} read-only: {_first_line(e)}") from None
+
+            self._wait_out_lock(attach)
+            yield con
 
     @staticmethod
     def insert(con: duckdb.DuckDBPyConnection, table: str, rows: pa.Table) -> None:
