@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvviz.analysis.explain import explain_run
 from kvviz.capture.capture_file import CaptureWriter, Message
 from kvviz.runners.uploads import import_file
 from kvviz.store import RunStore
@@ -134,6 +135,24 @@ def test_the_inspectors_cache_view_shows_each_lookups_reason_up_to_the_step(miss
     at.run()
     early = at.dataframe[0].value
     assert set(early.step) <= {0, 1, 2} and len(early) < len(table)
+
+
+def test_the_inspectors_cache_view_explains_a_run_once_not_at_every_step(misses, monkeypatch):  # noqa: F811
+    from kvviz.ui import inspect_cache
+    from tests.test_app import page
+
+    store, run_id, _, _ = misses
+    monkeypatch.setenv("KVVIZ_DB", str(store.path))
+    calls = []
+    monkeypatch.setattr(inspect_cache, "explain_run", lambda con, rid: calls.append(rid) or explain_run(con, rid))
+    inspect_cache._worked_out.clear()
+    at = page("inspector", run_id=run_id)
+    at.segmented_control(key="insp_view").set_value("Cache").run()
+    for step in (1, 2, 3):
+        at.session_state["insp_step"] = step
+        at.run()
+    assert not at.exception and len(at.dataframe[0].value) > 0
+    assert calls == [run_id]
 
 
 def test_the_cache_chart_spans_the_run_and_its_rate_axis_reads_in_percent():

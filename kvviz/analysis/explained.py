@@ -56,7 +56,7 @@ def explained(store: RunStore, run_id: str, watch: Watch | None = None) -> list[
     with store.read() as con:
         RunStore.require_run(con, run_id)
         if kept(con, run_id):
-            return _read(con, run_id)
+            return read_kept(con, run_id)
         status, model, error = con.execute("SELECT status, model, error FROM runs WHERE run_id = ?",
                                            [run_id]).fetchone()
         if status == "failed" and model == CAPTURE_MODEL:  # its dataset has gone: nothing of it can be read
@@ -187,7 +187,7 @@ def explained_in(con: duckdb.DuckDBPyConnection, run_id: str, start: float, end:
     return n, [Explanation(*row[:-1], json.loads(row[-1])) for row in rows]
 
 
-def _read(con: duckdb.DuckDBPyConnection, run_id: str) -> list[Explanation]:
+def read_kept(con: duckdb.DuckDBPyConnection, run_id: str) -> list[Explanation]:
     rows = con.execute(f"SELECT {', '.join(FIELDS)}, evidence FROM lookup_explanations WHERE run_id = ? "
                        "ORDER BY step, rowid", [run_id]).fetchall()
     return [Explanation(*row[:-1], json.loads(row[-1])) for row in rows]

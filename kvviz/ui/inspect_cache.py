@@ -6,18 +6,17 @@ from __future__ import annotations
 import streamlit as st
 
 from ..analysis import cache_stats
-from ..analysis.explain import explain_run
+from ..analysis.explain import Explanation, explain_run
+from ..analysis.explained import kept, read_kept
 from ..analysis.runs import RunInfo
 from ..errors import StoreError
 from ..figures import cache as cache_fig
-from .common import lookups_table
+from .common import db_path, lookups_table
 
 
 def render(con, info: RunInfo, step: int) -> None:
-    try:
-        found = explain_run(con, info.run_id)
-    except StoreError:
-        found = []
+    found = read_kept(con, info.run_id) if kept(con, info.run_id) else _worked_out(con, str(db_path()), info.run_id,
+                                                                                    info.status, len(info.steps))
     if not found:
         st.info("This run recorded no prefix-cache lookups (it was recorded before kvviz kept them).",
                 icon=":material/info:")
@@ -45,3 +44,12 @@ def render(con, info: RunInfo, step: int) -> None:
     else:
         st.caption("No block was evicted in this run, so there are no lifetimes to draw.")
 
+
+@st.cache_data(max_entries=8, show_spinner="Explaining the run's lookups...")
+def _worked_out(_con, db: str, run_id: str, status: str, steps: int) -> list[Explanation]:
+    """A run's explanations, worked out once per run and state: moving the step slider redraws the view
+    without explaining the run again (a recording run's key changes with each step it adds)."""
+    try:
+        return explain_run(_con, run_id)
+    except StoreError:
+        return []
