@@ -171,11 +171,14 @@ def test_a_dataset_deleted_while_it_is_explained_is_said_and_nothing_is_kept(cap
 def test_progress_says_the_stage_and_never_goes_back():
     stages = explain_jobs.STAGES
     mid = explain_jobs._fraction(stages.index("the lookups"), "the lookups", 0.5)
-    assert mid == pytest.approx((stages.index("the lookups") + 0.5) / len(stages))
-    rounds = explain_jobs._fraction(2, stages[2], 0.9)
-    assert rounds == pytest.approx(2 / len(stages)), "a stage of rounds does not know how many are left"
-    p = explain_jobs.Progress(2, stages[2], "round 3", None, 0.25, 4.2)
+    assert mid == pytest.approx((stages.index("the lookups") - 1 + 0.5) / (len(stages) - 1))
+    rounds = explain_jobs._fraction(3, stages[3], 0.9)
+    assert rounds == pytest.approx(2 / (len(stages) - 1)), "a stage of rounds does not know how many are left"
+    p = explain_jobs.Progress(3, stages[3], "round 3", None, 0.25, 4.2)
     assert p.sentence() == "stage 3 of 11: naming each block's prefix (round 3); 4 s so far"
+    waiting = explain_jobs.Progress(0, stages[0], "process 42", None, 0.0, 1.0)
+    assert explain_jobs._fraction(0, stages[0], None) == 0.0
+    assert waiting.sentence() == "waiting for another process that is explaining this run (process 42); 1 s so far"
 
 
 EXITING = """
@@ -193,7 +196,7 @@ for m in fleet_messages(200_000):
 w.close()
 store = RunStore.open(sys.argv[1] + "/kvviz.duckdb")
 job = explain_jobs.ensure(store, import_file(sys.argv[1] + "/ds", store, in_place=True))
-while job.progress().index < 1:  # well inside DuckDB's statements
+while job.progress().index < 2:  # well inside DuckDB's statements
     time.sleep(0.01)
 print("exiting", job.progress().stage, flush=True)
 """
@@ -230,5 +233,77 @@ def test_the_store_stays_free_for_writers_while_a_dataset_registered_in_place_is
     assert wrote.wait(WAIT_S) and not job.done, "written while explain still works"
     gate.go.set()
     assert job.wait(WAIT_S) and job.error is None
+    with store.read() as con:
+        assert kept(con, run_id)
+
+
+class Stages:
+    """A Watch that keeps what it was told."""
+
+    def __init__(self) -> None:
+        self.said: list[tuple[str, str]] = []
+
+    def stage(self, stage: str, detail: str) -> None:
+        self.said.append((stage, detail))
+
+    def running_on(self, con) -> None:
+        pass
+
+
+def _explain_in_thread(store, run_id) -> tuple[threading.Thread, Stages, list]:
+    watch, answer = Stages(), []
+    thread = threading.Thread(target=lambda: answer.append(explained_mod.explained(store, run_id, watch)))
+    thread.start()
+    return thread, watch, answer
+
+
+def test_a_second_process_waits_for_the_first_ones_answer_instead_of_explaining_again(capture, monkeypatch):
+    """Another process (here: a live `sleep` named in the claim) is explaining the capture: this one waits,
+    says so, and reads the answer the other keeps; explain itself never runs here."""
+    import subprocess
+
+    from kvviz.store.claims import claim_path
+
+    store, run_id, _ = capture
+    monkeypatch.setattr(explained_mod, "POLL_S", 0.05)
+    with store.read() as con:  # the other process's answer, worked out before it is kept
+        want = explained_mod.explain_capture(con, run_id)
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        claim_path(store.path, f"explain-{run_id}").write_text(str(other.pid))
+        calls = []
+        monkeypatch.setattr(explained_mod, "explain_capture", lambda *a, **k: calls.append(a) or want)
+        thread, watch, answer = _explain_in_thread(store, run_id)
+        thread.join(0.5)
+        assert thread.is_alive() and watch.said == [(explained_mod.WAITING, f"process {other.pid}")]
+        explained_mod._keep(store, run_id, want, {})  # the other process keeps its answer
+        thread.join(WAIT_S)
+        with store.read() as con:
+            assert answer == [explained_mod.read_kept(con, run_id)] and not calls
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_a_claim_whose_process_died_is_taken_over(capture, monkeypatch):
+    """The first process died midway (its claim stays): the next one does the work, keeps the answer and
+    removes the claim; so does a waiter whose holder dies while it waits."""
+    import subprocess
+
+    from kvviz.store.claims import claim_path
+
+    store, run_id, _ = capture
+    monkeypatch.setattr(explained_mod, "POLL_S", 0.05)
+    claim = claim_path(store.path, f"explain-{run_id}")
+    other = subprocess.Popen(["sleep", "60"])
+    claim.write_text(str(other.pid))
+    thread, watch, answer = _explain_in_thread(store, run_id)
+    thread.join(0.5)
+    assert thread.is_alive(), "waits while the holder lives"
+    other.kill()
+    other.wait()
+    thread.join(WAIT_S)
+    assert answer and answer[0] and watch.said[0][0] == explained_mod.WAITING and len(watch.said) > 1
+    assert not claim.exists()
     with store.read() as con:
         assert kept(con, run_id)

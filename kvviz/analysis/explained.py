@@ -7,6 +7,7 @@ lookups are not all there yet."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,13 +21,16 @@ from ..capture import explain_sql
 from ..capture.events import CaptureError
 from ..capture.import_vllm import CAPTURE_MODEL
 from ..store import RunStore, StoreError
+from ..store.claims import alive, claimed
 from ..store.schema import dataset_query
 from .explain import Explanation, contradictions, explain_capture, explain_from_result, explain_run, is_capture
 
 EXPLAIN_S_PER_EVENT = 10e-6  # 7.8 s for a million events measured once on 2 busy cores, rounded up
 FIELDS = ("request", "step", "hit_tokens", "stop_block", "stop_token", "reason")
 READING, KEEPING = "reading the answer back", "keeping it in the run store"
-STAGES = (*explain_sql.STAGES, READING, KEEPING)  # what explaining a run does, in order
+WAITING = "waiting for another process that is explaining this run"
+STAGES = (WAITING, *explain_sql.STAGES, READING, KEEPING)  # what explaining a run does, in order
+POLL_S = 1.0  # how often a process waiting for another's answer looks for it
 
 
 class Watch(Protocol):
@@ -67,15 +71,39 @@ def explained(store: RunStore, run_id: str, watch: Watch | None = None) -> list[
         if source is None and not capture:
             found, times = _worked_out(con, run_id, lambda: explain_run(con, run_id, _stage(watch)), watch)
     if source is not None or capture:
-        found, times = _from_capture(store, run_id, Path(source[0]) if source else None, watch)
+        with claimed(store.path, f"explain-{run_id}") as other:
+            if other is not None:  # another process is at it: its answer, once kept
+                return _answer_of(store, run_id, other, watch)
+            found, times = _from_capture(store, run_id, Path(source[0]) if source else None, watch)
+            if complete:
+                _keep_if_allowed(store, run_id, found, times, watch)
+        return found
     if complete:
-        if watch:
-            watch.stage(KEEPING, "")
-        try:
-            _keep(store, run_id, found, times)
-        except StoreError:
-            pass  # a store this user may read but not write: the answer stands, it is only not kept
+        _keep_if_allowed(store, run_id, found, times, watch)
     return found
+
+
+def _keep_if_allowed(store: RunStore, run_id: str, found: list[Explanation], times: dict[int, float],
+                     watch: Watch | None) -> None:
+    if watch:
+        watch.stage(KEEPING, "")
+    try:
+        _keep(store, run_id, found, times)
+    except StoreError:
+        pass  # a store this user may read but not write: the answer stands, it is only not kept
+
+
+def _answer_of(store: RunStore, run_id: str, pid: int, watch: Watch | None) -> list[Explanation]:
+    """The explanations process pid is working out, read once it has kept them; if it dies first, the
+    work is done here."""
+    if watch:
+        watch.stage(WAITING, f"process {pid}")
+    while alive(pid):
+        with store.read() as con:
+            if kept(con, run_id):
+                return read_kept(con, run_id)
+        time.sleep(POLL_S)
+    return explained(store, run_id, watch)
 
 
 def _stage(watch: Watch | None) -> explain_sql.Progress | None:

@@ -131,8 +131,9 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
     class SaidOnStderr:  # a capture of millions of events takes a minute: each stage said as it begins
         def stage(self, stage: str, detail: str) -> None:
-            print(f"kvviz: explain {STAGES.index(stage) + 1}/{len(STAGES)}: {stage}" + (f" ({detail})" if detail
-                  else ""), file=sys.stderr)
+            number = STAGES.index(stage)  # 0: waiting for another process, which is no stage of the work
+            print(f"kvviz: explain{f' {number}/{len(STAGES) - 1}' if number else ''}: {stage}"
+                  + (f" ({detail})" if detail else ""), file=sys.stderr)
 
         def running_on(self, con) -> None:
             pass

@@ -1,6 +1,8 @@
 """Explaining a run in the background: one worker thread per run and store in this process, which every
 session asks about instead of starting its own, so a capture of millions of events is explained once
 while the pages stay usable, and the answer is kept in the run store for every session and the CLI.
+Across processes (a second app server, `kvviz explain`) the claim `explained` takes beside the store
+does the same: the second waits for the first one's answer (kvviz/store/claims.py).
 
 A job is the work of `explained` on a thread of its own: a dataset registered in place is read on a
 DuckDB of its own, so the store is held only to keep the answer. Its progress is the stage being run
@@ -45,7 +47,8 @@ class Progress:
     seconds: float
 
     def sentence(self) -> str:
-        said = f"stage {self.index + 1} of {len(STAGES)}: {self.stage}" + (f" ({self.detail})" if self.detail else "")
+        said = (f"stage {self.index} of {len(STAGES) - 1}: " if self.index else "") + self.stage  # 0: waiting
+        said += f" ({self.detail})" if self.detail else ""
         if self.statement is not None:
             said += f", this statement {self.statement:.0%} done by DuckDB's estimate"
         return said + f"; {self.seconds:,.0f} s so far"
@@ -55,7 +58,7 @@ def _fraction(index: int, stage: str, statement: float | None) -> float:
     """Stages done, plus the running statement's share of its stage where the stage is one statement
     (a stage of rounds does not know how many rounds it has left)."""
     within = statement if statement is not None and stage not in explain_sql.ROUNDS else 0.0
-    return min(1.0, (index + within) / len(STAGES))
+    return min(1.0, max(0, index - 1 + within) / (len(STAGES) - 1))  # stage 0, waiting, is no share of the work
 
 
 class ExplainJob:
@@ -67,7 +70,7 @@ class ExplainJob:
         self.contradictions: str | None = None  # once done: what the capture contradicts, said (None: nothing)
         self._done = threading.Event()
         self._lock = threading.Lock()  # guards the stage and the connection a statement runs on
-        self._stage, self._detail = STAGES[0], ""
+        self._stage, self._detail = STAGES[1], ""  # STAGES[0] is waiting for another process, if ever
         self._con: duckdb.DuckDBPyConnection | None = None
         self._started = time.monotonic()
         self._shown = 0.0  # the largest fraction said so far: a bar does not go back
