@@ -242,8 +242,24 @@ def test_bench_repeats_interleaved_and_reports_medians(tmp_path):
     assert float(observed.split("|")[3]) > 0 and "x generate_batch alone" in text
     runs = [line for line in p.stderr.splitlines() if "(runs:" in line]
     assert len(runs) == len(PEERS) and all(line.count(",") == 2 for line in runs)
+    assert "recording runs at" in text and "x inspect + oracle" in text
     bad = kvviz("bench", "--model", "tiny-llama", "--sizes", "2", "--cases", "nothing")
     assert bad.returncode == 2 and "matches no case" in bad.stderr
+
+
+@pytest.mark.slow
+def test_bench_measures_only_the_peers_asked_for(tmp_path):
+    """--peers oracle,recorder: the recorder's cost over the oracle path, without the other five peers."""
+    out = tmp_path / "b.md"
+    p = kvviz("bench", "--model", "tiny-llama", "--sizes", "2", "--new-tokens", "2", "--cases", "uniform",
+              "--peers", "oracle,recorder", "--out", str(out))
+    assert p.returncode == 0, p.stderr
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| uniform-2 |")]
+    assert [r.split("|")[2].strip() for r in rows] == ["kvviz inspect + oracle", "kvviz inspect + oracle + recorder"]
+    assert all(r.split("|")[4].strip() == "" for r in rows), "no generate measured: no ratio to it"
+    assert "recording runs at" in out.read_text() and "generate_batch alone" not in out.read_text()
+    bad = kvviz("bench", "--model", "tiny-llama", "--sizes", "2", "--peers", "oracle,vllm")
+    assert bad.returncode == 2 and "no peer 'vllm'" in bad.stderr and "recorder" in bad.stderr
 
 
 def test_bench_sessions_runs_four_at_once_and_one_after_another():

@@ -203,22 +203,24 @@ PEERS: dict[str, Callable[[LoadedModel, BenchCase], Measurement]] = {
     "hf generate_batch": run_generate_batch,
     "transformers backend + oracle": run_hf_observed,
 }
+PEER_NAMES = dict(zip(("fast", "inspect", "oracle", "recorder", "generate", "generate_batch", "transformers"), PEERS,
+                      strict=True))  # what `bench --peers` takes
 
 
 def run_bench(model: LoadedModel, sizes: list[int], new_tokens: int, progress: Callable[[str], None] = print,
-              repeat: int = 1, only: set[str] | None = None) -> list[Measurement]:
-    """Every peer on every case (`only`: cases whose name starts with one of these). With repeat > 1
-    the peers take turns, in a rotated order each round, and each reports its median run: on a noisy
-    machine that compares like with like."""
+              repeat: int = 1, only: set[str] | None = None, peers: list[str] | None = None) -> list[Measurement]:
+    """Every peer (or `peers`, names of PEERS) on every case (`only`: cases whose name starts with one of
+    these). With repeat > 1 the peers take turns, in a rotated order each round, and each reports its
+    median run: on a noisy machine that compares like with like."""
+    names = peers or list(PEERS)
     warm = BenchCase("warm-up", [[101, 102, 103, 104]] * 2, 2)
-    for fn in PEERS.values():
-        fn(model, warm)
+    for peer in names:
+        PEERS[peer](model, warm)
     out = []
     for case in cases(model.config.vocab_size, sizes, new_tokens):
         if only and not any(case.name.startswith(o) for o in only):
             continue
-        runs: dict[str, list[Measurement]] = {peer: [] for peer in PEERS}
-        names = list(PEERS)
+        runs: dict[str, list[Measurement]] = {peer: [] for peer in names}
         for i in range(repeat):
             for peer in names[i % len(names):] + names[:i % len(names)]:
                 runs[peer].append(PEERS[peer](model, case))
@@ -226,7 +228,7 @@ def run_bench(model: LoadedModel, sizes: list[int], new_tokens: int, progress: C
             out.append(sorted(measured, key=lambda r: r.tokens_per_second)[len(measured) // 2])
             spread = "" if repeat == 1 else " (runs: " + ", ".join(f"{r.tokens_per_second:.1f}" for r in measured) + ")"
             progress(f"{case.name:>18}  {peer:<20} {out[-1].tokens_per_second:8.1f} tok/s{spread}")
-        if case.name.startswith("shared"):
+        if case.name.startswith("shared") and "kvviz fast" in names:
             out.append(run_kvviz(model, case, "fast", prefix_caching=False))
             progress(f"{case.name:>18}  {out[-1].peer:<20} prefill computed {out[-1].prefill_computed}")
     return out
@@ -282,25 +284,38 @@ def report(model: LoadedModel, results: list[Measurement], sizes: list[int], new
         ttft = "" if r.ttft is None else f"{1000 * r.ttft:.1f}"
         tpot = "" if r.tpot is None else f"{1000 * r.tpot:.1f}"
         decode = "" if r.decode_step is None else f"{1000 * r.decode_step:.1f}"
-        lines.append(f"| {r.case} | {r.peer} | {r.tokens_per_second:.1f} | "
-                     f"{r.tokens_per_second / base[r.case]:.2f} | {ttft} | {tpot} | {decode} | {computed} |")
+        ratio = f"{r.tokens_per_second / base[r.case]:.2f}" if r.case in base else ""
+        lines.append(f"| {r.case} | {r.peer} | {r.tokens_per_second:.1f} | {ratio} | {ttft} | {tpot} | {decode} "
+                     f"| {computed} |")
     for case in sorted({r.case for r in results}):
-        plain = next(r for r in results if r.case == case and r.peer == "kvviz inspect")
-        checked = next(r for r in results if r.case == case and r.peer == "kvviz inspect + oracle")
-        lines.append(f"\n{case}: the oracle on every layer makes inspect "
-                     f"{100 * (plain.tokens_per_second / checked.tokens_per_second - 1):.0f}% slower.")
-        alone = next(r for r in results if r.case == case and r.peer == "hf generate_batch")
-        seen = next(r for r in results if r.case == case and r.peer.startswith("transformers backend"))
-        lines.append(f"{case}: transformers' continuous batching observed by the oracle on every layer runs at "
-                     f"{seen.tokens_per_second / alone.tokens_per_second:.2f}x generate_batch alone.")
-        lines.append(_where_fast_gains(case, next(r for r in results if r.case == case and r.peer == "kvviz fast"),
-                                       next(r for r in results if r.case == case and r.peer == "hf generate"),
-                                       new_tokens))
+        lines.append("")
+        lines += _ratios(case, {r.peer: r for r in results if r.case == case}, new_tokens)
     lines.append(f"\nDuckDB ingest of attention rows: {ingest_rate() / 1e6:.1f} million weights per second "
                  "(Arrow list columns, one INSERT).")
-    for case in sorted({r.case for r in results if r.case.startswith("shared")}):
+    for case in sorted({r.case for r in results if r.case.startswith("shared") and r.peer == "kvviz fast"}):
         on = next(r for r in results if r.case == case and r.peer == "kvviz fast").prefill_computed
         off = next(r for r in results if r.case == case and r.peer.endswith("(no prefix cache)")).prefill_computed
         lines.append(f"\n{case}: prefix caching computes {on} prefill tokens instead of {off} "
                      f"({100 * (1 - on / off):.0f}% fewer).")
     return "\n".join(lines) + "\n"
+
+
+def _ratios(case: str, peer: dict[str, Measurement], new_tokens: int) -> list[str]:
+    """The case's sentences, each said when both of its peers were measured."""
+    said = []
+    if {"kvviz inspect", "kvviz inspect + oracle"} <= peer.keys():
+        plain, checked = peer["kvviz inspect"], peer["kvviz inspect + oracle"]
+        said.append(f"{case}: the oracle on every layer makes inspect "
+                    f"{100 * (plain.tokens_per_second / checked.tokens_per_second - 1):.0f}% slower.")
+    if {"kvviz inspect + oracle", "kvviz inspect + oracle + recorder"} <= peer.keys():
+        checked, recorded = peer["kvviz inspect + oracle"], peer["kvviz inspect + oracle + recorder"]
+        said.append(f"{case}: recording runs at {recorded.tokens_per_second / checked.tokens_per_second:.2f}x "
+                    "inspect + oracle.")
+    seen = next((m for name, m in peer.items() if name.startswith("transformers backend")), None)
+    if seen is not None and "hf generate_batch" in peer:
+        said.append(f"{case}: transformers' continuous batching observed by the oracle on every layer runs at "
+                    f"{seen.tokens_per_second / peer['hf generate_batch'].tokens_per_second:.2f}x generate_batch "
+                    "alone.")
+    if {"kvviz fast", "hf generate"} <= peer.keys():
+        said.append(_where_fast_gains(case, peer["kvviz fast"], peer["hf generate"], new_tokens))
+    return said

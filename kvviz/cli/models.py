@@ -25,7 +25,7 @@ def cmd_fetch_model(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     """Throughput against transformers' generate and generate_batch (or memory utilisation, the sharing
     sweep, many sessions), as a markdown table."""
-    from ..bench.throughput import CASES, report, run_bench
+    from ..bench.throughput import CASES, PEER_NAMES, report, run_bench
     from ..models import load_model
 
     given = args.sizes or ("32" if args.memory or args.serve else "8" if args.sharing_sweep else "8,32")
@@ -44,6 +44,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     only = {c.strip() for c in args.cases.split(",") if c.strip()} if args.cases else None
     if only and not any(case.startswith(o) for o in only for case in CASES):
         return fail(f"--cases {args.cases!r} matches no case; the cases are {', '.join(CASES)}")
+    peers = [p.strip() for p in args.peers.split(",") if p.strip()] if args.peers else None
+    unknown = [p for p in peers or () if p not in PEER_NAMES]
+    if unknown:
+        return fail(f"--peers: no peer {unknown[0]!r}; the peers are {', '.join(PEER_NAMES)}")
     if args.sharing_sweep:
         from ..bench.sharing import NEW, PRIVATE
 
@@ -92,7 +96,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from ..bench.sessions import run_sessions, sessions_report
 
         return _write(sessions_report(model, run_sessions(model, args.sessions, args.repeat, progress=say)), args.out)
-    results = run_bench(model, sizes, args.new_tokens, progress=say, repeat=args.repeat, only=only)
+    results = run_bench(model, sizes, args.new_tokens, progress=say, repeat=args.repeat, only=only,
+                        peers=[PEER_NAMES[p] for p in peers] if peers else None)
     return _write(report(model, results, sizes, args.new_tokens, args.repeat), args.out)
 
 
@@ -136,6 +141,8 @@ def add_bench(sub: Subcommands) -> None:
     bench.add_argument("--repeat", type=int, default=1,
                        help="run every peer this many times, interleaved, and report medians (default 1)")
     bench.add_argument("--cases", help="only these cases, comma-separated: uniform, mixed, shared-system")
+    bench.add_argument("--peers", help="only these peers, comma-separated: fast, inspect, oracle, recorder, generate, "
+                                       "generate_batch, transformers (default: all)")
     what = bench.add_mutually_exclusive_group()
     what.add_argument("--sessions", type=int, metavar="N",
                       help="instead: N sessions recording scenarios at once vs one after another (many users)")
