@@ -7,8 +7,8 @@ from collections.abc import Iterable, Iterator
 import duckdb
 import pandas as pd
 
-from ..models.byte_level import whole_characters
 from ..store.token_text import label_bytes
+from ..util.byte_level import whole_characters
 
 
 def token_texts(con: duckdb.DuckDBPyConnection, run_id: str) -> dict[int, str]:

@@ -10,7 +10,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, PreTrainedTokenizerFast
 
-from .byte_level import CHAR_TO_BYTE
+from ..util.byte_level import CHAR_TO_BYTE
 
 EOS = "<|endoftext|>"
 VOCAB_SIZE = 257  # 256 bytes + EOS

@@ -9,7 +9,7 @@ import torch
 
 from ..engine.attention import AttentionGroup
 from ..engine.observer import StepContext
-from ..models.byte_level import whole_characters
+from ..util.byte_level import whole_characters
 
 
 @dataclass(frozen=True)

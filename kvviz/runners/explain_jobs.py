@@ -189,7 +189,8 @@ def _stop_all() -> None:
     DuckDB as the interpreter goes aborts the process ("exception not rethrown"), seen once at exit."""
     with _registry:
         jobs = list(_jobs.values())
-    for job in jobs:
-        job.stop()
-    for job in jobs:
-        job._thread.join(timeout=STOP_S)
+    until = time.monotonic() + STOP_S
+    for job in jobs:  # interrupted again and again: a job between two statements starts the next one
+        while job._thread.is_alive() and time.monotonic() < until:
+            job.stop()
+            job._thread.join(timeout=0.05)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from ..models.byte_level import CHAR_TO_BYTE
+from ..util.byte_level import CHAR_TO_BYTE
 
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's spelling of a raw byte
 _ESCAPED = re.compile(r"(?:\\x[0-9a-f]{2})+")  # what a bytes decode with backslashreplace leaves
