@@ -290,3 +290,50 @@ def test_the_seed_table_merges_a_request_s_byte_pieces_by_position_when_its_bloc
     probe.weights = [KeyWeight(slot[p], "A", p, t, 0.1) for p, t in enumerate(ids)]
     probe.weights.append(KeyWeight(40, "B", 0, ids[0], 0.05))
     assert probe.table(tok).splitlines() == ["       A | '红' 0.30  ' ' 0.10  '橙' 0.30", "       B | '\ufffd' 0.05"]
+
+
+def test_an_own_key_read_twice_is_a_duplicate_and_the_request_beside_it_in_the_step_is_clean():
+    """Two groups in one step, the larger judged first (the oracle's buffers are reused for the smaller):
+    B's last query weighs its own last key twice (its slot twice on the key axis), A's queries weigh
+    only their own keys, with unwritten slots on the axis at weight 0."""
+    from kvviz.engine.attention import AttentionGroup
+    from kvviz.engine.hashing import prefix_ids
+    from kvviz.engine.observer import StepContext
+    from kvviz.engine.plan import ScheduledWork
+    from kvviz.engine.provenance import SlotProvenance
+
+    prov, tokens = SlotProvenance(16), {"A": [7, 8, 9], "B": [4, 5, 6]}
+    ids = {rid: prefix_ids(t) for rid, t in tokens.items()}
+    for rid, base in (("A", 0), ("B", 4)):
+        for j, tok in enumerate(tokens[rid]):
+            prov.record(base + j, ids[rid][j], j, tok, rid, None, 1)
+    ctx = StepContext(
+        0,
+        [ScheduledWork(rid, 0, tokens[rid], [b]) for rid, b in (("A", 0), ("B", 1))],
+        torch.tensor([0, 0, 0, 1, 1, 1]),
+        torch.tensor([0, 1, 2] * 2),
+        4,
+        prov,
+        [1] * 4,
+        [ids["A"], ids["B"]],
+        [None, None],
+    )
+
+    def group(start: int, slots: list[int], reads: list[list[int]]) -> tuple[AttentionGroup, torch.Tensor]:
+        mask = torch.tensor([[[k in row for k in range(len(slots))] for row in reads]])
+        probs = (mask / mask.sum(-1, keepdim=True)).float()[:, None].expand(1, 2, 3, len(slots)).contiguous()
+        return AttentionGroup(start, torch.tensor([slots]), mask), probs
+
+    a = group(0, [0, 1, 2, 3, 8, 9], [[0], [0, 1], [0, 1, 2]])  # slots 3, 8, 9 never written
+    b = group(3, [4, 5, 6, 6], [[0], [0, 1], [0, 1, 2, 3]])
+    oracle = ProvenanceOracle()
+    oracle.begin_step(ctx)
+    for layer in range(2):
+        for g, probs in (a, b):
+            oracle.on_attention(layer, g, probs)
+    oracle.end_step()
+    found = [(f.kind, f.request, f.position, f.mass) for f in oracle.findings]
+    assert found == [("duplicate", "B", 2, 1.0)]
+    # every visible own key counted once per head and layer: A 1+2+3, B 1+2+4
+    assert oracle.counts == {"own": 2 * 2 * (6 + 7), "foreign": 0, "stale": 0}
+    assert oracle.summary()["max_foreign_mass"] == 0.0

@@ -100,6 +100,7 @@ class _KeyClasses:
     q_pos: torch.Tensor  # [R, Q]
     writers: torch.Tensor  # [R, L] writer id of each key slot
     codes: torch.Tensor | None = None  # uint8 0 own / 1 foreign / 2 stale, made on first request
+    own_f: torch.Tensor | None = None  # own as float32 1/0, to count a row's visible own keys by a matrix product
 
 
 @dataclass
@@ -131,6 +132,7 @@ class ProvenanceOracle:
         self.classes: dict[int, _KeyClasses] = {}
         self.cross_read: dict[int, tuple[AttentionGroup, torch.Tensor]] = {}  # [R, Q, L] keys read, any layer
         self.kernel: dict[int, torch.Tensor] = {}  # layer -> [T, H] a weightless kernel's distance, in tolerances
+        self.scratch: dict[torch.dtype, torch.Tensor] = {}  # flat buffers every layer of the step reuses
 
     def key_classes(self, group: AttentionGroup) -> torch.Tensor:
         """[R, Q, L] uint8 per (query row, key): 0 own, 1 foreign, 2 stale (for recorders)."""
@@ -168,7 +170,9 @@ class ProvenanceOracle:
         else:
             bad = ~torch.isfinite(probs)
             p, nonfinite = torch.where(bad, 0.0, probs), bad.sum(-1)
-        leak = (p * k.not_own[:, None]).sum(-1)
+        # the [R, H, Q, L] products go to a buffer every layer reuses: a fresh one of that size each time
+        # costs more in page faults than the arithmetic; the values, and so the sums, are the same
+        leak = torch.mul(p, k.not_own[:, None], out=self._scratch(p.shape, p.dtype, p.device)).sum(-1)
         foreign_m, stale_m, source = zero, zero, zero.long()
         if bool((leak > 0).any()):
             foreign_w = p * k.foreign[:, None]
@@ -176,7 +180,11 @@ class ProvenanceOracle:
             source = self._top_writer(foreign_w, k.writers)
             self.counts["foreign"] += int((foreign_w > 0).sum())
             self.counts["stale"] += int(((p > 0) & (k.not_own & ~k.foreign)[:, None]).sum())
-        own_visible = ((p > 0) & k.own[:, None]).sum(-1)
+        # how many own keys each row weighs: a product of 1/0 floats, exact as counts below 2**24 are
+        if k.own_f is None:
+            k.own_f = k.own.float()
+        positive = torch.gt(p, 0, out=self._scratch(p.shape, torch.float32, p.device))
+        own_visible = torch.einsum("rhql,rql->rhq", positive, k.own_f).long()
         self.counts["own"] += int(own_visible.sum())
         cross_m = zero
         if k.cross is not None:
@@ -188,10 +196,18 @@ class ProvenanceOracle:
         def per_token(x: torch.Tensor) -> torch.Tensor:  # [R, H, Q] -> [R*Q, H] in packed order
             return x.permute(0, 2, 1).reshape(R * Q, H)
 
+        entropy = torch.special.entr(p, out=self._scratch(p.shape, p.dtype, p.device)).sum(-1)
         rows = _Layer(per_token(foreign_m), per_token(stale_m), per_token(torch.where(finite, total, 0) - leak),
                       per_token(cross_m), per_token(nonfinite), per_token(own_visible > k.q_pos[:, None] + 1),
-                      per_token(source), per_token(torch.special.entr(p).sum(-1)))
+                      per_token(source), per_token(entropy))
         self._store(layer, group, rows)
+
+    def _scratch(self, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A buffer of this shape, over memory kept for the rest of the step (grown when a group needs more)."""
+        n, buf = shape.numel(), self.scratch.get(dtype)
+        if buf is None or buf.numel() < n or buf.device != device:
+            buf = self.scratch[dtype] = torch.empty(n, dtype=dtype, device=device)
+        return buf[:n].view(shape)
 
     def on_kernel_check(self, layer: int, group: AttentionGroup, excess: torch.Tensor) -> None:
         """excess [R, H, Q]: how far a kernel that returns no weights is from the output of the weights
@@ -255,7 +271,7 @@ class ProvenanceOracle:
         for kind, values, limit, source in checks:
             self._findings(kind, values, limit, source, order, names)
         self._block_reads()
-        del self.layers, self.classes, self.cross_read, self.kernel
+        del self.layers, self.classes, self.cross_read, self.kernel, self.scratch
 
     def _block_reads(self) -> None:
         """Extend the cross-tenant reads the previous step had open and this one continued; open a
