@@ -486,6 +486,11 @@ def test_the_sql_quick_chart_plots_a_measure_not_a_layer_number(with_runs):
     at.selectbox(key="sql_example").set_value("Top leaking heads").run()
     at.button[0].click().run()
     assert at.selectbox(key="sql_y_1").value == "max_foreign_mass"
+    assert at.radio(key="sql_kind_1").value == "bar" and at.selectbox(key="sql_colour_1").value is None
+    shown = at.dataframe[0].value
+    assert shown.run_id.duplicated().any(), "several heads of one run: their bars stack"
+    assert charts(at)["sql_chart"]["layout"]["yaxis"]["title"]["text"] == \
+        "max_foreign_mass, summed over the rows of each run_id", "the stacked height is named as a sum"
     at.text_area(key="sql_text").input("SELECT * FROM (VALUES ('r', 3, 2, 7), ('s', 1, 0, 9)) t(run_id, layer, head, "
                                        "leak_rows)")  # no float: the first count that is not an identifier
     at.button[0].click().run()
@@ -502,6 +507,8 @@ def test_runs_page_compares_and_deletes(store, tmp_path, monkeypatch):
     at = page("runs")
     at.text_input(key="runs_ids").input(f"{faulty},{control}").run()
     assert any(d.value is not None for d in at.dataframe) and not at.exception
+    summary = next(d.value for d in at.dataframe if faulty in d.value.columns)
+    assert summary.loc["engine"].tolist() == ["kvviz", "kvviz"], "a kvviz run beside a transformers one says so"
     at.text_input(key="runs_ids").input(faulty).run()
     at.checkbox(key=f"runs_sure_{faulty}").check().run()
     at.button(key="runs_delete").click().run()

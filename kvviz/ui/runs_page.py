@@ -75,8 +75,8 @@ def _compare(a: str, b: str) -> None:
         over = {r: leaks.leak_over_time(con, r) for r in (a, b)}
         found = {r: leaks.findings(con, r) for r in (a, b)}
         texts = {r: runs.requests_frame(con, r).set_index("request_id").text for r in (a, b)}
-    summary = pd.DataFrame({r: info[r][["status", "model", "scenario", "fault", "steps", "tokens", "leak_rate",
-                                         "max_foreign_mass", "findings"]] for r in (a, b)})
+    summary = pd.DataFrame({r: info[r][["status", "model", "engine", "scenario", "fault", "steps", "tokens",
+                                         "leak_rate", "max_foreign_mass", "findings"]] for r in (a, b)})
     st.dataframe(summary.astype(str), width="stretch")
     measured = [o.assign(request_id=o.request_id + f" ({r})") for r, o in over.items() if not o.empty]
     if measured:  # captures have no leak metrics

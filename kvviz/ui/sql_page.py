@@ -118,6 +118,9 @@ def _result(df: pd.DataFrame, truncated: bool) -> None:
             fig = chart(df.head(5000), x=x, y=y, color=colour)  # markers: a series of one point still shows
             if (df[y].dropna() >= 0).all():
                 fig.update_yaxes(rangemode="tozero")  # all zeros at the bottom, not mid -1..1
+            if kind == "bar" and colour is None and df[x].duplicated().any():
+                # plotly stacks the rows that share an x: 20 heads' max masses read as one mass of 11
+                fig.update_yaxes(title=f"{y}, summed over the rows of each {x}")
             st.plotly_chart(fig, width="stretch", key="sql_chart")
 
 
