@@ -646,10 +646,12 @@ def test_delete_run_clears_every_table_and_keeps_other_runs(tmp_path):
     cap = uploads.import_file(capture_file(tmp_path)[0], RunStore.open(db))
     with RunStore.open(db).read() as con:
         tables = runs.run_tables(con)
-    assert {"runs", "requests", "attention", "slot_writes", "blocks", "block_events", "page_tables", "leak_metrics",
-            "findings", "kv_event_rows", "capture_sources", "token_text", "steps", "step_work"} <= set(tables)
+    assert {"runs", "requests", "attention_rows", "attention_keys", "slot_writes", "blocks", "block_events",
+            "page_tables", "leak_metrics", "findings", "kv_event_rows", "capture_sources", "token_text", "steps",
+            "step_work"} <= set(tables)
     before_doomed, before_kept, before_cap = counts(db, doomed), counts(db, kept), counts(db, cap)
-    assert before_doomed["attention"] > 0 and before_doomed["findings"] > 0 and before_cap["capture_sources"] == 1
+    assert before_doomed["attention_rows"] > 0 and before_doomed["attention_keys"] > 0
+    assert before_doomed["findings"] > 0 and before_cap["capture_sources"] == 1
     runs.delete_run(RunStore.open(db), doomed)
     assert all(n == 0 for n in counts(db, doomed).values())
     assert counts(db, kept) == before_kept and counts(db, cap) == before_cap

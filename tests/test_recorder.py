@@ -8,9 +8,7 @@ import functools
 import threading
 import time
 
-import numpy as np
 import pytest
-import torch
 
 from kvviz.catalogue.scenarios import SCENARIOS
 from kvviz.engine import Engine
@@ -134,23 +132,25 @@ def test_a_run_stopped_midway_leaves_a_readable_database_with_the_run_marked(tmp
                      else "RuntimeError: power cut")
 
 
-def test_attention_cells_found_once_per_query_match_the_per_head_pass():
-    """The usual case (no weight outside what a query could see) takes the per-query pass: the same
-    rows, slots, weights and classes, in the same order, as the per-head pass it replaces."""
-    from kvviz.store.attention import _cells_per_head, _cells_per_query
+def test_keys_written_once_per_query_read_back_as_the_rows_that_hold_their_own(tmp_path, monkeypatch):
+    """The usual case (no weight outside what a query could see) writes each query's keys once and its
+    rows without them; the `attention` view joins them back to exactly the rows the per-head pass (which
+    keeps each row's own keys, as a fault needs) writes for the same run."""
+    from kvviz.runners.recorded import record_run
+    from kvviz.store.attention import AttentionRecorder
 
-    gen = torch.Generator().manual_seed(0)
-    R, H, Q, L = 3, 4, 5, 9
-    visible = torch.rand(R, Q, L, generator=gen) > 0.4
-    visible[1] = False  # a request whose rows are not kept
-    probs = torch.rand(R, H, Q, L, generator=gen) * visible[:, None]
-    rows = torch.cat([probs.mean(1, keepdim=True), probs], 1)
-    slots = torch.randint(0, 100, (R, L), generator=gen)
-    classes = torch.randint(0, 3, (R, Q, L), generator=gen, dtype=torch.uint8)
-    for n_heads in (1, H + 1):
-        kept = rows[:, :n_heads]
-        lengths, cell_slots, cell_classes = _cells_per_query(visible, n_heads, slots, classes)
-        got = lengths, cell_slots, kept.masked_select(visible[:, None]).float().numpy(), cell_classes
-        want = _cells_per_head(visible[:, None].expand(R, n_heads, Q, L).contiguous(), kept, slots, classes)
-        assert all(g.dtype == w.dtype and np.array_equal(g, w) for g, w in zip(got, want, strict=True))
-        assert len(got[1]) == int(visible.sum()) * n_heads > 0
+    def recorded(name: str) -> tuple[list, int, int]:
+        store = RunStore.open(tmp_path / f"{name}.duckdb")
+        record_run(store, tiny(), workload())
+        with store.read() as con:
+            rows = con.execute("SELECT step, layer, head, request_id, position, key_slots, weights, key_classes "
+                               "FROM attention ORDER BY ALL").fetchall()
+            shared, keys = con.execute("SELECT count(*) FILTER (key_slots IS NULL), (SELECT count(*) FROM "
+                                       "attention_keys) FROM attention_rows").fetchone()
+        return rows, shared, keys
+
+    split, shared, keys = recorded("split")
+    monkeypatch.setattr(AttentionRecorder, "_sees_only_visible", staticmethod(lambda group, rows: False))
+    whole, whole_shared, whole_keys = recorded("whole")
+    assert split == whole and len(split) == shared > keys > 0
+    assert whole_shared == whole_keys == 0

@@ -436,6 +436,34 @@ def test_a_version_1_store_is_upgraded_in_place_and_keeps_its_runs(tmp_path):
         assert con.execute("SELECT count(*) FROM runs").fetchone()[0] == runs_before == 1
 
 
+def test_a_version_12_store_keeps_its_whole_attention_rows_and_records_new_ones_split(tmp_path):
+    """Version 12 kept every row's keys in the table `attention`: the upgrade renames it to
+    attention_rows, under the view that joins attention_keys, and the old rows read as before."""
+    db = tmp_path / "v12.duckdb"
+    record(db, "boundary", "boundary")
+    con = duckdb.connect(str(db))
+    (old,) = con.execute("SELECT run_id FROM runs").fetchone()
+    want = con.execute("SELECT * FROM attention ORDER BY ALL").fetchall()
+    con.execute("CREATE TABLE whole AS SELECT * FROM attention")
+    con.execute("DROP VIEW attention")
+    con.execute("DROP TABLE attention_rows")
+    con.execute("DROP TABLE attention_keys")
+    con.execute("ALTER TABLE whole RENAME TO attention")
+    con.execute("UPDATE meta SET value = '12' WHERE key = 'schema_version'")
+    con.close()
+    record(db, "boundary", "boundary")
+    with RunStore.open(db).read() as con:
+        (new,) = con.execute("SELECT run_id FROM runs WHERE run_id <> ?", [old]).fetchone()
+        assert con.execute("SELECT * FROM attention WHERE run_id = ? ORDER BY ALL", [old]).fetchall() == want
+        assert con.execute("SELECT count(*) FILTER (key_slots IS NULL), count(*) FROM attention_rows WHERE run_id = ?",
+                           [old]).fetchone()[0] == 0
+        shared, rows = con.execute("SELECT count(*) FILTER (key_slots IS NULL), count(*) FROM attention_rows WHERE "
+                                   "run_id = ?", [new]).fetchone()
+        assert 0 < shared == rows
+        assert con.execute("SELECT count(*) FROM attention WHERE run_id = ? AND key_slots IS NULL",
+                           [new]).fetchone()[0] == 0
+
+
 def test_only_the_run_store_opens_the_file():
     """RunStore owns every connection: no other module of kvviz calls duckdb.connect."""
     openers = [str(p.relative_to(ROOT)) for p in (ROOT / "kvviz").rglob("*.py")

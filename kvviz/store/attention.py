@@ -6,6 +6,11 @@ the head mean of every layer and all heads of three layers (first, middle, last)
 heads of any layer where the oracle saw a leak in that step (so every finding's head can be shown);
 keys a query could not see and gave no weight are dropped. Rows are buffered as flat arrays with offsets
 and become Arrow list columns without a Python loop per row.
+
+The keys a query could see are the same in every layer and head, so they are written once per query
+(attention_keys) and its rows hold only their weights (null key lists; the store's `attention` view
+joins them back). A row keeps its own keys only where its head put weight on a key its query could not
+see (a fault), since its cells then differ from its query's.
 """
 
 from __future__ import annotations
@@ -34,8 +39,8 @@ class _Cells:
     row: np.ndarray
     position: np.ndarray
     lengths: np.ndarray
-    slots: np.ndarray
-    classes: np.ndarray
+    slots: np.ndarray | None  # None: the rows read their query's keys, recorded once in attention_keys
+    classes: np.ndarray | None
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,7 @@ class AttentionRecorder:
         self.wanted = torch.tensor([sel.requests is None or n in sel.requests for n in self.names],
                                    device=ctx.q_row.device)  # per request of the step, for every layer
         self.layouts: dict[tuple[int, int], _Cells] = {}  # (group, heads kept) -> its cells this step
+        self.keyed: dict[int, torch.Tensor] = {}  # group -> its queries' key counts [R, Q], keys recorded
 
     def on_attention(self, layer: int, group: AttentionGroup, probs: torch.Tensor) -> None:
         if self.skip:
@@ -81,7 +87,7 @@ class AttentionRecorder:
         qr = self.ctx.q_row[group.span].view(R, Q)
         if not bool(self.wanted[qr].any()):
             return
-        if bool(((rows > 0) & ~group.mask[:, None]).any()):  # weight on keys a query could not see (a fault)
+        if not self._sees_only_visible(group, rows):
             cells, weights = self._cells_per_head(group, heads, rows)
         else:  # every head keeps the keys its query could see: the cells are the layer's, not the head's
             cells = self._layout(group, heads)
@@ -89,6 +95,11 @@ class AttentionRecorder:
         self.chunks.append({"step": self.ctx.step, "layer": layer, "head": cells.head, "row": cells.row,
                             "position": cells.position, "lengths": cells.lengths, "slots": cells.slots,
                             "weights": weights, "classes": cells.classes, "names": self.names})
+
+    @staticmethod
+    def _sees_only_visible(group: AttentionGroup, rows: torch.Tensor) -> bool:
+        """No weight on a key the query could not see (which a fault gives): the rows share their keys."""
+        return not bool(((rows > 0) & ~group.mask[:, None]).any())
 
     def _rows(self, group: AttentionGroup, heads: list[int]) -> tuple[np.ndarray, ...]:
         """The kept rows of a group as (request, head, query) arrays: which to keep, head, row, position."""
@@ -108,10 +119,26 @@ class AttentionRecorder:
             keep, head, row, position = self._rows(group, heads)
             qr = self.ctx.q_row[group.span].view(group.mask.shape[:2])
             visible = group.mask & self.wanted[qr][..., None]  # [R, Q, L]
-            lengths, slots, classes = _cells_per_query(visible, len(heads), group.key_slots,
-                                                       self.oracle.key_classes(group))
-            self.layouts[key] = _Cells(group, visible, head, row, position, lengths[keep], slots, classes)
+            per_query = self._keys(group, visible, qr)
+            lengths = per_query[:, None].expand(-1, len(heads), -1).reshape(-1).cpu().numpy()[keep]
+            self.layouts[key] = _Cells(group, visible, head, row, position, lengths, None, None)
         return self.layouts[key]
+
+    def _keys(self, group: AttentionGroup, visible: torch.Tensor, qr: torch.Tensor) -> torch.Tensor:
+        """The keys each kept query of the group could see, recorded once per step (an attention_keys
+        chunk); returns the count per query [R, Q]."""
+        if id(group) not in self.keyed:
+            per_query = self.keyed[id(group)] = visible.sum(-1)
+            r, q, k = visible.nonzero(as_tuple=True)  # in (request, query, key) order
+            kept = self.wanted[qr].reshape(-1).cpu().numpy()
+            R, Q = qr.shape
+            self.chunks.append({
+                "keys": True, "step": self.ctx.step, "row": qr.reshape(-1).cpu().numpy()[kept],
+                "position": self.ctx.q_pos[group.span].reshape(-1).cpu().numpy()[kept],
+                "lengths": per_query.reshape(-1).cpu().numpy()[kept], "names": self.names,
+                "slots": group.key_slots[r, k].to(torch.int32).cpu().numpy(),
+                "classes": self.oracle.key_classes(group)[r, q, k].cpu().numpy()})
+        return self.keyed[id(group)]
 
     def _cells_per_head(self, group: AttentionGroup, heads: list[int], rows: torch.Tensor
                         ) -> tuple[_Cells, np.ndarray]:
@@ -142,45 +169,53 @@ def _cells_per_head(keep: torch.Tensor, rows: torch.Tensor, key_slots: torch.Ten
             rows.reshape(-1)[idx].float().cpu().numpy(), classes.reshape(-1)[(r * Q + q) * L + k].cpu().numpy())
 
 
-def _cells_per_query(visible: torch.Tensor, n_heads: int, key_slots: torch.Tensor,
-                     classes: torch.Tensor) -> tuple[np.ndarray, ...]:
-    """Row lengths, key slots and classes of the cells when every head keeps the keys its query could
-    see: found once per query over [R, Q, L] and each request's repeated for its heads, in
-    (request, head, query, key) order, the order of the weights' masked_select."""
-    R = visible.shape[0]
-    per_query = visible.sum(-1)  # [R, Q]
-    r, q, k = visible.nonzero(as_tuple=True)  # in (request, query, key) order
-    slots, key_classes = key_slots[r, k].to(torch.int32).cpu().numpy(), classes[r, q, k].cpu().numpy()
-    if n_heads > 1:
-        per_request = per_query.sum(1).cpu().numpy()
-        spans = list(zip(np.cumsum(per_request) - per_request, np.cumsum(per_request), strict=True))
-        slots = np.concatenate([np.tile(slots[s:e], n_heads) for s, e in spans])
-        key_classes = np.concatenate([np.tile(key_classes[s:e], n_heads) for s, e in spans])
-    return per_query[:, None].expand(R, n_heads, -1).reshape(-1).cpu().numpy(), slots, key_classes
+def attention_tables(chunks: list[dict], run_id: str) -> dict[str, pa.Table]:
+    """Captured chunks as Arrow tables: `attention` rows (null key lists where they read their query's
+    keys) and `attention_keys`."""
+    rows = [c for c in chunks if "keys" not in c]
+    keys = [c for c in chunks if "keys" in c]
+    out = {}
+    if rows:
+        out["attention"] = _table(rows, run_id, ("layer", "head"), weights=True)
+    if keys:
+        out["attention_keys"] = _table(keys, run_id, (), weights=False)
+    return out
 
 
-def attention_table(chunks: list[dict], run_id: str) -> pa.Table | None:
-    """Captured chunks as one Arrow table for the `attention` table."""
-    if not chunks:
-        return None
-    cols: dict[str, list] = {k: [] for k in ("step", "layer", "head", "request_id", "position")}
-    lengths, slots, weights, classes = [], [], [], []
+def _table(chunks: list[dict], run_id: str, per_chunk: tuple[str, ...], weights: bool) -> pa.Table:
+    """Chunks of rows (flat cells with a length per row) as one table; a chunk without slots gives its
+    rows null key lists."""
+    cols: dict[str, list] = {k: [] for k in ("step", *per_chunk, "request_id", "position")}
+    lengths, key_lengths, slots, classes, values = [], [], [], [], []
     for c in chunks:
-        n = len(c["head"])
+        n = len(c["row"])
         cols["step"].append(np.full(n, c["step"], np.int32))
-        cols["layer"].append(np.full(n, c["layer"], np.int32))
-        cols["head"].append(c["head"].astype(np.int32))
+        for k in per_chunk:
+            cols[k].append(np.full(n, c[k], np.int32) if k == "layer" else c[k].astype(np.int32))
         cols["request_id"].append(np.array(c["names"], dtype=object)[c["row"]])
         cols["position"].append(c["position"].astype(np.int32))
         lengths.append(c["lengths"])
-        slots.append(c["slots"])
-        weights.append(c["weights"])
-        classes.append(c["classes"])
-    offsets = np.concatenate([[0], np.cumsum(np.concatenate(lengths))]).astype(np.int32)
-    n_rows = len(offsets) - 1
-    table = {"run_id": pa.array([run_id] * n_rows)}
+        if weights:
+            values.append(c["weights"])
+        own = c["slots"] is not None
+        key_lengths.append(c["lengths"] if own else np.zeros(n, np.int64))
+        if own:
+            slots.append(c["slots"])
+            classes.append(c["classes"])
+    table = {"run_id": pa.array([run_id] * sum(len(x) for x in lengths))}
     table.update({k: pa.array(np.concatenate(v)) for k, v in cols.items()})
-    table["key_slots"] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate(slots)))
-    table["weights"] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate(weights)))
-    table["key_classes"] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate(classes)))
+    shared = pa.array(np.concatenate([np.full(len(c["row"]), c["slots"] is None) for c in chunks]))
+    key_offsets = pa.array(_offsets(key_lengths))
+    table["key_slots"] = pa.ListArray.from_arrays(key_offsets, _flat(slots, np.int32), mask=shared)
+    if weights:
+        table["weights"] = pa.ListArray.from_arrays(pa.array(_offsets(lengths)), _flat(values, np.float32))
+    table["key_classes"] = pa.ListArray.from_arrays(key_offsets, _flat(classes, np.uint8), mask=shared)
     return pa.table(table)
+
+
+def _offsets(lengths: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(np.concatenate(lengths))]).astype(np.int32)
+
+
+def _flat(parts: list[np.ndarray], dtype) -> pa.Array:
+    return pa.array(np.concatenate(parts) if parts else np.zeros(0, dtype))

@@ -14,7 +14,9 @@ raised on the engine's thread at its next step, as a StoreError.
 from __future__ import annotations
 
 import json
+import os
 import queue
+import sys
 import threading
 import time
 from collections import defaultdict
@@ -31,7 +33,7 @@ from ..engine import RequestResult, StepRecord
 from ..engine.hashing import hash_to_u64
 from ..errors import KvvizError, StoreError
 from . import schema
-from .attention import AttentionRecorder, attention_table
+from .attention import AttentionRecorder, attention_tables
 from .run_store import RunStore
 from .token_text import token_label
 
@@ -40,8 +42,11 @@ if TYPE_CHECKING:
     from ..oracle.provenance import Finding, StepLeak
     from ..oracle.reference import Divergence
 
-QUEUE_STEPS = 4  # steps handed over and not yet turned into rows before the engine waits for the writer
+QUEUE_STEPS = 16  # steps handed over and not yet turned into rows before the engine waits for the writer
 _STOP = None  # what the queue holds last: the writer thread ends
+# The writer's nice value: about a tenth of a core's share against the engine's threads, enough to stay
+# out of the forward's way yet not to starve behind other busy processes (19 would give it a seventieth).
+WRITER_NICE = 10
 
 
 class RunRecorder:
@@ -145,6 +150,7 @@ class RunRecorder:
     def _drain(self) -> None:
         """Do the work handed over, in order; after a failure only take it off the queue (the engine
         must never wait on a writer that has stopped)."""
+        _yield_to_the_engine()
         while (work := self._queue.get()) is not _STOP:
             self._do(work, catch=BaseException)
 
@@ -252,8 +258,7 @@ class RunRecorder:
         tables = {t: schema.arrow_table(t, cols) for t, cols in self.rows.items() if cols}
         if (oracle := self._oracle_table()) is not None:
             tables["leak_metrics"] = oracle
-        if (attention := attention_table(self._chunks, self.run_id)) is not None:
-            tables["attention"] = attention
+        tables.update(attention_tables(self._chunks, self.run_id))
         self.rows.clear()
         self._metrics, self._chunks = [], []
         self._pending, self._flushed_at = 0, time.monotonic()
@@ -336,6 +341,18 @@ class RunRecorder:
         with self.store.write() as con:
             con.execute("UPDATE runs SET status = 'failed', error = ? WHERE run_id = ?",
                         [failure_reason(error), self.run_id])
+
+
+def _yield_to_the_engine() -> None:
+    """Run this thread (and the DuckDB workers it starts) at a low priority: on a machine whose cores
+    the model's forward fills, the writer then takes the time the engine leaves (and the engine waits for
+    it only when the queue is full). Linux sets a nice value per thread; elsewhere it would be the
+    process's, so nothing is changed there."""
+    if sys.platform == "linux":
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+        except OSError:
+            pass  # not allowed here: the writer runs at the engine's priority, as before
 
 
 def failure_reason(error: BaseException) -> str:

@@ -207,7 +207,7 @@ class RunStore:
             raise StoreError(str(e)) from None
         con.register("_kvviz_rows", rows)
         try:
-            con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM _kvviz_rows")
+            con.execute(f"INSERT INTO {schema.TABLES[table].base} BY NAME SELECT * FROM _kvviz_rows")
         finally:
             con.unregister("_kvviz_rows")
 

@@ -13,7 +13,9 @@ host_blocks), adapters and disaggregated prefill (kv_transfers), version 8 what 
 last_step), version 11 the timing audits' verdicts and controls, version 12 the engine that ran each run
 (runs.backend: kvviz's own or transformers' continuous batching; older engine runs are kvviz's) and
 block_lifetimes per block of an engine run (two blocks can hold one hash) ended by a reset
-(block_events kind clear); older files are upgraded in place by the idempotent DDL.
+(block_events kind clear), version 13 the keys each recorded query could see written once
+(attention_keys) instead of in each of its rows (attention_rows; `attention` is the view that joins
+them back); older files are upgraded in place by the idempotent DDL.
 """
 
 from __future__ import annotations
@@ -24,9 +26,9 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 
-SCHEMA_VERSION = "12"
+SCHEMA_VERSION = "13"
 # Versions whose files the idempotent DDL brings up to date.
-UPGRADABLE = {"1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11"}
+UPGRADABLE = {"1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12"}
 
 _ARROW = {"VARCHAR": pa.string(), "JSON": pa.string(), "TIMESTAMP": pa.timestamp("us"), "BIGINT": pa.int64(),
           "INTEGER": pa.int32(), "DOUBLE": pa.float64(), "FLOAT": pa.float32(), "BOOLEAN": pa.bool_(),
@@ -56,6 +58,12 @@ class Table:
     columns: tuple[Column, ...]
     in_trace: bool = True  # exported and imported with a run as a kvviz trace
     key: str | None = None  # a primary key column
+    stored_as: str | None = None  # the base table holding its rows, when `name` is a view over it
+
+    @property
+    def base(self) -> str:
+        """Where inserts go."""
+        return self.stored_as or self.name
 
     def column(self, name: str) -> Column:
         return next(c for c in self.columns if c.name == name)
@@ -63,11 +71,11 @@ class Table:
     def ddl(self) -> str:
         """CREATE TABLE, and the notes as comments in the file (the SQL page's schema shows them)."""
         cols = ",\n".join(f"    {c.name} {c.sql}{' PRIMARY KEY' if c.name == self.key else ''}" for c in self.columns)
-        comments = [f"COMMENT ON TABLE {self.name} IS {_quote(self.note)};"]
-        comments += [f"COMMENT ON COLUMN {self.name}.{c.name} IS {_quote(c.note)};" for c in self.columns if c.note]
-        added = [f"ALTER TABLE {self.name} ADD COLUMN IF NOT EXISTS {c.name} {c.sql};" for c in self.columns
+        comments = [f"COMMENT ON TABLE {self.base} IS {_quote(self.note)};"]
+        comments += [f"COMMENT ON COLUMN {self.base}.{c.name} IS {_quote(c.note)};" for c in self.columns if c.note]
+        added = [f"ALTER TABLE {self.base} ADD COLUMN IF NOT EXISTS {c.name} {c.sql};" for c in self.columns
                  if c.added_in]
-        return f"CREATE TABLE IF NOT EXISTS {self.name} (\n{cols}\n);\n" + "\n".join(added + comments)
+        return f"CREATE TABLE IF NOT EXISTS {self.base} (\n{cols}\n);\n" + "\n".join(added + comments)
 
     def required_in_trace(self) -> list[str]:
         """Trace columns a trace must hold: every one but those added after traces were first written."""
@@ -162,9 +170,14 @@ TABLES: dict[str, Table] = {t.name: t for t in (
         RUN_ID + "step INTEGER, request_id VARCHAR, layer INTEGER, head INTEGER, max_foreign DOUBLE, "
         "sum_foreign DOUBLE, leak_rows INTEGER, rows INTEGER, sum_entropy DOUBLE")),
     Table("attention", "Attention rows: the key slots one query read, their weights and classes (0 own, 1 foreign, "
-          "2 stale); head -1 is the mean over heads.", _cols(
+          "2 stale); head -1 is the mean over heads. Stored in attention_rows, whose key lists are null where the "
+          "row read its query's keys (attention_keys); this view joins them back.", _cols(
               RUN_ID + "step INTEGER, layer INTEGER, head INTEGER, request_id VARCHAR, position INTEGER, "
-              "key_slots INTEGER[], weights FLOAT[], key_classes UTINYINT[]")),
+              "key_slots INTEGER[], weights FLOAT[], key_classes UTINYINT[]"), stored_as="attention_rows"),
+    Table("attention_keys", "The key slots a recorded query could see at a step and their classes, once for all "
+          "of its attention rows (every layer and head).", _cols(
+              RUN_ID + "step INTEGER, request_id VARCHAR, position INTEGER, key_slots INTEGER[], "
+              "key_classes UTINYINT[]"), in_trace=False),
     Table("kv_event_rows", "KV-cache events imported (copied) from a vLLM/SGLang capture, one row per block of each "
           "event (the prefix tree is block_hash -> parent_hash within a replica and KV group; no physical block "
           "ids). Query the view kv_events: these rows and every capture dataset registered in place.", (
@@ -268,6 +281,13 @@ TABLES: dict[str, Table] = {t.name: t for t in (
 VIEWS = """
 -- Until capture datasets are registered in place (refresh_capture_view), the copied rows alone.
 CREATE OR REPLACE VIEW kv_events AS SELECT * FROM kv_event_rows;
+
+-- Attention rows with their keys: their own, or (null in attention_rows) their query's.
+CREATE OR REPLACE VIEW attention AS
+SELECT a.run_id, a.step, a.layer, a.head, a.request_id, a.position, coalesce(a.key_slots, k.key_slots) AS key_slots,
+       a.weights, coalesce(a.key_classes, k.key_classes) AS key_classes
+FROM attention_rows a LEFT JOIN attention_keys k
+  ON k.run_id = a.run_id AND k.step = a.step AND k.request_id = a.request_id AND k.position = a.position;
 
 CREATE OR REPLACE VIEW leak_rate_per_step AS
 SELECT run_id, step, request_id, sum(leak_rows) / sum(rows) AS leak_rate, max(max_foreign) AS max_foreign_mass
@@ -421,12 +441,14 @@ SELECT run_id, step, count(*) FILTER (state = 'used') AS used, count(*) FILTER (
 FROM blocks GROUP BY run_id, step;
 """
 
-RENAMED = {"kv_events": "kv_event_rows"}  # tables an upgrade renames (old name -> new), before the DDL runs
+# Tables an upgrade renames (old name -> new), before the DDL runs.
+RENAMED = {"kv_events": "kv_event_rows", "attention": "attention_rows"}
 DATASET_COLUMNS = [c.name for c in TABLES["kv_event_rows"].columns if c.name != "run_id"]
 
 
 def rename_old_tables(con) -> None:
-    """Version 4 kept captures in the table kv_events, now the view over kv_event_rows and datasets."""
+    """Views that were tables: version 4 kept captures in kv_events (now over kv_event_rows and datasets),
+    version 12 attention rows whole in attention (now over attention_rows and attention_keys)."""
     for old, new in RENAMED.items():
         if con.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = ? AND table_type = "
                        "'BASE TABLE'", [old]).fetchone()[0]:
