@@ -76,19 +76,18 @@ class AttentionGroup:
     start: int  # the group's queries are packed tokens start .. start + R*Q, row by row
     key_slots: torch.Tensor  # [R, L] physical slots read as keys (padding is masked out)
     mask: torch.Tensor  # [R, Q, L] True = may attend
-    layout: str = field(init=False, default="masked")  # or "full"/"causal": lets SDPA skip the mask
-
-    @property
-    def span(self) -> slice:
-        R, Q, _ = self.mask.shape
-        return slice(self.start, self.start + R * Q)
+    layout: str = field(init=False, default="masked")  # see sdpa_attend: lets SDPA skip the mask or the blind rows
+    span: slice = field(init=False)
 
     def __post_init__(self) -> None:
         R, Q, L = self.mask.shape
+        self.span = slice(self.start, self.start + R * Q)
         if bool(self.mask.all()):
             self.layout = "full"
         elif R == 1 and Q == L and torch.equal(self.mask[0], torch.ones_like(self.mask[0]).tril()):
             self.layout = "causal"
+        elif bool(self.mask.any(-1).all()):
+            self.layout = "padded"
 
 
 def _gather(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -109,18 +108,24 @@ class StepBatch:
     def __call__(self, module, query, key, value, scaling=None):
         """One layer's attention; query [1, H, T, D], key/value [1, KVH, T, D] (RoPE applied)."""
         kc, vc = self.kv.layer(module.layer_idx, key)
-        kc[self.write_slots] = key[0].transpose(0, 1)
-        vc[self.write_slots] = value[0].transpose(0, 1)
+        kc.index_copy_(0, self.write_slots, key[0].transpose(0, 1))
+        vc.index_copy_(0, self.write_slots, value[0].transpose(0, 1))
         q = query[0].transpose(0, 1)  # [T, H, D]
+        if len(self.groups) == 1:  # a step that only decodes (or one prefill chunk): no copy into `out`
+            return self._group(module.layer_idx, self.groups[0], q, kc, vc, scaling).reshape(q.shape)[None], None
         out = torch.empty_like(q)
         for g in self.groups:
-            qg = q[g.span].view(*g.mask.shape[:2], *q.shape[1:])
-            kg, vg = _gather(kc, g.key_slots), _gather(vc, g.key_slots)
-            if self.attend is None:
-                og = sdpa_attend(qg, kg, vg, g.mask, scaling, g.layout)
-            else:
-                og, probs = self.attend(qg, kg, vg, g.mask, scaling, module.layer_idx)
-                if self.on_probs is not None:
-                    self.on_probs(module.layer_idx, g, probs)
-            out[g.span] = og.reshape(-1, *q.shape[1:])
+            out[g.span] = self._group(module.layer_idx, g, q, kc, vc, scaling).reshape(-1, *q.shape[1:])
         return out[None], None
+
+    def _group(self, layer: int, g: AttentionGroup, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+               scaling: float | None) -> torch.Tensor:
+        """One group's output [R, Q, H, D] from its queries and the keys it gathers from the pool."""
+        qg = q[g.span].view(*g.mask.shape[:2], *q.shape[1:])
+        kg, vg = _gather(kc, g.key_slots), _gather(vc, g.key_slots)
+        if self.attend is None:
+            return sdpa_attend(qg, kg, vg, g.mask, scaling, g.layout)
+        og, probs = self.attend(qg, kg, vg, g.mask, scaling, layer)
+        if self.on_probs is not None:
+            self.on_probs(layer, g, probs)
+        return og

@@ -73,7 +73,9 @@ def masked_softmax_attend(q, k, v, mask, scale, layer: int | None = None):
 
 def sdpa_attend(q, k, v, mask, scale, layout: str = "masked"):
     """Fast path: torch SDPA; no probabilities leave it. A mask the plan found to be all-visible
-    ("full") or exactly causal ("causal") is passed as such, which selects faster kernels."""
+    ("full") or exactly causal ("causal") is passed as such, which selects faster kernels; one where every
+    query sees a key ("padded": decode rows of several lengths) needs no zeroing of rows that see none
+    (SDPA gives those NaN, "masked")."""
     args = dict(scale=scale, enable_gqa=True)
     if layout == "full":
         args["attn_mask"] = None
@@ -83,7 +85,7 @@ def sdpa_attend(q, k, v, mask, scale, layout: str = "masked"):
         args["attn_mask"] = mask[:, None]
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **args)
     out = out.transpose(1, 2)
-    return out if layout != "masked" else torch.where(mask.any(-1)[:, :, None, None], out, 0.0)
+    return torch.where(mask.any(-1)[:, :, None, None], out, 0.0) if layout == "masked" else out
 
 
 @dataclass(frozen=True)

@@ -232,9 +232,12 @@ class EngineLoop:
         """A token for each request whose last position was computed (logits row i: requests[i]); the
         ones that end (EOS or their length) are returned as finished, the rest take their token."""
         sampled, finished, now = {}, [], time.perf_counter()
+        greedy = logits.argmax(-1).tolist()  # one pass over the step's rows, as generate takes its argmax
         for i, sid in enumerate(requests):
             state = self.live[sid]
-            tok = sample(logits[i], state.spec.temperature, state.spec.top_p, state.generator)
+            spec = state.spec
+            tok = greedy[i] if spec.temperature == 0 else sample(logits[i], spec.temperature, spec.top_p,
+                                                                 state.generator)
             state.output_ids.append(tok)
             if state.logits is not None:
                 state.logits.append(logits[i].float().cpu())

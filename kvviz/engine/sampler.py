@@ -15,9 +15,8 @@ def request_generator(seed: int, request_id: str, device: torch.device) -> torch
 
 
 def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
-    """One token from a [V] logits row."""
-    if temperature == 0:
-        return int(logits.argmax())
+    """One token from a [V] logits row, at a temperature above 0 (greedy rows take their argmax, which
+    the loop finds for every row of a step at once)."""
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p < 1:
         sorted_p, order = probs.sort(descending=True)
