@@ -4,7 +4,8 @@ The engine's thread hands each step over as it is (the step record and the pool'
 immutable, the oracle's step and the attention rows already on the CPU) to one writer thread through
 a bounded queue: the engine waits only when the writer is `queue_steps` steps behind. The writer
 builds the rows, buffers them in columns and inserts them as Arrow tables every few steps (and
-seconds), each flush in its own transaction. The run row is written as `running` before the first
+seconds; the bulky attention rows a row group or ten seconds at a time), each flush in its own
+transaction. The run row is written as `running` before the first
 step and finished as `complete` or `failed`; a run killed midway leaves a database that opens, with
 the run shown as running and its steps so far readable. The file is held only while a flush writes:
 between flushes another process can open it to read. A write that fails stops the writer and is
@@ -47,6 +48,11 @@ _STOP = None  # what the queue holds last: the writer thread ends
 # The writer's nice value: about a tenth of a core's share against the engine's threads, enough to stay
 # out of the forward's way yet not to starve behind other busy processes (19 would give it a seventieth).
 WRITER_NICE = 10
+# Attention rows (most of a run's bytes) go in with a flush only once they fill a DuckDB row group, or
+# every ATTENTION_SECONDS: each checkpoint rewrites a table's last, partly filled row group, so writing
+# them with every flush rewrote the same rows again and again (CPU, and freed blocks left in the file).
+ROW_GROUP = 122_880
+ATTENTION_SECONDS = 10.0
 
 
 class RunRecorder:
@@ -58,6 +64,7 @@ class RunRecorder:
         self.store, self.tokenizer = store, model.tokenizer
         self.run_id, self.oracle, self.attention, self.flush_every = run_id, oracle, attention, flush_every
         self.flush_seconds, self._flushed_at = flush_seconds, time.monotonic()
+        self._attention_at = self._flushed_at  # when attention rows were last written
         self._oracle_steps = 0  # the oracle's steps handed over (engine thread)
         self._labelled: set[int] = set()  # token ids whose text is recorded (caller's thread: the tokenizer's)
         self.drain_oracle = False  # a server: drop the oracle's steps once handed over (it runs for days)
@@ -98,7 +105,7 @@ class RunRecorder:
     def _hand_over_rest(self) -> None:
         """Everything observed so far, to be written now (a writer that failed writes nothing more)."""
         metrics, chunks = self._take_observed()
-        self._put(partial(self._write, metrics, chunks))
+        self._put(partial(self._write, metrics, chunks, everything=True))
 
     def _take_observed(self) -> tuple[list[StepLeak], list[dict]]:
         """The oracle's steps and the attention rows since the last hand-over: taken on the engine's
@@ -251,17 +258,22 @@ class RunRecorder:
         return pa.table({"run_id": pa.array([self.run_id] * len(cols["step"])),
                          **{k: pa.array(v) for k, v in cols.items()}})
 
-    def _write(self, metrics: Iterable[StepLeak] = (), chunks: Iterable[dict] = ()) -> None:
-        """Insert everything buffered (and what is given), in one transaction."""
+    def _write(self, metrics: Iterable[StepLeak] = (), chunks: Iterable[dict] = (), everything: bool = False) -> None:
+        """Insert what is buffered (and what is given) in one transaction: attention rows only when
+        `everything` is asked or they are due (see ROW_GROUP)."""
         self._metrics += metrics
         self._chunks += chunks
         tables = {t: schema.arrow_table(t, cols) for t, cols in self.rows.items() if cols}
         if (oracle := self._oracle_table()) is not None:
             tables["leak_metrics"] = oracle
-        tables.update(attention_tables(self._chunks, self.run_id))
+        now = time.monotonic()
+        if (everything or now - self._attention_at >= ATTENTION_SECONDS
+                or sum(len(c["row"]) for c in self._chunks) >= ROW_GROUP):
+            tables.update(attention_tables(self._chunks, self.run_id))
+            self._chunks, self._attention_at = [], now
         self.rows.clear()
-        self._metrics, self._chunks = [], []
-        self._pending, self._flushed_at = 0, time.monotonic()
+        self._metrics = []
+        self._pending, self._flushed_at = 0, now
         if tables:
             self._insert(tables)
 
