@@ -102,29 +102,20 @@ SELECT CAST(NULL AS BIGINT) AS lid, CAST(NULL AS BIGINT) AS j, tokens FROM expla
 """
 
 # Every event numbered in order (pos, unique across replicas: each replica's numbered on its own, after
-# the replicas before it, so that the replicas are numbered side by side), with what a store's lookup needs of the
-# stores before it: the how-many-th store of its hash it is, whether any store so far named a tenant,
-# and the block size of the part (its first store's).
+# the replicas before it, so that the replicas are numbered side by side). Tokens are left out (a sort carrying
+# them is the costliest step at 10M events): LINKS takes each store's from explain_input by its place
+# (replica, grp, step, ev, blk names one event row: a capture's step is its message's number, ev its event's
+# place in it, blk its block's; an engine run's ev is its event's seq in the step). What a lookup needs of
+# the stores before it is worked out in NODES, over stores only.
 EVENTS = """
 WITH sizes AS (SELECT replica, COUNT(*) AS n FROM explain_input GROUP BY replica),
 offsets AS (
     SELECT replica, CAST(SUM(n) OVER (ORDER BY replica ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) - n AS BIGINT)
            AS before
-    FROM sizes),
-e AS (
-    SELECT i.*, o.before + ROW_NUMBER() OVER (PARTITION BY i.replica ORDER BY i.step, i.ev, i.blk) AS pos
-    FROM explain_input i JOIN offsets o ON o.replica = i.replica),
-parts AS (
-    SELECT replica, grp, kind, MIN_BY(block_size, pos) AS first_size,
-           MIN(CASE WHEN kind = 'store' AND chain_salt IS NOT NULL THEN pos END) AS first_tenant
-    FROM e GROUP BY replica, grp, kind),
-tenanted AS (SELECT replica, grp, MIN(first_tenant) AS first_tenant FROM parts GROUP BY replica, grp)
-SELECT e.*,
-       ROW_NUMBER() OVER (PARTITION BY e.replica, e.grp, e.kind, e.hash ORDER BY e.pos) AS nth,
-       CASE WHEN e.pos >= t.first_tenant THEN 1 ELSE 0 END AS tenants,
-       COALESCE(NULLIF(p.first_size, 0), 16) AS bsize
-FROM e JOIN parts p ON p.replica = e.replica AND p.grp = e.grp AND p.kind = e.kind
-JOIN tenanted t ON t.replica = e.replica AND t.grp = e.grp
+    FROM sizes)
+SELECT i.replica, i.grp, i.step, i.ev, i.blk, i.kind, i.hash, i.parent, i.salt, i.chain_salt, i.named, i.session,
+       i.bidx, i.block_size, o.before + ROW_NUMBER() OVER (PARTITION BY i.replica ORDER BY i.step, i.ev, i.blk) AS pos
+FROM explain_input i JOIN offsets o ON o.replica = i.replica
 """
 
 # Each block's link to its parent: the parent hash's latest store before it on its replica and group
@@ -149,15 +140,17 @@ found AS (
 
 
 LINKS = """
-WITH stores AS (SELECT replica, grp, pos, hash, parent, tokens, salt FROM xp_events WHERE kind = 'store'),
+WITH stores AS (SELECT replica, grp, step, ev, blk, pos, hash, parent, salt FROM xp_events WHERE kind = 'store'),
 """ + _parents("hash", "parent") + """asked AS (SELECT pos, up FROM found WHERE defines = 0),
 virtual AS (
     SELECT b.lid, b.j, b.tokens,
            ROW_NUMBER() OVER (ORDER BY b.lid, b.j) + (SELECT COALESCE(MAX(pos), 0) FROM xp_events) AS id
     FROM explain_lookup_blocks b)
-SELECT s.pos AS id, a.up, s.parent IS NOT NULL AND a.up IS NULL AS orphan, s.tokens, s.salt,
+SELECT s.pos AS id, a.up, s.parent IS NOT NULL AND a.up IS NULL AS orphan, i.tokens, s.salt,
        s.parent IS NULL OR s.salt IS NOT NULL AS fixed, CAST(NULL AS BIGINT) AS lid, CAST(NULL AS BIGINT) AS j
 FROM stores s LEFT JOIN asked a ON a.pos = s.pos
+JOIN explain_input i ON i.replica = s.replica AND i.grp = s.grp AND i.step = s.step AND i.ev = s.ev AND i.blk = s.blk
+     AND i.kind = 'store'
 UNION ALL
 SELECT id, CASE WHEN j > 0 THEN id - 1 END, false, tokens, CAST(NULL AS VARCHAR(256)), true, lid, j
 FROM virtual
@@ -185,15 +178,26 @@ FROM {chain} c LEFT JOIN {chain} p ON p.id = c.jump
 """
 
 # Every store whose chain is known, with its namespace, its prefix's name and its parent's (its tokens stay in
-# xp_links, by id = pos: the tables after it are narrow).
+# xp_links, by id = pos: the tables after it are narrow), and what its lookup needs of the stores before it:
+# the how-many-th store of its hash it is (nth), whether any store so far named a tenant, and the block size
+# of its part (replica and group: its first store's).
 NODES = """
-SELECT e.replica, e.grp, e.pos, e.step, e.hash, e.parent, CAST(COALESCE(cardinality(e.tokens), 0) AS BIGINT) AS width,
-       e.bidx, e.session, e.named,
-       e.nth, e.tenants, e.bsize, f.salt, f.lab, COALESCE(pf.lab, {root}) AS plab, pf.salt AS parent_salt,
-       f.ntok, f.depth,
-       CASE WHEN pf.lab IS NULL AND COALESCE(cardinality(e.tokens), 0) > 0 THEN element_at(e.tokens, 1)
+WITH parts AS (
+    SELECT replica, grp, MIN_BY(block_size, pos) AS first_size,
+           MIN(CASE WHEN chain_salt IS NOT NULL THEN pos END) AS first_tenant
+    FROM xp_events WHERE kind = 'store' GROUP BY replica, grp),
+numbered AS (
+    SELECT pos, ROW_NUMBER() OVER (PARTITION BY replica, grp, hash ORDER BY pos) AS nth
+    FROM xp_events WHERE kind = 'store')
+SELECT e.replica, e.grp, e.pos, e.step, e.hash, e.parent, CAST(COALESCE(cardinality(l.tokens), 0) AS BIGINT) AS width,
+       e.bidx, e.session, e.named, n.nth, CASE WHEN e.pos >= p.first_tenant THEN 1 ELSE 0 END AS tenants,
+       COALESCE(NULLIF(p.first_size, 0), 16) AS bsize, f.salt, f.lab, COALESCE(pf.lab, {root}) AS plab,
+       pf.salt AS parent_salt, f.ntok, f.depth,
+       CASE WHEN pf.lab IS NULL AND COALESCE(cardinality(l.tokens), 0) > 0 THEN element_at(l.tokens, 1)
             ELSE 0 END AS head
 FROM xp_events e
+JOIN numbered n ON n.pos = e.pos
+JOIN parts p ON p.replica = e.replica AND p.grp = e.grp
 JOIN {chain} f ON f.id = e.pos
 JOIN xp_links l ON l.id = e.pos
 LEFT JOIN {chain} pf ON pf.id = l.up
@@ -204,8 +208,11 @@ WHERE e.kind = 'store' AND NOT f.dead
 # replica after it (reset), whichever comes first (NULL: cached to the end). Two blocks may hold one
 # hash at once (vLLM keeps both): a removal ends the oldest life of its hash still open, and one with
 # none open removes nothing. Between two clears that is the n-th store of a hash ended by its n-th
-# removal that found one open, counted as a running sum floored at zero. A block serves lookups in the
-# steps after it was stored, up to its removal's step less one. A history with no clear is one epoch (its
+# removal that found one open, counted as a running sum floored at zero: the floor is the running
+# sum's least value (or 0), and a removal found none open when it takes the sum below the floor before it,
+# so the removals so far that found one open are the removals less the floor's depth (two window passes,
+# the sums and then the floor). A block serves lookups in the steps after it was stored, up to its
+# removal's step less one. A history with no clear is one epoch (its
 # running count, a pass over every event of a replica in order, is left out).
 EPOCH = """SUM(CASE WHEN kind = 'clear' THEN 1 ELSE 0 END) OVER (
                PARTITION BY replica ORDER BY pos ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW)"""
@@ -215,20 +222,23 @@ WITH epochs AS (
 summed AS (
     SELECT e.*, SUM(CASE WHEN kind = 'store' THEN 1 ELSE -1 END) OVER (
                PARTITION BY replica, grp, hash, epoch ORDER BY pos
-               ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS total
-    FROM epochs e WHERE kind IN ('store', 'remove')),
-open_after AS (
-    SELECT s.*, total - LEAST(0, MIN(total) OVER (
+               ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS total,
+           SUM(CASE WHEN kind = 'store' THEN 1 ELSE 0 END) OVER (
                PARTITION BY replica, grp, hash, epoch ORDER BY pos
-               ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW)) AS open_now
+               ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS stores
+    FROM epochs e WHERE kind IN ('store', 'remove')),
+floored AS (
+    SELECT s.*, LEAST(0, MIN(total) OVER (
+               PARTITION BY replica, grp, hash, epoch ORDER BY pos
+               ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW)) AS floor_now,
+           LEAST(0, COALESCE(MIN(total) OVER (
+               PARTITION BY replica, grp, hash, epoch ORDER BY pos
+               ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0)) AS floor_before
     FROM summed s),
-effective AS (
-    SELECT o.*, COALESCE(LAG(open_now) OVER (PARTITION BY replica, grp, hash, epoch ORDER BY pos), 0) AS open_before
-    FROM open_after o),
 numbered AS (
     SELECT replica, grp, hash, epoch, pos, step, kind,
-           ROW_NUMBER() OVER (PARTITION BY replica, grp, hash, epoch, kind ORDER BY pos) AS n
-    FROM effective WHERE kind = 'store' OR open_before > 0),
+           CASE WHEN kind = 'store' THEN stores ELSE stores - total + floor_now END AS n
+    FROM floored WHERE kind = 'store' OR total >= floor_before),
 clears AS (SELECT replica, epoch, step FROM epochs WHERE kind = 'clear')
 SELECT v.replica, v.grp, v.salt, v.lab, v.plab, v.head, v.pos, v.step AS stored,
        COALESCE(r.step, c.step) AS removed, r.pos IS NULL AND c.step IS NOT NULL AS reset
