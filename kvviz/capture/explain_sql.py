@@ -102,20 +102,33 @@ SELECT CAST(NULL AS BIGINT) AS lid, CAST(NULL AS BIGINT) AS j, tokens FROM expla
 """
 
 # Every event numbered in order (pos, unique across replicas: each replica's numbered on its own, after
-# the replicas before it, so that the replicas are numbered side by side). Tokens are left out (a sort carrying
-# them is the costliest step at 10M events): LINKS takes each store's from explain_input by its place
-# (replica, grp, step, ev, blk names one event row: a capture's step is its message's number, ev its event's
-# place in it, blk its block's; an engine run's ev is its event's seq in the step). What a lookup needs of
-# the stores before it is worked out in NODES, over stores only.
+# the replicas before it, so that the replicas are numbered side by side), with what a store's lookup needs of the
+# stores before it: the how-many-th store of its hash it is, whether any store so far named a tenant,
+# and the block size of the part (its first store's). Tokens are left out (sorts carrying them were the
+# costliest steps at 10M events): LINKS takes each store's from explain_input by its place (replica, grp,
+# step, ev, blk name one event row: a capture's step is its message's number, ev its event's place in it,
+# blk its block's; an engine run's ev is its event's seq in the step).
 EVENTS = """
 WITH sizes AS (SELECT replica, COUNT(*) AS n FROM explain_input GROUP BY replica),
 offsets AS (
     SELECT replica, CAST(SUM(n) OVER (ORDER BY replica ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) - n AS BIGINT)
            AS before
-    FROM sizes)
-SELECT i.replica, i.grp, i.step, i.ev, i.blk, i.kind, i.hash, i.parent, i.salt, i.chain_salt, i.named, i.session,
-       i.bidx, i.block_size, o.before + ROW_NUMBER() OVER (PARTITION BY i.replica ORDER BY i.step, i.ev, i.blk) AS pos
-FROM explain_input i JOIN offsets o ON o.replica = i.replica
+    FROM sizes),
+e AS (
+    SELECT i.replica, i.grp, i.step, i.ev, i.blk, i.kind, i.hash, i.parent, i.salt, i.chain_salt, i.named, i.session,
+           i.bidx, i.block_size, o.before + ROW_NUMBER() OVER (PARTITION BY i.replica ORDER BY i.step, i.ev, i.blk) AS pos
+    FROM explain_input i JOIN offsets o ON o.replica = i.replica),
+parts AS (
+    SELECT replica, grp, kind, MIN_BY(block_size, pos) AS first_size,
+           MIN(CASE WHEN kind = 'store' AND chain_salt IS NOT NULL THEN pos END) AS first_tenant
+    FROM e GROUP BY replica, grp, kind),
+tenanted AS (SELECT replica, grp, MIN(first_tenant) AS first_tenant FROM parts GROUP BY replica, grp)
+SELECT e.*,
+       ROW_NUMBER() OVER (PARTITION BY e.replica, e.grp, e.kind, e.hash ORDER BY e.pos) AS nth,
+       CASE WHEN e.pos >= t.first_tenant THEN 1 ELSE 0 END AS tenants,
+       COALESCE(NULLIF(p.first_size, 0), 16) AS bsize
+FROM e JOIN parts p ON p.replica = e.replica AND p.grp = e.grp AND p.kind = e.kind
+JOIN tenanted t ON t.replica = e.replica AND t.grp = e.grp
 """
 
 # Each block's link to its parent: the parent hash's latest store before it on its replica and group
@@ -178,26 +191,15 @@ FROM {chain} c LEFT JOIN {chain} p ON p.id = c.jump
 """
 
 # Every store whose chain is known, with its namespace, its prefix's name and its parent's (its tokens stay in
-# xp_links, by id = pos: the tables after it are narrow), and what its lookup needs of the stores before it:
-# the how-many-th store of its hash it is (nth), whether any store so far named a tenant, and the block size
-# of its part (replica and group: its first store's).
+# xp_links, by id = pos: the tables after it are narrow).
 NODES = """
-WITH parts AS (
-    SELECT replica, grp, MIN_BY(block_size, pos) AS first_size,
-           MIN(CASE WHEN chain_salt IS NOT NULL THEN pos END) AS first_tenant
-    FROM xp_events WHERE kind = 'store' GROUP BY replica, grp),
-numbered AS (
-    SELECT pos, ROW_NUMBER() OVER (PARTITION BY replica, grp, hash ORDER BY pos) AS nth
-    FROM xp_events WHERE kind = 'store')
 SELECT e.replica, e.grp, e.pos, e.step, e.hash, e.parent, CAST(COALESCE(cardinality(l.tokens), 0) AS BIGINT) AS width,
-       e.bidx, e.session, e.named, n.nth, CASE WHEN e.pos >= p.first_tenant THEN 1 ELSE 0 END AS tenants,
-       COALESCE(NULLIF(p.first_size, 0), 16) AS bsize, f.salt, f.lab, COALESCE(pf.lab, {root}) AS plab,
-       pf.salt AS parent_salt, f.ntok, f.depth,
+       e.bidx, e.session, e.named,
+       e.nth, e.tenants, e.bsize, f.salt, f.lab, COALESCE(pf.lab, {root}) AS plab, pf.salt AS parent_salt,
+       f.ntok, f.depth,
        CASE WHEN pf.lab IS NULL AND COALESCE(cardinality(l.tokens), 0) > 0 THEN element_at(l.tokens, 1)
             ELSE 0 END AS head
 FROM xp_events e
-JOIN numbered n ON n.pos = e.pos
-JOIN parts p ON p.replica = e.replica AND p.grp = e.grp
 JOIN {chain} f ON f.id = e.pos
 JOIN xp_links l ON l.id = e.pos
 LEFT JOIN {chain} pf ON pf.id = l.up
@@ -208,11 +210,11 @@ WHERE e.kind = 'store' AND NOT f.dead
 # replica after it (reset), whichever comes first (NULL: cached to the end). Two blocks may hold one
 # hash at once (vLLM keeps both): a removal ends the oldest life of its hash still open, and one with
 # none open removes nothing. Between two clears that is the n-th store of a hash ended by its n-th
-# removal that found one open, counted as a running sum floored at zero: the floor is the running
-# sum's least value (or 0), and a removal found none open when it takes the sum below the floor before it,
-# so the removals so far that found one open are the removals less the floor's depth (two window passes,
-# the sums and then the floor). A block serves lookups in the steps after it was stored, up to its
-# removal's step less one. A history with no clear is one epoch (its
+# removal that found one open, counted as a running sum floored at zero: the floor is the running sum's
+# least value (or 0), lowered by one by each removal that found none open, so the removals so far that
+# found one open are the removals less the floor's depth, and the n-th is the first removal with that count
+# (two window passes, the sums and then the floor, and no self-join). A block serves lookups in the steps
+# after it was stored, up to its removal's step less one. A history with no clear is one epoch (its
 # running count, a pass over every event of a replica in order, is left out).
 EPOCH = """SUM(CASE WHEN kind = 'clear' THEN 1 ELSE 0 END) OVER (
                PARTITION BY replica ORDER BY pos ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW)"""
@@ -230,22 +232,18 @@ summed AS (
 floored AS (
     SELECT s.*, LEAST(0, MIN(total) OVER (
                PARTITION BY replica, grp, hash, epoch ORDER BY pos
-               ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW)) AS floor_now,
-           LEAST(0, COALESCE(MIN(total) OVER (
-               PARTITION BY replica, grp, hash, epoch ORDER BY pos
-               ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0)) AS floor_before
+               ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW)) AS floor_now
     FROM summed s),
-numbered AS (
-    SELECT replica, grp, hash, epoch, pos, step, kind,
-           CASE WHEN kind = 'store' THEN stores ELSE stores - total + floor_now END AS n
-    FROM floored WHERE kind = 'store' OR total >= floor_before),
+ends AS (
+    SELECT replica, grp, hash, epoch, stores - total + floor_now AS n, MIN(step) AS step
+    FROM floored WHERE kind = 'remove' GROUP BY replica, grp, hash, epoch, stores - total + floor_now),
 clears AS (SELECT replica, epoch, step FROM epochs WHERE kind = 'clear')
 SELECT v.replica, v.grp, v.salt, v.lab, v.plab, v.head, v.pos, v.step AS stored,
-       COALESCE(r.step, c.step) AS removed, r.pos IS NULL AND c.step IS NOT NULL AS reset
+       COALESCE(r.step, c.step) AS removed, r.n IS NULL AND c.step IS NOT NULL AS reset
 FROM xp_nodes v
-JOIN numbered s ON s.pos = v.pos
-LEFT JOIN numbered r ON r.replica = s.replica AND r.grp = s.grp AND r.hash = s.hash AND r.epoch = s.epoch
-     AND r.kind = 'remove' AND r.n = s.n
+JOIN floored s ON s.pos = v.pos
+LEFT JOIN ends r ON r.replica = s.replica AND r.grp = s.grp AND r.hash = s.hash AND r.epoch = s.epoch
+     AND r.n = s.stores
 LEFT JOIN clears c ON c.replica = s.replica AND c.epoch = s.epoch + 1
 """
 
