@@ -629,6 +629,13 @@ class DuckSql:
     def rows(self, query: str, params: dict | None = None) -> list[tuple]:
         return self.con.execute(query, params).fetchall()
 
+    def drop_steps(self) -> None:
+        """Drop explain's step tables (xp_*), keeping its answer, so that their memory is free before the
+        answer is read (10M events: 1.51 GB peak reading it beside them, 1.31 GB without)."""
+        for name in [n for n in self.made if n.startswith("xp_")]:
+            self.con.execute(f"DROP TABLE IF EXISTS temp.{name}")
+            del self.made[name]
+
     def close(self) -> None:
         for name, kind in reversed(self.made.items()):
             self.con.execute(f"DROP {kind} IF EXISTS temp.{name}")
