@@ -123,6 +123,7 @@ def explain_capture(con: duckdb.DuckDBPyConnection, run_id: str,
     try:
         _capture_input(sql, run_id)
         explain_sql.explain(sql, progress)
+        sql.drop_steps()
         fleet, answer = _fleet(sql), _answer(sql, CAPTURE_ORDER)
     finally:
         sql.close()  # the steps' tables go before the answer becomes Python objects

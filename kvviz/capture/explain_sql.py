@@ -97,14 +97,17 @@ SELECT CAST(NULL AS BIGINT) AS lid, CAST(NULL AS VARCHAR(64)) AS replica, CAST(N
        CAST(NULL AS INTEGER) AS block_size
 FROM explain_input WHERE 1 = 0
 """
-NO_LOOKUP_BLOCKS = """
+NO_STOPPED_AT = """
 SELECT CAST(NULL AS BIGINT) AS lid, CAST(NULL AS BIGINT) AS j, tokens FROM explain_input WHERE 1 = 0
 """
 
 # Every event numbered in order (pos, unique across replicas: each replica's numbered on its own, after
 # the replicas before it, so that the replicas are numbered side by side), with what a store's lookup needs of the
 # stores before it: the how-many-th store of its hash it is, whether any store so far named a tenant,
-# and the block size of the part (its first store's).
+# and the block size of the part (its first store's). Tokens are left out (sorts carrying them were the
+# costliest steps at 10M events): LINKS takes each store's from explain_input by its place (replica, grp,
+# step, ev, blk name one event row: a capture's step is its message's number, ev its event's place in it,
+# blk its block's; an engine run's ev is its event's seq in the step).
 EVENTS = """
 WITH sizes AS (SELECT replica, COUNT(*) AS n FROM explain_input GROUP BY replica),
 offsets AS (
@@ -112,7 +115,9 @@ offsets AS (
            AS before
     FROM sizes),
 e AS (
-    SELECT i.*, o.before + ROW_NUMBER() OVER (PARTITION BY i.replica ORDER BY i.step, i.ev, i.blk) AS pos
+    SELECT i.replica, i.grp, i.step, i.ev, i.blk, i.kind, i.hash, i.parent, i.salt, i.chain_salt, i.named, i.session,
+           i.bidx, i.block_size,
+           o.before + ROW_NUMBER() OVER (PARTITION BY i.replica ORDER BY i.step, i.ev, i.blk) AS pos
     FROM explain_input i JOIN offsets o ON o.replica = i.replica),
 parts AS (
     SELECT replica, grp, kind, MIN_BY(block_size, pos) AS first_size,
@@ -149,15 +154,17 @@ found AS (
 
 
 LINKS = """
-WITH stores AS (SELECT replica, grp, pos, hash, parent, tokens, salt FROM xp_events WHERE kind = 'store'),
+WITH stores AS (SELECT replica, grp, step, ev, blk, pos, hash, parent, salt FROM xp_events WHERE kind = 'store'),
 """ + _parents("hash", "parent") + """asked AS (SELECT pos, up FROM found WHERE defines = 0),
 virtual AS (
     SELECT b.lid, b.j, b.tokens,
            ROW_NUMBER() OVER (ORDER BY b.lid, b.j) + (SELECT COALESCE(MAX(pos), 0) FROM xp_events) AS id
     FROM explain_lookup_blocks b)
-SELECT s.pos AS id, a.up, s.parent IS NOT NULL AND a.up IS NULL AS orphan, s.tokens, s.salt,
+SELECT s.pos AS id, a.up, s.parent IS NOT NULL AND a.up IS NULL AS orphan, i.tokens, s.salt,
        s.parent IS NULL OR s.salt IS NOT NULL AS fixed, CAST(NULL AS BIGINT) AS lid, CAST(NULL AS BIGINT) AS j
 FROM stores s LEFT JOIN asked a ON a.pos = s.pos
+JOIN explain_input i ON i.replica = s.replica AND i.grp = s.grp AND i.step = s.step AND i.ev = s.ev AND i.blk = s.blk
+     AND i.kind = 'store'
 UNION ALL
 SELECT id, CASE WHEN j > 0 THEN id - 1 END, false, tokens, CAST(NULL AS VARCHAR(256)), true, lid, j
 FROM virtual
@@ -187,11 +194,11 @@ FROM {chain} c LEFT JOIN {chain} p ON p.id = c.jump
 # Every store whose chain is known, with its namespace, its prefix's name and its parent's (its tokens stay in
 # xp_links, by id = pos: the tables after it are narrow).
 NODES = """
-SELECT e.replica, e.grp, e.pos, e.step, e.hash, e.parent, CAST(COALESCE(cardinality(e.tokens), 0) AS BIGINT) AS width,
+SELECT e.replica, e.grp, e.pos, e.step, e.hash, e.parent, CAST(COALESCE(cardinality(l.tokens), 0) AS BIGINT) AS width,
        e.bidx, e.session, e.named,
        e.nth, e.tenants, e.bsize, f.salt, f.lab, COALESCE(pf.lab, {root}) AS plab, pf.salt AS parent_salt,
        f.ntok, f.depth,
-       CASE WHEN pf.lab IS NULL AND COALESCE(cardinality(e.tokens), 0) > 0 THEN element_at(e.tokens, 1)
+       CASE WHEN pf.lab IS NULL AND COALESCE(cardinality(l.tokens), 0) > 0 THEN element_at(l.tokens, 1)
             ELSE 0 END AS head
 FROM xp_events e
 JOIN {chain} f ON f.id = e.pos
@@ -204,8 +211,11 @@ WHERE e.kind = 'store' AND NOT f.dead
 # replica after it (reset), whichever comes first (NULL: cached to the end). Two blocks may hold one
 # hash at once (vLLM keeps both): a removal ends the oldest life of its hash still open, and one with
 # none open removes nothing. Between two clears that is the n-th store of a hash ended by its n-th
-# removal that found one open, counted as a running sum floored at zero. A block serves lookups in the
-# steps after it was stored, up to its removal's step less one. A history with no clear is one epoch (its
+# removal that found one open, counted as a running sum floored at zero: the floor is the running sum's
+# least value (or 0), lowered by one by each removal that found none open, so the removals so far that
+# found one open are the removals less the floor's depth, and the n-th is the first removal with that count
+# (two window passes, the sums and then the floor, and no self-join). A block serves lookups in the steps
+# after it was stored, up to its removal's step less one. A history with no clear is one epoch (its
 # running count, a pass over every event of a replica in order, is left out).
 EPOCH = """SUM(CASE WHEN kind = 'clear' THEN 1 ELSE 0 END) OVER (
                PARTITION BY replica ORDER BY pos ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW)"""
@@ -215,27 +225,26 @@ WITH epochs AS (
 summed AS (
     SELECT e.*, SUM(CASE WHEN kind = 'store' THEN 1 ELSE -1 END) OVER (
                PARTITION BY replica, grp, hash, epoch ORDER BY pos
-               ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS total
-    FROM epochs e WHERE kind IN ('store', 'remove')),
-open_after AS (
-    SELECT s.*, total - LEAST(0, MIN(total) OVER (
+               ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS total,
+           SUM(CASE WHEN kind = 'store' THEN 1 ELSE 0 END) OVER (
                PARTITION BY replica, grp, hash, epoch ORDER BY pos
-               ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW)) AS open_now
+               ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS stores
+    FROM epochs e WHERE kind IN ('store', 'remove')),
+floored AS (
+    SELECT s.*, LEAST(0, MIN(total) OVER (
+               PARTITION BY replica, grp, hash, epoch ORDER BY pos
+               ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW)) AS floor_now
     FROM summed s),
-effective AS (
-    SELECT o.*, COALESCE(LAG(open_now) OVER (PARTITION BY replica, grp, hash, epoch ORDER BY pos), 0) AS open_before
-    FROM open_after o),
-numbered AS (
-    SELECT replica, grp, hash, epoch, pos, step, kind,
-           ROW_NUMBER() OVER (PARTITION BY replica, grp, hash, epoch, kind ORDER BY pos) AS n
-    FROM effective WHERE kind = 'store' OR open_before > 0),
+ends AS (
+    SELECT replica, grp, hash, epoch, stores - total + floor_now AS n, MIN(step) AS step
+    FROM floored WHERE kind = 'remove' GROUP BY replica, grp, hash, epoch, stores - total + floor_now),
 clears AS (SELECT replica, epoch, step FROM epochs WHERE kind = 'clear')
 SELECT v.replica, v.grp, v.salt, v.lab, v.plab, v.head, v.pos, v.step AS stored,
-       COALESCE(r.step, c.step) AS removed, r.pos IS NULL AND c.step IS NOT NULL AS reset
+       COALESCE(r.step, c.step) AS removed, r.n IS NULL AND c.step IS NOT NULL AS reset
 FROM xp_nodes v
-JOIN numbered s ON s.pos = v.pos
-LEFT JOIN numbered r ON r.replica = s.replica AND r.grp = s.grp AND r.hash = s.hash AND r.epoch = s.epoch
-     AND r.kind = 'remove' AND r.n = s.n
+JOIN floored s ON s.pos = v.pos
+LEFT JOIN ends r ON r.replica = s.replica AND r.grp = s.grp AND r.hash = s.hash AND r.epoch = s.epoch
+     AND r.n = s.stores
 LEFT JOIN clears c ON c.replica = s.replica AND c.epoch = s.epoch + 1
 """
 
@@ -353,21 +362,17 @@ UNION ALL
 SELECT replica, grp, plab, head, salt, r, k, hi - 1 FROM spans WHERE lo < hi AND hi % 2 = 1
 """
 
-REASONS = """
-WITH lk AS (
+# Each lookup's closest cached sibling (its tokens, and how many it shares with the lookup's): of the
+# two cached either side of it in token order when it ran, the one sharing more (ties: the one cached
+# first). A table of its own: in one statement with the reasons its joins shared the 1 GB with theirs and
+# spilled (10M events: 14.6 s as one, 10.2 s as two). STOPPED_AT, a CTE both begin with: each lookup with
+# the block it stopped at (k) and the last block it could use (usable).
+STOPPED_AT = """lk AS (
     SELECT x.*, CAST(floor(CAST(hit AS DOUBLE) / bsize) AS BIGINT) AS k,
            CAST(floor(CAST(n_tokens - 1 AS DOUBLE) / bsize) AS BIGINT) AS usable
     FROM xp_lookups x),
-own AS (
-    SELECT s.lid, s.alive, v.stored AS stored_at, v.removed AS removed_at, v.reset
-    FROM xp_seen s JOIN lk l ON l.lid = s.lid JOIN xp_lives v ON v.pos = s.latest
-    WHERE s.j = -1 AND s.salt IS NOT DISTINCT FROM l.salt),
-others AS (
-    SELECT s.lid, COALESCE(MIN(s.salt), '(no salt)') AS cached_under
-    FROM xp_seen s JOIN lk l ON l.lid = s.lid
-    WHERE s.j = -1 AND s.salt IS DISTINCT FROM l.salt AND s.alive > 0
-    GROUP BY s.lid),
-spans AS (
+"""
+CLOSEST = "WITH " + STOPPED_AT + """spans AS (
     SELECT l.lid, l.replica, l.grp, l.stop_plab, l.head, l.salt, q.r, x.k,
            CAST(floor(CAST(l.step AS DOUBLE) / x.p) AS BIGINT) AS node
     FROM lk l JOIN xp_kin q ON q.lid = l.lid CROSS JOIN xp_levels x),
@@ -401,7 +406,19 @@ closest AS (
     SELECT r.lid, v.tokens, r.shared FROM (
         SELECT s.*, ROW_NUMBER() OVER (PARTITION BY lid ORDER BY shared DESC, first_pos) AS rn FROM shared s) r
     JOIN xp_links v ON v.id = r.first_pos
-    WHERE r.rn = 1),
+    WHERE r.rn = 1)
+SELECT lid, tokens, shared FROM closest
+"""
+
+REASONS = "WITH " + STOPPED_AT + """own AS (
+    SELECT s.lid, s.alive, v.stored AS stored_at, v.removed AS removed_at, v.reset
+    FROM xp_seen s JOIN lk l ON l.lid = s.lid JOIN xp_lives v ON v.pos = s.latest
+    WHERE s.j = -1 AND s.salt IS NOT DISTINCT FROM l.salt),
+others AS (
+    SELECT s.lid, COALESCE(MIN(s.salt), '(no salt)') AS cached_under
+    FROM xp_seen s JOIN lk l ON l.lid = s.lid
+    WHERE s.j = -1 AND s.salt IS DISTINCT FROM l.salt AND s.alive > 0
+    GROUP BY s.lid),
 hit_blocks AS (
     SELECT s.lid, s.j,
            MAX(CASE WHEN s.salt IS NOT DISTINCT FROM l.salt THEN 1 ELSE 0 END) AS own,
@@ -430,7 +447,7 @@ said AS (
     FROM lk l
     LEFT JOIN own o ON o.lid = l.lid
     LEFT JOIN others n ON n.lid = l.lid
-    LEFT JOIN closest c ON c.lid = l.lid
+    LEFT JOIN xp_closest c ON c.lid = l.lid
     LEFT JOIN crossed x ON x.lid = l.lid)
 SELECT lid, replica, grp, pos, step, request, hash, session, nth, hit AS hit_tokens, k AS stop_block,
        k * bsize AS stop_token, reason,
@@ -570,6 +587,7 @@ def explain(sql: Sql, progress: Progress | None = None) -> None:
     sql.table("xp_seen", SEEN)
     sql.table("xp_kin", KIN)
     sql.table("xp_stab", STAB.format(last=last or 0))
+    sql.table("xp_closest", CLOSEST)
     sql.table("explain_result", REASONS)
 
 
@@ -577,7 +595,7 @@ def capture_inputs(make) -> None:
     """explain's inputs over `capture_events`: `make(name, query)` makes each (a view or a table)."""
     make("explain_input", CAPTURE_INPUT)
     make("explain_lookups", NO_LOOKUPS)
-    make("explain_lookup_blocks", NO_LOOKUP_BLOCKS)
+    make("explain_lookup_blocks", NO_STOPPED_AT)
 
 
 def levels(last: int) -> str:
@@ -610,6 +628,13 @@ class DuckSql:
 
     def rows(self, query: str, params: dict | None = None) -> list[tuple]:
         return self.con.execute(query, params).fetchall()
+
+    def drop_steps(self) -> None:
+        """Drop explain's step tables (xp_*), keeping its answer, so that their memory is free before the
+        answer is read (10M events: 1.51 GB peak reading it beside them, 1.31 GB without)."""
+        for name in [n for n in self.made if n.startswith("xp_")]:
+            self.con.execute(f"DROP TABLE IF EXISTS temp.{name}")
+            del self.made[name]
 
     def close(self) -> None:
         for name, kind in reversed(self.made.items()):
