@@ -368,8 +368,11 @@ def test_another_process_reads_all_through_a_recording_run(tmp_path):
 
     db, wl = tmp_path / "k.duckdb", tmp_path / "w.json"
     wl.write_text(json.dumps({"requests": [{"id": f"r{i}", "prompt": "one two three " * (i + 1),
-                                            "max_new_tokens": 120, "ignore_eos": True} for i in range(6)],
-                              "engine": {"block_size": 4, "num_blocks": 300}}))  # several flushes, 2 s apart
+                                            "max_new_tokens": 400, "ignore_eos": True} for i in range(6)],
+                              "engine": {"block_size": 4, "num_blocks": 800}}))
+    # ~400 steps: several flushes 2 s apart even on a fast machine (at 120 steps a busy CI machine's
+    # writer, which yields to the engine, wrote its one mid-run flush just before the end, and a reader
+    # polling ten times a second missed it)
     proc = subprocess.Popen([sys.executable, "-m", "kvviz", "run", "--workload", str(wl), "--model", "tiny-llama",
                              "--db", str(db), "--quiet"], cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
