@@ -592,6 +592,20 @@ def test_a_capture_the_cli_explained_opens_with_its_reasons_and_is_not_explained
     assert reasons.get("miss: cold") == 2 and not at.exception
 
 
+def test_a_capture_without_hits_says_they_are_not_reported_not_zero(empty_db, tmp_path):
+    """No repeated store: the server did not report hits (vLLM's default mode), so 0 hits would be false.
+    The upload test above is the control: a capture with a repeated store shows its count."""
+    from kvviz.runners.uploads import import_file
+
+    from .test_capture import batch, stored_map, write_capture
+
+    cap = write_capture(tmp_path / "c.jsonl", [batch(stored_map([11, 12], None, [1, 2, 3, 4], salt="a")),
+                                               batch(stored_map([21], 12, [5, 6]))])
+    at = page("inspector", run_id=import_file(cap, RunStore.open(empty_db)))
+    tiles = {m.label: m.value for m in at.metric}
+    assert (tiles["new blocks"], tiles["hits"], tiles["hit rate (tokens)"]) == ("3", "not reported", "not reported")
+
+
 def test_a_fleet_capture_shows_one_replicas_tree_at_a_time_and_its_occupancy_each(empty_db, tmp_path):
     from kvviz.runners.uploads import import_file
 
