@@ -606,6 +606,26 @@ def test_a_capture_without_hits_says_they_are_not_reported_not_zero(empty_db, tm
     assert (tiles["new blocks"], tiles["hits"], tiles["hit rate (tokens)"]) == ("3", "not reported", "not reported")
 
 
+def test_the_prefix_tree_caption_counts_the_segments_drawn_not_those_a_click_opens(empty_db, tmp_path):
+    """1 forks into 2 and 3, 2 into 4 and 5: five segments, but the icicle draws its root and two levels
+    (1; 2 and 3) until one is clicked. A capture two levels deep is the control: all of it drawn."""
+    from kvviz.runners.uploads import import_file
+
+    from .test_capture import batch, stored_map, write_capture
+
+    store = RunStore.open(empty_db)
+    forks = [(1, None), (2, 1), (3, 1), (4, 2), (5, 2)]
+    deep = write_capture(tmp_path / "deep.jsonl", [batch(stored_map([h], p, [h, h])) for h, p in forks])
+    shallow = write_capture(tmp_path / "shallow.jsonl", [batch(stored_map([h], p, [h, h])) for h, p in forks[:3]])
+    for cap, said in ((deep, "3 segments of 3 blocks drawn (2 deeper: click a segment to open them)."),
+                      (shallow, "3 segments of 3 blocks drawn.")):
+        at = page("inspector", run_id=import_file(cap, store))
+        at.segmented_control(key="insp_view").set_value("Prefix tree").run()
+        [icicle] = charts(at)["insp_reuse_tree"]["data"]
+        assert icicle["maxdepth"] == 3 and len(values(icicle["ids"])) == len(forks if cap == deep else forks[:3]) + 1
+        assert any(c.value.endswith(said) for c in at.caption), [c.value for c in at.caption]
+
+
 def test_a_fleet_capture_shows_one_replicas_tree_at_a_time_and_its_occupancy_each(empty_db, tmp_path):
     from kvviz.runners.uploads import import_file
 

@@ -281,11 +281,13 @@ def _tree(con, info: RunInfo, names: list[str], a: float, b: float) -> None:
             st.info("No block was stored in this range.")
             return
         st.plotly_chart(tree_fig.reuse_tree(tree), width="stretch", key="insp_reuse_tree")
+        shown = tree_fig.drawn(tree)
+        deeper = f" ({len(tree) - len(shown):,} deeper: click a segment to open them)" if len(shown) < len(tree) else ""
         st.caption(f"The most used blocks of the range{where}, chains growing to the right: a segment's height is "
                    "its use (stores and hits), a chain of single children is one segment; click a segment to open its "
                    "subtree, the bar left of it to go back. Red: "
-                   f"used by more than one tenant. {len(tree):,} segment{'' if len(tree) == 1 else 's'} of "
-                   f"{int(tree.blocks.sum()):,} blocks.")
+                   f"used by more than one tenant. {len(shown):,} segment{'' if len(shown) == 1 else 's'} of "
+                   f"{int(shown.blocks.sum()):,} blocks drawn{deeper}.")
         return
     since, step = capture_time.steps_in(con, info.run_id, a, b)
     nodes = captures.prefix_tree(con, info.run_id, replica=replica, group=group, since=since)
