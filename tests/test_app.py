@@ -10,6 +10,7 @@ from pathlib import Path
 
 import duckdb
 import numpy as np
+import pandas as pd
 import pytest
 
 from kvviz.analysis.explained import explained, kept
@@ -517,6 +518,22 @@ def test_runs_page_compares_and_deletes(store, tmp_path, monkeypatch):
     con = duckdb.connect(str(db), read_only=True)
     assert con.execute("SELECT count(*) FROM attention WHERE run_id = ?", [faulty]).fetchone()[0] == 0
     con.close()
+
+
+def test_empty_cells_show_a_dash_not_none_in_the_runs_and_requests_tables(with_runs):
+    """The control has no fault and no request a parent: missing values the tables draw as an em dash
+    (st.dataframe's default draws the word None, which reads as a value)."""
+    _, faulty, control = with_runs
+    at = page("runs")
+    [listing] = [d for d in at.dataframe if "run_id" in d.value.columns]
+    assert pd.isna(listing.value.set_index("run_id").fault[control]) and listing.proto.placeholder == "—"
+    at.text_input(key="runs_ids").input(f"{faulty},{control}").run()
+    summary = next(d.value for d in at.dataframe if faulty in d.value.columns)
+    assert summary.loc["fault", control] == "—" and not (summary == "None").any().any()
+    at = page("inspector", run_id=control)
+    at.segmented_control(key="insp_view").set_value("Requests").run()
+    [requests] = at.dataframe
+    assert requests.value.parent.isna().any() and requests.proto.placeholder == "—", "a missing value, drawn as —"
 
 
 def test_an_uploaded_capture_opens_with_the_views_it_supports(empty_db, tmp_path):
