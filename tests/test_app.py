@@ -10,6 +10,7 @@ from pathlib import Path
 
 import duckdb
 import numpy as np
+import pandas as pd
 import pytest
 
 from kvviz.analysis.explained import explained, kept
@@ -519,6 +520,22 @@ def test_runs_page_compares_and_deletes(store, tmp_path, monkeypatch):
     con.close()
 
 
+def test_empty_cells_show_a_dash_not_none_in_the_runs_and_requests_tables(with_runs):
+    """The control has no fault and no request a parent: missing values the tables draw as an em dash
+    (st.dataframe's default draws the word None, which reads as a value)."""
+    _, faulty, control = with_runs
+    at = page("runs")
+    [listing] = [d for d in at.dataframe if "run_id" in d.value.columns]
+    assert pd.isna(listing.value.set_index("run_id").fault[control]) and listing.proto.placeholder == "—"
+    at.text_input(key="runs_ids").input(f"{faulty},{control}").run()
+    summary = next(d.value for d in at.dataframe if faulty in d.value.columns)
+    assert summary.loc["fault", control] == "—" and not (summary == "None").any().any()
+    at = page("inspector", run_id=control)
+    at.segmented_control(key="insp_view").set_value("Requests").run()
+    [requests] = at.dataframe
+    assert requests.value.parent.isna().any() and requests.proto.placeholder == "—", "a missing value, drawn as —"
+
+
 def test_an_uploaded_capture_opens_with_the_views_it_supports(empty_db, tmp_path):
     from .test_capture import batch, stored_map, write_capture
 
@@ -590,6 +607,40 @@ def test_a_capture_the_cli_explained_opens_with_its_reasons_and_is_not_explained
     at.toggle(key="insp_explain").set_value(True).run()
     reasons = {t["name"]: sum(values(t["y"])) for t in charts(at)["insp_activity"]["data"]}
     assert reasons.get("miss: cold") == 2 and not at.exception
+
+
+def test_a_capture_without_hits_says_they_are_not_reported_not_zero(empty_db, tmp_path):
+    """No repeated store: the server did not report hits (vLLM's default mode), so 0 hits would be false.
+    The upload test above is the control: a capture with a repeated store shows its count."""
+    from kvviz.runners.uploads import import_file
+
+    from .test_capture import batch, stored_map, write_capture
+
+    cap = write_capture(tmp_path / "c.jsonl", [batch(stored_map([11, 12], None, [1, 2, 3, 4], salt="a")),
+                                               batch(stored_map([21], 12, [5, 6]))])
+    at = page("inspector", run_id=import_file(cap, RunStore.open(empty_db)))
+    tiles = {m.label: m.value for m in at.metric}
+    assert (tiles["new blocks"], tiles["hits"], tiles["hit rate (tokens)"]) == ("3", "not reported", "not reported")
+
+
+def test_the_prefix_tree_caption_counts_the_segments_drawn_not_those_a_click_opens(empty_db, tmp_path):
+    """1 forks into 2 and 3, 2 into 4 and 5: five segments, but the icicle draws its root and two levels
+    (1; 2 and 3) until one is clicked. A capture two levels deep is the control: all of it drawn."""
+    from kvviz.runners.uploads import import_file
+
+    from .test_capture import batch, stored_map, write_capture
+
+    store = RunStore.open(empty_db)
+    forks = [(1, None), (2, 1), (3, 1), (4, 2), (5, 2)]
+    deep = write_capture(tmp_path / "deep.jsonl", [batch(stored_map([h], p, [h, h])) for h, p in forks])
+    shallow = write_capture(tmp_path / "shallow.jsonl", [batch(stored_map([h], p, [h, h])) for h, p in forks[:3]])
+    for cap, said in ((deep, "3 segments of 3 blocks drawn (2 deeper: click a segment to open them)."),
+                      (shallow, "3 segments of 3 blocks drawn.")):
+        at = page("inspector", run_id=import_file(cap, store))
+        at.segmented_control(key="insp_view").set_value("Prefix tree").run()
+        [icicle] = charts(at)["insp_reuse_tree"]["data"]
+        assert icicle["maxdepth"] == 3 and len(values(icicle["ids"])) == len(forks if cap == deep else forks[:3]) + 1
+        assert any(c.value.endswith(said) for c in at.caption), [c.value for c in at.caption]
 
 
 def test_a_fleet_capture_shows_one_replicas_tree_at_a_time_and_its_occupancy_each(empty_db, tmp_path):

@@ -258,6 +258,21 @@ def test_the_audit_page_runs_an_audit_and_shows_it_beside_the_past(tmp_path, mon
     assert f"audit_past_{audit_id}" in {el.key for el in at.get("plotly_chart")}, "the past audits stay below"
 
 
+def test_the_audit_settings_labels_fit_their_quarter_of_the_page(tmp_path, monkeypatch):
+    """Level, rounds, prompt length and alpha share a row of four columns: a label longer than about 20
+    characters wrapped onto a second line and pushed its input below its neighbours'."""
+    from .apptest import AppTest
+
+    monkeypatch.setenv("KVVIZ_DB", str(tmp_path / "k.duckdb"))
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=60)
+    at.run()
+    at.switch_page("kvviz/ui/pages/audit.py").run()
+    row = [at.selectbox(key="audit_level"), *(at.number_input(key=k) for k in ("audit_samples", "audit_words",
+                                                                              "audit_alpha"))]
+    assert all(len(w.label) <= 20 for w in row), [w.label for w in row]
+    assert "one token each" in at.number_input(key="audit_words").help, "what the label left out, in its help"
+
+
 def test_the_figure_marks_the_ks_distance_and_draws_the_null_and_the_floor():
     from kvviz.figures.audit_timing import ttft_ecdf
 

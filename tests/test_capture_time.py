@@ -113,6 +113,29 @@ def test_churn_hits_and_the_most_reused_prefix_with_its_chain(run):
     assert list(chain.block_hash) == [1, 2] and [list(t) for t in chain.token_ids] == [[1, 1], [2, 2]]
 
 
+def test_intervals_begin_at_the_first_event_not_at_a_multiple_of_their_width(tmp_path):
+    """A capture whose first event is 0.6 s past a whole second: its first bar begins at that event
+    (0 s since the capture began), and a second store 0.8 s after it falls in the same bar, not the next."""
+    path = tmp_path / "c.jsonl"
+    w = CaptureWriter(path, {"pod-a": "tcp://a:1"})
+    for seq, (ts, events) in enumerate([(1000.6, [stored_map([1], None, [1, 1], salt="a")]),
+                                        (1001.4, [stored_map([2], 1, [2, 2])]),
+                                        (1001.7, [stored_map([1], None, [1, 1], salt="a")])]):  # a hit
+        w.add(Message("pod-a", 0, seq, "kv", msgpack.packb([ts, events, 0]), None))
+    w.close()
+    store = RunStore.open(tmp_path / "k.duckdb")
+    run_id = import_capture(path, store)
+    with store.read() as con:
+        span = capture_time.span(con, run_id)
+        churn = capture_time.churn(con, run_id, span.start, span.end, 1.0)
+        occupancy = capture_time.occupancy(con, run_id, span.start, span.end, 1.0, "replica")
+    assert span.start == pytest.approx(1000.6)
+    assert list((churn.interval_start - span.start).round(6)) == [0.0, 1.0]
+    assert list(churn.stored) == [2, 0] and list(churn.hits) == [0, 1]
+    assert list((occupancy.interval_start - span.start).round(6)) == [0.0, 1.0]
+    assert list(occupancy.cached) == [2, 2]
+
+
 def test_intervals_are_round_and_at_most_the_most():
     assert capture_time.interval_s(0, 60) == 0.2
     assert capture_time.interval_s(0, 3600) == 15

@@ -101,6 +101,17 @@ def test_block_map_colours_by_owner_and_state():
     assert by_state["used"].marker.color == STATE_COLOURS["used"]
 
 
+def test_reserved_blocks_have_their_own_colour_and_legend_entry_not_free():
+    """transformers' trash blocks (state reserved) are drawn apart from the free ones, in either colouring."""
+    df = pd.DataFrame({"block": range(4), "state": ["used", "free", "reserved", "reserved"],
+                       "refcount": [1, 0, 0, 0], "owners": ["A", "", "", ""]})
+    assert len({STATE_COLOURS[s] for s in ("free", "cached", "used", "shared", "reserved")}) == 5
+    for colour_by in ("owner", "state"):
+        by_name = {t.name: t for t in fig_blocks.block_map(df, colour_by=colour_by).data}
+        assert list(by_name["reserved"].customdata[:, 0]) == [2, 3] and list(by_name["free"].customdata[:, 0]) == [1]
+        assert by_name["reserved"].marker.color == STATE_COLOURS["reserved"], colour_by
+
+
 def test_leaky_blocks_get_the_red_outline(recorded):
     db, rid, ctl = recorded
     with RunStore.open(db).read() as con:

@@ -138,6 +138,25 @@ def test_the_live_metrics_count_transformers_data_blocks_not_its_trash_blocks():
     assert max(got for got, _ in seen) > 0
 
 
+@pytest.mark.parametrize("backend", ["transformers", "kvviz"])
+def test_transformers_trash_blocks_are_reserved_not_free_and_kvviz_has_none(backend):
+    """The block map's states: transformers' trash blocks (last, past the workload's num_blocks) are no
+    request's and never free to allocate, so they are `reserved` at every step; every data block is
+    free, cached or used. kvviz's own pool, the control, reserves nothing."""
+    from kvviz.runners.live import pool_frame
+
+    wl, states = workload(three_requests(), backend=backend), []
+    run_checked(tiny(), wl, on_step=lambda rec: states.append(list(pool_frame(rec).state)))
+    n = wl.engine.num_blocks
+    assert states and all(set(s[:n]) <= {"free", "cached", "used"} for s in states)
+    assert any("used" in s[:n] for s in states)
+    trash = {tuple(s[n:]) for s in states}
+    if backend == "transformers":
+        assert len(trash) == 1 and set(next(iter(trash))) == {"reserved"}, trash
+    else:
+        assert trash == {()}, "kvviz's pool is num_blocks long"
+
+
 def test_tenants_with_a_common_prefix_share_blocks_in_transformers_not_in_kvviz_with_salts():
     """transformers has no salt: the second tenant reads the first tenant's prefix blocks, which the
     oracle reports as cross_tenant reads (own by content, no foreign mass); kvviz's engine, salted,

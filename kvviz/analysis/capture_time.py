@@ -54,9 +54,10 @@ def interval_s(start: float, end: float, most: int = MAX_INTERVALS) -> float:
 
 def churn(con: duckdb.DuckDBPyConnection, run_id: str, start: float, end: float, width: float) -> pd.DataFrame:
     """interval_start, replica, stored (new blocks), hits (stores of cached blocks), evicted, hit_tokens,
-    miss_tokens (tokens of new blocks: computed because nothing cached them)."""
+    miss_tokens (tokens of new blocks: computed because nothing cached them). Intervals begin at `start`
+    (the capture's first event for the whole capture), not at multiples of `width` since the epoch."""
     return con.execute(
-        f"SELECT floor(ts / $w) * $w AS interval_start, coalesce(replica, 'replica-0') AS replica, "
+        f"SELECT $a + floor((ts - $a) / $w) * $w AS interval_start, coalesce(replica, 'replica-0') AS replica, "
         f"count(*) FILTER (kind = 'BlockStored' AND {_NEW}) AS stored, "
         "count(*) FILTER (kind = 'BlockStored' AND repeat) AS hits, "
         f"count(*) FILTER (kind = 'BlockRemoved' AND {_NEW}) AS evicted, "
@@ -71,10 +72,12 @@ def occupancy(con: duckdb.DuckDBPyConnection, run_id: str, start: float, end: fl
               split: str) -> pd.DataFrame:
     """interval_start, series, cached: blocks cached at the end of each interval, per replica, tier or
     tenant (summed over replicas). Each replica's count goes back to zero at its AllBlocksCleared and
-    at a publisher restart (each begins an epoch); the level at `start` counts everything before it."""
-    k0 = float(np.floor(start / width))  # intervals by number, so the last one is the one `end` falls in exactly
-    args = {"run": run_id, "w": width, "k0": k0, "b": end}  # (seconds added up along a grid drift past it)
-    bucket = "greatest(floor(ts / $w), $k0)"
+    at a publisher restart (each begins an epoch); the level at `start` counts everything before it.
+    Intervals begin at `start`, as churn's do."""
+    # intervals by number from `start`, so the last one is the one `end` falls in exactly (seconds added up
+    # along a grid drift past it)
+    args = {"run": run_id, "w": width, "a": start, "b": end}
+    bucket = "greatest(floor((ts - $a) / $w), 0)"
     epochs = ("SELECT replica, restart, step, ts, row_number() OVER (PARTITION BY replica, restart ORDER BY step) "
               "AS epoch FROM (SELECT DISTINCT coalesce(replica, 'replica-0') AS replica, coalesce(restart, 0) AS "
               "restart, step, ts FROM kv_events WHERE run_id = $run AND kind = 'AllBlocksCleared' AND ts <= $b)")
@@ -100,9 +103,9 @@ def occupancy(con: duckdb.DuckDBPyConnection, run_id: str, start: float, end: fl
         f"SELECT coalesce(replica, 'replica-0') AS replica, restart, 0 AS epoch, {bucket.replace('ts', 'min(ts)')} "
         "AS t FROM kv_events WHERE run_id = $run AND restart > 0 AND ts <= $b GROUP BY ALL", args).df()
     first = levels.groupby("replica", as_index=False).t.min().assign(restart=0, epoch=0)
-    begins = pd.concat([first, restarts, clears.assign(t=np.maximum(np.floor(clears.ts / width), k0))
+    begins = pd.concat([first, restarts, clears.assign(t=np.maximum(np.floor((clears.ts - start) / width), 0))
                         [["replica", "restart", "epoch", "t"]]], ignore_index=True)
-    grid = np.arange(k0, np.floor(end / width) + 1)  # the intervals holding [start, end]
+    grid = np.arange(0, np.floor((end - start) / width) + 1)  # the intervals holding [start, end]
     out = []
     for replica, mine in levels.groupby("replica"):
         now = (begins[begins.replica == replica].sort_values(["t", "restart", "epoch"])
@@ -110,7 +113,7 @@ def occupancy(con: duckdb.DuckDBPyConnection, run_id: str, start: float, end: fl
         for name, part in mine.groupby("series"):
             level = part.drop_duplicates("t", keep="last").set_index("t").reindex(grid, method="ffill")
             alive = (level.restart == now.restart) & (level.epoch == now.epoch)  # an older epoch is gone
-            out.append(pd.DataFrame({"interval_start": grid * width, "series": name,
+            out.append(pd.DataFrame({"interval_start": start + grid * width, "series": name,
                                      "cached": level.cached.where(alive, 0).fillna(0).to_numpy()}))
     return (pd.concat(out).groupby(["interval_start", "series"], as_index=False).cached.sum()
             .sort_values(["interval_start", "series"], ignore_index=True))

@@ -196,8 +196,8 @@ def contradiction_sentence(store: RunStore, run_id: str) -> str | None:
 def reasons_per_interval(con: duckdb.DuckDBPyConnection, run_id: str, start: float, end: float,
                          width: float) -> pd.DataFrame:
     """interval_start, reason, lookups: a kept capture explanation on its time axis (a scan of the
-    kept rows, not a replay)."""
-    return con.execute("SELECT floor(ts / $w) * $w AS interval_start, reason, count(*) AS lookups "
+    kept rows, not a replay), in churn's intervals (from `start`)."""
+    return con.execute("SELECT $a + floor((ts - $a) / $w) * $w AS interval_start, reason, count(*) AS lookups "
                        "FROM lookup_explanations WHERE run_id = $run AND ts BETWEEN $a AND $b "
                        "GROUP BY ALL ORDER BY interval_start, reason",
                        {"run": run_id, "w": width, "a": start, "b": end}).df()

@@ -69,8 +69,11 @@ class PoolSnapshot:
     page_tables: dict[str, tuple[int, ...]]
     num_computed: dict[str, int]
     host_hashes: tuple[BlockHash | None, ...] = ()  # the host tier's blocks (offloading), if any
+    reserved: int = 0  # the last `reserved` blocks are held back from every request (transformers' trash blocks)
 
     def state(self, block: int) -> str:
+        if block >= len(self.refcounts) - self.reserved:  # neither free to allocate nor any request's
+            return "reserved"
         if self.refcounts[block] > 0:
             return "used"
         return "cached" if self.hashes[block] is not None else "free"
@@ -82,7 +85,7 @@ class PoolSnapshot:
         return PoolSnapshot(self.block_size, pick(self.refcounts, other.refcounts), pick(self.hashes, other.hashes),
                             pick(self.lifetimes, other.lifetimes), self.free_queue + other.free_queue,
                             {**other.page_tables, **self.page_tables}, {**other.num_computed, **self.num_computed},
-                            self.host_hashes or other.host_hashes)
+                            self.host_hashes or other.host_hashes, self.reserved)
 
     def live_slots(self) -> int:
         """Slots holding a computed token of a request that still holds the block: per block, the most

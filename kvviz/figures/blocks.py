@@ -24,7 +24,7 @@ def block_map(blocks: pd.DataFrame, leaky: set[int] = frozenset(), colour_by: st
     category = np.where(blocks.refcount > 1, "shared", blocks.state)
     if colour_by == "owner":
         colours = request_colours(o for o in owners if o and "," not in o)
-        category = [c if c in ("free", "cached", "shared") or not o else o
+        category = [c if c in ("free", "cached", "shared", "reserved") or not o else o
                     for c, o in zip(category, owners, strict=True)]
         palette = {**STATE_COLOURS, **colours}
     else:

@@ -81,9 +81,20 @@ def prefix_tree(nodes: pd.DataFrame, token_text=lambda ids: str(list(ids)[:8])) 
 
 
 FOLDED = "#9e9e9e"  # a segment's less used children, folded into one
+DEPTH = 3  # levels the icicle draws at a time, its "all blocks" root included
 
 
-def reuse_tree(df: pd.DataFrame, depth: int = 3) -> go.Figure:
+def drawn(df: pd.DataFrame, depth: int = DEPTH) -> pd.DataFrame:
+    """The segments reuse_tree draws before any click: those within `depth` levels, root included (deeper
+    ones open when their ancestor is clicked), so a caption counts what the chart shows."""
+    parent = dict(zip(df.id, df.parent, strict=True))
+    level = {}
+    for seg in df.id:  # rows come parents first: a parent's level is known before its children's
+        level[seg] = 1 if not parent[seg] else level[parent[seg]] + 1
+    return df[df.id.map(level) < depth]
+
+
+def reuse_tree(df: pd.DataFrame, depth: int = DEPTH) -> go.Figure:
     """df: captures.reuse_tree's segments. An icicle, depth left to right: height is use (stores and hits), a chain of
     single children is one segment, `depth` levels at a time; click a segment to open its subtree.
     Red: a segment more than one tenant used; grey: a segment's less used children, folded."""

@@ -14,6 +14,7 @@ import plotly.graph_objects as go
 REQUEST_COLOURS = ["#01665e", "#a6d854", "#1b9e77", "#e78ac3", "#bcbd22", "#66a61e", "#8dd3c7", "#c51b7d",
                    "#e7298a", "#17becf", "#006d2c"]
 STATE_COLOURS = {"free": "#eceff1", "cached": "#b0bec5", "used": "#4c78a8", "shared": "#6a3d9a",
+                 "reserved": "#d7ccc8",  # held back from every request (transformers' trash blocks)
                  # a host-tier block a step moved
                  "offloaded": "#59a14f", "restored": "#f28e2b", "dropped": "#9c755f"}
 LEAK = "#d62728"

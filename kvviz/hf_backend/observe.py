@@ -172,6 +172,7 @@ class Observation:
             tuple(cached + rest),
             {r: tuple(t) for r, t in view.tables.items()},
             dict(view.computed),
+            reserved=self.total_blocks - self.data_blocks,  # the trash blocks, last: the map draws them apart
         )
 
     def _diff(self, before: CacheView, after: CacheView, fresh: bool) -> tuple[list[BlockEvent], list[str]]:

@@ -133,7 +133,8 @@ TABLES: dict[str, Table] = {t.name: t for t in (
         "preempted BOOLEAN, sampled_token INTEGER, finished BOOLEAN")),
     Table("page_tables", "Page tables after each step.", _cols(
         RUN_ID + "step INTEGER, request_id VARCHAR, logical_block INTEGER, physical_block INTEGER")),
-    Table("blocks", "Every block after each step. state: free | cached (free, hash kept) | used.", _cols(
+    Table("blocks", "Every block after each step. state: free | cached (free, hash kept) | used | reserved "
+          "(no request's: transformers' trash blocks, last).", _cols(
         RUN_ID + "step INTEGER, block INTEGER, refcount INTEGER, hash UBIGINT, lifetime INTEGER, state VARCHAR")),
     Table("kv_transfers", "Disaggregated prefill: each request handed from the prefill instance to the decode "
           "instance, with the blocks and bytes of K/V sent and the status the transfer reported.", (

@@ -51,8 +51,9 @@ def render() -> None:
                                 help="each round times a hit, a miss, a null control and a one-word floor. The "
                                      f"published protocol uses 250; fewer than {fewest_samples(alpha_now)} can "
                                      f"never reach alpha {alpha_now:g}")
-    words = c[2].number_input("Prompt length (words, a token each on SmolLM2)", 16, 8192, key="audit_words",
-                              help="words of one token each; the server's own count is checked where it reports it")
+    words = c[2].number_input("Prompt words", 16, 8192, key="audit_words",  # a quarter of the page: no wrap
+                              help="the prompt's length in words of one token each (on SmolLM2); the server's own "
+                                   "count is checked where it reports it")
     alpha = c[3].number_input("alpha", 1e-15, 0.5, format="%.0e", key="audit_alpha")
     ready = bool(name) or bool(url and model)
     if st.button("Run the audit", type="primary", icon=":material/timer:", key="audit_go", disabled=not ready):

@@ -16,6 +16,7 @@ from ..errors import ModelError
 from ..store import RunStore, StoreError
 
 MODELS = ("smollm2", "tiny-llama", "tiny-gpt2")
+EMPTY = "—"  # a missing value in a table (st.dataframe says "None", which reads as a name)
 ENGINES = {"kvviz": "kvviz's engine", "transformers": "transformers' continuous batching"}  # engine.backend
 KERNELS = ("eager_paged", "sdpa_paged")  # engine.kernel: transformers' paged attention kernels
 KERNEL_HELP = ("eager_paged returns its attention weights, which the oracle reads as they are; sdpa_paged (torch's "

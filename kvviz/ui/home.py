@@ -4,7 +4,7 @@ import streamlit as st
 
 from kvviz import __version__
 
-from .common import PAGES, db_path, runs_or_hint
+from .common import EMPTY, PAGES, db_path, runs_or_hint
 
 
 def render() -> None:
@@ -36,4 +36,4 @@ leak patterns and the metrics it says to watch are all reproduced here.
         return
     st.subheader("Recent runs")
     st.dataframe(listing.head(10)[["run_id", "created_at", "status", "model", "scenario", "fault", "findings",
-                                   "max_foreign_mass"]], hide_index=True, width="stretch")
+                                   "max_foreign_mass"]], hide_index=True, width="stretch", placeholder=EMPTY)

@@ -26,7 +26,7 @@ def render(con, info: RunInfo, step: int) -> None:
                                                                              if leaky else "")
                  + (f", {len(crossed)} read by another tenant" if crossed else ""))
         n = len(pool)
-        touched = pool.block[pool.state != "free"]
+        touched = pool.block[~pool.state.isin(("free", "reserved"))]
         shown = n if n <= MAX_DRAWN_BLOCKS else min(MAX_DRAWN_BLOCKS, max(256, int(touched.max()) + 1
                                                                           if len(touched) else 0))
         if shown < n:

@@ -93,15 +93,16 @@ def _activity(info: RunInfo, span: capture_time.Span, a: float, b: float) -> Non
     total = churn.sum(numeric_only=True)
     c = st.columns(4)
     c[0].metric("new blocks", f"{int(total.stored):,}")
-    c[1].metric("hits", f"{int(total.hits):,}", help="stores of a block already cached: vLLM reports them with "
-                "kv_cache_report_mode=\"full\" (otherwise a capture sees no hits)")
     tokens = total.hit_tokens + total.miss_tokens
     if hits_reported:
+        c[1].metric("hits", f"{int(total.hits):,}", help="stores of a block already cached: vLLM reports them with "
+                    "kv_cache_report_mode=\"full\" (otherwise a capture sees no hits)")
         c[2].metric("hit rate (tokens)", f"{total.hit_tokens / tokens:.0%}" if tokens else "-")
-    else:
-        c[2].metric("hit rate (tokens)", "not reported", help="This capture holds no repeated store of a cached "
-                    "block: its server did not report hits (vLLM: kv_cache_report_mode=\"full\"), so the events "
-                    "cannot tell how many tokens were served from the cache.")
+    else:  # a 0 would say nothing was served from the cache, which the capture cannot tell
+        unreported = ("This capture holds no repeated store of a cached block: its server did not report hits "
+                      "(vLLM: kv_cache_report_mode=\"full\"), so the events cannot tell what the cache served.")
+        c[1].metric("hits", "not reported", help=unreported)
+        c[2].metric("hit rate (tokens)", "not reported", help=unreported)
     c[3].metric("evicted", f"{int(total.evicted):,}")
     reasons = _reasons(info, a, b, width) if _explain_wanted(info, events, is_kept) and is_kept else None
     event = st.plotly_chart(time_fig.activity(churn, span.start, width, reasons), width="stretch",
@@ -280,11 +281,13 @@ def _tree(con, info: RunInfo, names: list[str], a: float, b: float) -> None:
             st.info("No block was stored in this range.")
             return
         st.plotly_chart(tree_fig.reuse_tree(tree), width="stretch", key="insp_reuse_tree")
+        shown = tree_fig.drawn(tree)
+        deeper = f" ({len(tree) - len(shown):,} deeper: click a segment to open them)" if len(shown) < len(tree) else ""
         st.caption(f"The most used blocks of the range{where}, chains growing to the right: a segment's height is "
                    "its use (stores and hits), a chain of single children is one segment; click a segment to open its "
                    "subtree, the bar left of it to go back. Red: "
-                   f"used by more than one tenant. {len(tree):,} segment{'' if len(tree) == 1 else 's'} of "
-                   f"{int(tree.blocks.sum()):,} blocks.")
+                   f"used by more than one tenant. {len(shown):,} segment{'' if len(shown) == 1 else 's'} of "
+                   f"{int(shown.blocks.sum()):,} blocks drawn{deeper}.")
         return
     since, step = capture_time.steps_in(con, info.run_id, a, b)
     nodes = captures.prefix_tree(con, info.run_id, replica=replica, group=group, since=since)

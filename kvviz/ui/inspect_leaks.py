@@ -11,6 +11,7 @@ import streamlit as st
 from ..analysis import cross_reads, leaks, runs
 from ..analysis.runs import RunInfo
 from ..figures import timeline
+from .common import EMPTY
 
 
 def render(con, info: RunInfo, step: int, focus: Callable[[leaks.Focus, str | None], None]) -> None:
@@ -94,7 +95,7 @@ def render_requests(con, info: RunInfo) -> None:
     df = runs.requests_frame(con, info.run_id)
     wide = {"text": st.column_config.TextColumn("text", width="large"),
             "prompt": st.column_config.TextColumn("prompt", width="medium")}
-    st.dataframe(df, hide_index=True, width="stretch", column_config=wide)
+    st.dataframe(df, hide_index=True, width="stretch", column_config=wide, placeholder=EMPTY)
     with st.expander("Prompts and generated texts in full"):
         for r in df.to_dict("records"):
             prompt = f"{r['prompt']}\n--- generated ---\n" if isinstance(r.get("prompt"), str) else ""

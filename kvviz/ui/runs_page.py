@@ -12,7 +12,7 @@ from ..analysis import leaks, runs
 from ..figures import timeline
 from ..store.chrome import export_chrome
 from ..store.trace import export_run
-from .common import db_path, open_run, reader, runs_or_hint, store
+from .common import EMPTY, db_path, open_run, reader, runs_or_hint, store
 
 
 def render() -> None:
@@ -23,7 +23,7 @@ def render() -> None:
     st.caption(f"{len(listing)} runs in `{db_path()}`. Select one to open, export or delete it; two to compare.")
     gen = st.session_state.get("runs_gen", 0)  # a new table (no selection) after every delete
     event = st.dataframe(listing, hide_index=True, width="stretch", on_select="rerun", selection_mode="multi-row",
-                         key=f"runs_table_{gen}",
+                         key=f"runs_table_{gen}", placeholder=EMPTY,
                          column_config={"created_at": st.column_config.DatetimeColumn("created")})
     picked = [listing.run_id.iloc[i] for i in event.selection.rows] if event else []
     if not picked:
@@ -77,7 +77,7 @@ def _compare(a: str, b: str) -> None:
         texts = {r: runs.requests_frame(con, r).set_index("request_id").text for r in (a, b)}
     summary = pd.DataFrame({r: info[r][["status", "model", "engine", "scenario", "fault", "steps", "tokens",
                                          "leak_rate", "max_foreign_mass", "findings"]] for r in (a, b)})
-    st.dataframe(summary.astype(str), width="stretch")
+    st.dataframe(summary.astype(str).where(summary.notna(), EMPTY), width="stretch")
     measured = [o.assign(request_id=o.request_id + f" ({r})") for r, o in over.items() if not o.empty]
     if measured:  # captures have no leak metrics
         both = pd.concat(measured)
