@@ -150,7 +150,7 @@ def test_keys_written_once_per_query_read_back_as_the_rows_that_hold_their_own(t
         return rows, shared, keys
 
     split, shared, keys = recorded("split")
-    monkeypatch.setattr(AttentionRecorder, "_sees_only_visible", staticmethod(lambda group, rows: False))
+    monkeypatch.setattr(AttentionRecorder, "_strays", staticmethod(lambda group, stack: [True] * len(stack)))
     whole, whole_shared, whole_keys = recorded("whole")
     assert split == whole and len(split) == shared > keys > 0
     assert whole_shared == whole_keys == 0

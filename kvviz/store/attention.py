@@ -11,6 +11,10 @@ The keys a query could see are the same in every layer and head, so they are wri
 (attention_keys) and its rows hold only their weights (null key lists; the store's `attention` view
 joins them back). A row keeps its own keys only where its head put weight on a key its query could not
 see (a fault), since its cells then differ from its query's.
+
+A layer's kept rows wait, up to PENDING_CELLS cells, and are cut into cells with the step's other
+layers of the same group in one pass: a decode step's 30 small layers were 30 rounds of the same
+half-dozen torch calls on the engine's thread.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from ..engine.observer import StepContext
 from ..oracle import ProvenanceOracle
 
 HEAD_MEAN = -1  # the head column of a row that averages all heads
+PENDING_CELLS = 1 << 22  # kept cells (float32: 16 MB) held back before they are cut (see the docstring)
 
 
 @dataclass
@@ -76,30 +81,63 @@ class AttentionRecorder:
                                    device=ctx.q_row.device)  # per request of the step, for every layer
         self.layouts: dict[tuple[int, int], _Cells] = {}  # (group, heads kept) -> its cells this step
         self.keyed: dict[int, torch.Tensor] = {}  # group -> its queries' key counts [R, Q], keys recorded
+        self.kept: dict[int, bool] = {}  # group -> whether any of its requests is recorded
+        self.classes: dict[int, torch.Tensor] = {}  # group -> the oracle's key classes (gone after its end_step)
+        self.pending: dict[tuple[int, int], tuple[AttentionGroup, list[int], list[tuple[int, torch.Tensor]]]] = {}
+        self.pending_cells = 0
 
     def on_attention(self, layer: int, group: AttentionGroup, probs: torch.Tensor) -> None:
-        if self.skip:
+        if self.skip or not self._kept(group):
             return
-        R, H, Q, L = probs.shape
         every_head = layer in self.full or (self.selection.mode == "default" and self.oracle.leaked_in(layer, group))
-        heads = [HEAD_MEAN] + (list(range(H)) if every_head else [])
-        rows = torch.cat([probs.mean(1, keepdim=True), probs] if len(heads) > 1 else [probs.mean(1, keepdim=True)], 1)
-        qr = self.ctx.q_row[group.span].view(R, Q)
-        if not bool(self.wanted[qr].any()):
-            return
-        if not self._sees_only_visible(group, rows):
-            cells, weights = self._cells_per_head(group, heads, rows)
-        else:  # every head keeps the keys its query could see: the cells are the layer's, not the head's
-            cells = self._layout(group, heads)
-            weights = rows.masked_select(cells.visible[:, None]).float().cpu().numpy()  # (request, head, query, key)
+        heads = [HEAD_MEAN] + (list(range(probs.shape[1])) if every_head else [])
+        rows = torch.cat([probs.mean(1, keepdim=True), probs], 1) if every_head else probs.mean(1, keepdim=True)
+        _, _, layers = self.pending.setdefault((id(group), len(heads)), (group, heads, []))
+        layers.append((layer, rows))
+        self.pending_cells += rows.numel()
+        if self.pending_cells >= PENDING_CELLS:
+            self._cut_pending()
+
+    def end_step(self) -> None:
+        self._cut_pending()
+
+    def _kept(self, group: AttentionGroup) -> bool:
+        if (kept := self.kept.get(id(group))) is None:
+            qr = self.ctx.q_row[group.span]
+            kept = self.kept[id(group)] = bool(self.wanted[qr].any())
+            if kept:
+                self.classes[id(group)] = self.oracle.key_classes(group)
+        return kept
+
+    def _cut_pending(self) -> None:
+        """The held rows as chunks, layer by layer: per group, one check for weight on keys a query could
+        not see, and one select over the layers that put none there (their cells are their query's keys)."""
+        for group, heads, layers in self.pending.values():
+            stack = torch.stack([rows for _, rows in layers])  # [layers, R, heads, Q, L]
+            strays = self._strays(group, stack)
+            clean = [i for i, stray in enumerate(strays) if not stray]
+            if clean:
+                cells = self._layout(group, heads)
+                picked = stack if len(clean) == len(layers) else stack[clean]
+                weights = np.split(picked.masked_select(cells.visible[None, :, None]).float().cpu().numpy(),
+                                   len(clean))
+                for i, w in zip(clean, weights, strict=True):
+                    self._chunk(layers[i][0], cells, w)
+            for i in (i for i, stray in enumerate(strays) if stray):
+                self._chunk(layers[i][0], *self._cells_per_head(group, heads, stack[i]))
+        self.pending.clear()
+        self.pending_cells = 0
+
+    def _chunk(self, layer: int, cells: _Cells, weights: np.ndarray) -> None:
         self.chunks.append({"step": self.ctx.step, "layer": layer, "head": cells.head, "row": cells.row,
                             "position": cells.position, "lengths": cells.lengths, "slots": cells.slots,
                             "weights": weights, "classes": cells.classes, "names": self.names})
 
     @staticmethod
-    def _sees_only_visible(group: AttentionGroup, rows: torch.Tensor) -> bool:
-        """No weight on a key the query could not see (which a fault gives): the rows share their keys."""
-        return not bool(((rows > 0) & ~group.mask[:, None]).any())
+    def _strays(group: AttentionGroup, stack: torch.Tensor) -> list[bool]:
+        """Per layer of a [layers, R, heads, Q, L] stack: whether a row put weight on a key its query could
+        not see (which a fault gives): its cells are then its own, not its query's."""
+        return ((stack > 0) & ~group.mask[None, :, None]).flatten(1).any(1).tolist()
 
     def _rows(self, group: AttentionGroup, heads: list[int]) -> tuple[np.ndarray, ...]:
         """The kept rows of a group as (request, head, query) arrays: which to keep, head, row, position."""
@@ -137,7 +175,7 @@ class AttentionRecorder:
                 "position": self.ctx.q_pos[group.span].reshape(-1).cpu().numpy()[kept],
                 "lengths": per_query.reshape(-1).cpu().numpy()[kept], "names": self.names,
                 "slots": group.key_slots[r, k].to(torch.int32).cpu().numpy(),
-                "classes": self.oracle.key_classes(group)[r, q, k].cpu().numpy()})
+                "classes": self.classes[id(group)][r, q, k].cpu().numpy()})
         return self.keyed[id(group)]
 
     def _cells_per_head(self, group: AttentionGroup, heads: list[int], rows: torch.Tensor
@@ -145,11 +183,8 @@ class AttentionRecorder:
         keep_rows, head, row, position = self._rows(group, heads)
         qr = self.ctx.q_row[group.span].view(group.mask.shape[:2])
         keep = ((rows > 0) | group.mask[:, None]) & self.wanted[qr][:, None, :, None]  # [R, heads, Q, L]
-        lengths, slots, weights, classes = _cells_per_head(keep, rows, group.key_slots, self.oracle.key_classes(group))
+        lengths, slots, weights, classes = _cells_per_head(keep, rows, group.key_slots, self.classes[id(group)])
         return _Cells(group, keep, head, row, position, lengths[keep_rows], slots, classes), weights
-
-    def end_step(self) -> None:
-        pass
 
     def take_chunks(self) -> list[dict]:
         """What was captured since the last call (numpy arrays the engine no longer touches): the
