@@ -54,9 +54,11 @@ WRITER_NICE = 10
 ROW_GROUP = 122_880
 ATTENTION_SECONDS = 10.0
 # A flush opens, writes and closes (checkpoints) the file, on cores the engine's forward wants: the next
-# one waits until the last one's time is at most this share of the time between them (a run's file, and
-# so each open and checkpoint, grows; on SmolLM2 a 2-s spacing cost a tenth of the run's speed).
-FLUSH_SHARE = 0.1
+# one waits until the writer's CPU time in the last one is at most this share of the time between them
+# (each open and checkpoint grows with the run's file; on SmolLM2 a flush took 0.1-0.2 s of CPU, and
+# one every 2 s cost a tenth of the run's speed). CPU, not wall time: a writer that yields to a busy
+# engine takes long to flush without costing it more.
+FLUSH_SHARE = 0.05
 
 
 class RunRecorder:
@@ -68,7 +70,7 @@ class RunRecorder:
         self.store, self.tokenizer = store, model.tokenizer
         self.run_id, self.oracle, self.attention, self.flush_every = run_id, oracle, attention, flush_every
         self.flush_seconds, self._flushed_at = flush_seconds, time.monotonic()
-        self._flush_took = 0.0  # seconds the last flush took (the writer's)
+        self._flush_cpu = 0.0  # the writer's CPU seconds in the last flush
         self._attention_at = self._flushed_at  # when attention rows were last written
         self._oracle_steps = 0  # the oracle's steps handed over (engine thread)
         self._labelled: set[int] = set()  # token ids whose text is recorded (caller's thread: the tokenizer's)
@@ -244,7 +246,7 @@ class RunRecorder:
     def _spacing(self) -> float:
         """Seconds from one flush to the next: flush_seconds, or more while a flush takes more than
         FLUSH_SHARE of them; 0 (a test that reads between flushes) keeps every flush_every steps."""
-        return max(self.flush_seconds, self._flush_took / FLUSH_SHARE) if self.flush_seconds else 0.0
+        return max(self.flush_seconds, self._flush_cpu / FLUSH_SHARE) if self.flush_seconds else 0.0
 
     def _oracle_table(self) -> pa.Table | None:
         """The oracle's metrics not yet written, one row per (step, request, layer, head), built from
@@ -270,7 +272,7 @@ class RunRecorder:
     def _write(self, metrics: Iterable[StepLeak] = (), chunks: Iterable[dict] = (), everything: bool = False) -> None:
         """Insert what is buffered (and what is given) in one transaction: attention rows only when
         `everything` is asked or they are due (see ROW_GROUP)."""
-        began = time.monotonic()
+        began = time.thread_time()
         self._metrics += metrics
         self._chunks += chunks
         tables = {t: schema.arrow_table(t, cols) for t, cols in self.rows.items() if cols}
@@ -286,7 +288,7 @@ class RunRecorder:
         if tables:
             self._insert(tables)
         self._pending, self._flushed_at = 0, time.monotonic()
-        self._flush_took = self._flushed_at - began
+        self._flush_cpu = time.thread_time() - began
 
     def _insert(self, tables: dict[str, pa.Table]) -> None:
         with self.store.write() as con:
