@@ -113,7 +113,8 @@ class AttentionRecorder:
         """The held rows as chunks, layer by layer: per group, one check for weight on keys a query could
         not see, and one select over the layers that put none there (their cells are their query's keys)."""
         for group, heads, layers in self.pending.values():
-            stack = torch.stack([rows for _, rows in layers])  # [layers, R, heads, Q, L]
+            # [layers, R, heads, Q, L]; a prefill chunk's layer, cut alone, is not copied
+            stack = layers[0][1][None] if len(layers) == 1 else torch.stack([rows for _, rows in layers])
             strays = self._strays(group, stack)
             clean = [i for i, stray in enumerate(strays) if not stray]
             if clean:
