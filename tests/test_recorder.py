@@ -154,3 +154,28 @@ def test_keys_written_once_per_query_read_back_as_the_rows_that_hold_their_own(t
     whole, whole_shared, whole_keys = recorded("whole")
     assert split == whole and len(split) == shared > keys > 0
     assert whole_shared == whole_keys == 0
+
+
+def test_layers_cut_together_or_one_at_a_time_record_the_same_rows(tmp_path, monkeypatch):
+    """A step's layers wait and are cut into cells together; a pending limit of one cell cuts each
+    layer alone (as a prefill chunk's big layer is): the rows must not depend on where the cuts fall,
+    and a fault's rows (which keep their own keys) are among them."""
+    from kvviz.runners.recorded import record_run
+    from kvviz.store import attention
+
+    wl = Workload.from_dict(SCENARIOS["low_precision_fill"].workload)
+
+    def recorded(name: str) -> list:
+        store = RunStore.open(tmp_path / f"{name}.duckdb")
+        record_run(store, tiny(), wl, fault="low_precision_fill")
+        with store.read() as con:
+            return con.execute("SELECT step, layer, head, request_id, position, key_slots, weights, key_classes "
+                               "FROM attention ORDER BY ALL").fetchall()
+
+    together = recorded("together")
+    monkeypatch.setattr(attention, "PENDING_CELLS", 1)
+    alone = recorded("alone")
+    assert together == alone and len(together) > 0
+    with RunStore.open(tmp_path / "together.duckdb").read() as con:
+        own = con.execute("SELECT count(*) FROM attention_rows WHERE key_slots IS NOT NULL").fetchone()[0]
+    assert own > 0, "a fill value that is not -inf puts weight outside what a query could see"
