@@ -505,3 +505,20 @@ def test_a_run_deleted_while_it_records_stops_writing_and_says_so(tmp_path):
     with store.read() as con:
         left = {t: con.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in runs.run_tables(con)}
     assert set(left.values()) == {0}, left
+
+
+@pytest.mark.parametrize(
+    "sql,said",
+    [
+        ("SELECT nope FROM runs", 'Referenced column "nope" not found in FROM clause; Candidate bindings:'),
+        ("SELECT * FROM runz", 'Table with name runz does not exist; Did you mean "runs"?'),
+    ],
+)
+def test_sql_errors_read_as_a_sentence_without_duckdbs_stage_names(sql, said):
+    con = duckdb.connect()
+    con.execute("CREATE TABLE runs (run_id VARCHAR, status VARCHAR)")
+    with pytest.raises(SqlError) as err:
+        run_query(con, sql)
+    message = str(err.value)
+    assert message.startswith(said), message
+    assert "Error:" not in message and "!" not in message

@@ -4,6 +4,7 @@ Python variables)."""
 
 from __future__ import annotations
 
+import re
 import threading
 from dataclasses import dataclass
 
@@ -51,7 +52,9 @@ def _one_line(e: duckdb.Error) -> str:
     """DuckDB's message in one line: what it says (a "did you mean" hint too), and where its caret points."""
     lines = str(e).split("\n")
     said = " ".join(x.strip() for x in lines if x.strip() and not x.startswith("LINE ") and x.strip("^ "))
-    said = said.removeprefix("Parser Error: ")
+    # DuckDB names its internal stage ("Binder Error: ", "Catalog Error: ") and ends its first clause with
+    # "!": neither means anything to the reader, so one clause, then the hint after a semicolon.
+    said = re.sub(r"^[A-Za-z]+ Error: ", "", said).replace("! ", "; ", 1).rstrip("!")
     for text, caret in zip(lines, lines[1:], strict=False):
         if text.startswith("LINE ") and "^" in caret:
             prefix = text[:text.index(": ") + 2]
