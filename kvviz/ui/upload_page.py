@@ -17,7 +17,8 @@ def render() -> None:
         "- a **kvviz trace** (`.zip`): page tables, refcounts and optionally attention rows, written by "
         "`python -m kvviz export` or by your server without kvviz (see docs/trace-format.md);\n"
         "- a **vLLM or SGLang KV-event capture** (`.jsonl`) written by `python -m kvviz capture-vllm --endpoint "
-        "tcp://HOST:5557 --out capture.jsonl`: it becomes the prefix tree, cache occupancy over time, evictions and "
+        "tcp://HOST:5557 --out capture.jsonl` (or by kvviz's own engine: `python -m kvviz run ... --kv-events "
+        "capture.jsonl`, in the same format): it becomes the prefix tree, cache occupancy over time, evictions and "
         "cross-tenant findings.\n\n"
         "A fleet's **capture dataset** (a folder of Parquet, `capture-vllm --out DIR`) stays where it is: import "
         "it from a shell on this machine with `python -m kvviz import DIR`, then open it in the inspector.")
