@@ -247,6 +247,7 @@ def test_inspector_shows_the_leak_of_a_faulty_run(with_runs):
     at.segmented_control(key="insp_view").set_value("Leaks").run()
     found = at.dataframe(key="insp_findings").value
     assert len(found) > 0 and set(found.kind) == {"foreign"} and found.position.notna().all()
+    assert found.block.isna().all() and at.dataframe(key="insp_findings").proto.placeholder == "—"  # not "None"
     assert at.button(key="insp_top_finding").label == "Go to the heaviest finding"
     at.button(key="insp_top_finding").click().run()
     assert at.session_state["insp_view"] == "Attention"
@@ -396,6 +397,8 @@ def test_the_scenarios_side_by_side_draws_the_foreign_mass_a_fault_adds(empty_db
     assert len(tops) == 1, f"the two heatmaps colour their own weights on different scales: {tops}"
     assert any(c.value.startswith("Largest difference: ") and float(c.value.split(": ")[1].rstrip(".")) > 0
                for c in at.caption)
+    texts = [d for d in at.dataframe if "tenant" in d.value.columns]  # no tenants here: a dash, not "None"
+    assert len(texts) == 2 and all(d.value.tenant.isna().all() and d.proto.placeholder == "—" for d in texts)
 
 
 def test_upload_imports_a_trace_and_refuses_a_broken_one(with_runs, tmp_path, monkeypatch):

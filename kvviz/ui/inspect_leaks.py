@@ -48,7 +48,7 @@ def render(con, info: RunInfo, step: int, focus: Callable[[leaks.Focus, str | No
                    "duplicate and non_finite, 1 marks it; for normalisation, how far the weights are from 1; for "
                    "kernel_mismatch, how far the outputs are apart, in tolerances).")
         st.dataframe(found, hide_index=True, width="stretch", on_select=clicked, selection_mode="single-row",
-                     key="insp_findings", height=min(400, 38 + 35 * len(found)))
+                     key="insp_findings", height=min(400, 38 + 35 * len(found)), placeholder=EMPTY)
         heaviest = found.mass.notna().iloc[0]  # a cross-tenant read carries no mass: the first is no heaviest
         st.button("Go to the heaviest finding" if heaviest else "Go to the first finding", key="insp_top_finding",
                   on_click=jump_to, args=(0,), icon=":material/my_location:")

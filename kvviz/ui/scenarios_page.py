@@ -11,7 +11,17 @@ from ..catalogue.faults import FAULTS
 from ..catalogue.scenarios import SCENARIOS
 from ..figures import attention as fig
 from ..runners import live
-from .common import ENGINE_HELP, ENGINES, MODELS, cross_tenant_warning, load_model_or_error, open_run, reader, store
+from .common import (
+    EMPTY,
+    ENGINE_HELP,
+    ENGINES,
+    MODELS,
+    cross_tenant_warning,
+    load_model_or_error,
+    open_run,
+    reader,
+    store,
+)
 
 
 def render() -> None:
@@ -124,7 +134,7 @@ def _compare(pair: dict) -> None:
                                 key=f"sc_hm_{r}")
             st.dataframe(texts[r], hide_index=True, width="stretch",
                          column_config={"request_id": "request", "cached_tokens": "prompt tokens from the cache",
-                                        "finish_reason": "ended by"})
+                                        "finish_reason": "ended by"}, placeholder=EMPTY)
             if st.button("Open in the inspector", key=f"sc_open_{r}"):
                 open_run(pair[r])
     if len(roles) == 2:
