@@ -77,7 +77,10 @@ def _compare(a: str, b: str) -> None:
         texts = {r: runs.requests_frame(con, r).set_index("request_id").text for r in (a, b)}
     summary = pd.DataFrame({r: info[r][["status", "model", "engine", "scenario", "fault", "steps", "tokens",
                                          "leak_rate", "max_foreign_mass", "findings"]] for r in (a, b)})
-    st.dataframe(summary.astype(str).where(summary.notna(), EMPTY), width="stretch")
+    measures = ["leak_rate", "max_foreign_mass"]  # four places, as the listing draws them (str() gives all)
+    summary.loc[measures] = summary.loc[measures].map(lambda v: v if pd.isna(v) else round(float(v), 4))
+    st.dataframe(summary.astype(str).where(summary.notna(), EMPTY), width="stretch",
+                 column_config={"_index": st.column_config.Column(width="medium")})  # "max_foreign_mass" whole
     measured = [o.assign(request_id=o.request_id + f" ({r})") for r, o in over.items() if not o.empty]
     if measured:  # captures have no leak metrics
         both = pd.concat(measured)
