@@ -514,6 +514,9 @@ def test_runs_page_compares_and_deletes(store, tmp_path, monkeypatch):
     summary = next(d.value for d in at.dataframe if faulty in d.value.columns)
     assert summary.loc["engine"].tolist() == ["kvviz", "kvviz"], "a kvviz run beside a transformers one says so"
     assert all(len(v.partition(".")[2]) <= 4 for v in summary.loc["leak_rate"]), summary.loc["leak_rate"]
+    lines = {t["name"]: t["line"] for t in charts(at)["runs_cmp_timeline"]["data"] if t.get("showlegend")}
+    assert lines[f"A ({faulty})"]["color"] == lines[f"A ({control})"]["color"], "one request, one colour"
+    assert lines[f"A ({faulty})"]["dash"] != lines[f"A ({control})"]["dash"], "one run, one dash"
     at.text_input(key="runs_ids").input(faulty).run()
     at.checkbox(key=f"runs_sure_{faulty}").check().run()
     at.button(key="runs_delete").click().run()

@@ -170,6 +170,10 @@ def test_page_tables_outline_shared_blocks_and_copies():
     assert list(by_name["copy-on-write copy"].text) == [2] and by_name["copy-on-write copy"].marker.line.width == 4
     assert sorted(by_name["shared"].y) == ["F", "P"] and by_name["shared"].marker.line.width == 3
     assert len(markers(fig)) == len(entries)
+    # two logical blocks keep a column's width, not half the page each (a walk saw them at its two edges)
+    assert tuple(fig.layout.xaxis.range) == (-0.5, fig_blocks.PAGE_COLUMNS - 0.5)
+    wide = entries.assign(logical_block=entries.logical_block * 20)
+    assert tuple(fig_blocks.page_tables(wide).layout.xaxis.range) == (-0.5, 20.5)
 
 
 def test_page_tables_of_a_real_run(recorded):
@@ -363,6 +367,22 @@ def test_leak_timeline_has_a_line_per_request_and_panel(recorded):
         assert list(t.x) == list(part.step) and np.allclose(list(t.y), part[col])
     assert sum(t.showlegend for t in fig.data) == 2
     assert fig.layout.yaxis.rangemode == "nonnegative", "a clean run's zeros sit at the bottom, not mid -1..1"
+
+
+def test_two_runs_compared_keep_a_request_in_one_colour_and_a_run_in_one_dash():
+    """The Runs page draws a fault's run beside its control: request A is the same colour in both, and
+    each run's lines have their own dash (a walk found A of one run green and A of the other pink)."""
+    one = pd.DataFrame({"step": [0, 1, 0, 1], "request_id": ["A", "A", "B", "B"], "leak_rate": [0.0, 0.5, 0.0, 0.0],
+                        "max_foreign_mass": [0.0, 0.8, 0.0, 0.0]})
+    fig = timeline.leak_timeline(pd.concat([one.assign(run="fault"), one.assign(run="control")]))
+    top = {t.name: t for t in fig.data if t.yaxis == "y"}
+    assert set(top) == {"A (fault)", "A (control)", "B (fault)", "B (control)"}
+    for req in "AB":
+        assert top[f"{req} (fault)"].line.color == top[f"{req} (control)"].line.color
+    assert top["A (fault)"].line.color != top["B (fault)"].line.color
+    assert {top[f"{r} (fault)"].line.dash for r in "AB"} == {"solid"}
+    assert {top[f"{r} (control)"].line.dash for r in "AB"} == {"dash"}
+    assert list(top["A (fault)"].y) == [0.0, 0.8] and sum(t.showlegend for t in fig.data) == 4
 
 
 def test_a_request_of_one_point_is_drawn_as_a_marker_not_an_invisible_line():

@@ -127,6 +127,7 @@ def memory_utilisation(frame: pd.DataFrame, article: dict[str, float], current: 
     return clear_of_modebar(whole_steps(fig, frame.step.tolist()))
 
 
+PAGE_COLUMNS = 16
 PAGE_KINDS = {"own": ("white", 1), "shared": ("black", 3), "copy-on-write copy": ("#e377c2", 4)}
 
 
@@ -148,6 +149,7 @@ def page_tables(entries: pd.DataFrame) -> go.Figure:
                           "<extra></extra>"))
     fig.update_layout(height=90 + 40 * entries.request_id.nunique(), margin={"l": 10, "r": 10, "t": 30, "b": 10},
                       plot_bgcolor="white", xaxis_title="logical block", legend={"orientation": "h"})
-    fig.update_xaxes(dtick=1)
+    # at least PAGE_COLUMNS columns' room: two logical blocks stretched over the page sat at its far edges
+    fig.update_xaxes(dtick=1, range=[-0.5, max(PAGE_COLUMNS, int(entries.logical_block.max()) + 1) - 0.5])
     fig.update_yaxes(autorange="reversed", type="category")
     return clear_of_modebar(fig)

@@ -81,7 +81,7 @@ def _compare(a: str, b: str) -> None:
     summary.loc[measures] = summary.loc[measures].map(lambda v: v if pd.isna(v) else round(float(v), 4))
     st.dataframe(summary.astype(str).where(summary.notna(), EMPTY), width="stretch",
                  column_config={"_index": st.column_config.Column(width="medium")})  # "max_foreign_mass" whole
-    measured = [o.assign(request_id=o.request_id + f" ({r})") for r, o in over.items() if not o.empty]
+    measured = [o.assign(run=r) for r, o in over.items() if not o.empty]
     if measured:  # captures have no leak metrics
         both = pd.concat(measured)
         st.plotly_chart(timeline.leak_timeline(both), width="stretch", key="runs_cmp_timeline")
