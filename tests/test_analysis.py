@@ -646,15 +646,22 @@ def test_delete_run_clears_every_table_and_keeps_other_runs(tmp_path):
     cap = uploads.import_file(capture_file(tmp_path)[0], RunStore.open(db))
     with RunStore.open(db).read() as con:
         tables = runs.run_tables(con)
-    assert {"runs", "requests", "attention_rows", "attention_keys", "slot_writes", "blocks", "block_events",
-            "page_tables", "leak_metrics", "findings", "kv_event_rows", "capture_sources", "token_text", "steps",
-            "step_work"} <= set(tables)
+    assert {"runs", "requests", "attention_rows", "attention_parts", "attention_keys", "slot_writes", "blocks",
+            "block_events", "page_tables", "leak_metrics", "findings", "kv_event_rows", "capture_sources", "token_text",
+            "steps", "step_work"} <= set(tables)
     before_doomed, before_kept, before_cap = counts(db, doomed), counts(db, kept), counts(db, cap)
-    assert before_doomed["attention_rows"] > 0 and before_doomed["attention_keys"] > 0
+    assert before_doomed["attention_parts"] == 1 and before_doomed["attention_keys"] > 0
     assert before_doomed["findings"] > 0 and before_cap["capture_sources"] == 1
+    parts = RunStore.open(db).attention_dir
+    assert (parts / doomed).is_dir() and (parts / kept).is_dir()
+    with RunStore.open(db).read() as con:
+        kept_rows = con.execute("SELECT count(*) FROM attention WHERE run_id = ?", [kept]).fetchone()[0]
     runs.delete_run(RunStore.open(db), doomed)
     assert all(n == 0 for n in counts(db, doomed).values())
     assert counts(db, kept) == before_kept and counts(db, cap) == before_cap
+    assert not (parts / doomed).exists() and (parts / kept).is_dir()  # its attention parts go with it
+    with RunStore.open(db).read() as con:
+        assert con.execute("SELECT count(*) FROM attention WHERE run_id = ?", [kept]).fetchone()[0] == kept_rows > 0
     (dataset,) = RunStore.open(db).captures_dir.iterdir()
     runs.delete_run(RunStore.open(db), cap)
     assert all(n == 0 for n in counts(db, cap).values()) and not dataset.exists()

@@ -100,11 +100,11 @@ def test_a_failed_write_reaches_the_engine_and_marks_the_run_failed(tmp_path, mo
     rec = RunRecorder(store, new_run_id(), model=tiny(), workload=workload(), flush_every=1, flush_seconds=0)
     insert, writes = rec._insert, []
 
-    def failing_insert(tables):
+    def failing_insert(tables, close_part=False):
         writes.append(threading.current_thread().name)
         if broken and len(writes) == 2:
             raise OSError("No space left on device")
-        insert(tables)
+        insert(tables, close_part)
 
     monkeypatch.setattr(rec, "_insert", failing_insert)
     if not broken:  # the control: the same run, written in full
@@ -132,6 +132,13 @@ def test_a_run_stopped_midway_leaves_a_readable_database_with_the_run_marked(tmp
                      else "RuntimeError: power cut")
 
 
+def stored(store: RunStore) -> str:
+    """The attention rows as the recorder stored them (null key lists where a row reads its query's keys):
+    the Parquet parts of the store's runs."""
+    return (f"(SELECT * FROM read_parquet('{store.attention_dir}/*/*.parquet') "
+            "WHERE run_id IN (SELECT run_id FROM runs))")
+
+
 def test_keys_written_once_per_query_read_back_as_the_rows_that_hold_their_own(tmp_path, monkeypatch):
     """The usual case (no weight outside what a query could see) writes each query's keys once and its
     rows without them; the `attention` view joins them back to exactly the rows the per-head pass (which
@@ -146,7 +153,7 @@ def test_keys_written_once_per_query_read_back_as_the_rows_that_hold_their_own(t
             rows = con.execute("SELECT step, layer, head, request_id, position, key_slots, weights, key_classes "
                                "FROM attention ORDER BY ALL").fetchall()
             shared, keys = con.execute("SELECT count(*) FILTER (key_slots IS NULL), (SELECT count(*) FROM "
-                                       "attention_keys) FROM attention_rows").fetchone()
+                                       f"attention_keys) FROM {stored(store)}").fetchone()
         return rows, shared, keys
 
     split, shared, keys = recorded("split")
@@ -177,5 +184,6 @@ def test_layers_cut_together_or_one_at_a_time_record_the_same_rows(tmp_path, mon
     alone = recorded("alone")
     assert together == alone and len(together) > 0
     with RunStore.open(tmp_path / "together.duckdb").read() as con:
-        own = con.execute("SELECT count(*) FROM attention_rows WHERE key_slots IS NOT NULL").fetchone()[0]
+        own = con.execute(f"SELECT count(*) FROM {stored(RunStore.open(tmp_path / 'together.duckdb'))} "
+                          "WHERE key_slots IS NOT NULL").fetchone()[0]
     assert own > 0, "a fill value that is not -inf puts weight outside what a query could see"

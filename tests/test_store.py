@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import duckdb
 import pyarrow as pa
+import pyarrow.parquet
 import pytest
 
 from kvviz.catalogue.scenarios import SCENARIOS
@@ -22,7 +24,7 @@ from kvviz.models import load_model
 from kvviz.oracle import ProvenanceOracle
 from kvviz.runners.checked import run_checked
 from kvviz.runners.recorded import save_run
-from kvviz.store import SCHEMA_VERSION, RunStore, SqlError, StoreError, run_query
+from kvviz.store import SCHEMA_VERSION, RunStore, SqlError, StoreError, run_query, schema
 from kvviz.store.attention import AttentionRecorder, AttentionSelection
 from kvviz.store.recorder import RunRecorder
 from kvviz.util.ids import new_run_id
@@ -296,6 +298,58 @@ def test_a_run_killed_midway_leaves_a_readable_database(tmp_path, sig):
         assert status == "failed" and proc.returncode == 130
         assert b"kvviz: interrupted" in err and b"Traceback" not in err, err[-2000:]
     assert con.execute("SELECT count(*) FROM blocks").fetchone()[0] > 0
+    attention = con.execute("SELECT count(*) FROM attention").fetchone()[0]  # a part left open stays hidden
+    assert attention > 0 or sig == signal.SIGKILL  # Ctrl-C closes the open part
+
+
+def test_attention_rows_are_parquet_parts_beside_the_store(db, con):
+    """A recorded run's attention rows are closed Parquet parts in attention/RUN_ID beside the file (none
+    in the file itself, no part left open), and the view reads exactly their rows."""
+    for (run,) in con.execute("SELECT run_id FROM runs").fetchall():
+        folder = db.parent / "attention" / run
+        parts = sorted(folder.iterdir())
+        assert parts and all(p.suffix == ".parquet" and not p.name.startswith(".") for p in parts)
+        in_files = sum(pa.parquet.read_metadata(p).num_rows for p in parts)
+        assert con.execute("SELECT count(*) FROM attention WHERE run_id = ?", [run]).fetchone()[0] == in_files > 0
+        assert con.execute("SELECT count(*) FROM attention_rows WHERE run_id = ?", [run]).fetchone()[0] == 0
+    assert not schema.datasets_gone(con, RunStore.open(db).attention_dir)  # so a reader never writes to refresh
+
+
+def test_a_store_moved_with_its_parts_reads_the_same_and_one_moved_alone_says_what_is_gone(db, tmp_path):
+    """The parts are found beside the file wherever it lies: moved together, every attention row reads
+    as before; the file copied without them still opens, its runs saying where their rows were."""
+    query = "SELECT * FROM attention ORDER BY ALL"
+    with RunStore.open(db).read() as con:
+        want = con.execute(query).fetchall()
+    together, alone = tmp_path / "together", tmp_path / "alone"
+    shutil.copytree(db.parent, together, ignore=shutil.ignore_patterns("*.wal"))
+    alone.mkdir()
+    shutil.copy(db, alone / db.name)
+    with RunStore.open(together / db.name).read() as con:
+        assert con.execute(query).fetchall() == want
+    with RunStore.open(alone / db.name).read() as con:
+        assert con.execute("SELECT count(*) FROM attention").fetchone()[0] == 0
+        errors = [e for (e,) in con.execute("SELECT error FROM runs ORDER BY run_id").fetchall()]
+        assert len(errors) == 2 and all("attention rows are no longer at" in e for e in errors)
+        assert con.execute("SELECT count(*) FROM steps").fetchone()[0] > 0  # the rest reads as before
+
+
+def test_parts_closed_at_every_flush_hold_the_same_rows_as_one_part(tmp_path, monkeypatch):
+    """PART_SECONDS only decides when rows become readable: a run whose every flush closes a part
+    records the rows of a run written as one part."""
+    from kvviz.store import attention_parts
+
+    def rows(db):
+        with RunStore.open(db).read() as con:
+            return con.execute("SELECT * EXCLUDE (run_id) FROM attention ORDER BY ALL").fetchall()
+
+    one, many = tmp_path / "one" / "k.duckdb", tmp_path / "many" / "k.duckdb"
+    record(one, "boundary", "boundary")
+    monkeypatch.setattr(attention_parts, "PART_SECONDS", 0.0)
+    record(many, "boundary", "boundary")
+    parts = [len(list((db.parent / "attention").glob("*/*.parquet"))) for db in (one, many)]
+    assert parts[0] == 1 < parts[1]
+    assert rows(one) == rows(many)
 
 
 def test_the_slot_write_log_reproduces_provenance(con):
@@ -441,7 +495,8 @@ def test_a_version_1_store_is_upgraded_in_place_and_keeps_its_runs(tmp_path):
 
 def test_a_version_12_store_keeps_its_whole_attention_rows_and_records_new_ones_split(tmp_path):
     """Version 12 kept every row's keys in the table `attention`: the upgrade renames it to
-    attention_rows, under the view that joins attention_keys, and the old rows read as before."""
+    attention_rows, under the view that joins attention_keys, and the old rows read as before; a new
+    run's rows are Parquet parts with null key lists, the view joining their keys back."""
     db = tmp_path / "v12.duckdb"
     record(db, "boundary", "boundary")
     con = duckdb.connect(str(db))
@@ -451,6 +506,7 @@ def test_a_version_12_store_keeps_its_whole_attention_rows_and_records_new_ones_
     con.execute("DROP VIEW attention")
     con.execute("DROP TABLE attention_rows")
     con.execute("DROP TABLE attention_keys")
+    con.execute("DROP TABLE attention_parts")  # version 12 wrote every row into the file
     con.execute("ALTER TABLE whole RENAME TO attention")
     con.execute("UPDATE meta SET value = '12' WHERE key = 'schema_version'")
     con.close()
@@ -460,8 +516,9 @@ def test_a_version_12_store_keeps_its_whole_attention_rows_and_records_new_ones_
         assert con.execute("SELECT * FROM attention WHERE run_id = ? ORDER BY ALL", [old]).fetchall() == want
         assert con.execute("SELECT count(*) FILTER (key_slots IS NULL), count(*) FROM attention_rows WHERE run_id = ?",
                            [old]).fetchone()[0] == 0
-        shared, rows = con.execute("SELECT count(*) FILTER (key_slots IS NULL), count(*) FROM attention_rows WHERE "
-                                   "run_id = ?", [new]).fetchone()
+        parts = str(tmp_path / "attention" / new / "*.parquet")  # a new run's rows: Parquet parts beside the file
+        shared, rows = con.execute("SELECT count(*) FILTER (key_slots IS NULL), count(*) FROM read_parquet(?)",
+                                   [parts]).fetchone()
         assert 0 < shared == rows
         assert con.execute("SELECT count(*) FROM attention WHERE run_id = ? AND key_slots IS NULL",
                            [new]).fetchone()[0] == 0

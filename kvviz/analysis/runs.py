@@ -108,8 +108,8 @@ def run_tables(con: duckdb.DuckDBPyConnection) -> list[str]:
 
 
 def delete_run(store: RunStore, run_id: str) -> None:
-    """Remove a run and every row that belongs to it, in one transaction, then the capture dataset
-    the store made for it (a dataset the user registered in place stays where it is)."""
+    """Remove a run and every row that belongs to it, in one transaction, then its attention parts and
+    the capture dataset the store made for it (a dataset the user registered in place stays where it is)."""
     with store.write() as con:
         if not store.has_run(con, run_id):
             raise StoreError(f"no run {run_id!r} in {store.path}")
@@ -118,7 +118,7 @@ def delete_run(store: RunStore, run_id: str) -> None:
         con.execute("BEGIN TRANSACTION")
         for table in run_tables(con):
             con.execute(f"DELETE FROM {table} WHERE run_id = ?", [run_id])
-        store.refresh_captures(con)  # the dataset leaves kv_events
+        store.refresh_file_views(con)  # the dataset leaves kv_events, the parts attention
         con.execute("COMMIT")
-    for folder in owned:
+    for folder in [*owned, store.attention_dir / run_id]:
         shutil.rmtree(folder, ignore_errors=True)

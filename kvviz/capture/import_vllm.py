@@ -190,7 +190,7 @@ def _import(path: Path, store: RunStore, chunks: Iterable[pa.Table], workload: d
             if source is not None:  # registered in place: kv_events reads the files
                 con = turns.con()
                 con.execute("INSERT INTO capture_sources VALUES (?, ?, ?)", [run_id, source, workload["files"]])
-                RunStore.refresh_captures(con)
+                store.refresh_file_views(con)
             inserted = _insert_chunks(turns, run_id, chunks)
         steps = inserted if steps is None else steps
         if not steps:
@@ -205,7 +205,7 @@ def _import(path: Path, store: RunStore, chunks: Iterable[pa.Table], workload: d
             con.execute("COMMIT")
     except BaseException:
         with store.write() as con:
-            _discard(con, run_id)
+            _discard(store, con, run_id)
         raise
     return run_id
 
@@ -217,7 +217,7 @@ def _limits(con: duckdb.DuckDBPyConnection) -> None:
     con.execute("SET threads = 1")
 
 
-def _discard(con: duckdb.DuckDBPyConnection, run_id: str) -> None:
+def _discard(store: RunStore, con: duckdb.DuckDBPyConnection, run_id: str) -> None:
     """Everything of a failed import, in one transaction."""
     try:
         con.execute("ROLLBACK")
@@ -226,7 +226,7 @@ def _discard(con: duckdb.DuckDBPyConnection, run_id: str) -> None:
     con.execute("BEGIN TRANSACTION")
     for table in ("kv_event_rows", "capture_sources", "steps", "findings", "runs"):
         con.execute(f"DELETE FROM {table} WHERE run_id = ?", [run_id])
-    RunStore.refresh_captures(con)
+    store.refresh_file_views(con)
     con.execute("COMMIT")
 
 

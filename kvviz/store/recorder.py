@@ -4,8 +4,8 @@ The engine's thread hands each step over as it is (the step record and the pool'
 immutable, the oracle's step and the attention rows already on the CPU) to one writer thread through
 a bounded queue: the engine waits only when the writer is `queue_steps` steps behind. The writer
 builds the rows, buffers them in columns and inserts them as Arrow tables every few steps (and
-seconds; the bulky attention rows a row group or ten seconds at a time), each flush in its own
-transaction. The run row is written as `running` before the first
+seconds), each flush in its own transaction; the bulky attention rows go to Parquet parts beside the
+store (attention_parts.py). The run row is written as `running` before the first
 step and finished as `complete` or `failed`; a run killed midway leaves a database that opens, with
 the run shown as running and its steps so far readable. The file is held only while a flush writes:
 between flushes another process can open it to read. A write that fails stops the writer and is
@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import shutil
 import sys
 import threading
 import time
@@ -35,6 +36,7 @@ from ..engine.hashing import hash_to_u64
 from ..errors import KvvizError, StoreError
 from . import schema
 from .attention import AttentionRecorder, attention_tables
+from .attention_parts import AttentionParts
 from .run_store import RunStore
 from .token_text import token_label
 
@@ -48,11 +50,6 @@ _STOP = None  # what the queue holds last: the writer thread ends
 # The writer's nice value: about a tenth of a core's share against the engine's threads, enough to stay
 # out of the forward's way yet not to starve behind other busy processes (19 would give it a seventieth).
 WRITER_NICE = 10
-# Attention rows (most of a run's bytes) go in with a flush only once they fill a DuckDB row group, or
-# every ATTENTION_SECONDS: each checkpoint rewrites a table's last, partly filled row group, so writing
-# them with every flush rewrote the same rows again and again (CPU, and freed blocks left in the file).
-ROW_GROUP = 122_880
-ATTENTION_SECONDS = 10.0
 # A flush opens, writes and closes (checkpoints) the file, on cores the engine's forward wants: the next
 # one waits until the writer's CPU time in the last one is at most this share of the time between them
 # (each open and checkpoint grows with the run's file; on SmolLM2 a flush took 0.1-0.2 s of CPU, and
@@ -71,7 +68,7 @@ class RunRecorder:
         self.run_id, self.oracle, self.attention, self.flush_every = run_id, oracle, attention, flush_every
         self.flush_seconds, self._flushed_at = flush_seconds, time.monotonic()
         self._flush_cpu = 0.0  # the writer's CPU seconds in the last flush
-        self._attention_at = self._flushed_at  # when attention rows were last written
+        self._parts = None if attention is None else AttentionParts(store.attention_dir / run_id)
         self._oracle_steps = 0  # the oracle's steps handed over (engine thread)
         self._labelled: set[int] = set()  # token ids whose text is recorded (caller's thread: the tokenizer's)
         self.drain_oracle = False  # a server: drop the oracle's steps once handed over (it runs for days)
@@ -270,35 +267,44 @@ class RunRecorder:
                          **{k: pa.array(v) for k, v in cols.items()}})
 
     def _write(self, metrics: Iterable[StepLeak] = (), chunks: Iterable[dict] = (), everything: bool = False) -> None:
-        """Insert what is buffered (and what is given) in one transaction: attention rows only when
-        `everything` is asked or they are due (see ROW_GROUP)."""
+        """Insert what is buffered (and what is given) in one transaction, its attention rows a row group
+        of the open part, closed when due or when `everything` is asked (it is then readable)."""
         began = time.thread_time()
         self._metrics += metrics
         self._chunks += chunks
         tables = {t: schema.arrow_table(t, cols) for t, cols in self.rows.items() if cols}
         if (oracle := self._oracle_table()) is not None:
             tables["leak_metrics"] = oracle
-        now = time.monotonic()
-        if (everything or now - self._attention_at >= ATTENTION_SECONDS
-                or sum(len(c["row"]) for c in self._chunks) >= ROW_GROUP):
-            tables.update(attention_tables(self._chunks, self.run_id))
-            self._chunks, self._attention_at = [], now
+        tables.update(attention_tables(self._chunks, self.run_id))
         self.rows.clear()
-        self._metrics = []
-        if tables:
-            self._insert(tables)
+        self._metrics, self._chunks = [], []
+        if (rows := tables.pop("attention", None)) is not None:
+            self._parts.add(rows)
+        close = self._parts is not None and self._parts.due(everything)
+        if tables or close:
+            self._insert(tables, close)
         self._pending, self._flushed_at = 0, time.monotonic()
         self._flush_cpu = time.thread_time() - began
 
-    def _insert(self, tables: dict[str, pa.Table]) -> None:
+    def _insert(self, tables: dict[str, pa.Table], close_part: bool = False) -> None:
+        """One transaction, closing the open attention part in it if asked (once the run is known to be
+        there); with its first part the run joins attention_parts (and the `attention` view reads its folder)."""
         with self.store.write() as con:
             con.execute("BEGIN TRANSACTION")
             if not self.store.has_run(con, self.run_id):
                 con.execute("ROLLBACK")  # deleted by someone while it recorded: write no orphan rows
+                if self._parts is not None:
+                    self._parts.discard()
+                    shutil.rmtree(self._parts.folder, ignore_errors=True)
                 raise StoreError(f"run {self.run_id} was deleted from {self.store.path} while it was recording; "
                                  "the rest of it was not written")
             for table, rows in tables.items():
                 self.store.insert(con, table, rows)
+            if close_part:
+                self._parts.close()
+                if self._parts.closed == 1:
+                    con.execute("INSERT INTO attention_parts VALUES (?)", [self.run_id])
+                    self.store.refresh_file_views(con)
             con.execute("COMMIT")
 
     # -- the end of the run (the engine's thread) ----------------------------------------------

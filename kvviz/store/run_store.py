@@ -111,6 +111,12 @@ class RunStore:
         beside the database file; deleting the run deletes its dataset."""
         return self.path.parent / "captures"
 
+    @property
+    def attention_dir(self) -> Path:
+        """Where recorders write runs' attention rows as Parquet parts (attention/RUN_ID/*.parquet): beside
+        the database file, moved with it; deleting the run deletes its folder."""
+        return self.path.parent / "attention"
+
     def owns(self, dataset: str | Path) -> bool:
         return Path(dataset).parent == self.captures_dir.resolve()
 
@@ -151,7 +157,8 @@ class RunStore:
             with self._gate.read():
                 con = self._wait_out_lock(self._connect_reader)
                 found = _version(con)
-                if found == schema.SCHEMA_VERSION and not (attempt == 0 and schema.datasets_gone(con)):
+                if found == schema.SCHEMA_VERSION and not (attempt == 0
+                                                           and schema.datasets_gone(con, self.attention_dir)):
                     try:
                         yield con
                     finally:
@@ -243,37 +250,37 @@ class RunStore:
         if found is None or found in schema.UPGRADABLE:
             schema.rename_old_tables(con)
             con.execute(schema.ddl())
-            schema.refresh_capture_view(con)
+            schema.refresh_file_views(con, self.attention_dir)
             con.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", [schema.SCHEMA_VERSION])
         elif found != schema.SCHEMA_VERSION:
             raise self._wrong_version(found)
-        elif schema.datasets_gone(con):
-            schema.refresh_capture_view(con)
+        elif schema.datasets_gone(con, self.attention_dir):
+            schema.refresh_file_views(con, self.attention_dir)
 
     def _wrong_version(self, found: str | None) -> StoreError:
         return StoreError(f"{self.path} has schema version {found}; this kvviz reads version {schema.SCHEMA_VERSION}")
 
     def _connect_reader(self) -> duckdb.DuckDBPyConnection:
         """The first reader of a DuckDB instance sandboxes it for every later one: no host files but the
-        capture datasets registered in place, then the configuration locked (user SQL cannot undo it)."""
+        capture datasets registered in place and the store's attention parts, then the configuration locked
+        (user SQL cannot undo it)."""
         with self._reader_setup:
             try:
                 con = duckdb.connect(str(self.path), read_only=True, config=READER)
             except duckdb.Error as e:
                 raise StoreError(f"cannot open {self.path} read-only: {_first_line(e)}") from None
             if not con.execute("SELECT current_setting('lock_configuration')").fetchone()[0]:
-                dirs = schema.capture_dirs(con)
-                if dirs:
-                    con.execute("SET allowed_directories = [" + ", ".join("'" + d.replace("'", "''") + "'"
-                                                                          for d in dirs) + "]")
+                dirs = [*schema.capture_dirs(con), str(self.attention_dir) + "/"]
+                con.execute("SET allowed_directories = [" + ", ".join("'" + d.replace("'", "''") + "'"
+                                                                      for d in dirs) + "]")
                 con.execute("SET enable_external_access = false")
                 con.execute("SET lock_configuration = true")  # the instance stays locked for later readers
         return con
 
-    @staticmethod
-    def refresh_captures(con: duckdb.DuckDBPyConnection) -> None:
-        """After a dataset is registered in place or a run deleted: kv_events covers what is there."""
-        schema.refresh_capture_view(con)
+    def refresh_file_views(self, con: duckdb.DuckDBPyConnection) -> None:
+        """After a dataset is registered in place, a run's first attention part written or a run deleted:
+        kv_events and attention cover what is there."""
+        schema.refresh_file_views(con, self.attention_dir)
 
     def _wait_out_lock(self, connect: Callable[[], T]) -> T:
         """Connect, waiting while another process holds the file (a recorder flushes for milliseconds)."""

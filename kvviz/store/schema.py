@@ -15,7 +15,9 @@ last_step), version 11 the timing audits' verdicts and controls, version 12 the 
 block_lifetimes per block of an engine run (two blocks can hold one hash) ended by a reset
 (block_events kind clear), version 13 the keys each recorded query could see written once
 (attention_keys) instead of in each of its rows (attention_rows; `attention` is the view that joins
-them back); older files are upgraded in place by the idempotent DDL.
+them back), version 14 attention rows a recorder writes as Parquet parts beside the store
+(attention_parts: the `attention` view reads them where they lie); older files are upgraded in place by
+the idempotent DDL.
 """
 
 from __future__ import annotations
@@ -26,9 +28,9 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 
-SCHEMA_VERSION = "13"
+SCHEMA_VERSION = "14"
 # Versions whose files the idempotent DDL brings up to date.
-UPGRADABLE = {"1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12"}
+UPGRADABLE = {"1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12", "13"}
 
 _ARROW = {"VARCHAR": pa.string(), "JSON": pa.string(), "TIMESTAMP": pa.timestamp("us"), "BIGINT": pa.int64(),
           "INTEGER": pa.int32(), "DOUBLE": pa.float64(), "FLOAT": pa.float32(), "BOOLEAN": pa.bool_(),
@@ -179,6 +181,9 @@ TABLES: dict[str, Table] = {t.name: t for t in (
           "of its attention rows (every layer and head).", _cols(
               RUN_ID + "step INTEGER, request_id VARCHAR, position INTEGER, key_slots INTEGER[], "
               "key_classes UTINYINT[]"), in_trace=False),
+    Table("attention_parts", "Runs whose recorded attention rows are Parquet parts beside the store "
+          "(STORE_FOLDER/attention/RUN_ID/*.parquet, each a complete file): the view `attention` reads them with "
+          "attention_rows.", _cols("run_id VARCHAR"), in_trace=False),
     Table("kv_event_rows", "KV-cache events imported (copied) from a vLLM/SGLang capture, one row per block of each "
           "event (the prefix tree is block_hash -> parent_hash within a replica and KV group; no physical block "
           "ids). Query the view kv_events: these rows and every capture dataset registered in place.", (
@@ -280,15 +285,8 @@ TABLES: dict[str, Table] = {t.name: t for t in (
 )}
 
 VIEWS = """
--- Until capture datasets are registered in place (refresh_capture_view), the copied rows alone.
+-- Until capture datasets are registered in place (refresh_file_views), the copied rows alone.
 CREATE OR REPLACE VIEW kv_events AS SELECT * FROM kv_event_rows;
-
--- Attention rows with their keys: their own, or (null in attention_rows) their query's.
-CREATE OR REPLACE VIEW attention AS
-SELECT a.run_id, a.step, a.layer, a.head, a.request_id, a.position, coalesce(a.key_slots, k.key_slots) AS key_slots,
-       a.weights, coalesce(a.key_classes, k.key_classes) AS key_classes
-FROM attention_rows a LEFT JOIN attention_keys k
-  ON k.run_id = a.run_id AND k.step = a.step AND k.request_id = a.request_id AND k.position = a.position;
 
 CREATE OR REPLACE VIEW leak_rate_per_step AS
 SELECT run_id, step, request_id, sum(leak_rows) / sum(rows) AS leak_rate, max(max_foreign) AS max_foreign_mass
@@ -456,9 +454,35 @@ def rename_old_tables(con) -> None:
             con.execute(f"ALTER TABLE {old} RENAME TO {new}")
 
 
-def refresh_capture_view(con) -> None:
-    """kv_events: the copied rows, and the files of every dataset registered in place that is still
-    there; a run whose dataset has gone is marked failed, saying where it was."""
+def attention_view(parts: list[tuple[str, Path]]) -> str:
+    """Attention rows with their keys: their own, or (null in the rows) their query's; the rows are the
+    file's and those of the Parquet parts of each (run, folder) in `parts` (each holding at least one).
+    A run's parts are read by a branch of their own whose run_id is a constant, so a query of one run
+    reads no other run's files."""
+    rows = "attention_rows"
+    if parts:
+        rows = "(" + "\nUNION ALL BY NAME ".join(
+            ["SELECT * FROM attention_rows"] + [f"SELECT * REPLACE ({_quote(run)} AS run_id) FROM read_parquet("
+                                               f"{_quote(str(folder / '*.parquet'))})" for run, folder in parts]) + ")"
+    return f"""CREATE OR REPLACE VIEW attention AS
+SELECT a.run_id, a.step, a.layer, a.head, a.request_id, a.position, coalesce(a.key_slots, k.key_slots) AS key_slots,
+       a.weights, coalesce(a.key_classes, k.key_classes) AS key_classes
+FROM {rows} a LEFT JOIN attention_keys k
+  ON k.run_id = a.run_id AND k.step = a.step AND k.request_id = a.request_id AND k.position = a.position;
+"""
+
+
+def refresh_file_views(con, attention_root: Path) -> None:
+    """The views over files beside the store: kv_events (the copied rows and every capture dataset
+    registered in place that is still there; a run whose dataset has gone is marked failed, saying where
+    it was) and attention (the file's rows and the attention parts under attention_root that are there;
+    a run whose parts have gone says so in its error)."""
+    for run, folder in _attention_parts(con, attention_root):
+        if not has_parts(folder):
+            con.execute("UPDATE runs SET error = ? WHERE run_id = ?",
+                        [f"its attention rows are no longer at {folder}", run])
+            con.execute("DELETE FROM attention_parts WHERE run_id = ?", [run])
+    con.execute(attention_view(_attention_parts(con, attention_root)))
     sources = con.execute("SELECT run_id, path FROM capture_sources ORDER BY run_id").fetchall()
     for run, path in sources:
         if not Path(path).is_dir():
@@ -478,9 +502,30 @@ def dataset_query(run_id: str, path: str | Path) -> str:
             "hive_types = {'replica': VARCHAR}, union_by_name = true) WHERE kind IS NOT NULL")
 
 
-def datasets_gone(con) -> bool:
-    """Has a dataset registered in place been moved or deleted (kv_events would fail to read it)?"""
-    return any(not Path(d).is_dir() for d in capture_dirs(con))
+def datasets_gone(con, attention_root: Path) -> bool:
+    """Has a dataset registered in place or a run's attention parts been moved or deleted, or the store
+    with its parts (the views would fail to read them, or read them where they were)?"""
+    parts = _attention_parts(con, attention_root)
+    return (any(not Path(d).is_dir() for d in capture_dirs(con))
+            or any(not has_parts(folder) for _, folder in parts)
+            or bool(parts) and _quote(f"{attention_root}/")[:-1] not in _view_sql(con, "attention"))  # moved
+
+
+def _view_sql(con, name: str) -> str:
+    return con.execute("SELECT sql FROM duckdb_views() WHERE view_name = ?", [name]).fetchone()[0]
+
+
+def has_parts(folder: Path) -> bool:
+    return next(folder.glob("*.parquet"), None) is not None
+
+
+def _attention_parts(con, root: Path) -> list[tuple[str, Path]]:
+    """Each run with attention parts and their folder (under the store's, wherever it now lies)."""
+    try:
+        runs = con.execute("SELECT run_id FROM attention_parts ORDER BY run_id").fetchall()
+    except duckdb.CatalogException:  # a file from before attention parts
+        return []
+    return [(run, root / run) for (run,) in runs]
 
 
 def capture_dirs(con) -> list[str]:
@@ -504,7 +549,7 @@ UPDATE runs SET backend = coalesce(engine->>'backend', 'kvviz') WHERE backend IS
 
 def ddl() -> str:
     """The whole schema as one idempotent script: creating a new file or upgrading an old one."""
-    return "\n\n".join(t.ddl() for t in TABLES.values()) + "\n" + BACKFILL + VIEWS
+    return "\n\n".join(t.ddl() for t in TABLES.values()) + "\n" + BACKFILL + VIEWS + attention_view([])
 
 
 def conform(table: str, rows: pa.Table) -> pa.Table:
