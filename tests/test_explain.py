@@ -77,6 +77,24 @@ def test_each_reason_with_its_evidence(misses):
     assert all(got[f"C{i}"].reason == "cold" for i in range(8))  # unrelated prompts: nothing in common
 
 
+def test_an_answer_is_columns_read_as_explanations_only_where_asked(misses):
+    """explain's answer stays an Arrow table (a capture's is millions of lookups); indexing, slicing,
+    counting by reason and picking a request read it as the objects a list would hold."""
+    from collections import Counter
+
+    store, run_id, *_ = misses
+    with store.read() as con:
+        said = agreed(con, run_id)
+    listed = list(said)
+    assert said.table.num_rows == len(said) == len(listed) > 3
+    assert said[0] == listed[0] and said[-1] == listed[-1] and said[1:3] == listed[1:3]
+    with pytest.raises(IndexError):
+        said[len(said)]
+    assert said.by_reason() == Counter(e.reason for e in listed)
+    assert list(said.of_request("D")) == [e for e in listed if e.request == "D"] != []
+    assert said == listed and said != listed[:-1]
+
+
 def test_a_preempted_request_is_explained_as_preempted(tmp_path):
     reqs = [{"id": "P", "prompt_ids": list(range(100, 112)), "max_new_tokens": 14},
             {"id": "Q", "prompt_ids": list(range(150, 162)), "max_new_tokens": 14}]

@@ -276,7 +276,7 @@ def test_a_second_process_waits_for_the_first_ones_answer_instead_of_explaining_
         thread, watch, answer = _explain_in_thread(store, run_id)
         thread.join(0.5)
         assert thread.is_alive() and watch.said == [(explained_mod.WAITING, f"process {other.pid}")]
-        explained_mod._keep(store, run_id, want, {})  # the other process keeps its answer
+        explained_mod._keep(store, run_id, want)  # the other process keeps its answer
         thread.join(WAIT_S)
         with store.read() as con:
             assert answer == [explained_mod.read_kept(con, run_id)] and not calls

@@ -20,11 +20,13 @@ own tenant is unknown: a server that leaves salts out of its hashes lets any ten
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 
 import duckdb
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from ..capture import explain_sql
 from ..store import StoreError
@@ -33,6 +35,8 @@ from ..store import StoreError
 # of the prefix cache takes the hash from) empties the whole cache.
 ENGINE_KINDS = {"cache": "store", "evict": "remove", "clear": "clear"}
 UNKNOWN_TENANT = "unknown (its event names no salt)"
+READING = "reading the answer back"  # the stage after explain_sql.STAGES: the answer as columns, named
+CACHED_NOTE = "this block was cached when the lookup ran"  # an unexplained miss's
 CAPTURE_ORDER = "step, replica, grp = -1, grp, pos"  # a capture's lookups in time order across replicas and groups
 # Evidence keys in the order they are said, from the result's columns.
 EVIDENCE = (
@@ -49,6 +53,30 @@ EVIDENCE = (
     ("hits_cached_under", "hits_cached_under"),
 )
 
+def _literal(value: str) -> str:
+    """A JSON string as an SQL string literal."""
+    return "'" + json.dumps(value).replace("'", "''") + "'"
+
+
+def _evidence_json() -> str:
+    """A lookup's evidence as a JSON object, in SQL over explain_result: the keys of EVIDENCE that have a
+    value, in that order, after a note for an unexplained miss; a capture's segment adds the chain it
+    continues (its parent's hash, as hex) where it crosses tenants or its own tenant is unknown."""
+    def said(name: str, value: str, when: str) -> str:
+        return f"CASE WHEN {when} THEN '\"{name}\": ' || {value} END"
+
+    crossing = "continues_block IS NOT NULL"
+    unknown = f"{crossing} AND tenant_unknown"
+    parts = [said("note", _literal(CACHED_NOTE), "reason = 'unexplained'"),
+             *(said(name, f"to_json({col})", f"{col} IS NOT NULL") for col, name in EVIDENCE),
+             said("continues_chain_of", "to_json(continues_chain_of)", unknown),
+             said("continues_block", "'\"' || printf('%016x', continues_block) || '\"'", crossing),
+             said("tenant", _literal(UNKNOWN_TENANT), unknown)]
+    return "'{' || concat_ws(', ', " + ", ".join(parts) + ") || '}'"
+
+
+EVIDENCE_JSON = _evidence_json()
+
 
 @dataclass(frozen=True, slots=True)  # a capture's can be millions
 class Explanation:
@@ -62,6 +90,52 @@ class Explanation:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+# An answer's columns: Explanation's fields, the evidence as JSON text, and a capture lookup's time (its
+# message's, on the publisher's clock; NULL for an engine run).
+COLUMNS = ("request", "step", "hit_tokens", "stop_block", "stop_token", "reason", "evidence", "ts")
+
+
+class Explanations(Sequence[Explanation]):
+    """A run's explanations as an Arrow table of COLUMNS, Explanation objects made only for the rows read:
+    a capture's are millions, tens of MB as columns and GBs as objects."""
+
+    def __init__(self, table: pa.Table) -> None:
+        self.table = table
+
+    def __len__(self) -> int:
+        return self.table.num_rows
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        return _from_row(self.table.slice(i % len(self), 1).to_pylist()[0])
+
+    def __iter__(self) -> Iterator[Explanation]:
+        for batch in self.table.to_batches(max_chunksize=10_000):
+            yield from map(_from_row, batch.to_pylist())
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, Sequence) and len(self) == len(other)
+                and all(a == b for a, b in zip(self, other, strict=True)))
+
+    __hash__ = None  # equal by content, like a list
+
+    def by_reason(self) -> Counter[str]:
+        """How many lookups stopped for each reason (counted in the columns, not per object)."""
+        counts = self.table.column("reason").value_counts().to_pylist()
+        return Counter({c["values"]: c["counts"] for c in counts})
+
+    def of_request(self, request: str) -> Explanations:
+        return Explanations(self.table.filter(pc.equal(self.table.column("request"), request)))
+
+
+def _from_row(row: dict) -> Explanation:
+    return Explanation(row["request"], row["step"], row["hit_tokens"], row["stop_block"], row["stop_token"],
+                       row["reason"], json.loads(row["evidence"]) if row["evidence"] else {})
 
 
 @dataclass(frozen=True)
@@ -98,7 +172,7 @@ def _count(n: int, noun: str, one: str, many: str) -> str:
 
 
 def explain_run(con: duckdb.DuckDBPyConnection, run_id: str,
-                progress: explain_sql.Progress | None = None) -> list[Explanation]:
+                progress: explain_sql.Progress | None = None) -> Explanations:
     """Every lookup of an engine run, or every stored chain segment of a capture, explained (by SQL, in
     this connection's temporary tables, dropped after); `progress` hears each stage begin."""
     head = con.execute("SELECT engine FROM runs WHERE run_id = ?", [run_id]).fetchone()
@@ -110,27 +184,30 @@ def explain_run(con: duckdb.DuckDBPyConnection, run_id: str,
     try:
         _engine_input(sql, run_id, int(json.loads(head[0] or "{}").get("block_size", 16)))
         explain_sql.explain(sql, progress)
-        return [_explained(r["request"], r) for r in _rows(_answer(sql, "lid"))]
+        if progress:
+            progress(READING, "")
+        return _answer(sql, "request", "NULL", "lid")
     finally:
         sql.close()
 
 
 def explain_capture(con: duckdb.DuckDBPyConnection, run_id: str,
-                    progress: explain_sql.Progress | None = None) -> list[Explanation]:
+                    progress: explain_sql.Progress | None = None) -> Explanations:
     """Every stored chain segment of a capture explained, from the connection's kv_events (the store's,
     or a connection's own view over a dataset registered in place)."""
     sql = explain_sql.DuckSql(con)
     try:
         _capture_input(sql, run_id)
         explain_sql.explain(sql, progress)
-        sql.drop_steps()
-        fleet, answer = _fleet(sql), _answer(sql, CAPTURE_ORDER)
+        sql.drop_steps()  # their memory is free before the answer is read
+        if progress:
+            progress(READING, "")
+        return _capture_answer(sql)
     finally:
-        sql.close()  # the steps' tables go before the answer becomes Python objects
-    return _capture_explanations(answer, fleet)
+        sql.close()
 
 
-def explain_from_result(con: duckdb.DuckDBPyConnection, run_id: str, files: str) -> list[Explanation]:
+def explain_from_result(con: duckdb.DuckDBPyConnection, run_id: str, files: str) -> Explanations:
     """A capture's explanations from an explain_result another engine worked out (Spark on a cluster,
     written as Parquet `files`, a glob), named and evidenced as explain_capture names them. Hashes come
     back as Spark writes them (decimal(20,0)) or as DuckDB does (UBIGINT)."""
@@ -140,22 +217,29 @@ def explain_from_result(con: duckdb.DuckDBPyConnection, run_id: str, files: str)
         cols = ", ".join(f"CAST({c} AS UBIGINT) AS {c}" if c in ("hash", "continues_block") else c
                          for c in explain_sql.RESULT_COLUMNS)
         sql.view("explain_result", f"SELECT {cols} FROM read_parquet('{files.replace(chr(39), chr(39) * 2)}')")
-        fleet, answer = _fleet(sql), _answer(sql, CAPTURE_ORDER)
+        return _capture_answer(sql)
     finally:
         sql.close()
-    return _capture_explanations(answer, fleet)
 
 
-def _answer(sql: explain_sql.DuckSql, order: str) -> pa.Table:
-    """explain_result in this order, columnar (a million lookups take tens of MB as Arrow, a GB as dicts)."""
-    return sql.con.sql(f"SELECT {', '.join(explain_sql.RESULT_COLUMNS)} FROM explain_result ORDER BY {order}"
-                       ).to_arrow_table()
+def _answer(sql: explain_sql.DuckSql, request: str, ts: str, order: str, joined: str = "") -> Explanations:
+    """explain_result as COLUMNS, in this order: each lookup named by the expression `request`, its
+    evidence as JSON and its time `ts` (over explain_result and what `joined` joins to it), all in SQL."""
+    return Explanations(sql.con.sql(
+        f"SELECT {request} AS request, step, hit_tokens, stop_block, stop_token, reason, {EVIDENCE_JSON} AS evidence, "
+        f"{ts} AS ts FROM explain_result {joined} ORDER BY {order}").to_arrow_table())
 
 
-def _rows(answer: pa.Table) -> Iterator[dict]:
-    """The answer's rows as dicts, a batch at a time."""
-    for batch in answer.to_batches(max_chunksize=10_000):
-        yield from batch.to_pylist()
+def _capture_answer(sql: explain_sql.DuckSql) -> Explanations:
+    """A capture's lookups in time order across replicas and groups, named by replica (when it has more
+    than one) and KV group, then by session where the server says one (a conversation's turns) or by the
+    block the segment begins (#n: its n-th store); each at its message's time."""
+    replica = "replica" if _fleet(sql) else "NULL"
+    name = (f"concat_ws('/', {replica}, CASE WHEN grp <> -1 THEN 'group-' || grp END, "
+            "coalesce(nullif(session, ''), 'chain-' || printf('%016x', hash) || CASE WHEN nth > 1 THEN '#' || nth "
+            "ELSE '' END))")
+    times = "LEFT JOIN (SELECT step AS at, min(ts) AS ts FROM capture_events GROUP BY step) t ON t.at = step"
+    return _answer(sql, name, "t.ts", CAPTURE_ORDER, times)
 
 
 def contradictions(con: duckdb.DuckDBPyConnection, run_id: str) -> Contradictions:
@@ -252,24 +336,6 @@ def _engine_input(sql: explain_sql.DuckSql, run_id: str, block_size: int) -> Non
     )
 
 
-def _evidence(row: dict) -> dict:
-    evidence = {"note": "this block was cached when the lookup ran"} if row["reason"] == "unexplained" else {}
-    evidence |= {key: row[col] for col, key in EVIDENCE if row[col] is not None}
-    if row["continues_block"] is not None:  # a capture's segment: the chain it continues, where it is in question
-        if row["tenant_unknown"]:
-            evidence["continues_chain_of"] = row["continues_chain_of"]
-        evidence["continues_block"] = f"{row['continues_block']:016x}"
-        if row["tenant_unknown"]:
-            evidence["tenant"] = UNKNOWN_TENANT
-    return evidence
-
-
-def _explained(request: str, row: dict) -> Explanation:
-    return Explanation(
-        request, row["step"], row["hit_tokens"], row["stop_block"], row["stop_token"], row["reason"], _evidence(row)
-    )
-
-
 def _fleet(sql: explain_sql.DuckSql) -> bool:
     """Does the capture have more than one replica (its lookups are then named by replica)?"""
     return (
@@ -278,16 +344,3 @@ def _fleet(sql: explain_sql.DuckSql) -> bool:
         )[0][0]
         > 1
     )
-
-
-def _capture_explanations(answer: pa.Table, fleet: bool) -> list[Explanation]:
-    """A capture's lookups (the answer, in CAPTURE_ORDER), named by replica (when it has more than one,
-    `fleet`) and KV group, then by session where the server says one (a conversation's turns) or by the
-    block the segment begins (#n: its n-th store)."""
-
-    def name(r: dict) -> str:
-        part = ([r["replica"]] if fleet else []) + ([f"group-{r['grp']}"] if r["grp"] != -1 else [])
-        own = r["session"] or f"chain-{r['hash']:016x}" + (f"#{r['nth']}" if r["nth"] > 1 else "")
-        return "/".join([*part, own])
-
-    return [_explained(name(r), r) for r in _rows(answer)]

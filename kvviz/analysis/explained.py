@@ -1,14 +1,13 @@
 """Explanations kept in the run store. Explaining a capture's misses (SQL over every event,
-kvviz/capture/explain_sql.py) takes about 8 s per million events on a 2-core machine, so a complete
+kvviz/capture/explain_sql.py) takes about 5 s per million events on a 2-core machine, so a complete
 run is explained once (by `kvviz explain` or the app) and read back after, whatever its size; the rows
 are the table lookup_explanations for SQL too. A run still recording is explained but not kept: its
 lookups are not all there yet."""
 
 from __future__ import annotations
 
-import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Protocol
@@ -23,11 +22,19 @@ from ..capture.import_vllm import CAPTURE_MODEL
 from ..store import RunStore, StoreError
 from ..store.claims import alive, claimed
 from ..store.schema import dataset_query
-from .explain import Explanation, contradictions, explain_capture, explain_from_result, explain_run, is_capture
+from .explain import (
+    COLUMNS,
+    READING,
+    Explanations,
+    contradictions,
+    explain_capture,
+    explain_from_result,
+    explain_run,
+    is_capture,
+)
 
-EXPLAIN_S_PER_EVENT = 10e-6  # 7.8 s for a million events measured once on 2 busy cores, rounded up
-FIELDS = ("request", "step", "hit_tokens", "stop_block", "stop_token", "reason")
-READING, KEEPING = "reading the answer back", "keeping it in the run store"
+EXPLAIN_S_PER_EVENT = 7e-6  # 4.3 s a million events at 1M, 5.4 s at 10M on 2 cores: a busy machine's, rounded up
+KEEPING = "keeping it in the run store"
 WAITING = "waiting for another process that is explaining this run"
 STAGES = (WAITING, *explain_sql.STAGES, READING, KEEPING)  # what explaining a run does, in order
 POLL_S = 1.0  # how often a process waiting for another's answer looks for it
@@ -54,7 +61,7 @@ def kept(con: duckdb.DuckDBPyConnection, run_id: str) -> bool:
     return row is not None and row[0] is not None
 
 
-def explained(store: RunStore, run_id: str, watch: Watch | None = None) -> list[Explanation]:
+def explained(store: RunStore, run_id: str, watch: Watch | None = None) -> Explanations:
     """The run's explanations: read back if kept, else worked out and kept (when the run is complete).
     StoreError names a run that is not there, has nothing to explain, or whose dataset cannot be read."""
     with store.read() as con:
@@ -69,31 +76,30 @@ def explained(store: RunStore, run_id: str, watch: Watch | None = None) -> list[
         source = con.execute("SELECT path FROM capture_sources WHERE run_id = ?", [run_id]).fetchone()
         capture = source is None and is_capture(con, run_id)
         if source is None and not capture:
-            found, times = _worked_out(con, run_id, lambda: explain_run(con, run_id, _stage(watch)), watch)
+            found = _worked_out(con, lambda: explain_run(con, run_id, _stage(watch)), watch)
     if source is not None or capture:
         with claimed(store.path, f"explain-{run_id}") as other:
             if other is not None:  # another process is at it: its answer, once kept
                 return _answer_of(store, run_id, other, watch)
-            found, times = _from_capture(store, run_id, Path(source[0]) if source else None, watch)
+            found = _from_capture(store, run_id, Path(source[0]) if source else None, watch)
             if complete:
-                _keep_if_allowed(store, run_id, found, times, watch)
+                _keep_if_allowed(store, run_id, found, watch)
         return found
     if complete:
-        _keep_if_allowed(store, run_id, found, times, watch)
+        _keep_if_allowed(store, run_id, found, watch)
     return found
 
 
-def _keep_if_allowed(store: RunStore, run_id: str, found: list[Explanation], times: dict[int, float],
-                     watch: Watch | None) -> None:
+def _keep_if_allowed(store: RunStore, run_id: str, found: Explanations, watch: Watch | None) -> None:
     if watch:
         watch.stage(KEEPING, "")
     try:
-        _keep(store, run_id, found, times)
+        _keep(store, run_id, found)
     except StoreError:
         pass  # a store this user may read but not write: the answer stands, it is only not kept
 
 
-def _answer_of(store: RunStore, run_id: str, pid: int, watch: Watch | None) -> list[Explanation]:
+def _answer_of(store: RunStore, run_id: str, pid: int, watch: Watch | None) -> Explanations:
     """The explanations process pid is working out, read once it has kept them; if it dies first, the
     work is done here."""
     if watch:
@@ -110,30 +116,24 @@ def _stage(watch: Watch | None) -> explain_sql.Progress | None:
     return watch.stage if watch else None
 
 
-def _worked_out(con: duckdb.DuckDBPyConnection, run_id: str, explain, watch: Watch | None
-                ) -> tuple[list[Explanation], dict[int, float]]:
-    """explain() on con, followed by the watch, and the time of each of a capture's messages."""
+def _worked_out(con: duckdb.DuckDBPyConnection, explain: Callable[[], Explanations], watch: Watch | None
+                ) -> Explanations:
+    """explain() on con, followed by the watch."""
     if watch:
         watch.running_on(con)
     try:
-        found = explain()
-        if watch:
-            watch.stage(READING, "")
-        times = dict(con.execute("SELECT step, min(ts) FROM kv_events WHERE run_id = ? GROUP BY step",
-                                 [run_id]).fetchall())
+        return explain()
     finally:
         if watch:
             watch.running_on(None)
-    return found, times
 
 
-def _from_capture(store: RunStore, run_id: str, path: Path | None, watch: Watch | None
-                  ) -> tuple[list[Explanation], dict[int, float]]:
+def _from_capture(store: RunStore, run_id: str, path: Path | None, watch: Watch | None) -> Explanations:
     """A capture explained on a DuckDB of its own, which spills beside the store rather than grow past its
     memory limit: a dataset registered in place (path; the store is not held while it works, its readers
     and writers, here and in other processes, go on), or the rows the store copied (path None)."""
     with _own_connection(store, run_id, path) as con:
-        return _worked_out(con, run_id, lambda: explain_capture(con, run_id, _stage(watch)), watch)
+        return _worked_out(con, lambda: explain_capture(con, run_id, _stage(watch)), watch)
 
 
 @contextmanager
@@ -176,9 +176,7 @@ def keep_cluster_result(store: RunStore, run_id: str, path: Path) -> int | None:
             first = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise CaptureError(f"{folder}: not an explain_result kvviz can read ({first}); its columns are "
                                "explain_sql.RESULT_COLUMNS") from None
-        times = dict(con.execute("SELECT step, min(ts) FROM kv_events WHERE run_id = ? GROUP BY step",
-                                 [run_id]).fetchall())
-    _keep(store, run_id, found, times)
+    _keep(store, run_id, found)
     return len(found)
 
 
@@ -204,29 +202,32 @@ def reasons_per_interval(con: duckdb.DuckDBPyConnection, run_id: str, start: flo
 
 
 def explained_in(con: duckdb.DuckDBPyConnection, run_id: str, start: float, end: float,
-                 most: int = 1000) -> tuple[int, list[Explanation]]:
+                 most: int = 1000) -> tuple[int, Explanations]:
     """How many lookups a kept capture explanation holds in a time range, and the first `most` of them
     with their evidence (a capture's can be millions: a table shows a page of them)."""
     args = {"run": run_id, "a": start, "b": end}
-    where = "WHERE run_id = $run AND ts BETWEEN $a AND $b"
-    n = con.execute(f"SELECT count(*) FROM lookup_explanations {where}", args).fetchone()[0]
-    rows = con.execute(f"SELECT {', '.join(FIELDS)}, evidence FROM lookup_explanations {where} "
-                       "ORDER BY step, rowid LIMIT $most", {**args, "most": most}).fetchall()
-    return n, [Explanation(*row[:-1], json.loads(row[-1])) for row in rows]
+    where = "run_id = $run AND ts BETWEEN $a AND $b"
+    n = con.execute(f"SELECT count(*) FROM lookup_explanations WHERE {where}", args).fetchone()[0]
+    return n, _kept_rows(con, where, args, most)
 
 
-def read_kept(con: duckdb.DuckDBPyConnection, run_id: str) -> list[Explanation]:
-    rows = con.execute(f"SELECT {', '.join(FIELDS)}, evidence FROM lookup_explanations WHERE run_id = ? "
-                       "ORDER BY step, rowid", [run_id]).fetchall()
-    return [Explanation(*row[:-1], json.loads(row[-1])) for row in rows]
+def read_kept(con: duckdb.DuckDBPyConnection, run_id: str) -> Explanations:
+    return _kept_rows(con, "run_id = $run", {"run": run_id})
 
 
-def _keep(store: RunStore, run_id: str, found: list[Explanation], times: dict[int, float]) -> None:
-    """Replace whatever was kept of the run, in one transaction; a capture's lookups get the time of
-    their message. A run deleted meanwhile keeps nothing."""
-    columns = {name: [getattr(e, name) for e in found] for name in FIELDS}
-    rows = pa.table({"run_id": [run_id] * len(found), **columns, "ts": [times.get(e.step) for e in found],
-                     "evidence": [json.dumps(e.evidence) for e in found]})
+def _kept_rows(con: duckdb.DuckDBPyConnection, where: str, args: dict, most: int | None = None) -> Explanations:
+    """Kept explanations, in the order they were said (the first `most` of them)."""
+    limit = "" if most is None else f"LIMIT {int(most)}"
+    return Explanations(con.execute(
+        f"SELECT {', '.join(COLUMNS).replace('evidence', 'evidence::VARCHAR AS evidence')} FROM lookup_explanations "
+        f"WHERE {where} "
+        f"ORDER BY step, rowid {limit}", args).to_arrow_table())
+
+
+def _keep(store: RunStore, run_id: str, found: Explanations) -> None:
+    """Replace whatever was kept of the run, in one transaction, as the columns it was worked out in. A
+    run deleted meanwhile keeps nothing."""
+    rows = found.table.append_column("run_id", pa.array([run_id] * len(found), pa.string()))
     with store.write() as con:
         con.execute("BEGIN TRANSACTION")
         if not RunStore.has_run(con, run_id):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections import Counter
 
 from .common import DEVICE_HELP, Subcommands, add_db, fail, finding_text
 
@@ -150,13 +149,13 @@ def cmd_explain(args: argparse.Namespace) -> int:
     if said:
         print(f"kvviz: {said}", file=sys.stderr)
     if args.request is not None:
-        found = [e for e in found if e.request == args.request]
+        found = found.of_request(args.request)
         if not found:
             return fail(f"run {args.run_id} has no lookup of request {args.request!r}", "explain")
     if args.summary:
         share = (lambda n: round(n / len(found), 4)) if args.json else (lambda n: f"{n / len(found):.1%}")
         _print_rows(["reason", "lookups", "share"], [(r, n, share(n)) for r, n in
-                                                      Counter(e.reason for e in found).most_common()],
+                                                      found.by_reason().most_common()],
                     "json" if args.json else "table")
         return 0
     if args.json:

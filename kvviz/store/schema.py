@@ -237,7 +237,7 @@ TABLES: dict[str, Table] = {t.name: t for t in (
                      added_in="10"))),
     Table("lookup_explanations", "Why each prefix-cache lookup of a run (each stored chain of a capture) stopped "
           "where it did, as `kvviz explain` says; kept the first time a complete run is explained (a capture's "
-          "replay takes 13-20 s per million events).", (
+          "explain takes about 5 s per million events).", (
               *_cols(RUN_ID + "request VARCHAR, step INTEGER"),
               Column("ts", "DOUBLE", "a capture's: its message's time on the publisher's clock"),
               *_cols("hit_tokens INTEGER, stop_block INTEGER, stop_token INTEGER"),
