@@ -218,10 +218,10 @@ def read_kept(con: duckdb.DuckDBPyConnection, run_id: str) -> Explanations:
 def _kept_rows(con: duckdb.DuckDBPyConnection, where: str, args: dict, most: int | None = None) -> Explanations:
     """Kept explanations, in the order they were said (the first `most` of them)."""
     limit = "" if most is None else f"LIMIT {int(most)}"
-    return Explanations(con.execute(
-        f"SELECT {', '.join(COLUMNS).replace('evidence', 'evidence::VARCHAR AS evidence')} FROM lookup_explanations "
-        f"WHERE {where} "
-        f"ORDER BY step, rowid {limit}", args).to_arrow_table())
+    with con.cursor() as own:  # a relation of its own: the connection may hold a result not fetched to its end
+        return Explanations(own.sql(
+            f"SELECT {', '.join(COLUMNS).replace('evidence', 'evidence::VARCHAR AS evidence')} FROM "
+            f"lookup_explanations WHERE {where} ORDER BY step, rowid {limit}", params=args).to_arrow_table())
 
 
 def _keep(store: RunStore, run_id: str, found: Explanations) -> None:
