@@ -6,6 +6,7 @@ lookups are not all there yet."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -33,6 +34,7 @@ from .explain import (
     is_capture,
 )
 
+EXPLAIN_BYTES_PER_EVENT = 32  # of memory DuckDB may hold (see memory_mb)
 EXPLAIN_S_PER_EVENT = 7e-6  # 4.3 s a million events at 1M, 5.4 s at 10M on 2 cores: a busy machine's, rounded up
 KEEPING = "keeping it in the run store"
 WAITING = "waiting for another process that is explaining this run"
@@ -48,6 +50,14 @@ class Watch(Protocol):
 
     def running_on(self, con: duckdb.DuckDBPyConnection | None) -> None:
         """The connection its statements run on now (None: none), for DuckDB's own progress."""
+
+
+def memory_mb(events: int) -> int:
+    """The memory a capture's explain may hold: 1 GB, and more for a capture over about 30 million events,
+    up to half the machine's. DuckDB spills most of what its statements hold beyond its limit, but not all
+    of it: 10M events ran out of 130 MB and finished in 200 MB, 100M ran out of 1 GB."""
+    machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20
+    return int(min(max(1024, events * EXPLAIN_BYTES_PER_EVENT / 2**20), machine // 2))
 
 
 def explain_seconds(events: int) -> int:
@@ -149,6 +159,8 @@ def _own_connection(store: RunStore, run_id: str, path: Path | None) -> Iterator
             rows = (f"SELECT * FROM store.kv_event_rows WHERE run_id = {run}" if path is None
                     else dataset_query(run_id, path))
             con.execute(f"CREATE VIEW kv_events AS {rows}")
+            events = con.execute("SELECT count(*) FROM kv_events").fetchone()[0]
+            con.execute(f"SET memory_limit = '{memory_mb(events)}MB'")
             yield con
         except duckdb.Error as e:
             if path is None:

@@ -241,23 +241,27 @@ SUMMED_BY_EPOCH = """
 SUMMED_AS_ONE = """
     SELECT replica, grp, hash, pos, step, kind, 0 AS epoch, total, nth AS stores
     FROM xp_events WHERE kind IN ('store', 'remove')"""
-LIVES = """
+COUNTS = """
 WITH epochs AS (
     SELECT replica, grp, hash, pos, step, kind, {epoch} AS epoch FROM xp_events),
-summed AS ({summed}),
-floored AS (
-    SELECT s.*, LEAST(0, MIN(total) OVER (
-               PARTITION BY replica, grp, hash, epoch ORDER BY pos
-               ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW)) AS floor_now
-    FROM summed s),
-ends AS (
+summed AS ({summed})
+SELECT s.*, LEAST(0, MIN(total) OVER (
+           PARTITION BY replica, grp, hash, epoch ORDER BY pos
+           ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW)) AS floor_now
+FROM summed s
+"""
+# (A table of their own: read twice in one statement, DuckDB held them in memory, which a 100M-event
+# history's do not fit.)
+LIVES = """
+WITH ends AS (
     SELECT replica, grp, hash, epoch, stores - total + floor_now AS n, MIN(step) AS step
-    FROM floored WHERE kind = 'remove' GROUP BY replica, grp, hash, epoch, stores - total + floor_now),
-clears AS (SELECT replica, epoch, step FROM epochs WHERE kind = 'clear')
+    FROM xp_counts WHERE kind = 'remove' GROUP BY replica, grp, hash, epoch, stores - total + floor_now),
+clears AS (
+    SELECT replica, {epoch} AS epoch, step FROM xp_events WHERE kind = 'clear')
 SELECT v.replica, v.grp, v.salt, v.lab, v.plab, v.head, v.pos, v.step AS stored,
        COALESCE(r.step, c.step) AS removed, r.n IS NULL AND c.step IS NOT NULL AS reset
 FROM xp_nodes v
-JOIN floored s ON s.pos = v.pos
+JOIN xp_counts s ON s.pos = v.pos
 LEFT JOIN ends r ON r.replica = s.replica AND r.grp = s.grp AND r.hash = s.hash AND r.epoch = s.epoch
      AND r.n = s.stores
 LEFT JOIN clears c ON c.replica = s.replica AND c.epoch = s.epoch + 1
@@ -315,25 +319,28 @@ WHERE v.j < CAST(floor(CAST(l.hit AS DOUBLE) / COALESCE(NULLIF(l.block_size, 0),
 # of them). A sweep through the lives' stores and removals in time order, the lookups among them: a
 # removal in a lookup's own step counts before it (the life no longer serves it), a store after; a life
 # stored and removed in one step serves nothing.
+# (ASKED and ASKED_LIVES are tables: each is read twice, and a CTE read twice is held in memory.)
+ASKED = """
+SELECT lid, -1 AS j, replica, grp, stop_lab AS lab, step FROM xp_lookups
+UNION ALL
+SELECT h.lid, h.j, l.replica, l.grp, h.lab, l.step FROM xp_hits h JOIN xp_lookups l ON l.lid = h.lid
+"""
+ASKED_LIVES = """
+SELECT v.replica, v.grp, v.lab, v.salt, v.stored, v.removed, v.pos
+FROM xp_lives v JOIN (SELECT DISTINCT replica, grp, lab FROM xp_asked) w
+     ON w.replica = v.replica AND w.grp = v.grp AND w.lab = v.lab
+"""
 SEEN = """
-WITH asked AS (
-    SELECT lid, -1 AS j, replica, grp, stop_lab AS lab, step FROM xp_lookups
-    UNION ALL
-    SELECT h.lid, h.j, l.replica, l.grp, h.lab, l.step FROM xp_hits h JOIN xp_lookups l ON l.lid = h.lid),
-wanted AS (SELECT DISTINCT replica, grp, lab FROM asked),
-lives AS (
-    SELECT v.replica, v.grp, v.lab, v.salt, v.stored, v.removed, v.pos
-    FROM xp_lives v JOIN wanted w ON w.replica = v.replica AND w.grp = v.grp AND w.lab = v.lab),
-salts AS (SELECT DISTINCT replica, grp, lab, salt FROM lives),
+WITH salts AS (SELECT DISTINCT replica, grp, lab, salt FROM xp_asked_lives),
 marks AS (
     SELECT a.replica, a.grp, a.lab, s.salt, a.step AS t, 1 AS typ, 0 AS pos, a.lid, a.j, 0 AS stores, 0 AS gone
-    FROM asked a JOIN salts s ON s.replica = a.replica AND s.grp = a.grp AND s.lab = a.lab
+    FROM xp_asked a JOIN salts s ON s.replica = a.replica AND s.grp = a.grp AND s.lab = a.lab
     UNION ALL
-    SELECT replica, grp, lab, salt, stored, 2, pos, CAST(NULL AS BIGINT), CAST(NULL AS BIGINT), 1, 0 FROM lives
+    SELECT replica, grp, lab, salt, stored, 2, pos, CAST(NULL AS BIGINT), CAST(NULL AS BIGINT), 1, 0 FROM xp_asked_lives
     UNION ALL
     SELECT replica, grp, lab, salt, removed, CASE WHEN removed > stored THEN 0 ELSE 3 END, pos,
            CAST(NULL AS BIGINT), CAST(NULL AS BIGINT), 0, 1
-    FROM lives WHERE removed IS NOT NULL),
+    FROM xp_asked_lives WHERE removed IS NOT NULL),
 swept AS (
     SELECT lid, j, salt, typ,
            SUM(stores - gone) OVER (PARTITION BY replica, grp, lab, salt ORDER BY t, typ, pos
@@ -386,27 +393,31 @@ UNION ALL
 SELECT g, r, k, hi - 1 FROM spans WHERE lo < hi AND hi % 2 = 1
 """
 
+# Each lookup with the block it stopped at (k) and the last block it could use (usable), around LOOKUPS.
+STOPPED_AT = """
+SELECT x.*, CAST(floor(CAST(hit AS DOUBLE) / bsize) AS BIGINT) AS k,
+       CAST(floor(CAST(n_tokens - 1 AS DOUBLE) / bsize) AS BIGINT) AS usable
+FROM ({lookups}) x
+"""
+
 # Each lookup's closest cached sibling (its tokens, and how many it shares with the lookup's): of the
 # two cached either side of it in token order when it ran, the one sharing more (ties: the one cached
-# first). A table of its own: in one statement with the reasons its joins shared the 1 GB with theirs and
-# spilled (10M events: 14.6 s as one, 10.2 s as two). STOPPED_AT, a CTE both begin with: each lookup with
-# the block it stopped at (k) and the last block it could use (usable).
-STOPPED_AT = """lk AS (
-    SELECT x.*, CAST(floor(CAST(hit AS DOUBLE) / bsize) AS BIGINT) AS k,
-           CAST(floor(CAST(n_tokens - 1 AS DOUBLE) / bsize) AS BIGINT) AS usable
-    FROM xp_lookups x),
-"""
-CLOSEST = "WITH " + STOPPED_AT + """spans AS (
+# first). Tables of their own (NEAR, the two either side; CLOSEST), not CTEs of the reasons': in one
+# statement their joins shared the 1 GB with the reasons' and spilled (10M events: 14.6 s as one, 10.2 s
+# as two), and a CTE read twice is held in memory, which a 100M-event capture's do not fit.
+NEAR = """
+WITH spans AS (
     SELECT l.lid, q.g, q.r, x.k, CAST(floor(CAST(l.step AS DOUBLE) / x.p) AS BIGINT) AS node
-    FROM lk l JOIN xp_kin q ON q.lid = l.lid CROSS JOIN xp_levels x WHERE q.g IS NOT NULL),
-near AS (
-    SELECT l.lid, l.g, MAX(CASE WHEN v.r < l.r THEN v.r END) AS below, MIN(CASE WHEN v.r > l.r THEN v.r END) AS above
-    FROM spans l JOIN xp_stab v ON v.g = l.g AND v.k = l.k AND v.node = l.node
-    GROUP BY l.lid, l.g),
-candidates AS (
-    SELECT lid, g, below AS r FROM near WHERE below IS NOT NULL
+    FROM xp_lookups l JOIN xp_kin q ON q.lid = l.lid CROSS JOIN xp_levels x WHERE q.g IS NOT NULL)
+SELECT l.lid, l.g, MAX(CASE WHEN v.r < l.r THEN v.r END) AS below, MIN(CASE WHEN v.r > l.r THEN v.r END) AS above
+FROM spans l JOIN xp_stab v ON v.g = l.g AND v.k = l.k AND v.node = l.node
+GROUP BY l.lid, l.g
+"""
+CLOSEST = """
+WITH candidates AS (
+    SELECT lid, g, below AS r FROM xp_near WHERE below IS NOT NULL
     UNION ALL
-    SELECT lid, g, above FROM near WHERE above IS NOT NULL),
+    SELECT lid, g, above FROM xp_near WHERE above IS NOT NULL),
 firsts AS (
     SELECT c.lid, f.first_pos FROM candidates c JOIN xp_kin f ON f.g = c.g AND f.r = c.r AND f.pos = f.first_pos),
 shared AS (
@@ -415,7 +426,7 @@ shared AS (
                          f.n + 1) - 1 AS BIGINT) AS shared
     FROM (SELECT f.lid, f.first_pos, v.tokens AS theirs, l.stop_tokens AS ours,
                  LEAST(cardinality(v.tokens), cardinality(l.stop_tokens)) AS n
-          FROM firsts f JOIN lk l ON l.lid = f.lid JOIN xp_links v ON v.id = f.first_pos) f
+          FROM firsts f JOIN xp_lookups l ON l.lid = f.lid JOIN xp_links v ON v.id = f.first_pos) f
     LEFT JOIN xp_positions p ON p.i <= f.n
     GROUP BY f.lid, f.first_pos, f.n),
 closest AS (
@@ -426,13 +437,14 @@ closest AS (
 SELECT lid, tokens, shared FROM closest
 """
 
-REASONS = "WITH " + STOPPED_AT + """own AS (
+REASONS = """
+WITH own AS (
     SELECT s.lid, s.alive, v.stored AS stored_at, v.removed AS removed_at, v.reset
-    FROM xp_seen s JOIN lk l ON l.lid = s.lid JOIN xp_lives v ON v.pos = s.latest
+    FROM xp_seen s JOIN xp_lookups l ON l.lid = s.lid JOIN xp_lives v ON v.pos = s.latest
     WHERE s.j = -1 AND s.salt IS NOT DISTINCT FROM l.salt),
 others AS (
     SELECT s.lid, COALESCE(MIN(s.salt), '(no salt)') AS cached_under
-    FROM xp_seen s JOIN lk l ON l.lid = s.lid
+    FROM xp_seen s JOIN xp_lookups l ON l.lid = s.lid
     WHERE s.j = -1 AND s.salt IS DISTINCT FROM l.salt AND s.alive > 0
     GROUP BY s.lid),
 hit_blocks AS (
@@ -440,7 +452,7 @@ hit_blocks AS (
            MAX(CASE WHEN s.salt IS NOT DISTINCT FROM l.salt THEN 1 ELSE 0 END) AS own,
            MIN(CASE WHEN s.salt IS DISTINCT FROM l.salt THEN s.salt END) AS salt,
            MAX(CASE WHEN s.salt IS NULL AND l.salt IS NOT NULL THEN 1 ELSE 0 END) AS unsalted
-    FROM xp_seen s JOIN lk l ON l.lid = s.lid
+    FROM xp_seen s JOIN xp_lookups l ON l.lid = s.lid
     WHERE s.j >= 0 AND s.alive > 0
     GROUP BY s.lid, s.j),
 crossed AS (
@@ -460,7 +472,7 @@ said AS (
                 WHEN c.lid IS NOT NULL AND l.k * l.bsize + c.shared > 0 THEN 'diverged'
                 ELSE 'cold' END AS reason,
            COALESCE(l.parent IS NOT NULL AND NOT l.named AND l.tenants = 1, false) AS tenant_unknown
-    FROM lk l
+    FROM xp_lookups l
     LEFT JOIN own o ON o.lid = l.lid
     LEFT JOIN others n ON n.lid = l.lid
     LEFT JOIN xp_closest c ON c.lid = l.lid
@@ -562,10 +574,15 @@ class Sql(Protocol):
 
     def rows(self, query: str) -> list[tuple]: ...
 
+    def drop(self, *names: str) -> None:
+        """The tables `table` made under these names are read no more."""
+
 
 def explain(sql: Sql, progress: Progress | None = None) -> None:
     """Run every step over the inputs (explain_input, explain_lookups, explain_lookup_blocks) into
-    the table explain_result (and the steps' own tables, named xp_*); `progress` hears each stage begin."""
+    the table explain_result (and the steps' own tables, named xp_*); `progress` hears each stage begin.
+    A step's table is dropped once no later step reads it: kept to the end, a 100M-event capture's
+    spilled 47 GB."""
     said = progress or (lambda stage, detail: None)
     said(STAGES[0], "")
     sql.table("xp_events", EVENTS)
@@ -585,26 +602,38 @@ def explain(sql: Sql, progress: Progress | None = None) -> None:
     sql.table("xp_nodes", NODES.format(chain=final, root=ROOT))
     said(STAGES[4], "")
     cleared = sql.rows("SELECT COUNT(*) FROM xp_events WHERE kind = 'clear'")[0][0]
-    sql.table("xp_lives", LIVES.format(epoch=EPOCH, summed=SUMMED_BY_EPOCH) if cleared
-              else LIVES.format(epoch="0", summed=SUMMED_AS_ONE))
+    sql.table("xp_counts", COUNTS.format(epoch=EPOCH, summed=SUMMED_BY_EPOCH) if cleared
+              else COUNTS.format(epoch="0", summed=SUMMED_AS_ONE))
+    sql.table("xp_lives", LIVES.format(epoch=EPOCH if cleared else "0"))
+    sql.drop("xp_counts", "xp_events")
     said(STAGES[5], "")
-    sql.table("xp_lookups", LOOKUPS.format(chain=final, root=ROOT))
+    sql.table("xp_lookups", STOPPED_AT.format(lookups=LOOKUPS.format(chain=final, root=ROOT)))
+    sql.drop("xp_nodes")
     found = "xp_up_0"
     sql.table(found, ANCESTORS_START)
     for n, i in enumerate(reversed(range(len(chains) - 1)), 1):  # chains[i] jumps 2^i blocks
         said(STAGES[6], f"round {n} of {len(chains) - 1}")
         sql.table(f"xp_up_{n}", ANCESTORS_ROUND.format(found=found, chain=chains[i], step=1 << i))
+        sql.drop(found)
         found = f"xp_up_{n}"
     said(STAGES[6], "")
     sql.table("xp_hits", HITS.format(found=found, chain=final))
+    sql.drop(found, *chains)
     said(STAGES[7], "")
     longest, last = sql.rows("SELECT MAX(cardinality(stop_tokens)), MAX(step) FROM xp_lookups")[0]
     sql.table("xp_positions", positions(longest or 0))
     sql.table("xp_levels", levels(last or 0))
+    sql.table("xp_asked", ASKED)
+    sql.drop("xp_hits")
+    sql.table("xp_asked_lives", ASKED_LIVES)
     sql.table("xp_seen", SEEN)
+    sql.drop("xp_asked", "xp_asked_lives")
     sql.table("xp_kin", KIN)
     sql.table("xp_stab", STAB.format(last=last or 0))
+    sql.table("xp_near", NEAR)
+    sql.drop("xp_stab")
     sql.table("xp_closest", CLOSEST)
+    sql.drop("xp_near", "xp_kin", "xp_links")
     sql.table("explain_result", REASONS)
 
 
@@ -646,6 +675,10 @@ class DuckSql:
     def rows(self, query: str, params: dict | None = None) -> list[tuple]:
         return self.con.execute(query, params).fetchall()
 
+    def drop(self, *names: str) -> None:
+        for name in names:
+            self.con.execute(f"DROP {self.made.pop(name)} IF EXISTS temp.{name}")
+
     def drop_steps(self) -> None:
         """Drop explain's step tables (xp_*), keeping its answer, so that their memory is free before the
         answer is read (10M events: 1.51 GB peak reading it beside them, 1.31 GB without)."""
@@ -671,3 +704,7 @@ class SparkSql:
 
     def rows(self, query: str) -> list[tuple]:
         return [tuple(r) for r in self.spark.sql(query).collect()]
+
+    def drop(self, *names: str) -> None:
+        for name in names:
+            self.spark.catalog.dropTempView(name)
