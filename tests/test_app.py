@@ -293,6 +293,25 @@ def test_inspector_shows_no_finding_for_the_control(with_runs):
     assert {t.get("name") for t in heatmap["data"]} == {"own"}
 
 
+GONE = "is not in the store: it was deleted, or never recorded in"
+
+
+def test_a_link_to_a_run_not_in_the_store_is_said_not_swapped_silently(with_runs):
+    """Walk finding: a link to a run that is gone (deleted, or never recorded in this store), from
+    another page or the URL, opened the newest run in its place without a word. It says so until the
+    user picks a run; a link to a run that is there says nothing of the kind."""
+    _, faulty, control = with_runs
+    at = page("inspector", run_id="deleted0")
+    said = [w.value for w in at.warning if GONE in w.value]
+    assert said and said[0].startswith("Run deleted0 " + GONE), said
+    newest = control  # recorded after the faulty run
+    assert said[0].endswith(f"Showing run {newest} instead.") and at.selectbox(key="insp_run").value == newest
+    at.selectbox(key="insp_run").set_value(faulty).run()  # the user picks a run: the link is forgotten
+    assert not [w for w in at.warning if GONE in w.value] and not at.exception
+    at = page("inspector", run_id=faulty)
+    assert not [w for w in at.warning if GONE in w.value] and not at.error
+
+
 def test_an_unsalted_run_says_its_cross_tenant_reads_beside_the_zero_leak_figures(empty_db):
     """Run from the Run page: the inspector it opens, the Leaks view and the heatmap say which blocks of
     tenant-a tenant-b read and when, and the heatmap draws them as another tenant's."""

@@ -117,6 +117,7 @@ def load_model_or_error(name: str):
 def open_run(run_id: str) -> None:
     """Make run_id the inspected run and go to the inspector."""
     st.session_state["run_id"] = run_id
+    st.session_state.pop("insp_gone", None)  # a link to a run that is there: no earlier missing one to say
     st.switch_page(PAGES["inspector"].path)
 
 

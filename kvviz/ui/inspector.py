@@ -12,7 +12,7 @@ from ..analysis import blocks, cross_reads, leaks, runs
 from ..analysis.runs import RunInfo
 from ..store import RunStore
 from . import inspect_attention, inspect_blocks, inspect_cache, inspect_capture, inspect_leaks
-from .common import ENGINES, cross_tenant_warning, reader, runs_or_hint
+from .common import ENGINES, cross_tenant_warning, db_path, reader, runs_or_hint
 
 ENGINE_VIEWS = ("Blocks", "Attention", "Leaks", "Cache", "Requests")
 TICK_S = 0.8  # play: seconds per step
@@ -44,10 +44,13 @@ def render() -> None:
 
 
 def _choose_run(listing) -> str:
+    """The run a link asked for (another page's "Open in the inspector", or the URL's ?run=), else the
+    newest; a link to a run the store does not hold is said, not swapped silently for another run."""
     ids = list(listing.run_id)
-    current = st.session_state.get("run_id") or st.query_params.get("run")
-    if current not in ids:
-        current = ids[0]
+    asked = st.session_state.get("run_id") or st.query_params.get("run")
+    current = asked if asked in ids else ids[0]
+    if asked and asked not in ids:
+        st.session_state["insp_gone"] = (asked, current)  # said until the user picks a run
     st.session_state["insp_run"] = current
     labels = {r.run_id: f"{r.run_id} · {r.scenario or 'workload'}"
               + ("" if r.model == runs.CAPTURE_MODEL else f" · {r.engine} · fault {r.fault or 'none'}")
@@ -56,8 +59,15 @@ def _choose_run(listing) -> str:
 
     def chosen() -> None:
         st.session_state["run_id"] = st.session_state["insp_run"]
+        st.session_state.pop("insp_gone", None)
 
     st.selectbox("Run", ids, format_func=labels.get, key="insp_run", on_change=chosen)
+    gone = st.session_state.get("insp_gone")
+    if gone and gone[1] == current:
+        st.warning(f"Run {gone[0]} is not in the store: it was deleted, or never recorded in {db_path()}. "
+                   f"Showing run {current} instead.", icon=":material/link_off:")
+    else:
+        st.session_state.pop("insp_gone", None)  # the user went on to another run
     st.session_state["run_id"] = current
     st.query_params["run"] = current
     return current
