@@ -312,6 +312,49 @@ def test_a_link_to_a_run_not_in_the_store_is_said_not_swapped_silently(with_runs
     assert not [w for w in at.warning if GONE in w.value] and not at.error
 
 
+def _end_not_written(rec, run) -> None:
+    """save_run's stand-in: the steps so far written, the end (requests, findings, divergences and
+    totals) not: the store as a run still recording at its last step, or killed there, leaves it."""
+    rec.flush()
+    rec.wait()
+
+
+@pytest.fixture(scope="module")
+def recording(tmp_path_factory, tiny):
+    """A store with the boundary scenario still recording: its leak metrics and steps are written, its
+    requests and findings not yet."""
+    db = tmp_path_factory.mktemp("recording") / "kvviz.duckdb"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("kvviz.runners.recorded.save_run", _end_not_written)
+        run_id = live.run(RunStore.open(db), tiny, live.scenario_workload("boundary", tiny), "boundary",
+                          scenario_name="boundary").run_id
+    with RunStore.open(db).read() as con:
+        assert con.execute("SELECT status FROM runs").fetchall() == [("running",)]
+        assert con.execute("SELECT count(*) FROM leak_metrics WHERE leak_rows > 0").fetchone()[0] > 0
+        assert con.execute("SELECT (SELECT count(*) FROM findings) + (SELECT count(*) FROM requests)").fetchone() \
+            == (0,)
+    return db, run_id
+
+
+NO_FINDINGS_YET = "No findings yet: a run's findings are written when it ends."
+
+
+def test_a_recording_run_says_its_findings_are_not_written_yet(recording, with_runs, monkeypatch):
+    """Walk finding: while a run records, its Leaks view said 'No findings' beside a leak timeline that
+    already showed the leak. It says they are not written yet; a finished run lists its findings."""
+    db, run_id = recording
+    monkeypatch.setenv("KVVIZ_DB", str(db))
+    at = page("inspector", run_id=run_id)
+    at.segmented_control(key="insp_view").set_value("Leaks").run()
+    assert any(i.value == NO_FINDINGS_YET for i in at.info) and not at.success and not at.exception
+    assert "insp_timeline" in charts(at)  # the oracle's metrics, written step by step, show the leak
+    assert any(c.value.endswith(": no finding yet (a run's are written when it ends).") for c in at.caption)
+    monkeypatch.setenv("KVVIZ_DB", str(with_runs[0]))
+    at = page("inspector", run_id=with_runs[1])
+    at.segmented_control(key="insp_view").set_value("Leaks").run()
+    assert len(at.dataframe(key="insp_findings").value) > 0 and not any(NO_FINDINGS_YET in i.value for i in at.info)
+
+
 def test_an_unsalted_run_says_its_cross_tenant_reads_beside_the_zero_leak_figures(empty_db):
     """Run from the Run page: the inspector it opens, the Leaks view and the heatmap say which blocks of
     tenant-a tenant-b read and when, and the heatmap draws them as another tenant's."""

@@ -12,6 +12,8 @@ import pandas as pd
 from ..capture.import_vllm import CAPTURE_MODEL
 from ..store import RunStore, StoreError
 
+RUNNING = "running"  # runs.status of a run still being recorded (or whose process died before it ended)
+
 
 @dataclass(frozen=True)
 class RunInfo:
@@ -31,6 +33,12 @@ class RunInfo:
     has_kv_events: bool  # an imported vLLM/SGLang capture
     fault_scope: dict | None = None  # where the fault was confined
     backend: str | None = None  # the engine that ran it (kvviz, transformers); None for a capture
+
+    @property
+    def recording(self) -> bool:
+        """Still being recorded: its requests, findings and divergences may not be written yet (a recorded
+        run writes them when it ends; a served one each request as it ends)."""
+        return self.status == RUNNING
 
     @property
     def block_size(self) -> int:

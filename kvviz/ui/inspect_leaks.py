@@ -13,6 +13,8 @@ from ..analysis.runs import RunInfo
 from ..figures import timeline
 from .common import EMPTY
 
+NO_FINDINGS_YET = "No findings yet: a run's findings are written when it ends."
+
 
 def render(con, info: RunInfo, step: int, focus: Callable[[leaks.Focus, str | None], None]) -> None:
     over_time = leaks.leak_over_time(con, info.run_id)
@@ -23,7 +25,9 @@ def render(con, info: RunInfo, step: int, focus: Callable[[leaks.Focus, str | No
     said = cross_reads.sentence(cross_reads.from_store(con, info.run_id))
     if said:  # the header says why they move no figure
         st.markdown(f":violet-badge[:material/domain_disabled: cross_tenant] {said}")
-    if found.empty:
+    if found.empty and info.recording:  # not a clean run: its findings are not written yet
+        st.info(NO_FINDINGS_YET, icon=":material/pending:")
+    elif found.empty:
         st.success("No findings: every attention weight of every request stayed on its own tokens.",
                    icon=":material/verified_user:")
     else:

@@ -90,8 +90,9 @@ def _reset(con, info: RunInfo) -> None:
         busiest = blocks.busiest_step(con, info.run_id) if info.has_blocks else None
         st.session_state.update(insp_step=info.steps[-1] if busiest is None else busiest,
                                 insp_request=info.requests[0] if info.requests else None)
+        none = ": no finding yet (a run's are written when it ends)" if info.recording else ": this run has no finding"
         why = ("the last step" if busiest is None else "where the most blocks were in use") + (
-            ": this run has no finding" if first is None else "")
+            none if first is None else "")
     st.session_state["insp_opened"] = (st.session_state["insp_step"], why)
 
 
@@ -129,7 +130,7 @@ def _header(row, info: RunInfo, cross_tenant: str | None) -> None:
         st.caption(f"The fault was confined to {runs.scope_text(scope)}."
                    + (f" The run ended at step {info.steps[-1]}: **the fault never struck**, so no finding is "
                       "expected." if beyond else ""))
-    if row.status == "running":
+    if info.recording:
         st.warning("This run is still being recorded, or its process died: showing the steps stored so far.",
                    icon=":material/pending:")
         if st.toggle("Follow it: refresh as steps arrive", key="insp_follow"):
@@ -144,7 +145,7 @@ def _follow(run_id: str, seen: int) -> None:
     with reader() as con:
         status, steps = con.execute("SELECT status, (SELECT count(*) FROM steps WHERE run_id = ?) FROM runs "
                                     "WHERE run_id = ?", [run_id, run_id]).fetchone()
-    if status != "running" or steps != seen:
+    if status != runs.RUNNING or steps != seen:
         st.rerun(scope="app")
 
 
