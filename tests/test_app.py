@@ -355,6 +355,20 @@ def test_a_recording_run_says_its_findings_are_not_written_yet(recording, with_r
     assert len(at.dataframe(key="insp_findings").value) > 0 and not any(NO_FINDINGS_YET in i.value for i in at.info)
 
 
+def test_a_recording_run_says_no_request_has_finished_yet(recording, with_runs, monkeypatch):
+    """Walk finding: while a run records, its Attention view said 'This run has no requests.' It says
+    none has finished yet; a finished run draws a request's heatmap."""
+    db, run_id = recording
+    monkeypatch.setenv("KVVIZ_DB", str(db))
+    at = page("inspector", run_id=run_id)
+    at.segmented_control(key="insp_view").set_value("Attention").run()
+    assert any(i.value.startswith("No request has finished yet") for i in at.info) and not at.exception
+    monkeypatch.setenv("KVVIZ_DB", str(with_runs[0]))
+    at = page("inspector", run_id=with_runs[2])
+    at.segmented_control(key="insp_view").set_value("Attention").run()
+    assert "insp_heatmap" in charts(at) and not any("No request" in i.value for i in at.info)
+
+
 def test_an_unsalted_run_says_its_cross_tenant_reads_beside_the_zero_leak_figures(empty_db):
     """Run from the Run page: the inspector it opens, the Leaks view and the heatmap say which blocks of
     tenant-a tenant-b read and when, and the heatmap draws them as another tenant's."""

@@ -9,11 +9,15 @@ from ..analysis import attention, cross_reads
 from ..analysis.runs import RunInfo
 from ..figures import attention as fig
 
+NO_REQUEST_YET = ("No request has finished yet: a request's heatmap is shown once it is written, when it finishes "
+                  "(or when the run ends).")
+
 
 def render(con, info: RunInfo, step: int) -> None:
     layers, heads = attention.grid_shape(con, info.run_id)
     if not info.requests:
-        st.info("This run has no requests.")
+        st.info(NO_REQUEST_YET if info.recording else "This run has no requests.",
+                icon=":material/pending:" if info.recording else None)
         return
     if st.session_state.get("insp_request") not in info.requests:
         st.session_state["insp_request"] = info.requests[0]
