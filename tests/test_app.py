@@ -458,7 +458,10 @@ def test_the_scenarios_side_by_side_says_the_faults_cross_tenant_reads_and_not_t
 
 
 def test_the_scenarios_side_by_side_draws_the_foreign_mass_a_fault_adds(empty_db):
-    """The positive case of the one above: a leak of attention draws its layer x head difference."""
+    """The positive case of the one above: a leak of attention draws its layer x head difference; once one
+    of its runs is deleted, the page says so instead of failing."""
+    from kvviz.analysis.runs import delete_run
+
     at = page("scenarios")
     at.selectbox(key="sc_name").set_value("boundary")
     at.selectbox(key="sc_model").set_value("tiny-llama")
@@ -475,6 +478,14 @@ def test_the_scenarios_side_by_side_draws_the_foreign_mass_a_fault_adds(empty_db
                for c in at.caption)
     texts = [d for d in at.dataframe if "tenant" in d.value.columns]  # no tenants here: a dash, not "None"
     assert len(texts) == 2 and all(d.value.tenant.isna().all() and d.proto.placeholder == "—" for d in texts)
+    control = at.session_state["sc_pair"]["control"]
+    delete_run(RunStore.open(empty_db), control)  # deleted since, from the Runs page or the CLI
+    at.run()
+    assert not at.exception and not at.error, [e.value for e in at.error]
+    assert [w.value for w in at.warning if "no longer in the store" in w.value] == [
+        f"This comparison's control run ({control}) is no longer in the store: it was deleted. Run the scenario "
+        "again to compare."]
+    assert "Side by side" not in [h.value for h in at.subheader], "no panel drawn from half a comparison"
 
 
 def test_upload_imports_a_trace_and_refuses_a_broken_one(with_runs, tmp_path, monkeypatch):

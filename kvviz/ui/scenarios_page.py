@@ -11,6 +11,7 @@ from ..catalogue.faults import FAULTS
 from ..catalogue.scenarios import SCENARIOS
 from ..figures import attention as fig
 from ..runners import live
+from ..store import RunStore
 from .common import (
     EMPTY,
     ENGINE_HELP,
@@ -93,6 +94,12 @@ def _run_pair(name: str, model_name: str, engine: str = "kvviz") -> None:
 def _compare(pair: dict) -> None:
     roles = [r for r in ("scenario", "transformers", "control") if r in pair]
     subject = roles[0]  # the scenario run, or transformers' run of its requests
+    with reader() as con:
+        gone = [r for r in roles if not RunStore.has_run(con, pair[r])]
+    if gone:  # deleted since (Runs page, CLI): said, not a failure of the comparison
+        st.warning(f"This comparison's {' and '.join(gone)} run ({', '.join(pair[r] for r in gone)}) is no longer in "
+                   "the store: it was deleted. Run the scenario again to compare.", icon=":material/link_off:")
+        return
     with reader() as con:
         infos = {r: runs.run_info(con, pair[r]) for r in roles}
         found = {r: leaks.findings(con, pair[r]) for r in roles}
