@@ -115,13 +115,29 @@ def _result(df: pd.DataFrame, truncated: bool) -> None:
             kind = c[3].radio("chart", ("line", "bar", "scatter"), horizontal=True, key=f"sql_kind_{n}",
                               index=0 if ordered else 1)  # a line only along an ordered axis
             chart = {"line": partial(px.line, markers=True), "bar": px.bar, "scatter": px.scatter}[kind]
-            fig = chart(df.head(5000), x=x, y=y, color=colour)  # markers: a series of one point still shows
+            shown, title = df.head(5000), None
+            if kind == "bar" and colour is None and df[x].duplicated().any():
+                # plotly would stack the rows that share an x: 20 heads' max masses read as one mass of 11
+                how = _combined(y)
+                shown = shown.groupby(x, as_index=False, sort=False)[y].agg(how)
+                title = f"{y}, {COMBINED[how]} the rows of each {x}"
+            fig = chart(shown, x=x, y=y, color=colour)  # markers: a series of one point still shows
             if (df[y].dropna() >= 0).all():
                 fig.update_yaxes(rangemode="tozero")  # all zeros at the bottom, not mid -1..1
-            if kind == "bar" and colour is None and df[x].duplicated().any():
-                # plotly stacks the rows that share an x: 20 heads' max masses read as one mass of 11
-                fig.update_yaxes(title=f"{y}, summed over the rows of each {x}")
+            if title:
+                fig.update_yaxes(title=title)
             st.plotly_chart(fig, width="stretch", key="sql_chart")
+
+
+COMBINED = {"max": "the largest of", "min": "the smallest of", "sum": "summed over"}
+
+
+def _combined(column: str) -> str:
+    """How a bar combines the rows that share its x: a maximum's largest, a minimum's smallest, else their
+    sum (a sum of maxima measures nothing)."""
+    name = column.lower()
+    return "max" if name.startswith(("max", "peak", "largest")) else "min" if name.startswith(("min", "least")) \
+        else "sum"
 
 
 IDENTIFIERS = ("layer", "head", "step", "position", "replica", "block", "hash", "_id", "_start", "_idx")
