@@ -981,7 +981,8 @@ def test_the_run_page_runs_transformers_and_the_inspector_says_which_engine_ran(
     assert any(c.value.startswith("Kernel sdpa_paged returns no weights") for c in at.caption)
     assert any("its reserved trash blocks, last in the map, hold no request's tokens" in c.value for c in at.caption)
     run_choice = at.selectbox(key="insp_run")
-    assert run_choice.format_func(run_id).endswith(" · transformers · fault none · complete")
+    assert re.search(r" · transformers · fault none · complete · \d{4}-\d\d-\d\d \d\d:\d\d:\d\d$",
+                     run_choice.format_func(run_id)), "when it was made: two runs of one scenario differ by it"
     assert page("runs").dataframe[0].value.set_index("run_id").engine[run_id] == "transformers"
     assert any("cross-tenant reads: " in w.value and "tenant-1 read by tenant-2" in w.value for w in at.warning)
 

@@ -43,6 +43,11 @@ def render() -> None:
     st.fragment(run_every=TICK_S if playing else None)(_step_views)(info, playing)
 
 
+def _when(created) -> str:
+    """A run's creation time as the picker says it (to the second: a scenario and its control are seconds apart)."""
+    return "" if created is None or pd.isna(created) else pd.Timestamp(created).strftime("%Y-%m-%d %H:%M:%S")
+
+
 def _choose_run(listing) -> str:
     """The run a link asked for (another page's "Open in the inspector", or the URL's ?run=), else the
     newest; a link to a run the store does not hold is said, not swapped silently for another run."""
@@ -54,7 +59,7 @@ def _choose_run(listing) -> str:
     st.session_state["insp_run"] = current
     labels = {r.run_id: f"{r.run_id} · {r.scenario or 'workload'}"
               + ("" if r.model == runs.CAPTURE_MODEL else f" · {r.engine} · fault {r.fault or 'none'}")
-              + f" · {r.status}"
+              + f" · {r.status} · {_when(r.created_at)}"  # two runs of one scenario differ by when
               for r in listing.itertuples()}
 
     def chosen() -> None:
