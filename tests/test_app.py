@@ -478,7 +478,10 @@ def test_the_scenarios_side_by_side_draws_the_foreign_mass_a_fault_adds(empty_db
                for c in at.caption)
     texts = [d for d in at.dataframe if "tenant" in d.value.columns]  # no tenants here: a dash, not "None"
     assert len(texts) == 2 and all(d.value.tenant.isna().all() and d.proto.placeholder == "—" for d in texts)
-    control = at.session_state["sc_pair"]["control"]
+    pair = at.session_state["sc_pair"]
+    assert page("inspector").session_state["insp_run"] == pair["scenario"], \
+        "a new session's inspector opens the run under study (the newest), not its control"
+    control = pair["control"]
     delete_run(RunStore.open(empty_db), control)  # deleted since, from the Runs page or the CLI
     at.run()
     assert not at.exception and not at.error, [e.value for e in at.error]

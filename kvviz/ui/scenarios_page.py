@@ -68,11 +68,12 @@ def _run_pair(name: str, model_name: str, engine: str = "kvviz") -> None:
         return
     sc = SCENARIOS[name]
     workload = live.scenario_workload(name, model)
+    # the control first: the run under study is then the newest, the one the inspector opens
     if engine == "transformers":
         hf = {**workload, "engine": {**workload["engine"], "backend": "transformers", "isolation": "paged"}}
-        plan = [("transformers", None, hf), ("control", None, workload)]
+        plan = [("control", None, workload), ("transformers", None, hf)]
     else:
-        plan = [("scenario", sc.fault, workload)] + ([("control", None, workload)] if sc.fault else [])
+        plan = ([("control", None, workload)] if sc.fault else []) + [("scenario", sc.fault, workload)]
     bar = st.progress(0.0, text="starting...")
     ids = {}
     for i, (role, fault, wl) in enumerate(plan):
@@ -89,6 +90,7 @@ def _run_pair(name: str, model_name: str, engine: str = "kvviz") -> None:
                              scenario_name=f"control of {name}" if role == "control" else name).run_id
     bar.progress(1.0, text="done")
     st.session_state["sc_pair"] = {"name": name, **ids}
+    st.session_state["run_id"] = ids[plan[-1][0]]  # the inspector, opened next, shows it
 
 
 def _compare(pair: dict) -> None:
