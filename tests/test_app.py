@@ -293,6 +293,28 @@ def test_inspector_shows_no_finding_for_the_control(with_runs):
     assert {t.get("name") for t in heatmap["data"]} == {"own"}
 
 
+def test_a_blank_grid_of_this_step_says_the_request_leaked_nowhere_then(with_runs):
+    """Walk finding: the 'this step' grid was all white beside a heatmap of foreign mass from earlier steps,
+    without a word. At a step where the request put no foreign weight it says so; where it did, it does not."""
+    db, faulty, _ = with_runs
+    with RunStore.open(db).read() as con:
+        per_step = con.execute("SELECT request_id, step, max(max_foreign) FROM leak_metrics WHERE run_id = ? "
+                               "GROUP BY ALL", [faulty]).fetchall()
+    clean = next((r, t) for r, t, m in per_step if m == 0)
+    leaked = next((r, t) for r, t, m in per_step if m > 0)
+    at = page("inspector", run_id=faulty)
+    at.segmented_control(key="insp_view").set_value("Attention").run()
+    for (request, step), blank in ((clean, True), (leaked, False)):
+        at.selectbox(key="insp_request").set_value(request)
+        at.session_state["insp_step"] = step
+        at.radio(key="insp_grid_scope").set_value("this step").run()
+        assert not at.exception
+        said = [c.value for c in at.caption if "put no weight on another request's or a stale key" in c.value]
+        assert said == ([f"{request} put no weight on another request's or a stale key at step {step}: every cell "
+                         "is 0. The heatmap beside it counts every step so far; *the whole run* shows where "
+                         f"{request} leaked at any step."] if blank else []), (request, step)
+
+
 GONE = "is not in the store: it was deleted, or never recorded in"
 
 

@@ -39,6 +39,10 @@ def render(con, info: RunInfo, step: int) -> None:
 
             st.plotly_chart(fig.leak_grid(cells, layers, heads, selected, f"{request}: max foreign mass"),
                             key="insp_grid", on_select=clicked, selection_mode="points", width="stretch")
+            if whole == "this step" and not (cells.max_foreign > 0).any():  # a blank grid is an answer: say it
+                st.caption(f"{request} put no weight on another request's or a stale key at step {step}: every "
+                           "cell is 0. The heatmap beside it counts every step so far; *the whole run* shows where "
+                           f"{request} leaked at any step.")
             st.caption("Click a cell to zoom into that layer and head.")
         else:
             st.info("The oracle recorded no leak metrics for this run.")
