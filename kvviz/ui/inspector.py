@@ -44,8 +44,9 @@ def render() -> None:
 
 
 def _when(created) -> str:
-    """A run's creation time as the picker says it (to the second: a scenario and its control are seconds apart)."""
-    return "" if created is None or pd.isna(created) else pd.Timestamp(created).strftime("%Y-%m-%d %H:%M:%S")
+    """A run's creation time as the picker says it (to the second: a scenario and its control are seconds
+    apart), or nothing for a run that has none."""
+    return "" if created is None or pd.isna(created) else pd.Timestamp(created).strftime(" · %Y-%m-%d %H:%M:%S")
 
 
 def _choose_run(listing) -> str:
@@ -59,7 +60,7 @@ def _choose_run(listing) -> str:
     st.session_state["insp_run"] = current
     labels = {r.run_id: f"{r.run_id} · {r.scenario or 'workload'}"
               + ("" if r.model == runs.CAPTURE_MODEL else f" · {r.engine} · fault {r.fault or 'none'}")
-              + f" · {r.status} · {_when(r.created_at)}"  # two runs of one scenario differ by when
+              + f" · {r.status}" + _when(r.created_at)  # two runs of one scenario differ by when
               for r in listing.itertuples()}
 
     def chosen() -> None:
