@@ -22,16 +22,19 @@ from ..capture.events import decode_batch
 from ..capture.synthetic import fleet_messages
 
 # Peak RSS is the child's VmHWM: getrusage's ru_maxrss survives exec on Linux, so it would count the
-# parent (which holds the synthetic messages) as well.
+# parent (which holds the synthetic messages) as well. A JSONL import decodes in a process of its own
+# per further core: their largest peak is added (on two cores there is one, so the sum bounds the
+# import's memory at any moment).
 CHILD = """
-import json, sys, time
+import json, resource, sys, time
 from kvviz.runners.uploads import import_file
 from kvviz.store import RunStore
 t = time.perf_counter()
 import_file(sys.argv[1], RunStore.open(sys.argv[2]))
 seconds = time.perf_counter() - t
 hwm = next(line for line in open("/proc/self/status") if line.startswith("VmHWM:"))
-print(json.dumps({"seconds": seconds, "peak_mb": int(hwm.split()[1]) / 1024}))
+helpers = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+print(json.dumps({"seconds": seconds, "peak_mb": (int(hwm.split()[1]) + helpers) / 1024}))
 """
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, BinaryIO
@@ -57,36 +57,80 @@ class CaptureWriter:
         self.f.close()
 
 
-def read_capture(path: str | Path) -> Iterator[tuple[str, Message]]:
+class CaptureReader:
     """(where, message) per line, `where` naming the file and line; CaptureError names a line that is
-    wrong. Read as bytes line by line, so another encoding or an endless line is a refusal."""
-    path = Path(path)
-    try:
-        f = open(path, "rb")
-    except FileNotFoundError:
-        raise CaptureError(f"{path}: no such file") from None
-    except OSError as e:
-        raise CaptureError(f"{path}: cannot read it ({e.strerror or e})") from None
-    with f:
-        lines = _lines(f, path)
-        header = parse_json(next(lines, (1, b"null"))[1], f"{path}: line 1", CaptureError, one_line=True)
+    wrong. Read as bytes line by line, so another encoding or an endless line is a refusal. With
+    `mine`, a message of a replica it refuses is read no further than its replica's name and comes
+    as (where, None): another process takes it (a line that does not parse is read in full, so every
+    reader says what is wrong with it). `bytes_read` says how far it has got."""
+
+    def __init__(self, path: str | Path, mine: Callable[[str], bool] | None = None):
+        self.path, self.mine, self.bytes_read = Path(path), mine, 0
+        self.replicas = self._header()
+
+    def _open(self) -> BinaryIO:
+        try:
+            return open(self.path, "rb")
+        except FileNotFoundError:
+            raise CaptureError(f"{self.path}: no such file") from None
+        except OSError as e:
+            raise CaptureError(f"{self.path}: cannot read it ({e.strerror or e})") from None
+
+    def _header(self) -> dict[str, str]:
+        """The replicas the header names (none for version 1); a file that is not a capture is refused."""
+        path = self.path
+        with self._open() as f:
+            header = parse_json(next(self._lines(f), (1, b"null"))[1], f"{path}: line 1", CaptureError,
+                                one_line=True)
         if not isinstance(header, dict) or header.get("format") != FORMAT:
             raise CaptureError(f"{path}: not a kvviz vLLM capture (line 1 must name format {FORMAT!r})")
         if header.get("version") not in READABLE:
             raise CaptureError(f"{path}: capture version {header.get('version')!r} is not supported")
+        named = header.get("replicas")
+        return {str(k): str(v) for k, v in named.items()} if isinstance(named, dict) else {}
+
+    def __iter__(self) -> Iterator[tuple[str, Message | None]]:
+        path, mine = self.path, self.mine
         last: dict[str, tuple[int, int]] = {}  # replica -> (restart, seq), for files that do not say restarts
-        for n, line in lines:
-            where = f"{path}: line {n}"
-            try:
-                rec = _LINE.decode(line)
-            except msgspec.MsgspecError:  # parsed again to say what is wrong
-                rec = _line(line, where)
-            restart = rec.restart
-            if restart is None:
-                before = last.get(rec.replica)
-                restart = 0 if before is None else before[0] + (rec.seq < before[1])
-            last[rec.replica] = (restart, rec.seq)
-            yield where, Message(rec.replica, restart, rec.seq, rec.topic, rec.payload, rec.received)
+        with self._open() as f:
+            lines = self._lines(f)
+            next(lines, None)
+            for n, line in lines:
+                where = f"{path}: line {n}"
+                if mine is not None:
+                    try:
+                        replica = _HEAD.decode(line).replica
+                    except msgspec.MsgspecError:
+                        replica = None
+                    if replica is not None and not mine(replica):
+                        yield where, None
+                        continue
+                try:
+                    rec = _LINE.decode(line)
+                except msgspec.MsgspecError:  # parsed again to say what is wrong
+                    rec = _line(line, where)
+                restart = rec.restart
+                if restart is None:
+                    before = last.get(rec.replica)
+                    restart = 0 if before is None else before[0] + (rec.seq < before[1])
+                last[rec.replica] = (restart, rec.seq)
+                yield where, Message(rec.replica, restart, rec.seq, rec.topic, rec.payload, rec.received)
+
+    def _lines(self, f: BinaryIO) -> Iterator[tuple[int, bytes]]:
+        """Numbered non-blank lines, each at most MAX_LINE bytes."""
+        n = 0
+        while line := f.readline(MAX_LINE + 1):
+            n += 1
+            self.bytes_read += len(line)
+            if len(line) > MAX_LINE:
+                raise CaptureError(f"{self.path}: line {n} is longer than {MAX_LINE >> 20} MiB")
+            if line.strip():
+                yield n, line
+
+
+def read_capture(path: str | Path) -> CaptureReader:
+    """Every message of a capture, in order (see CaptureReader)."""
+    return CaptureReader(path)
 
 
 class _Line(msgspec.Struct):
@@ -100,6 +144,14 @@ class _Line(msgspec.Struct):
 
 
 _LINE = msgspec.json.Decoder(_Line)
+
+
+class _Head(msgspec.Struct):
+    """Only whose a line is: the other fields are skipped unparsed."""
+    replica: str = DEFAULT_REPLICA
+
+
+_HEAD = msgspec.json.Decoder(_Head)
 
 
 def _line(line: bytes, where: str) -> _Line:
@@ -127,14 +179,3 @@ def _line(line: bytes, where: str) -> _Line:
     except (binascii.Error, ValueError):
         raise CaptureError(f"{where}: the payload is not base64") from None
     return _Line(seq, data, replica, restart, topic, received)
-
-
-def _lines(f: BinaryIO, path: Path) -> Iterator[tuple[int, bytes]]:
-    """Numbered non-blank lines, each at most MAX_LINE bytes."""
-    n = 0
-    while line := f.readline(MAX_LINE + 1):
-        n += 1
-        if len(line) > MAX_LINE:
-            raise CaptureError(f"{path}: line {n} is longer than {MAX_LINE >> 20} MiB")
-        if line.strip():
-            yield n, line

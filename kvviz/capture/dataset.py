@@ -76,19 +76,27 @@ class _ReplicaParts:
 
 
 class DatasetWriter:
-    """A capture sink writing the dataset from messages and their decoded batches."""
+    """A capture sink writing the dataset from messages and their decoded batches. A `share` writer
+    is one of several processes writing one dataset, each its own replicas' folders: it counts the
+    others' messages (`skip`) so steps stay the capture's, and leaves the manifest to whoever
+    started them (`write_manifest`)."""
 
     def __init__(self, folder: str | Path, replicas: dict[str, str], rotate_rows: int = 1_000_000,
-                 group_rows: int = 100_000):
-        self.folder = Path(folder)
-        if self.folder.exists() and (not self.folder.is_dir() or any(self.folder.iterdir())):
+                 group_rows: int = 100_000, share: bool = False):
+        self.folder, self.share = Path(folder), share
+        if not share and self.folder.exists() and (not self.folder.is_dir() or any(self.folder.iterdir())):
             raise CaptureError(f"--out {self.folder}: {'not a folder' if not self.folder.is_dir() else 'not empty'}; "
                                "give a new folder for the capture dataset")
         self.folder.mkdir(parents=True, exist_ok=True)
         self.replicas, self.rotate_rows, self.group_rows = dict(replicas), rotate_rows, min(group_rows, rotate_rows)
         self.parts = {name: _ReplicaParts(self.folder / f"replica={name}") for name in replicas}
+        self.first: dict[str, int] = {}  # replica -> the step of its first message
         self.count = 0
         self._manifest(complete=False)
+
+    def skip(self) -> None:
+        """A message another process writes: it still takes a step."""
+        self.count += 1
 
     def add(self, m: Message, batch: Batch, where: str | None = None) -> None:
         """Buffer one message's rows; `where` is how an error in it names the message (by default its
@@ -97,6 +105,7 @@ class DatasetWriter:
         if parts is None:  # a replica the capture's header did not name (a JSONL file being converted)
             self.replicas[m.replica] = ""
             parts = self.parts[m.replica] = _ReplicaParts(self.folder / f"replica={m.replica}")
+        self.first.setdefault(m.replica, self.count)
         parts.rows.add(batch, step=self.count, replica=m.replica, restart=m.restart, seq=m.seq,
                        where=where or f"{m.replica} seq {m.seq}", received=m.received, topic=m.topic, payload=m.payload)
         self.count += 1
@@ -110,9 +119,15 @@ class DatasetWriter:
         self._manifest(complete=True)
 
     def _manifest(self, complete: bool) -> None:
-        (self.folder / MANIFEST).write_text(json.dumps({
-            "format": FORMAT, "version": VERSION, "replicas": self.replicas, "messages": self.count,
-            "complete": complete, "written": time.time()}, indent=1) + "\n")
+        if not self.share:
+            write_manifest(self.folder, self.replicas, self.count, complete)
+
+
+def write_manifest(folder: Path, replicas: dict[str, str], messages: int, complete: bool) -> None:
+    """What a dataset holds; `complete` once every part is closed (import --in-place waits for it)."""
+    (folder / MANIFEST).write_text(json.dumps({
+        "format": FORMAT, "version": VERSION, "replicas": replicas, "messages": messages,
+        "complete": complete, "written": time.time()}, indent=1) + "\n")
 
 
 def dataset_files(path: Path) -> list[Path]:

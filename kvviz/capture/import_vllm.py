@@ -33,12 +33,12 @@ from ..store.schema import DATASET_COLUMNS
 from ..util.gcpause import paused_gc
 from ..util.ids import new_run_id
 from ..util.jsonio import parse_json
-from .capture_file import DEFAULT_REPLICA, Message, read_capture
-from .dataset import LATER, MANIFEST, DatasetWriter, check_files, check_name, dataset_files
-from .events import CaptureError, decode_batch
+from .capture_file import DEFAULT_REPLICA
+from .dataset import LATER, MANIFEST, check_files, dataset_files
+from .events import CaptureError
+from .jsonl_dataset import Progress, write_dataset
 
 CAPTURE_MODEL = "vllm capture"  # what an imported capture's run says its model was
-Progress = Callable[[int, int], None]  # (bytes read, bytes in all)
 
 CROSS_TENANT = """
 INSERT INTO findings (run_id, kind, request_id, step, position, source_request)
@@ -55,25 +55,21 @@ ORDER BY first_at
 """
 
 
-def import_capture(path: str | Path, store: RunStore, progress: Progress | None = None) -> str:
+def import_capture(path: str | Path, store: RunStore, progress: Progress | None = None,
+                   workers: int | None = None) -> str:
     """Import a JSONL capture as a new run and return its id. It is decoded once into a capture
     dataset of the store's own (STORE_FOLDER/captures/ID, the documented layout) that the run reads
     in place: Parquet is written faster than DuckDB inserts, and nothing is copied into the database.
+    A large capture of several replicas is decoded by one process per core (`workers` overrides it).
     CaptureError names the line that is wrong, and then nothing is registered or left on disk."""
     path = Path(path)
     folder = store.captures_dir / new_run_id()
     try:
-        writer = DatasetWriter(folder, {})
-        with paused_gc():
-            for where, m in _tracked(read_capture(path), path, progress):
-                check_name(m.replica, f"{where}:")
-                where = f"{where} (seq {m.seq})"
-                writer.add(m, decode_batch(m.payload, where), where)
-        writer.close()
-        if not writer.count:
+        written = write_dataset(path, folder, progress, workers)
+        if not written.messages:
             raise CaptureError(f"{path}: the capture holds no messages")
         return _import(path, store, (), {"capture": path.name, "files": len(dataset_files(folder))},
-                       steps=writer.count, source=str(folder.resolve()))
+                       steps=written.messages, source=str(folder.resolve()))
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
         raise
@@ -157,20 +153,6 @@ def _batches(f: Path, columns: list[str] | None = None, whole: bool = False) -> 
             yield pf.read_row_group(i, columns=columns)
     except (OSError, pa.ArrowException) as e:
         raise CaptureError(f"{f}: damaged ({str(e).splitlines()[0]})") from None
-
-
-def _tracked(messages: Iterator[tuple[str, Message]], path: Path, progress: Progress | None
-             ) -> Iterator[tuple[str, Message]]:
-    if progress is None:
-        yield from messages
-        return
-    total, done = max(path.stat().st_size, 1), 0
-    for i, item in enumerate(messages):
-        done += len(item[1].payload) * 4 // 3 + 80  # the line's size, near enough
-        if i % 4096 == 0:
-            progress(min(done, total), total)
-        yield item
-    progress(total, total)
 
 
 def _import(path: Path, store: RunStore, chunks: Iterable[pa.Table], workload: dict,

@@ -91,6 +91,19 @@ def _spread(values: pa.Array, rows: np.ndarray) -> pa.Array:
     return values.take(rows)
 
 
+def _first_rows_only(per_message: pa.Array, first: np.ndarray) -> pa.Array:
+    """The raw payload on each message's first row, null on its others: the payloads' bytes are
+    shared, not copied (only the offsets are per row)."""
+    valid_in, offsets_in, data = per_message.cast(pa.binary()).buffers()  # all-null comes typed null
+    ends = np.frombuffer(offsets_in, dtype=np.int32)[1:len(per_message) + 1]
+    offsets = np.zeros(len(first) + 1, dtype=np.int32)
+    offsets[1:][first] = ends  # a message's first row ends where its payload does
+    np.maximum.accumulate(offsets, out=offsets)  # and its other rows are empty
+    valid = first & np.asarray(per_message.is_valid())[np.cumsum(first) - 1]
+    return pa.Array.from_buffers(pa.binary(), len(first), [pa.array(valid).buffers()[1], pa.py_buffer(offsets),
+                                                          data or pa.py_buffer(b"")])
+
+
 class EventRows:
     """Append decoded batches; `take()` returns the rows so far as one Arrow table and starts again.
     The cache state that decides repeats lives across takes."""
@@ -151,13 +164,13 @@ class EventRows:
         self._event_index.extend(range(len(events)))
         self._event_msg.extend(repeat(m, len(events)))
         repeats, salts, lifetimes, idles, gaps = self._repeats, self._salts, self._lifetimes, self._idles, self._gaps
-        named_from = self._named_from
-        key, live, ts = None, None, batch.ts
+        named_from, rows, ts = self._named_from, 0, batch.ts
+        live, group, medium = None, None, None  # the cache of the last event's KV group and medium
         for e in events:
             hashes, kind = e.block_hashes, e.kind
             n = len(hashes) or 1
             event_rows.append(n)
-            self.rows += n
+            rows += n
             if kind != "BlockStored" or not hashes:
                 named_from.append(_UNNAMED)
             if not hashes:
@@ -166,12 +179,12 @@ class EventRows:
                     column.append(None)
                 if kind == "AllBlocksCleared":
                     self.forget(replica)
-                    key = None
+                    live = None
                 continue
             hashes_out.extend(hashes)
-            if key != (replica, e.group_idx, e.medium):
-                key = (replica, e.group_idx, e.medium)
-                live = self._live.setdefault(key, {})
+            if live is None or e.group_idx != group or e.medium != medium:
+                group, medium = e.group_idx, e.medium
+                live = self._live.setdefault((replica, group, medium), {})
             if kind == "BlockRemoved":
                 for h in hashes:
                     life = live.pop(h, None)
@@ -185,7 +198,7 @@ class EventRows:
                         salts.append(life[0])
                         lifetimes.append(ts - life[1])
                         idles.append(ts - life[2])
-                gaps.extend(repeat(None, n))
+                    gaps.append(None)
             elif kind == "BlockStored":
                 self._parents.append(e.parent_hash)
                 self._parents.extend(hashes[:-1])
@@ -210,6 +223,7 @@ class EventRows:
             else:
                 for column in (repeats, salts, lifetimes, idles, gaps):
                     column.extend(repeat(None, n))
+        self.rows += rows
 
     def take(self) -> pa.Table:
         """The rows added since the last take, as a table of ROW_SCHEMA. A token that is not a 32-bit
@@ -225,8 +239,7 @@ class EventRows:
                         zip(MESSAGE_FIELDS, _columns(self._messages, len(MESSAGE_FIELDS)), strict=True)]
         for (name, _), values in zip(MESSAGE_FIELDS[:-1], message_cols, strict=False):
             cols[name] = _spread(values, message_of_row)
-        first_only = pa.array(message_of_row, mask=~first_of_message)  # the raw payload once per message
-        cols["payload"] = message_cols[-1].take(first_only)
+        cols["payload"] = _first_rows_only(message_cols[-1], first_of_message)
         event_cols = {name: pa.array(values, type=typ) for (name, typ), values in
                       zip(EVENT_FIELDS, [self._event_index, *_columns(self._events, len(EVENT_FIELDS) - 1)],
                           strict=True)}
