@@ -23,18 +23,40 @@ from ..capture.synthetic import fleet_messages
 
 # Peak RSS is the child's VmHWM: getrusage's ru_maxrss survives exec on Linux, so it would count the
 # parent (which holds the synthetic messages) as well. A JSONL import decodes in a process of its own
-# per further core: their largest peak is added (on two cores there is one, so the sum bounds the
-# import's memory at any moment).
+# per further core, so the child also samples its own RSS plus its children's every 20 ms, and the
+# larger of that sum and its own high-water mark is the import's peak.
 CHILD = """
-import json, resource, sys, time
+import json, os, sys, threading, time
 from kvviz.runners.uploads import import_file
 from kvviz.store import RunStore
+
+def rss_kb(pid):
+    try:
+        return next(int(l.split()[1]) for l in open(f"/proc/{pid}/status") if l.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return 0
+
+def children():
+    me = str(os.getpid())
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1] == me:
+                yield pid
+        except (OSError, IndexError):
+            pass
+
+together, done = [0], threading.Event()
+def sample():
+    while not done.wait(0.02):
+        together[0] = max(together[0], rss_kb("self") + sum(rss_kb(pid) for pid in children()))
+
+threading.Thread(target=sample, daemon=True).start()
 t = time.perf_counter()
 import_file(sys.argv[1], RunStore.open(sys.argv[2]))
 seconds = time.perf_counter() - t
+done.set()
 hwm = next(line for line in open("/proc/self/status") if line.startswith("VmHWM:"))
-helpers = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-print(json.dumps({"seconds": seconds, "peak_mb": (int(hwm.split()[1]) + helpers) / 1024}))
+print(json.dumps({"seconds": seconds, "peak_mb": max(int(hwm.split()[1]), together[0]) / 1024}))
 """
 
 
