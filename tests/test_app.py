@@ -657,6 +657,32 @@ def test_empty_cells_show_a_dash_not_none_in_the_runs_and_requests_tables(with_r
     assert requests.value.parent.isna().any() and requests.proto.placeholder == "—", "a missing value, drawn as —"
 
 
+def test_the_upload_page_imports_a_synthetic_example_capture_once(empty_db, monkeypatch):
+    from kvviz.runners import uploads
+
+    monkeypatch.setattr(uploads, "write_example", lambda path, events: real_example(path, 4000))
+    at = page("upload")
+    assert any("synthetic" in m.value for m in at.markdown), "it says the example is not from a server"
+    at.button(key="upload_example").click().run()
+    [run_id] = run_ids(empty_db)
+    assert not at.exception and any("Imported example-fleet.jsonl" in s.value for s in at.success)
+    with RunStore.open(empty_db).read() as con:
+        replicas, removed = con.execute("SELECT count(DISTINCT replica), count(*) FILTER (kind = 'BlockRemoved') "
+                                        "FROM kv_events WHERE run_id = ?", [run_id]).fetchone()
+    assert replicas == 2 and removed == 0, "4000 events fill no replica's 4096 blocks"
+    at = page("upload")
+    at.button(key="upload_example").click().run()
+    assert run_ids(empty_db) == [run_id] and any("imported before" in i.value for i in at.info)
+    at.button(key="upload_open").click().run()
+    assert at.title[0].value == "Inspector" and not at.exception
+
+
+def real_example(path, events):
+    from kvviz.capture.synthetic import write_example
+
+    return write_example(path, events)
+
+
 def test_an_uploaded_capture_opens_with_the_views_it_supports(empty_db, tmp_path):
     from .test_capture import batch, stored_map, write_capture
 

@@ -8,6 +8,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import duckdb
 import pytest
 
 from .cli import kvviz as in_process
@@ -66,6 +67,26 @@ def test_bad_model_exits_2(tmp_path):
     wl.write_text('{"requests": [{"id": "A", "prompt": "x"}]}')
     p = kvviz("run", "--workload", str(wl), "--model", str(tmp_path / "missing-model"))
     assert p.returncode == 2 and "no such file or folder" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_capture_example_writes_a_capture_that_imports_and_refuses_to_overwrite(tmp_path):
+    out = tmp_path / "fleet.jsonl"
+    p = kvviz("capture-example", str(out), "--events", "6000", "--replicas", "3", "--seed", "7", process=True)
+    assert p.returncode == 0, p.stderr
+    messages = int(p.stdout.split(": ")[1].split()[0])
+    assert "synthetic 3-replica fleet" in p.stdout and messages == len(out.read_text().splitlines()) - 1
+    db = tmp_path / "k.duckdb"
+    p = kvviz("import", str(out), "--db", str(db))
+    assert p.returncode == 0, p.stderr
+    con = duckdb.connect(str(db), read_only=True)
+    assert con.execute("SELECT count(DISTINCT replica), count(*) > 5000 FROM kv_events").fetchone() == (3, True)
+    again = kvviz("capture-example", str(out))
+    assert again.returncode == 2 and "already exists" in again.stderr
+    folder = tmp_path / "ds"
+    assert kvviz("capture-example", str(folder), "--events", "500").returncode == 0
+    assert any(folder.glob("replica=replica-1/part-*.parquet"))
+    assert "not empty" in kvviz("capture-example", str(folder)).stderr
+    assert "--events must be at least 1" in kvviz("capture-example", str(tmp_path / "x.jsonl"), "--events", "0").stderr
 
 
 def test_bad_bench_arguments_exit_2(tmp_path):

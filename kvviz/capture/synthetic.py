@@ -1,15 +1,25 @@
-"""A synthetic fleet's KV events at the scale of production (benchmarks and scale tests): requests
-that share system prompts per tenant, decode one block at a time, get evicted under pressure, with
-vLLM 0.33's batch layout. Deterministic for a seed."""
+"""A synthetic fleet's KV events at the scale of production (benchmarks, scale tests and the example
+capture): requests that share system prompts per tenant, decode one block at a time, get evicted
+under pressure, with vLLM 0.33's batch layout. Deterministic for a seed.
+
+It says only what a server could: a request's prefix is looked up along its hash chain, so it hits up
+to its first block not cached on that replica and stores the rest of the chain after it (a parent is
+always stored before its child); the salt is named on a chain's first block only; a block is cached
+once per replica and removed once, least recently used first; and some stores re-report the chain's
+cached blocks with the new ones (vLLM's kv_cache_report_mode="full"), which are hits, not new blocks."""
 
 from __future__ import annotations
 
 import random
+from collections import OrderedDict
 from collections.abc import Iterator
+from pathlib import Path
 
 import msgpack
 
-from .capture_file import Message
+from .capture_file import CaptureWriter, Message
+from .dataset import DatasetWriter
+from .events import decode_batch
 
 BLOCK = 16
 
@@ -18,7 +28,7 @@ def fleet_messages(events: int, replicas: int = 2, tenants: int = 8, capacity: i
                    seed: int = 0) -> Iterator[Message]:
     """Messages until about `events` block events (rows) have been produced, round-robin over replicas."""
     rng = random.Random(seed)
-    live: list[list[int]] = [[] for _ in range(replicas)]
+    cached: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(replicas)]  # least recently used first
     seq = [0] * replicas
     prefixes = []  # (hashes, tokens): a hash always names the same tokens, as a server's does
     for n in (rng.randint(2, 8) for _ in range(tenants * 4)):
@@ -26,23 +36,28 @@ def fleet_messages(events: int, replicas: int = 2, tenants: int = 8, capacity: i
     made, ts = 0, 1.7e9
     while made < events:
         r = seq.index(min(seq))
+        cache = cached[r]
         tenant = rng.randrange(tenants)
         prefix, prefix_tokens = prefixes[tenant * 4 + rng.randrange(4)]
         own = [rng.getrandbits(64) for _ in range(rng.choice((1, 1, 1, 2, 4, 8)))]
         tokens = [rng.randrange(49152) for _ in range(BLOCK * len(own))]
-        whole = rng.random() < 0.3  # the prefix stored (again) with the request's own blocks
-        hashes = prefix + own if whole else own
+        hit = next((i for i, h in enumerate(prefix) if h not in cache), len(prefix))  # the chain's cached blocks
+        start = 0 if rng.random() < 0.3 else hit  # reported again with the new ones, or not
+        hashes = prefix[start:] + own
         events_out: list[dict] = [{
-            "type": "BlockStored", "block_hashes": hashes, "parent_block_hash": None if whole else prefix[-1],
-            "token_ids": prefix_tokens + tokens if whole else tokens, "block_size": BLOCK,
+            "type": "BlockStored", "block_hashes": hashes, "parent_block_hash": prefix[start - 1] if start else None,
+            "token_ids": prefix_tokens[start * BLOCK:] + tokens, "block_size": BLOCK,
             "lora_id": None, "medium": "GPU", "lora_name": None,
-            "extra_keys": [[f"tenant-{tenant}"]] + [None] * (len(hashes) - 1)}]
-        live[r].extend(hashes)
+            "extra_keys": ([[f"tenant-{tenant}"]] if start == 0 else [None]) + [None] * (len(hashes) - 1)}]
+        for h in prefix + own:
+            if h in cache:
+                cache.move_to_end(h)  # used again
+            elif h in hashes:
+                cache[h] = None
         made += len(hashes)
-        if len(live[r]) > capacity:
-            gone, live[r] = live[r][:len(live[r]) - capacity], live[r][len(live[r]) - capacity:]
-            events_out += [{"type": "BlockRemoved", "block_hashes": [h], "medium": "GPU"} for h in gone]
-            made += len(gone)
+        gone = [cache.popitem(last=False)[0] for _ in range(len(cache) - capacity)]
+        events_out += [{"type": "BlockRemoved", "block_hashes": [h], "medium": "GPU"} for h in gone]
+        made += len(gone)
         ts += 0.005
         yield Message(f"replica-{r}", 0, seq[r], "kv-events", msgpack.packb([ts, events_out, 0]), ts)
         seq[r] += 1
@@ -63,3 +78,17 @@ def step_batches(count: int, seed: int = 0) -> list[bytes]:
             events.append({"type": "BlockRemoved", "block_hashes": [rng.getrandbits(64)], "medium": "GPU"})
         out.append(msgpack.packb([1.7e9 + len(out) * 1e-4, events, 0]))
     return out
+
+
+def write_example(path: str | Path, events: int = 200_000, replicas: int = 2, seed: int = 0) -> int:
+    """A synthetic fleet's capture (not from any server) as a JSONL file or, for a path without .jsonl,
+    a capture dataset folder: what `capture-vllm --out` writes, for trying kvviz without a fleet.
+    Returns the number of messages."""
+    names = {f"replica-{i}": "synthetic" for i in range(replicas)}
+    sink = CaptureWriter(path, names) if str(path).lower().endswith(".jsonl") else DatasetWriter(path, names)
+    try:
+        for m in fleet_messages(events, replicas=replicas, seed=seed):
+            sink.add(m, None if isinstance(sink, CaptureWriter) else decode_batch(m.payload, f"{m.replica} {m.seq}"))
+    finally:
+        sink.close()
+    return sink.count

@@ -9,7 +9,7 @@ import sys
 from .. import __version__
 from ..errors import KvvizError
 from .audit_timing import add_audit_timing
-from .capture import add_capture_vllm
+from .capture import add_capture_example, add_capture_vllm
 from .catalogue import add_audit, add_scenarios
 from .common import fail
 from .models import add_bench, add_fetch_model
@@ -17,8 +17,8 @@ from .run import add_run
 from .serve import add_serve
 from .store import add_explain, add_export, add_import, add_replay, add_runs, add_sql
 
-COMMANDS = (add_fetch_model, add_run, add_runs, add_sql, add_replay, add_export, add_capture_vllm, add_import,
-            add_explain, add_scenarios, add_audit, add_bench, add_serve, add_audit_timing)  # --help's order
+COMMANDS = (add_fetch_model, add_run, add_runs, add_sql, add_replay, add_export, add_capture_vllm, add_capture_example,
+            add_import, add_explain, add_scenarios, add_audit, add_bench, add_serve, add_audit_timing)  # --help's order
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import CaptureError
@@ -152,3 +153,31 @@ def add_capture_vllm(sub: Subcommands) -> None:
     cap.add_argument("--rotate-rows", type=int, default=1_000_000,
                      help="rows per Parquet part before the next one starts (default 1,000,000)")
     cap.set_defaults(func=cmd_capture_vllm)
+
+
+def cmd_capture_example(args: argparse.Namespace) -> int:
+    from ..capture.synthetic import write_example
+
+    out = Path(args.out)
+    if args.events < 1 or not 1 <= args.replicas <= 64:
+        raise CaptureError("--events must be at least 1 and --replicas 1 to 64")
+    if out.suffix.lower() == ".jsonl":
+        if not out.parent.is_dir():
+            raise CaptureError(f"{out}: no folder {out.parent}")
+        if out.exists():
+            raise CaptureError(f"{out}: already exists; give a new file")
+    elif out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CaptureError(f"{out}: {'not a folder' if not out.is_dir() else 'not empty'}; give a new folder")
+    count = write_example(out, args.events, args.replicas, args.seed)
+    print(f"{out}: {count} messages of a synthetic {args.replicas}-replica fleet (not from a server); "
+          f"import it with: python -m kvviz import {out}")
+    return 0
+
+
+def add_capture_example(sub: Subcommands) -> None:
+    ex = sub.add_parser("capture-example", help="write a synthetic fleet's KV-event capture to try the capture views")
+    ex.add_argument("out", help="FILE.jsonl (as capture-vllm writes it), or a new folder for a Parquet dataset")
+    ex.add_argument("--events", type=int, default=200_000, help="block events to write, about (default 200,000)")
+    ex.add_argument("--replicas", type=int, default=2, help="replicas in the fleet (default 2)")
+    ex.add_argument("--seed", type=int, default=0, help="the same seed writes the same capture (default 0)")
+    ex.set_defaults(func=cmd_capture_example)
