@@ -21,6 +21,9 @@ import pyarrow.parquet as pq
 from . import schema
 
 PART_SECONDS = 10.0  # how long a part takes row groups before it is closed, and its rows readable
+# The columns that take a dictionary and statistics: the key and weight lists gain nothing from either
+# (floats and slots rarely repeat, and no query filters on them) and cost a third of a part's writing.
+SCALARS = ["run_id", "step", "layer", "head", "request_id", "position"]
 
 
 class AttentionParts:
@@ -37,7 +40,8 @@ class AttentionParts:
         rows = schema.conform("attention", rows)
         if self._writer is None:
             self.folder.mkdir(parents=True, exist_ok=True)
-            self._writer = pq.ParquetWriter(self._hidden(), rows.schema)
+            self._writer = pq.ParquetWriter(self._hidden(), rows.schema, use_dictionary=SCALARS,
+                                            write_statistics=SCALARS)
             self._opened = time.monotonic()
         self._writer.write_table(rows, row_group_size=rows.num_rows)
 

@@ -56,6 +56,7 @@ WRITER_NICE = 10
 # one every 2 s cost a tenth of the run's speed). CPU, not wall time: a writer that yields to a busy
 # engine takes long to flush without costing it more.
 FLUSH_SHARE = 0.05
+GROUP_CELLS = 1 << 22  # attention weights held before they are written as a row group (16 MB of float32)
 
 
 class RunRecorder:
@@ -239,6 +240,16 @@ class RunRecorder:
         self._pending += 1
         if self._pending >= self.flush_every and time.monotonic() - self._flushed_at >= self._spacing():
             self._write()
+        elif sum(len(c["weights"]) for c in self._chunks if "weights" in c) >= GROUP_CELLS:
+            self._write_attention()
+
+    def _write_attention(self) -> None:
+        """The attention rows held so far, as a row group of the open part (hidden until it closes at a
+        flush): written as they come, not all at a flush, so the run's end finds little left to write."""
+        rows = [c for c in self._chunks if "keys" not in c]
+        self._chunks = [c for c in self._chunks if "keys" in c]
+        if rows:
+            self._parts.add(attention_tables(rows, self.run_id)["attention"])
 
     def _spacing(self) -> float:
         """Seconds from one flush to the next: flush_seconds, or more while a flush takes more than
