@@ -157,3 +157,22 @@ def test_the_payloads_stay_whole_on_each_message_s_first_row(tmp_path):
     kept = con.execute(f"SELECT payload FROM '{files}' WHERE payload IS NOT NULL ORDER BY step").fetchall()
     most = con.execute(f"SELECT max(n) FROM (SELECT count(payload) AS n FROM '{files}' GROUP BY step)").fetchone()[0]
     assert [k[0] for k in kept] == sent and most == 1, "each message's payload once, on its first row"
+
+
+def test_a_large_capture_of_several_replicas_is_split_without_being_asked(tmp_path, monkeypatch):
+    from kvviz.capture import jsonl_dataset
+
+    started, real = [], jsonl_dataset._Child.__init__
+    monkeypatch.setattr(jsonl_dataset, "SPLIT_FROM_BYTES", 0)  # every capture counts as large
+    monkeypatch.setattr(jsonl_dataset._Child, "__init__", lambda self, *a: (started.append(a[-1]), real(self, *a))[1])
+    store = RunStore.open(tmp_path / "k.duckdb")
+    import_capture(capture_with_bad(tmp_path / "c.jsonl", {}), store)
+    assert started == list(range(1, min(2, len(os.sched_getaffinity(0))))), "one process per core, up to a replica each"
+    started.clear()
+    path = tmp_path / "one.jsonl"
+    w = CaptureWriter(path, {"replica-0": "tcp://a"})
+    for m in fleet_messages(2000, replicas=1):
+        w.add(m)
+    w.close()
+    import_capture(path, store)
+    assert started == [], "a capture of one replica is not split"

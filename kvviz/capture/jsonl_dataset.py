@@ -71,8 +71,9 @@ def write_dataset(path: Path, folder: Path, progress: Progress | None = None, wo
 
 
 def _workers(path: Path, replicas: int) -> int:
-    """One process per core up to one per replica the header names; one for a small capture."""
-    if replicas < 2 or path.stat().st_size < SPLIT_FROM_BYTES:
+    """One process per core this process may use, up to one per replica the header names; one for a
+    small capture, and off Linux (the children are told to stop through a pipe that select watches)."""
+    if replicas < 2 or path.stat().st_size < SPLIT_FROM_BYTES or not hasattr(os, "sched_getaffinity"):
         return 1
     return max(1, min(replicas, len(os.sched_getaffinity(0))))
 
