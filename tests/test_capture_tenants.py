@@ -168,7 +168,7 @@ def test_the_capture_views_say_the_segments_whose_tenant_is_unknown_and_show_the
 
 @pytest.mark.parametrize("salted", [False, True], ids=["continued-naming-no-salt", "control-naming-its-salt"])
 def test_the_tree_and_occupancy_label_a_block_whose_event_names_no_salt_as_its_chains_own_tenant_unknown(
-        tmp_path, salted):
+        tmp_path, salted, monkeypatch):
     """tenant-a caches 1-2-3; 4 continues 3 by an event naming no salt, and is evicted; 5 continues 3
     the same way and stays. The tree draws 4 and 5 as tenant-a's chain with their own tenant unknown,
     and the occupancy counts them apart from tenant-a's own blocks, through 4's eviction; the control,
@@ -184,6 +184,12 @@ def test_the_tree_and_occupancy_label_a_block_whose_event_names_no_salt_as_its_c
     with store.read() as con:
         tree = captures.prefix_tree(con, run)
         occupancy = capture_time.occupancy(con, run, 0.0, 4.0, 1.0, "tenant")
+        said = con.execute("SELECT salt_named FROM kv_events WHERE run_id = ? AND kind = 'BlockRemoved'",
+                           [run]).fetchall()
+        monkeypatch.setattr(capture_time, "_named_source", lambda con, run: capture_time._LOOKED_UP_NAMED)
+        looked_up = capture_time.occupancy(con, run, 0.0, 4.0, 1.0, "tenant")  # as for a capture imported before
+    assert said == [(salted,)], "the removal says whether the store that cached 4 named its salt"
+    assert looked_up.equals(occupancy), "the same as looking up each removal's store"
     untold = "tenant-a's chain, own tenant unknown"
     levels = {name: list(part.cached) for name, part in occupancy.groupby("series")}
     drawn = {t.name: t.marker.symbol for t in tree_fig.prefix_tree(tree).data[1:]}

@@ -24,23 +24,26 @@ SPLITS = {"replica": "coalesce(replica, 'replica-0')", "tier": "coalesce(medium,
                     "ELSE coalesce(salt, '(no salt)') END"}
 _NEW = "NOT coalesce(repeat, false)"
 # kv_events with `named`: whether the store that cached the block (a removal's: the last before it on
-# its replica, KV group and tier) named its salt
-_UNTOLD_NAMED = (
+# its replica, KV group and tier) named its salt. The import says it of each removal (salt_named); a
+# capture imported before it did is looked up by an as-of join over every event (3-4 s at 10M events).
+_LOOKED_UP_NAMED = (
     "(SELECT e.*, coalesce(e.salt_named, s.salt_named) AS named FROM kv_events e ASOF LEFT JOIN "
     "(SELECT coalesce(replica, 'replica-0') AS r, coalesce(group_idx, -1) AS g, coalesce(medium, '') AS m, "
     "block_hash AS h, step AS s_step, salt_named FROM kv_events WHERE run_id = $run AND kind = 'BlockStored' "
     f"AND {_NEW}) s "
     "ON s.r = coalesce(e.replica, 'replica-0') AND s.g = coalesce(e.group_idx, -1) AND s.m = coalesce(e.medium, '') "
     "AND s.h = e.block_hash AND s.s_step <= e.step WHERE e.run_id = $run)")
-_ALL_NAMED = "(SELECT *, true AS named FROM kv_events WHERE run_id = $run)"  # no store left its salt out
+_SAID_NAMED = "(SELECT *, coalesce(salt_named, true) AS named FROM kv_events WHERE run_id = $run)"
 
 
 def _named_source(con: duckdb.DuckDBPyConnection, run_id: str) -> str:
-    """kv_events with `named`: looked up per removal (_UNTOLD_NAMED, an as-of join over every event: 2.8 s
-    at 10M events) only when some store of the capture named no salt."""
-    untold = con.execute(f"SELECT count(*) FROM (SELECT 1 FROM kv_events WHERE run_id = ? AND kind = 'BlockStored' "
-                         f"AND salt_named = false AND {_NEW} LIMIT 1)", [run_id]).fetchone()[0]
-    return _UNTOLD_NAMED if untold else _ALL_NAMED
+    """kv_events with `named`: as the import said it, unless some store named no salt and the capture
+    was imported before removals said whether theirs did."""
+    looked_up = con.execute(
+        "SELECT EXISTS (SELECT 1 FROM kv_events WHERE run_id = $run AND kind = 'BlockStored' AND salt_named = false "
+        f"AND {_NEW}) AND EXISTS (SELECT 1 FROM kv_events WHERE run_id = $run AND kind = 'BlockRemoved' "
+        f"AND {_NEW} AND salt_named IS NULL)", {"run": run_id}).fetchone()[0]
+    return _LOOKED_UP_NAMED if looked_up else _SAID_NAMED
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from .rows import LIFE_FIELDS, ROW_SCHEMA, TENANT_FIELDS, EventRows
 
 FILE_SCHEMA = ROW_SCHEMA.remove(ROW_SCHEMA.get_field_index("replica"))
 MANIFEST = "_kvviz_capture.json"
-FORMAT, VERSION = "kvviz-capture-dataset", 3
+FORMAT, VERSION = "kvviz-capture-dataset", 4
 LATER = {name: typ for name, typ in (*LIFE_FIELDS, *TENANT_FIELDS)}  # columns versions 2 and 3 added: an older
 # part reads them as null
 NAME = re.compile(r"[A-Za-z][A-Za-z0-9._-]{0,63}")  # a replica name: a path part every engine reads as text

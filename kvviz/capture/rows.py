@@ -15,10 +15,11 @@ the extra keys of a chain's first block only, so the blocks after it, in the sam
 later one continuing a cached chain, carry the salt of the block they follow; a removal, and a hit
 that names none, carry the salt of the cached block. A store's `salt_named` says whether its own
 event names that salt (a block evicted and stored again under a salt its event names is that
-tenant's, for that life); where it does not, the salt is the chain's, and the capture cannot tell
-which tenant stored the block (a server that leaves the salt out of its hashes lets another
-tenant continue the chain). Each life is measured on the publisher's clock
-(ts) as it ends or is used: a removal's `lifetime_s` (since the store that cached it) and `idle_s` (since its last use),
+tenant's, for that life), and a removal's whether the store that cached the block did; where it does
+not, the salt is the chain's, and the capture cannot tell which tenant stored the block (a server
+that leaves the salt out of its hashes lets another tenant continue the chain). Each life is
+measured on the publisher's clock (ts) as it ends or is used: a removal's `lifetime_s` (since the
+store that cached it) and `idle_s` (since its last use),
 a hit's `reuse_gap_s` (since the block's previous use), so the distributions are plain scans.
 """
 
@@ -109,7 +110,7 @@ class EventRows:
     The cache state that decides repeats lives across takes."""
 
     def __init__(self) -> None:
-        self._live: dict[tuple, dict[int, list]] = {}  # (replica, group, medium) -> hash -> [salt, cached, used]
+        self._live: dict[tuple, dict[int, list]] = {}  # (replica, group, medium) -> hash -> [salt, cached, used, named]
         self._restart: dict[str, int] = {}
         self._clear()
 
@@ -127,6 +128,7 @@ class EventRows:
         self._lifetimes: list[float | None] = []  # removals
         self._idles: list[float | None] = []
         self._gaps: list[float | None] = []  # hits
+        self._removed_named: list[int] = []  # per BlockRemoved row: its life's store named its salt (1, 0; -1 no life)
         self._parents: list[int | None] = []  # one per BlockStored row
         self._tokens: list = []
         self.rows = 0
@@ -164,7 +166,7 @@ class EventRows:
         self._event_index.extend(range(len(events)))
         self._event_msg.extend(repeat(m, len(events)))
         repeats, salts, lifetimes, idles, gaps = self._repeats, self._salts, self._lifetimes, self._idles, self._gaps
-        named_from, rows, ts = self._named_from, 0, batch.ts
+        named_from, removed_named, rows, ts = self._named_from, self._removed_named, 0, batch.ts
         live, group, medium = None, None, None  # the cache of the last event's KV group and medium
         for e in events:
             hashes, kind = e.block_hashes, e.kind
@@ -193,22 +195,25 @@ class EventRows:
                         salts.append(None)
                         lifetimes.append(None)
                         idles.append(None)
+                        removed_named.append(-1)
                     else:
                         repeats.append(False)
                         salts.append(life[0])
                         lifetimes.append(ts - life[1])
                         idles.append(ts - life[2])
+                        removed_named.append(life[3])
                     gaps.append(None)
             elif kind == "BlockStored":
                 self._parents.append(e.parent_hash)
                 self._parents.extend(hashes[:-1])
                 parent, given = live.get(e.parent_hash), e.salts
-                named_from.append(_first_named(given))
+                first_named = _first_named(given)
+                named_from.append(first_named)
                 named = _salts(given, n, None if parent is None else parent[0])
-                for h, salt in zip(hashes, named, strict=True):
+                for j, (h, salt) in enumerate(zip(hashes, named, strict=True)):
                     life = live.get(h)
-                    if life is None:
-                        live[h] = [salt, ts, ts]  # its tenant, when it was cached, when it was last used
+                    if life is None:  # its tenant, when it was cached and last used, whether its store named it
+                        live[h] = [salt, ts, ts, int(j >= first_named)]
                         repeats.append(False)
                         gaps.append(None)
                         salts.append(salt)
@@ -252,7 +257,11 @@ class EventRows:
         cols["block_index"] = pa.array(block_index, mask=no_hash)
         stored_np = stored.to_numpy(zero_copy_only=False)
         named = block_index >= np.asarray(self._named_from, dtype=np.int64)[event_of_row]
-        cols["salt_named"] = pa.array(named, mask=~stored_np | no_hash)
+        removed = pc.fill_null(pc.equal(cols["kind"], "BlockRemoved"), False).to_numpy(zero_copy_only=False) & ~no_hash
+        life_named = np.full(len(named), -1, dtype=np.int8)  # a removal's: whether the store of its life named it
+        life_named[removed] = np.asarray(self._removed_named, dtype=np.int8)
+        cols["salt_named"] = pa.array(np.where(stored_np, named, life_named == 1),
+                                      mask=~((stored_np & ~no_hash) | (life_named >= 0)))
         nth_stored = pa.array(np.cumsum(stored_np) - 1, mask=~stored_np)  # the row's place among stored rows
         cols["parent_hash"] = pa.array(self._parents, type=pa.uint64()).take(nth_stored)
         for name, typ, values in (("salt", pa.string(), self._salts), ("repeat", pa.bool_(), self._repeats),
