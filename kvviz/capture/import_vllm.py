@@ -42,12 +42,17 @@ CAPTURE_MODEL = "vllm capture"  # what an imported capture's run says its model 
 
 CROSS_TENANT = """
 INSERT INTO findings (run_id, kind, request_id, step, position, source_request)
-WITH firsts AS (
-    SELECT replica, group_idx, block_hash, coalesce(salt, '(no salt)') AS salt,
-           min([step, event_index, block_index]) AS first_at
-    FROM kv_events WHERE run_id = $run AND kind = 'BlockStored' GROUP BY ALL),
+WITH stored AS NOT MATERIALIZED (
+    SELECT coalesce(replica, '') AS replica, coalesce(group_idx, -1) AS grp, block_hash,
+           coalesce(salt, '(no salt)') AS salt, step, event_index, block_index
+    FROM kv_events WHERE run_id = $run AND kind = 'BlockStored'),
+shared AS (  -- the few hashes stored under two salts: the rest need no ordering
+    SELECT replica, grp, block_hash FROM stored GROUP BY ALL HAVING min(salt) <> max(salt)),
+firsts AS (
+    SELECT replica, grp, block_hash, salt, min([step, event_index, block_index]) AS first_at
+    FROM stored SEMI JOIN shared USING (replica, grp, block_hash) GROUP BY ALL),
 ordered AS (
-    SELECT *, min(salt) OVER (PARTITION BY replica, group_idx, block_hash ORDER BY first_at
+    SELECT *, min(salt) OVER (PARTITION BY replica, grp, block_hash ORDER BY first_at
                               ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS earlier
     FROM firsts)
 SELECT $run, 'cross_tenant', salt, first_at[1], first_at[3], earlier FROM ordered WHERE earlier IS NOT NULL
@@ -179,6 +184,7 @@ def _import(path: Path, store: RunStore, chunks: Iterable[pa.Table], workload: d
             raise CaptureError(f"{path}: the capture holds no messages")
         with store.write() as con:
             _limits(con)
+            con.execute("RESET threads")  # nothing decodes now: the findings' query takes every core
             con.execute("BEGIN TRANSACTION")
             con.execute("INSERT INTO steps (run_id, step, seconds) SELECT ?, range, 0.0 FROM range(?)", [run_id, steps])
             con.execute(CROSS_TENANT, {"run": run_id})
