@@ -173,7 +173,8 @@ def _write_share(path: Path, folder: Path, plan: Plan, index: int, progress: Pro
                 if at % CHECK_EVERY == 0:
                     if progress is not None:
                         progress(min(reader.bytes_read, total), total)
-                    limit = limit if stop is None or limit is not None else stop()
+                    if stop is not None and limit is None:
+                        limit = stop()
                 if limit is not None and at >= limit:
                     return Written(at, writer.first)
                 if m is None:
