@@ -174,6 +174,14 @@ def test_evidence_says_what_its_numbers_count():
         "3 steps before this lookup, new from token 8")
 
 
+def test_a_lookup_that_hit_nothing_is_not_said_to_have_tokens_after_the_cached_ones():
+    from kvviz.analysis.explain import Explanation
+    from kvviz.ui.common import lookups_table
+
+    short = Explanation("C", 0, 0, 0, 0, "partial_block", {"tokens_after": 3})  # a prompt shorter than a block
+    assert lookups_table([short]).evidence[0].startswith("3 prompt tokens, none of them in a whole block")
+
+
 def test_a_hit_on_another_tenants_blocks_is_a_column_of_its_own():
     from kvviz.analysis.explain import Explanation
     from kvviz.ui.common import lookups_table

@@ -86,7 +86,9 @@ def test_capture_example_writes_a_capture_that_imports_and_refuses_to_overwrite(
     assert kvviz("capture-example", str(folder), "--events", "500").returncode == 0
     assert any(folder.glob("replica=replica-1/part-*.parquet"))
     assert "not empty" in kvviz("capture-example", str(folder)).stderr
-    assert "--events must be at least 1" in kvviz("capture-example", str(tmp_path / "x.jsonl"), "--events", "0").stderr
+    zero = kvviz("capture-example", str(tmp_path / "x.jsonl"), "--events", "0")
+    assert "--events must be at least 1, got 0" in zero.stderr
+    assert "give FILE.jsonl" in kvviz("capture-example", str(tmp_path / "out.txt")).stderr
 
 
 def test_bad_bench_arguments_exit_2(tmp_path):

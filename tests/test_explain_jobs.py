@@ -40,6 +40,31 @@ def capture(tmp_path, monkeypatch):
     return store, run_id, folder
 
 
+@pytest.mark.parametrize("example", [True, False], ids=["example", "benchmarks-fleet"])
+def test_the_example_fleet_shows_evicted_misses_reuse_and_a_prompt_cached_without_its_salt(tmp_path, example):
+    """The example's conversations come back (some after eviction: an evicted miss, idle shorter than
+    lifetime) and one prompt is hashed alike for every tenant (a block under two salts: findings); the
+    benchmarks' fleet, without either, has no cross-tenant block."""
+    folder = tmp_path / "ds"
+    w = DatasetWriter(folder, {"replica-0": "synthetic", "replica-1": "synthetic"})
+    knobs = {"turns": 0.3, "unsalted": 0.05} if example else {}
+    for m in fleet_messages(4000, capacity=64, **knobs):
+        w.add(m, decode_batch(m.payload, "test"))
+    w.close()
+    store = RunStore.open(tmp_path / "k.duckdb")
+    run = import_file(folder, store, in_place=True)
+    reasons = explained_mod.explained(store, run).by_reason()
+    with store.read() as con:
+        findings = con.execute("SELECT count(*) FROM findings WHERE run_id = ? AND kind = 'cross_tenant'",
+                               [run]).fetchone()[0]
+        reused = con.execute("SELECT count(*) FROM kv_events WHERE run_id = ? AND idle_s < lifetime_s",
+                             [run]).fetchone()[0]
+    if example:
+        assert reasons["evicted"] > 0 and findings > 0 and reused > 0, (reasons, findings, reused)
+    else:
+        assert findings == 0, "every tenant's prompts are its own"
+
+
 @pytest.fixture(autouse=True)
 def no_job_left():
     """No test's explain runs on into the next (where it would call the next test's stand-in)."""

@@ -24,21 +24,33 @@ from .events import decode_batch
 BLOCK = 16
 
 
-def fleet_messages(events: int, replicas: int = 2, tenants: int = 8, capacity: int = 4096,
-                   seed: int = 0) -> Iterator[Message]:
-    """Messages until about `events` block events (rows) have been produced, round-robin over replicas."""
+def fleet_messages(events: int, replicas: int = 2, tenants: int = 8, capacity: int = 4096, seed: int = 0,
+                   turns: float = 0.0, unsalted: float = 0.0) -> Iterator[Message]:
+    """Messages until about `events` block events (rows) have been produced, round-robin over replicas.
+    `turns`: the share of requests that continue an earlier conversation (its whole chain), on whichever
+    replica takes them, some after their blocks were evicted; `unsalted`: the share that use one prompt
+    hashed alike for every tenant (a server that leaves the salt out of that prompt's hashes), so one
+    hash is cached under several salts. With both 0 (the benchmarks' fleet) neither draws a number."""
     rng = random.Random(seed)
     cached: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(replicas)]  # least recently used first
     seq = [0] * replicas
     prefixes = []  # (hashes, tokens): a hash always names the same tokens, as a server's does
     for n in (rng.randint(2, 8) for _ in range(tenants * 4)):
         prefixes.append(([rng.getrandbits(63) for _ in range(n)], [rng.randrange(49152) for _ in range(BLOCK * n)]))
+    apart = random.Random(~seed)  # the unsalted prompt, drawn apart so the benchmarks' fleet stays the same
+    common = ([apart.getrandbits(63) for _ in range(4)], [apart.randrange(49152) for _ in range(BLOCK * 4)])
+    talks: list[tuple[int, list[int], list[int]]] = []  # (tenant, chain, tokens) of conversations to go on with
     made, ts = 0, 1.7e9
     while made < events:
         r = seq.index(min(seq))
         cache = cached[r]
         tenant = rng.randrange(tenants)
-        prefix, prefix_tokens = prefixes[tenant * 4 + rng.randrange(4)]
+        if talks and rng.random() < turns:
+            tenant, prefix, prefix_tokens = talks.pop(rng.randrange(len(talks)))
+        elif unsalted and rng.random() < unsalted:
+            prefix, prefix_tokens = common
+        else:
+            prefix, prefix_tokens = prefixes[tenant * 4 + rng.randrange(4)]
         own = [rng.getrandbits(64) for _ in range(rng.choice((1, 1, 1, 2, 4, 8)))]
         tokens = [rng.randrange(49152) for _ in range(BLOCK * len(own))]
         hit = next((i for i, h in enumerate(prefix) if h not in cache), len(prefix))  # the chain's cached blocks
@@ -55,6 +67,12 @@ def fleet_messages(events: int, replicas: int = 2, tenants: int = 8, capacity: i
             elif h in hashes:
                 cache[h] = None
         made += len(hashes)
+        if turns and len(prefix) + len(own) <= 64:  # a conversation goes on, until it is 64 blocks long
+            talk = (tenant, prefix + own, prefix_tokens + tokens)
+            if len(talks) < capacity:
+                talks.append(talk)
+            else:
+                talks[rng.randrange(capacity)] = talk
         gone = [cache.popitem(last=False)[0] for _ in range(len(cache) - capacity)]
         events_out += [{"type": "BlockRemoved", "block_hashes": [h], "medium": "GPU"} for h in gone]
         made += len(gone)
@@ -82,12 +100,13 @@ def step_batches(count: int, seed: int = 0) -> list[bytes]:
 
 def write_example(path: str | Path, events: int = 200_000, replicas: int = 2, seed: int = 0) -> int:
     """A synthetic fleet's capture (not from any server) as a JSONL file or, for a path without .jsonl,
-    a capture dataset folder: what `capture-vllm --out` writes, for trying kvviz without a fleet.
-    Returns the number of messages."""
+    a capture dataset folder: what `capture-vllm --out` writes, for trying kvviz without a fleet. Its
+    conversations come back and one prompt is cached without its tenant's salt, so every capture view
+    (evicted misses, reuse, cross-tenant blocks) has something to show. Returns the number of messages."""
     names = {f"replica-{i}": "synthetic" for i in range(replicas)}
     sink = CaptureWriter(path, names) if str(path).lower().endswith(".jsonl") else DatasetWriter(path, names)
     try:
-        for m in fleet_messages(events, replicas=replicas, seed=seed):
+        for m in fleet_messages(events, replicas=replicas, seed=seed, turns=0.3, unsalted=0.05):
             sink.add(m, None if isinstance(sink, CaptureWriter) else decode_batch(m.payload, f"{m.replica} {m.seq}"))
     finally:
         sink.close()

@@ -153,7 +153,8 @@ def lookups_table(found: list) -> pd.DataFrame:
     table = pd.DataFrame([{"request": e.request, "step": e.step, "hit tokens": e.hit_tokens,
                            "hits cached under": e.evidence.get(CROSSED), "stopped at block": e.stop_block,
                            "reason": e.reason,
-                           "evidence": evidence_text({k: v for k, v in e.evidence.items() if k != CROSSED})}
+                           "evidence": evidence_text({k: v for k, v in e.evidence.items() if k != CROSSED},
+                                                     none_cached=not e.hit_tokens)}
                           for e in found], columns=["request", "step", "hit tokens", "hits cached under",
                                                     "stopped at block", "reason", "evidence"])
     return table if table["hits cached under"].notna().any() else table.drop(columns="hits cached under")
@@ -161,9 +162,13 @@ def lookups_table(found: list) -> pd.DataFrame:
 
 EVIDENCE = {"before": "{} steps before this lookup",
             "tokens_after": "{} prompt tokens after the cached ones (computed: a block not full, or the last token)"}
+NONE_CACHED = {"tokens_after": "{} prompt tokens, none of them in a whole block it could reuse (computed: a block "
+                               "not full, or the last token)"}
 
 
-def evidence_text(evidence: dict) -> str:
-    """A lookup's evidence as a reader says it (explain's keys are terse for JSON)."""
-    return ", ".join(EVIDENCE[k].format(v) if k in EVIDENCE else f"{k.replace('_', ' ')} {v}"
+def evidence_text(evidence: dict, none_cached: bool = False) -> str:
+    """A lookup's evidence as a reader says it (explain's keys are terse for JSON); `none_cached`: the
+    lookup hit nothing, so no tokens are 'after the cached ones'."""
+    words = EVIDENCE | NONE_CACHED if none_cached else EVIDENCE
+    return ", ".join(words[k].format(v) if k in words else f"{k.replace('_', ' ')} {v}"
                      for k, v in evidence.items())
