@@ -436,6 +436,24 @@ def test_capture_occupancy_stacks_a_series_each_and_durations_are_log_histograms
     assert list(fig.layout.xaxis.range) == [0, 1] and list(fig.layout.xaxis3.range) == [-2, -1]
 
 
+def test_a_tenants_blocks_of_unknown_own_tenant_take_its_colour_hatched():
+    from kvviz.analysis.capture_time import UNTOLD
+    from kvviz.figures import capture_time as time_fig
+
+    names = [f"tenant-{i}" for i in range(8)]
+    series = [n for t in names for n in (t, t + UNTOLD)]
+    df = pd.DataFrame({"interval_start": [0.0] * len(series), "series": series, "cached": [1] * len(series)})
+    fig = time_fig.occupancy(df, origin=0.0, split="tenant", untold=UNTOLD)
+    colour = {t.name: t.line.color for t in fig.data}
+    assert all(colour[t] == colour[t + UNTOLD] for t in names), "a tenant's two parts, one colour"
+    assert len({colour[t] for t in names}) == 8, "eight tenants, eight colours"
+    hatched = {t.name for t in fig.data if t.fillpattern.shape == "/"}
+    assert hatched == {t + UNTOLD for t in names} and [t.name for t in fig.data] == sorted(series)
+    plain = time_fig.occupancy(df, origin=0.0, split="tenant")
+    assert len({t.line.color for t in plain.data}) > 8 and not any(t.fillpattern.shape for t in plain.data), \
+        "without the suffix each series is its own"
+
+
 # -- prefix tree ---------------------------------------------------------------------------------------------
 
 def nodes(rows) -> pd.DataFrame:

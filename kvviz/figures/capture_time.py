@@ -54,13 +54,20 @@ def activity(churn: pd.DataFrame, origin: float, width: float, reasons: pd.DataF
     return clear_of_modebar(fig)
 
 
-def occupancy(df: pd.DataFrame, origin: float, split: str) -> go.Figure:
-    """df: interval_start, series, cached: stacked areas, one per replica, tier or tenant."""
+def occupancy(df: pd.DataFrame, origin: float, split: str, untold: str | None = None) -> go.Figure:
+    """df: interval_start, series, cached: stacked areas, one per replica, tier or tenant. A series named
+    a tenant's plus `untold` (its chains' blocks whose own tenant is unknown) takes that tenant's colour,
+    hatched, beside it in the legend: two colours a tenant ran out of colours at eight tenants."""
     fig = go.Figure()
-    colours = request_colours(df.series)
+    tenant = {n: n[:-len(untold)] if untold and str(n).endswith(untold) else n for n in df.series.unique()}
+    colours = request_colours(tenant.values())
     for name, part in df.groupby("series", sort=True):
+        colour, hatched = colours[tenant[name]], tenant[name] != name
         fig.add_trace(go.Scatter(x=part.interval_start - origin, y=part.cached, name=str(name), stackgroup="one",
-                                 line={"color": colours[name], "shape": "hv", "width": 1}))
+                                 line={"color": colour, "shape": "hv", "width": 1}, legendgroup=str(tenant[name]),
+                                 fillcolor=colour if not hatched else None,
+                                 fillpattern={"shape": "/", "fgcolor": colour, "bgcolor": "white", "solidity": 0.4}
+                                 if hatched else None))
     # the legend beside the plot, a series a line: under it, a row of many series ran into the axis title
     fig.update_layout(height=400, margin=MARGIN, legend={"traceorder": "normal", "title": {"text": split}},
                       showlegend=True, title=f"blocks cached, per {split}")  # named even when there is one

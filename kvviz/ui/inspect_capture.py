@@ -215,7 +215,8 @@ def _occupancy(con, info: RunInfo, span: capture_time.Span, a: float, b: float) 
         return
     width = capture_time.interval_s(a, b)
     df = capture_time.occupancy(con, info.run_id, a, b, width, split)
-    st.plotly_chart(time_fig.occupancy(df, span.start, split), width="stretch", key="insp_occupancy")
+    st.plotly_chart(time_fig.occupancy(df, span.start, split, untold=capture_time.UNTOLD), width="stretch",
+                    key="insp_occupancy")
     st.caption(f"Blocks cached at the end of each {width:g} s, stacked. A store of a block already cached (a hit) "
                "and a removal of one not cached change nothing; a replica's AllBlocksCleared or restart empties it; "
                "a block moved to another tier counts on the new one." +
