@@ -613,6 +613,10 @@ def test_the_sql_quick_chart_plots_a_measure_not_a_layer_number(with_runs):
                                        "leak_rows)")  # no float: the first count that is not an identifier
     at.button[0].click().run()
     assert at.selectbox(key="sql_y_2").value == "leak_rows"
+    at.text_area(key="sql_text").input("SELECT * FROM (VALUES ('r', 0.0, 2.5), ('s', NULL, 1.5)) t(run_id, leak_rate, "
+                                       "max_foreign_mass)")  # the walk: the first example charted all-zero leak_rate
+    at.button[0].click().run()
+    assert at.selectbox(key="sql_y_3").value == "max_foreign_mass", "a column zero or empty in every row is not y"
 
 
 def test_runs_page_compares_and_deletes(store, tmp_path, monkeypatch):

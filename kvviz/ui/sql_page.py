@@ -145,10 +145,12 @@ IDENTIFIERS = ("layer", "head", "step", "position", "replica", "block", "hash", 
 
 def _measure(df: pd.DataFrame, columns: list[str]) -> int:
     """The default y: a measured quantity (a float first: a mass, a rate), never an identifier such as a
-    layer or head number, whose sum means nothing."""
+    layer or head number, whose sum means nothing, and one that is not zero or empty in every row (an
+    empty chart tells nothing)."""
     named = [i for i, c in enumerate(columns) if not c.endswith(IDENTIFIERS)]
     floats = [i for i in named if pd.api.types.is_float_dtype(df[columns[i]])]
-    return (floats or named or [0])[0]
+    told = [i for i in (*floats, *named) if (df[columns[i]].fillna(0) != 0).any()]
+    return (told or floats or named or [0])[0]
 
 
 def _frame(rows: list[tuple], columns: list[str]) -> pd.DataFrame:
