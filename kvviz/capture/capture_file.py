@@ -92,6 +92,7 @@ class CaptureReader:
     def __iter__(self) -> Iterator[tuple[str, Message | None]]:
         path, mine = self.path, self.mine
         last: dict[str, tuple[int, int]] = {}  # replica -> (restart, seq), for files that do not say restarts
+        self.bytes_read = 0  # from the file's start again (reading the header counted its line)
         with self._open() as f:
             lines = self._lines(f)
             next(lines, None)
