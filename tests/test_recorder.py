@@ -187,3 +187,30 @@ def test_layers_cut_together_or_one_at_a_time_record_the_same_rows(tmp_path, mon
         own = con.execute(f"SELECT count(*) FROM {stored(RunStore.open(tmp_path / 'together.duckdb'))} "
                           "WHERE key_slots IS NOT NULL").fetchone()[0]
     assert own > 0, "a fill value that is not -inf puts weight outside what a query could see"
+
+
+def test_attention_rows_written_as_they_come_are_the_rows_written_at_the_flushes(tmp_path, monkeypatch):
+    """The writer turns held attention rows into a row group once GROUP_CELLS weights wait (between
+    flushes, so a run's end has little left); a limit of one cell writes a row group every step: the
+    rows read back must be the same, and the part must hold more row groups."""
+    import pyarrow.parquet as pq
+
+    from kvviz.runners.recorded import record_run
+    from kvviz.store import recorder
+
+    wl = Workload.from_dict(SCENARIOS["low_precision_fill"].workload)
+
+    def recorded(name: str) -> tuple[list, int]:
+        store = RunStore.open(tmp_path / f"{name}.duckdb")
+        record_run(store, tiny(), wl, fault="low_precision_fill")
+        with store.read() as con:
+            rows = con.execute("SELECT step, layer, head, request_id, position, key_slots, weights, key_classes "
+                               "FROM attention ORDER BY ALL").fetchall()
+        groups = sum(pq.ParquetFile(f).num_row_groups for f in store.attention_dir.glob("*/*.parquet"))
+        return rows, groups
+
+    at_flushes, few = recorded("at-flushes")
+    monkeypatch.setattr(recorder, "GROUP_CELLS", 1)
+    as_they_come, many = recorded("as-they-come")
+    assert as_they_come == at_flushes and len(at_flushes) > 0
+    assert many > few, "a row group as each step's rows come, not only at the flushes"

@@ -95,7 +95,7 @@ def _spread(values: pa.Array, rows: np.ndarray) -> pa.Array:
 def _first_rows_only(per_message: pa.Array, first: np.ndarray) -> pa.Array:
     """The raw payload on each message's first row, null on its others: the payloads' bytes are
     shared, not copied (only the offsets are per row)."""
-    valid_in, offsets_in, data = per_message.cast(pa.binary()).buffers()  # all-null comes typed null
+    _, offsets_in, data = per_message.cast(pa.binary()).buffers()  # all-null comes typed null
     ends = np.frombuffer(offsets_in, dtype=np.int32)[1:len(per_message) + 1]
     offsets = np.zeros(len(first) + 1, dtype=np.int32)
     offsets[1:][first] = ends  # a message's first row ends where its payload does

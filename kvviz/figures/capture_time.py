@@ -57,7 +57,7 @@ def activity(churn: pd.DataFrame, origin: float, width: float, reasons: pd.DataF
 def occupancy(df: pd.DataFrame, origin: float, split: str, untold: str | None = None) -> go.Figure:
     """df: interval_start, series, cached: stacked areas, one per replica, tier or tenant. A series named
     a tenant's plus `untold` (its chains' blocks whose own tenant is unknown) takes that tenant's colour,
-    hatched, beside it in the legend: two colours a tenant ran out of colours at eight tenants."""
+    hatched, beside it in the legend (a colour for each of them repeated colours from eight tenants on)."""
     fig = go.Figure()
     tenant = {n: n[:-len(untold)] if untold and str(n).endswith(untold) else n for n in df.series.unique()}
     colours = request_colours(tenant.values())

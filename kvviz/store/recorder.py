@@ -77,6 +77,7 @@ class RunRecorder:
         self.rows: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
         self._metrics: list[StepLeak] = []
         self._chunks: list[dict] = []
+        self._held_cells = 0  # attention weights among the chunks held, not yet in a row group
         self._pending = 0
         self._u64: dict[bytes, int] = {}  # each block hash's low 64 bits, computed once
         self._error: BaseException | None = None  # the writer's first failure; it writes nothing after it
@@ -237,17 +238,18 @@ class RunRecorder:
                       hit_tokens=lookup.hit_tokens)
         self._metrics += metrics
         self._chunks += chunks
+        self._held_cells += sum(len(c["weights"]) for c in chunks if "weights" in c)
         self._pending += 1
         if self._pending >= self.flush_every and time.monotonic() - self._flushed_at >= self._spacing():
             self._write()
-        elif sum(len(c["weights"]) for c in self._chunks if "weights" in c) >= GROUP_CELLS:
+        elif self._held_cells >= GROUP_CELLS:
             self._write_attention()
 
     def _write_attention(self) -> None:
         """The attention rows held so far, as a row group of the open part (hidden until it closes at a
         flush): written as they come, not all at a flush, so the run's end finds little left to write."""
         rows = [c for c in self._chunks if "keys" not in c]
-        self._chunks = [c for c in self._chunks if "keys" in c]
+        self._chunks, self._held_cells = [c for c in self._chunks if "keys" in c], 0
         if rows:
             self._parts.add(attention_tables(rows, self.run_id)["attention"])
 
@@ -288,7 +290,7 @@ class RunRecorder:
             tables["leak_metrics"] = oracle
         tables.update(attention_tables(self._chunks, self.run_id))
         self.rows.clear()
-        self._metrics, self._chunks = [], []
+        self._metrics, self._chunks, self._held_cells = [], [], 0
         if (rows := tables.pop("attention", None)) is not None:
             self._parts.add(rows)
         close = self._parts is not None and self._parts.due(everything)
