@@ -82,11 +82,12 @@ class DatasetWriter:
     started them (`write_manifest`)."""
 
     def __init__(self, folder: str | Path, replicas: dict[str, str], rotate_rows: int = 1_000_000,
-                 group_rows: int = 100_000, share: bool = False):
+                 group_rows: int = 100_000, share: bool = False, given_as: str = "--out "):
+        """`given_as` is how a refusal names the argument that gave `folder`."""
         self.folder, self.share = Path(folder), share
         if not share and self.folder.exists() and (not self.folder.is_dir() or any(self.folder.iterdir())):
-            raise CaptureError(f"--out {self.folder}: {'not a folder' if not self.folder.is_dir() else 'not empty'}; "
-                               "give a new folder for the capture dataset")
+            raise CaptureError(f"{given_as}{self.folder}: {'not a folder' if not self.folder.is_dir() else 'not empty'}"
+                               "; give a new folder for the capture dataset")
         self.folder.mkdir(parents=True, exist_ok=True)
         self.replicas, self.rotate_rows, self.group_rows = dict(replicas), rotate_rows, min(group_rows, rotate_rows)
         self.parts = {name: _ReplicaParts(self.folder / f"replica={name}") for name in replicas}

@@ -104,10 +104,11 @@ def write_example(path: str | Path, events: int = 200_000, replicas: int = 2, se
     conversations come back and one prompt is cached without its tenant's salt, so every capture view
     (evicted misses, reuse, cross-tenant blocks) has something to show. Returns the number of messages."""
     names = {f"replica-{i}": "synthetic" for i in range(replicas)}
-    sink = CaptureWriter(path, names) if str(path).lower().endswith(".jsonl") else DatasetWriter(path, names)
+    jsonl = str(path).lower().endswith(".jsonl")
+    sink = CaptureWriter(path, names) if jsonl else DatasetWriter(path, names, given_as="")
     try:
         for m in fleet_messages(events, replicas=replicas, seed=seed, turns=0.3, unsalted=0.05):
-            sink.add(m, None if isinstance(sink, CaptureWriter) else decode_batch(m.payload, f"{m.replica} {m.seq}"))
+            sink.add(m, None if jsonl else decode_batch(m.payload, f"{m.replica} {m.seq}"))
     finally:
         sink.close()
     return sink.count

@@ -171,8 +171,6 @@ def cmd_capture_example(args: argparse.Namespace) -> int:
             raise CaptureError(f"{out}: no folder {out.parent}")
         if out.exists():
             raise CaptureError(f"{out}: already exists; give a new file")
-    elif out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise CaptureError(f"{out}: {'not a folder' if not out.is_dir() else 'not empty'}; give a new folder")
     count = write_example(out, args.events, args.replicas, args.seed)
     print(f"{out}: {count} messages of a synthetic {args.replicas}-replica fleet (not from a server); "
           f"import it with: python -m kvviz import {out}")
