@@ -281,6 +281,13 @@ def test_bench_measures_only_the_peers_asked_for(tmp_path):
     assert [r.split("|")[2].strip() for r in rows] == ["kvviz inspect + oracle", "kvviz inspect + oracle + recorder"]
     assert all(r.split("|")[4].strip() == "" for r in rows), "no generate measured: no ratio to it"
     assert "recording runs at" in out.read_text() and "generate_batch alone" not in out.read_text()
+    p = kvviz("bench", "--model", "tiny-llama", "--sizes", "2", "--new-tokens", "2", "--cases", "uniform",
+              "--peers", "fast-one-step,generate", "--out", str(out))
+    assert p.returncode == 0, p.stderr
+    text = out.read_text()
+    one = next(line for line in text.splitlines() if line.startswith("| uniform-2 | kvviz fast (every prompt in one"))
+    assert float(one.split("|")[4]) > 0 and "with every prompt in one step, as generate prefills" in text
+    assert "with 2048-token steps" not in text, "fast with 2048-token steps was not measured"
     bad = kvviz("bench", "--model", "tiny-llama", "--sizes", "2", "--peers", "oracle,vllm")
     assert bad.returncode == 2 and "no peer 'vllm'" in bad.stderr and "recorder" in bad.stderr
 

@@ -56,6 +56,7 @@ class Measurement:
 
 
 CASES = ("uniform", "mixed", "shared-system")
+STEP_TOKENS = 2048  # every continuous-batching peer's step budget (a server's), but the one-step peer's
 
 
 def cases(vocab: int, sizes: list[int], new_tokens: int, seed: int = 0) -> list[BenchCase]:
@@ -88,7 +89,7 @@ def run_kvviz(model: LoadedModel, case: BenchCase, compute: str, prefix_caching:
               oracle: bool = False, record: bool = False, engine: dict | None = None,
               peer: str | None = None) -> Measurement:
     """One kvviz run of the case (`engine`: settings over the defaults, `peer`: its name then)."""
-    cfg = EngineConfig(block_size=16, num_blocks=pool_blocks(case, 16), max_batch_tokens=2048, isolation="paged",
+    cfg = EngineConfig(block_size=16, num_blocks=pool_blocks(case, 16), max_batch_tokens=STEP_TOKENS, isolation="paged",
                        compute=compute, prefix_caching=prefix_caching)
     cfg = EngineConfig.from_dict({**cfg.to_dict(), **(engine or {})})
     reqs = [RequestSpec(f"r{i}", prompt_ids=p, max_new_tokens=case.new_tokens, ignore_eos=True)
@@ -166,7 +167,7 @@ def run_generate_batch(model: LoadedModel, case: BenchCase) -> Measurement:
     stock = stock_copy(model.model)  # generate_batch switches the attention of the model it runs on
     page = 16
     cache = ContinuousBatchingConfig(page_size=page, num_blocks=pool_blocks(case, page),
-                                     max_batch_tokens=2048)
+                                     max_batch_tokens=STEP_TOKENS)
     t = time.perf_counter()
     with torch.inference_mode():
         out = stock.generate_batch(inputs=case.prompts, generation_config=_no_eos(model, case.new_tokens),
@@ -181,7 +182,7 @@ def run_hf_observed(model: LoadedModel, case: BenchCase, kernel: str = "eager_pa
     cache."""
     from ..hf_backend import run_workload
 
-    cfg = EngineConfig(block_size=16, num_blocks=pool_blocks(case, 16), max_batch_tokens=2048,
+    cfg = EngineConfig(block_size=16, num_blocks=pool_blocks(case, 16), max_batch_tokens=STEP_TOKENS,
                        backend="transformers", kernel=kernel)
     wl = Workload([RequestSpec(f"r{i}", prompt_ids=p, max_new_tokens=case.new_tokens, ignore_eos=True)
                    for i, p in enumerate(case.prompts)], cfg)
@@ -194,8 +195,18 @@ def run_hf_observed(model: LoadedModel, case: BenchCase, kernel: str = "eager_pa
                        sum(r.seconds_per_output_token for r in res.requests) / n)
 
 
+def run_one_step(model: LoadedModel, case: BenchCase) -> Measurement:
+    """`fast` with a step budget that takes every prompt at once, as `generate` prefills its batch (and as
+    vLLM's offline LLM sizes its budget): no request's decode steps share a step with another's prefill
+    chunk, so its TPOT is decode alone and compares like for like with generate's."""
+    budget = max(STEP_TOKENS, sum(len(p) for p in case.prompts))
+    return run_kvviz(model, case, "fast", engine={"max_batch_tokens": budget}, peer=ONE_STEP)
+
+
+ONE_STEP = "kvviz fast (every prompt in one step)"
 PEERS: dict[str, Callable[[LoadedModel, BenchCase], Measurement]] = {
     "kvviz fast": lambda model, c: run_kvviz(model, c, "fast"),
+    ONE_STEP: run_one_step,
     "kvviz inspect": lambda model, c: run_kvviz(model, c, "inspect"),
     "kvviz inspect + oracle": lambda model, c: run_kvviz(model, c, "inspect", oracle=True),
     "kvviz inspect + oracle + recorder": lambda model, c: run_kvviz(model, c, "inspect", record=True),
@@ -203,8 +214,8 @@ PEERS: dict[str, Callable[[LoadedModel, BenchCase], Measurement]] = {
     "hf generate_batch": run_generate_batch,
     "transformers backend + oracle": run_hf_observed,
 }
-PEER_NAMES = dict(zip(("fast", "inspect", "oracle", "recorder", "generate", "generate_batch", "transformers"), PEERS,
-                      strict=True))  # what `bench --peers` takes
+PEER_NAMES = dict(zip(("fast", "fast-one-step", "inspect", "oracle", "recorder", "generate", "generate_batch",
+                       "transformers"), PEERS, strict=True))  # what `bench --peers` takes
 
 
 def run_bench(model: LoadedModel, sizes: list[int], new_tokens: int, progress: Callable[[str], None] = print,
@@ -332,4 +343,12 @@ def _ratios(case: str, peer: dict[str, Measurement], new_tokens: int) -> list[st
                     "alone.")
     if {"kvviz fast", "hf generate"} <= peer.keys():
         said.append(_where_fast_gains(case, peer["kvviz fast"], peer["hf generate"], new_tokens))
+    if {ONE_STEP, "hf generate"} <= peer.keys():
+        one, gen = peer[ONE_STEP], peer["hf generate"]
+        chunked = peer.get("kvviz fast")
+        said.append(f"{case}: with every prompt in one step, as generate prefills, fast's TPOT is "
+                    f"{1000 * one.tpot:.1f} ms, {one.tpot / gen.tpot:.2f}x generate's, at "
+                    f"{one.tokens_per_second / gen.tokens_per_second:.2f}x its throughput; the first token comes after "
+                    f"{1000 * one.ttft:.0f} ms"
+                    + ("." if chunked is None else f" ({1000 * chunked.ttft:.0f} ms with {STEP_TOKENS}-token steps)."))
     return said
