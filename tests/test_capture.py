@@ -370,3 +370,22 @@ def test_malformed_captures_are_refused_and_change_nothing(tmp_path, name):
     assert con.execute("SELECT list(run_id) FROM runs").fetchone()[0] == [good]
     assert con.execute("SELECT count(*) FROM kv_events").fetchone()[0] == 1
     assert len(list((tmp_path / "captures").iterdir())) == 1, "the refused capture left no files"
+
+
+def test_a_capture_is_listed_as_running_while_it_imports(tmp_path):
+    """A long import shows in the runs list (and to other processes) from its start, not once decoded."""
+    from kvviz.analysis.runs import list_runs
+
+    store = RunStore.open(tmp_path / "k.duckdb")
+    cap = write_capture(tmp_path / "fleet.jsonl", [batch(stored_map([h], None, [1, 2])) for h in range(1, 50)])
+    seen = []
+
+    def progress(done: int, total: int) -> None:
+        with store.read() as con:
+            seen.append(list_runs(con)[["status", "scenario"]].values.tolist())
+
+    run_id = import_capture(cap, store, progress, sha256="ab" * 32)
+    assert seen and seen[0] == [["running", "capture fleet.jsonl"]]
+    with store.read() as con:
+        status, workload = con.execute("SELECT status, workload FROM runs WHERE run_id = ?", [run_id]).fetchone()
+    assert status == "complete" and json.loads(workload) == {"capture": "fleet.jsonl", "sha256": "ab" * 32, "files": 1}

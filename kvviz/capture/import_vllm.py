@@ -61,22 +61,27 @@ ORDER BY first_at
 
 
 def import_capture(path: str | Path, store: RunStore, progress: Progress | None = None,
-                   workers: int | None = None) -> str:
+                   workers: int | None = None, sha256: str | None = None) -> str:
     """Import a JSONL capture as a new run and return its id. It is decoded once into a capture
     dataset of the store's own (STORE_FOLDER/captures/ID, the documented layout) that the run reads
     in place: Parquet is written faster than DuckDB inserts, and nothing is copied into the database.
     A large capture of several replicas is decoded by one process per core (`workers` overrides it).
+    `sha256`, the file's, is kept in the run's workload, where a later import of the same bytes finds it.
     CaptureError names the line that is wrong, and then nothing is registered or left on disk."""
     path = Path(path)
-    folder = store.captures_dir / new_run_id()
+    said = {"capture": path.name} | ({"sha256": sha256} if sha256 else {})
+    run_id = _begin(store, path, said)  # listed as running while its dataset is written
+    folder = store.captures_dir / run_id
     try:
         written = write_dataset(path, folder, progress, workers)
         if not written.messages:
             raise CaptureError(f"{path}: the capture holds no messages")
-        return _import(path, store, (), {"capture": path.name, "files": len(dataset_files(folder))},
-                       steps=written.messages, source=str(folder.resolve()))
+        return _import(path, store, (), said | {"files": len(dataset_files(folder))}, steps=written.messages,
+                       source=str(folder.resolve()), run_id=run_id)
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
+        with store.write() as con:
+            _discard(store, con, run_id)
         raise
 
 
@@ -160,18 +165,25 @@ def _batches(f: Path, columns: list[str] | None = None, whole: bool = False) -> 
         raise CaptureError(f"{f}: damaged ({str(e).splitlines()[0]})") from None
 
 
-def _import(path: Path, store: RunStore, chunks: Iterable[pa.Table], workload: dict,
-            steps: int | None = None, source: str | None = None, hold_s: float = TURN_S) -> str:
-    """Insert every chunk, then the steps (given, or up to the last chunk's), the findings and totals.
-    Each chunk commits on its own, so memory stays bounded (DuckDB keeps a
-    transaction's rows in memory until it commits); the run says `running` until the end, and a
-    failure deletes everything of it: a bad line anywhere imports nothing."""
+def _begin(store: RunStore, path: Path, workload: dict) -> str:
+    """A new capture run, `running` until its import ends."""
     run_id = new_run_id()
     with store.write() as con:
         con.execute("INSERT INTO runs (run_id, created_at, status, model, scenario, workload, engine, "
                     "kvviz_version) VALUES (?, ?, 'running', ?, ?, ?, '{}', ?)",
                     [run_id, datetime.now(UTC).replace(tzinfo=None), CAPTURE_MODEL, f"capture {path.name}",
                      json.dumps(workload), __version__])
+    return run_id
+
+
+def _import(path: Path, store: RunStore, chunks: Iterable[pa.Table], workload: dict,
+            steps: int | None = None, source: str | None = None, hold_s: float = TURN_S,
+            run_id: str | None = None) -> str:
+    """Insert every chunk, then the steps (given, or up to the last chunk's), the findings and totals,
+    into `run_id` (begun by the caller) or a new run. Each chunk commits on its own, so memory stays
+    bounded (DuckDB keeps a transaction's rows in memory until it commits); the run says `running`
+    until the end, and a failure deletes everything of it: a bad line anywhere imports nothing."""
+    run_id = run_id or _begin(store, path, workload)
     try:
         with store.in_turns(_limits, hold_s) as turns:
             if source is not None:  # registered in place: kv_events reads the files
@@ -188,8 +200,9 @@ def _import(path: Path, store: RunStore, chunks: Iterable[pa.Table], workload: d
             con.execute("BEGIN TRANSACTION")
             con.execute("INSERT INTO steps (run_id, step, seconds) SELECT ?, range, 0.0 FROM range(?)", [run_id, steps])
             con.execute(CROSS_TENANT, {"run": run_id})
-            con.execute("UPDATE runs SET status = 'complete', steps = ?, findings = (SELECT count(*) FROM findings "
-                        "WHERE run_id = ?) WHERE run_id = ?", [steps, run_id, run_id])
+            con.execute("UPDATE runs SET status = 'complete', steps = $steps, workload = $workload, findings = "
+                        "(SELECT count(*) FROM findings WHERE run_id = $run) WHERE run_id = $run",
+                        {"steps": steps, "workload": json.dumps(workload), "run": run_id})
             con.execute("COMMIT")
     except BaseException:
         with store.write() as con:
