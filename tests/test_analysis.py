@@ -9,6 +9,7 @@ scenario with the correct defences) that must stay exactly clean."""
 from __future__ import annotations
 
 import functools
+import hashlib
 import warnings
 import zipfile
 from dataclasses import dataclass, field
@@ -696,6 +697,9 @@ def test_an_exported_trace_imports_and_reads_the_same(rec, tmp_path):
         pd.testing.assert_frame_equal(blocks.page_tables(con, rid, 3), want_pt)
     with pytest.raises(KvvizError, match="already in"):
         uploads.import_file(saved, RunStore.open(db))
+    assert uploads.earlier_import(saved, RunStore.open(db)) == uploads.Earlier(None, rid), "found by the run it carries"
+    assert uploads.earlier_import(saved, RunStore.open(rec.db)).run_id == rid
+    assert uploads.earlier_import(saved, RunStore.open(tmp_path / "empty.duckdb")).run_id is None
     assert run_ids(db) == [rid]
 
 
@@ -753,15 +757,18 @@ def test_the_same_capture_uploaded_twice_is_imported_once(tmp_path):
     db = RunStore.open(tmp_path / "kvviz.duckdb")
     data = capture_file(tmp_path)[0].read_bytes()
     first = uploads.save_upload("cap.jsonl", data, tmp_path / "uploads")
-    assert uploads.earlier_import(first, db) is None
-    rid = uploads.import_file(first, db)
-    uploads.imported(first, rid)
+    before = uploads.earlier_import(first, db)
+    assert before.run_id is None and before.sha256 == hashlib.sha256(data).hexdigest()
+    assert uploads.earlier_import(first, db).run_id is None, "looking imports nothing"
+    rid = uploads.import_file(first, db, sha256=before.sha256)
     again = uploads.save_upload("renamed.jsonl", data, tmp_path / "uploads")
-    assert uploads.earlier_import(again, db) == rid
+    assert uploads.earlier_import(again, db).run_id == rid, "the same bytes under another name"
+    other = uploads.save_upload("cap.jsonl", data + b"\n", tmp_path / "uploads")
+    assert uploads.earlier_import(other, db).run_id is None, "other bytes under the same name"
     with db.read() as con:
         assert con.execute("SELECT scenario FROM runs WHERE run_id = ?", [rid]).fetchone()[0] == "capture cap.jsonl"
     delete_run(db, rid)
-    assert uploads.earlier_import(again, db) is None, "a run deleted since does not count"
+    assert uploads.earlier_import(again, db).run_id is None, "a run deleted since does not count"
 
 
 # -- live ----------------------------------------------------------------------------------------------------

@@ -78,8 +78,16 @@ def test_capture_example_writes_a_capture_that_imports_and_refuses_to_overwrite(
     db = tmp_path / "k.duckdb"
     p = kvviz("import", str(out), "--db", str(db))
     assert p.returncode == 0, p.stderr
+    twice = kvviz("import", str(out), "--db", str(db))
+    assert twice.returncode == 0 and twice.stdout == p.stdout, "the same file again: the earlier run's id"
+    assert "was imported before, as run" in twice.stderr and "--again" in twice.stderr
+    anew = kvviz("import", str(out), "--db", str(db), "--again")
+    assert anew.returncode == 0 and anew.stdout.strip() not in ("", p.stdout.strip())
     con = duckdb.connect(str(db), read_only=True)
-    assert con.execute("SELECT count(DISTINCT replica), count(*) > 5000 FROM kv_events").fetchone() == (3, True)
+    assert con.execute("SELECT count(*) FROM runs").fetchone()[0] == 2
+    assert con.execute("SELECT count(DISTINCT replica), count(*) > 5000 FROM kv_events WHERE run_id = ?",
+                       [p.stdout.strip()]).fetchone() == (3, True)
+    con.close()
     again = kvviz("capture-example", str(out))
     assert again.returncode == 2 and "already exists" in again.stderr
     folder = tmp_path / "ds"

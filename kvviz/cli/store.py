@@ -102,15 +102,21 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_import(args: argparse.Namespace) -> int:
     """Validate and import a kvviz trace or a vLLM/SGLang KV-event capture into the store; a bad file
     is refused whole, with the reason."""
-    from ..runners.uploads import import_file
+    from ..runners.uploads import earlier_import, import_file
 
+    before = earlier_import(args.file, args.store)
+    if before.run_id is not None and not args.again:
+        print(f"kvviz: {args.file} was imported before, as run {before.run_id} (--again imports it anew)",
+              file=sys.stderr)
+        print(before.run_id)
+        return 0
     tty = sys.stderr.isatty()
 
     def progress(done: int, total: int) -> None:
         if tty:
             print(f"\rkvviz: importing {args.file}: {100 * done // total}%", end="", file=sys.stderr, flush=True)
 
-    run_id = import_file(args.file, args.store, progress, args.in_place)
+    run_id = import_file(args.file, args.store, progress, args.in_place, before.sha256)
     if tty:
         print("", file=sys.stderr)
     with args.store.read() as con:
@@ -126,7 +132,7 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 def cmd_explain(args: argparse.Namespace) -> int:
     """Why each lookup of a run (or each stored chain of a capture) stopped where it did."""
-    from ..analysis.explained import STAGES, contradiction_sentence, explain_seconds, explained, kept
+    from ..analysis.explained import COUNTING, STAGES, contradiction_sentence, explain_seconds, explained, kept
 
     class SaidOnStderr:  # a capture of millions of events takes a minute: each stage said as it begins
         def stage(self, stage: str, detail: str) -> None:
@@ -144,7 +150,10 @@ def cmd_explain(args: argparse.Namespace) -> int:
     if events:
         print(f"kvviz: explaining the capture's {events:,} events, each lookup (about {explain_seconds(events):,} s); "
               "the answer is kept, so this happens once", file=sys.stderr)
-    found = explained(args.store, args.run_id, watch=SaidOnStderr() if events else None)
+    watch = SaidOnStderr() if events else None
+    found = explained(args.store, args.run_id, watch=watch)
+    if watch is not None:
+        watch.stage(COUNTING, "")
     said = contradiction_sentence(args.store, args.run_id)
     if said:
         print(f"kvviz: {said}", file=sys.stderr)
@@ -215,6 +224,9 @@ def add_import(sub: Subcommands) -> None:
     imp.add_argument("--in-place", action="store_true",
                      help="a capture dataset folder: register it where it lies (kv_events reads its files; nothing "
                           "is copied, and moving it later marks the run failed)")
+    imp.add_argument("--again", action="store_true",
+                     help="import a capture that was imported before once more, as a new run (without it, the "
+                          "earlier run's id is printed)")
     add_db(imp)
     imp.set_defaults(func=cmd_import)
 

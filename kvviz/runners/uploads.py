@@ -8,20 +8,21 @@ import re
 import shutil
 import uuid
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..capture.events import CaptureError
 from ..capture.import_vllm import Progress, import_capture, import_dataset
 from ..capture.synthetic import write_example
 from ..store import RunStore
-from ..store.trace import import_trace
-
-_RUN_MARKER = ".run_id"  # beside an upload that was imported: its run
+from ..store.trace import import_trace, trace_run_id
 
 
-def import_file(path: str | Path, store: RunStore, progress: Progress | None = None, in_place: bool = False) -> str:
+def import_file(path: str | Path, store: RunStore, progress: Progress | None = None, in_place: bool = False,
+                sha256: str | None = None) -> str:
     """Import and return the new run id; a KvvizError names the problem (and nothing was imported).
-    A folder (or .parquet file) is a capture dataset; `progress` follows a capture's bytes."""
+    A folder (or .parquet file) is a capture dataset; `progress` follows a capture's bytes; a JSONL
+    capture's run keeps `sha256` (its bytes', from `earlier_import`) so that it is not imported twice."""
     path = Path(path)
     if path.is_dir() or path.suffix.lower() == ".parquet":
         if not path.exists():
@@ -38,7 +39,7 @@ def import_file(path: str | Path, store: RunStore, progress: Progress | None = N
         raise CaptureError(f"{path}: --in-place takes a capture dataset folder; a file is always copied in")
     if path.suffix.lower() == ".zip" or zipfile.is_zipfile(path):
         return import_trace(path, store)  # a .zip that is no zip gets the trace reader's "not a zip" error
-    return import_capture(path, store, progress)
+    return import_capture(path, store, progress, sha256=sha256)
 
 
 def _with_cluster_result(store: RunStore, run_id: str, path: Path) -> None:
@@ -79,18 +80,38 @@ def example_capture(folder: str | Path, events: int = 200_000) -> Path:
     return path
 
 
-def earlier_import(saved: Path, store: RunStore) -> str | None:
-    """The run this very file was imported as before, if that run is still in the store."""
-    marker = saved.parent / _RUN_MARKER
-    run_id = marker.read_text().strip() if marker.is_file() else ""
-    if not run_id:
-        return None
+@dataclass(frozen=True)
+class Earlier:
+    """What says whether a file was imported before: a capture's bytes (their sha256, which its run keeps)
+    or the run a trace carries."""
+
+    sha256: str | None
+    run_id: str | None  # the complete run this very file was imported as, if that run is still in the store
+
+
+def earlier_import(path: str | Path, store: RunStore) -> Earlier:
+    """Whether this very file is in the store already: a trace by the run it carries, a capture by its
+    bytes' sha256 (about a second a gigabyte); a dataset (folder or part) is not looked for."""
+    path = Path(path)
+    if not path.is_file() or path.suffix.lower() == ".parquet":
+        return Earlier(None, None)
+    if zipfile.is_zipfile(path):
+        run_id = trace_run_id(path)
+        if not run_id or not store.exists():
+            return Earlier(None, None)
+        with store.read() as con:
+            return Earlier(None, run_id if RunStore.has_run(con, run_id) else None)
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    sha256 = digest.hexdigest()
+    if not store.exists():  # the import makes it
+        return Earlier(sha256, None)
     with store.read() as con:
-        return run_id if RunStore.has_run(con, run_id) else None
-
-
-def imported(saved: Path, run_id: str) -> None:
-    (saved.parent / _RUN_MARKER).write_text(run_id)
+        row = con.execute("SELECT run_id FROM runs WHERE status = 'complete' AND workload->>'sha256' = ? "
+                          "ORDER BY created_at DESC LIMIT 1", [sha256]).fetchone()
+    return Earlier(sha256, row[0] if row else None)
 
 
 def refused(saved: Path) -> None:

@@ -150,6 +150,16 @@ def _member(z: zipfile.ZipFile, name: str, path: Path) -> bytes:
         raise TraceError(f"{path}: member {name} cannot be read ({e})") from None
 
 
+def trace_run_id(path: str | Path) -> str | None:
+    """The run a trace carries, read from its manifest alone; None when it is no readable trace (its
+    import says why)."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            return _manifest(z, {i.filename: i for i in z.infolist()}, Path(path))["run_id"]
+    except (TraceError, zipfile.BadZipFile, OSError):
+        return None
+
+
 def import_trace(path: str | Path, store: RunStore) -> str:
     """Validate and insert a trace in one transaction; returns the run id. A bad file changes nothing."""
     run_id, tables = read_trace(path)

@@ -8,7 +8,7 @@ from pathlib import Path
 import streamlit as st
 
 from ..errors import KvvizError
-from ..runners.uploads import EXAMPLE, earlier_import, example_capture, import_file, imported, refused, save_upload
+from ..runners.uploads import EXAMPLE, earlier_import, example_capture, import_file, refused, save_upload
 from .common import db_path, open_run, store
 
 
@@ -48,16 +48,17 @@ def _import(name: str, saved: Path) -> None:
     """Import a saved file once (a file imported before opens its run); a refusal is said with the
     name the user gave the file, and nothing is added."""
     before = earlier_import(saved, store())
-    if before is not None:
-        st.session_state["upload_run"] = before
-        st.info(f"{name} was imported before, as run {before}: it is not imported twice.",
+    if before.run_id is not None:
+        st.session_state["upload_run"] = before.run_id
+        st.info(f"{name} was imported before, as run {before.run_id}: it is not imported twice.",
                 icon=":material/content_copy:")
         return
     with st.spinner(f"Validating and importing {name}..."):
         bar = st.progress(0.0, text=f"Importing {name}")
         try:
             run_id = import_file(saved, store(), lambda done, total: bar.progress(
-                done / total, text=f"Importing {name}: {done / 2**20:.1f} of {total / 2**20:.1f} MiB"))
+                done / total, text=f"Importing {name}: {done / 2**20:.1f} of {total / 2**20:.1f} MiB"),
+                sha256=before.sha256)
         except KvvizError as e:  # said here, not by the app: with the name the user gave the file
             refused(saved)
             bar.empty()
@@ -65,7 +66,6 @@ def _import(name: str, saved: Path) -> None:
                      icon=":material/error:")
             return
         bar.empty()
-    imported(saved, run_id)
     st.session_state["upload_run"] = run_id
     st.success(f"Imported {name} as run {run_id}.", icon=":material/check_circle:")
 
