@@ -565,6 +565,11 @@ def test_the_sql_leak_rate_example_looks_at_the_newest_run_with_findings(with_ru
     assert sorted(zip(shown.step, shown.request_id, shown.leak_rate, strict=True)) == sorted(want), \
         "the faulty run's rows, not the newer control's"
     assert max(r[2] for r in want) > 0 and set(shown.run_id) == {faulty}, "and it says which run it took"
+    assert at.selectbox(key="sql_example").value == "Leak rate over time"
+    at.text_area(key="sql_text").input(at.text_area(key="sql_text").value + " LIMIT 3")
+    at.button[0].click().run()
+    assert at.selectbox(key="sql_example").value is None, "an edited query is no longer the example it was"
+    assert len(at.dataframe[0].value) == 3 and at.text_area(key="sql_text").value.endswith("LIMIT 3")
     clean = tmp_path / "clean.duckdb"
     clean.write_bytes(Path(db).read_bytes())
     with duckdb.connect(str(clean)) as con:

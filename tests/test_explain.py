@@ -171,8 +171,9 @@ def test_an_explanation_is_kept_once_then_read_back_by_sql_the_cli_and_the_app(m
         assert not kept(con, capture_id)
     p = kvviz("explain", capture_id, "--db", str(copy.path), "--json")  # the first time: worked out, said
     assert "explaining the capture's" in p.stderr and len(said) >= 12
-    assert "kvviz: explain 1/10: numbering the events\n" in p.stderr, "each stage said as it begins"
-    assert "kvviz: explain 10/10: keeping it in the run store\n" in p.stderr
+    assert "kvviz: explain 1/11: numbering the events\n" in p.stderr, "each stage said as it begins"
+    assert "kvviz: explain 10/11: keeping it in the run store\n" in p.stderr
+    assert "kvviz: explain 11/11: counting what the capture's events contradict\n" in p.stderr, "as the app counts"
     assert [x["reason"] for x in json.loads(p.stdout.splitlines()[-1])["lookups"]] == [e.reason for e in said]
     with copy.read() as con:
         assert kept(con, capture_id)

@@ -38,7 +38,9 @@ EXPLAIN_BYTES_PER_EVENT = 32  # of memory DuckDB may hold (see memory_mb)
 EXPLAIN_S_PER_EVENT = 7e-6  # 4.3 s a million events at 1M, 5.4 s at 10M on 2 cores: a busy machine's, rounded up
 KEEPING = "keeping it in the run store"
 WAITING = "waiting for another process that is explaining this run"
-STAGES = (WAITING, *explain_sql.STAGES, READING, KEEPING)  # what explaining a run does, in order
+COUNTING = "counting what the capture's events contradict"
+STAGES = (WAITING, *explain_sql.STAGES, READING, KEEPING, COUNTING)  # explaining a run, in order; the callers
+# count (contradiction_sentence) once the answer is kept, and say so as its last stage
 POLL_S = 1.0  # how often a process waiting for another's answer looks for it
 
 

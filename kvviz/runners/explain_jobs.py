@@ -21,15 +21,12 @@ from pathlib import Path
 
 import duckdb
 
-from ..analysis import explained as explaining
-from ..analysis.explained import contradiction_sentence, explained, kept
+from ..analysis.explained import COUNTING, STAGES, contradiction_sentence, explained, kept
 from ..capture import explain_sql
 from ..errors import KvvizError
 from ..store import RunStore
 
 STOP_S = 5.0  # at exit, how long to wait for a job's thread once its statement is interrupted
-COUNTING = "counting what the capture's events contradict"
-STAGES = (*explaining.STAGES, COUNTING)  # a job's: explaining and keeping, then the count the page says beside it
 NICE = 10  # a job's thread, and the DuckDB threads it starts, yield the cores to the pages' own queries
 
 

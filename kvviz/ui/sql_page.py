@@ -72,6 +72,9 @@ def render() -> None:
     def use_example() -> None:
         st.session_state["sql_text"] = EXAMPLES[st.session_state["sql_example"]]
 
+    chosen = st.session_state.get("sql_example")
+    if chosen is not None and st.session_state.get("sql_text", EXAMPLES[chosen]) != EXAMPLES[chosen]:
+        st.session_state["sql_example"] = None  # the query was edited: it is that example no more
     st.selectbox("Example", list(EXAMPLES), key="sql_example", on_change=use_example, index=None,
                  placeholder="choose an example query")
     st.session_state.setdefault("sql_text", EXAMPLES["Runs, newest first"])
