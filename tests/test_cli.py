@@ -315,8 +315,8 @@ def test_runs_lists_the_newest_first_and_refuses_a_bad_limit(tmp_path):
     from .test_capture import batch, stored_map, write_capture
 
     db = str(tmp_path / "runs.duckdb")
-    for name in ("first", "second", "third"):
-        cap = write_capture(tmp_path / f"{name}.jsonl", [batch(stored_map([1], None, [1, 2]))])
+    for i, name in enumerate(("first", "second", "third")):  # three captures: the same bytes would be one run
+        cap = write_capture(tmp_path / f"{name}.jsonl", [batch(stored_map([i + 1], None, [1, 2]))])
         assert kvviz("import", str(cap), "--db", db).returncode == 0
     p = kvviz("runs", "--db", db, "--format", "json", "--limit", "2")
     assert p.returncode == 0, p.stderr
