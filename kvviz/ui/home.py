@@ -28,9 +28,9 @@ leak patterns and the metrics it says to watch are all reproduced here.
                                        "the pool filling up live."),
              ("upload", "Open a production capture", "A kvviz trace or a vLLM/SGLang KV-event capture.")]
     for col, (page, title, text) in zip(cols, links, strict=True):
-        with col.container(border=True):
-            st.markdown(f"**{title}**  \n{text}")
-            st.page_link(PAGES[page].path, label=f"Go to {PAGES[page].title}", icon=":material/arrow_forward:")
+        with col.container(border=True):  # the link first: three cards' links in one line, whatever each text's length
+            st.page_link(PAGES[page].path, label=f"**{title}**", icon=":material/arrow_forward:")
+            st.markdown(text)
     listing = runs_or_hint()
     if listing is None:
         return
