@@ -406,6 +406,7 @@ def test_an_unsalted_run_says_its_cross_tenant_reads_beside_the_zero_leak_figure
                                                "AND request_id = 'B'", [run_id]).fetchall())
     said = f"cross-tenant reads: {len(hit)} blocks of tenant-a read by tenant-b (B read blocks "
     assert any(said in w.value for w in at.warning), [w.value for w in at.warning]  # under findings and mass 0
+    assert any("foreign mass stay 0" in w.value for w in at.warning if said in w.value)
     at = page("inspector", run_id=run_id)  # a rerun here would run the Run page again
     at.segmented_control(key="insp_view").set_value("Leaks").run()
     assert any(said in m.value for m in at.markdown)
@@ -419,6 +420,28 @@ def test_an_unsalted_run_says_its_cross_tenant_reads_beside_the_zero_leak_figure
     assert "another tenant's (same content)" in {t.get("name") for t in heatmap["data"]}
     assert "cross-tenant reads: " in heatmap["layout"]["title"]["text"]
     assert not at.exception
+
+
+def test_a_run_that_also_leaked_does_not_say_its_leak_figures_stay_0(empty_db):
+    """Walk finding: a page table of zeros made B read tenant-a's block 0 on SmolLM2, part of it the same tokens at
+    the same positions (a cross-tenant read) and the rest not (a leak); the notice said the figures stay 0 beside
+    a foreign mass near 1. The notice follows the run's own figure: the same run, its foreign mass set as such a
+    run's would be, says the figures count the other keys."""
+    from kvviz.analysis import cross_reads
+
+    assert "stay 0" in cross_reads.why(False) and "count the keys that differ" in cross_reads.why(True)
+    at = page("run")
+    at.selectbox(key="run_model").set_value("tiny-llama").run()
+    at.selectbox(key="run_scenario").set_value("unsalted_prefix").run()
+    at.button(key="run_go").click().run()
+    [run_id] = run_ids(empty_db)
+    at = page("inspector", run_id=run_id)
+    assert [w.value for w in at.warning if "cross-tenant reads" in w.value and "stay 0" in w.value]
+    with duckdb.connect(str(empty_db)) as con:
+        con.execute("UPDATE runs SET max_foreign_mass = 0.9947, leak_rate = 0.378")
+    at = page("inspector", run_id=run_id)
+    warned = [w.value for w in at.warning if "cross-tenant reads" in w.value]
+    assert warned and all("count the keys that differ" in w and "stay 0" not in w for w in warned)
 
 
 @pytest.mark.parametrize("fault", ["unsalted_prefix", None], ids=["unsalted", "control"])
@@ -471,7 +494,7 @@ def test_the_scenarios_side_by_side_says_the_faults_cross_tenant_reads_and_not_t
         said = cross_reads.sentence(cross_reads.from_store(con, pair["scenario"]))
         assert said and cross_reads.from_store(con, pair["control"]) == []
     warned = [w.value for w in at.warning if "cross-tenant reads" in w.value]
-    assert len(warned) == 1 and warned[0].startswith(f"**{said}.**")
+    assert len(warned) == 1 and warned[0].startswith(f"**{said}.**") and "foreign mass stay 0" in warned[0]
     served = [dict(zip(t.value.request_id, t.value.cached_tokens, strict=True)) for t in at.dataframe[:2]]
     assert served[0]["B"] > 0 and served[1]["B"] == 0, "B's prompt came from A's cache under the fault only"
     assert "sc_diff" not in {el.key for el in at.get("plotly_chart")}, "no blank grid of equal foreign mass"

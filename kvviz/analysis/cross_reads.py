@@ -1,6 +1,6 @@
 """Cross-tenant reads in words: which blocks of which tenant a request of another tenant read, and at
-which steps. A read of identical content is no attention leak (leak rate and foreign mass stay 0),
-so every place that shows those figures says this sentence beside them."""
+which steps. A read of identical content is no attention leak (it moves neither leak rate nor foreign
+mass), so every place that shows those figures says this sentence beside them."""
 
 from __future__ import annotations
 
@@ -16,10 +16,19 @@ if TYPE_CHECKING:
 
 NO_SALT = "(no salt)"
 UNKNOWN = "(unknown)"  # a request the store holds no row for (a served run records requests as they end)
-WHY = ("These keys hold the same tokens at the same positions as the request's own prompt would, so its attention "
-       "sees nothing foreign and the leak rate and foreign mass stay 0; "
-       "yet each block was computed under another tenant's salt and served to this one: a trust boundary crossed "
-       "(the prompt cache's timing side channel).")
+_CROSSED = ("each block was computed under another tenant's salt and served to this one: a trust boundary crossed "
+            "(the prompt cache's timing side channel).")
+
+
+def why(foreign_too: bool) -> str:
+    """Why a cross-tenant read moves no leak figure: its keys are exact copies of the reader's own. When the run
+    leaked as well (`foreign_too`), the figures count the other keys, which hold something else."""
+    if foreign_too:
+        return ("Where such keys hold the same tokens at the same positions as the request's own prompt would, "
+                "its attention there counts as its own; the leak rate and foreign mass count the keys that differ. "
+                "Either way " + _CROSSED)
+    return ("These keys hold the same tokens at the same positions as the request's own prompt would, so its "
+            "attention sees nothing foreign and the leak rate and foreign mass stay 0; yet " + _CROSSED)
 
 
 @dataclass(frozen=True)

@@ -138,10 +138,11 @@ def empty_store_hint() -> None:
     st.code(f"python -m kvviz run --scenario boundary --model tiny-llama --db {db_path()}", language="bash")
 
 
-def cross_tenant_warning(sentence: str | None) -> None:
-    """Say the cross-tenant reads, and why the leak figures beside them are 0 (nothing when none)."""
+def cross_tenant_warning(sentence: str | None, foreign_too: bool) -> None:
+    """Say the cross-tenant reads (nothing when none), and why they move no leak figure beside them; when the
+    run leaked as well (`foreign_too`), that its figures count the other keys."""
     if sentence:
-        st.warning(f"**{sentence}.** {cross_reads.WHY}", icon=":material/domain_disabled:")
+        st.warning(f"**{sentence}.** {cross_reads.why(foreign_too)}", icon=":material/domain_disabled:")
 
 
 CROSSED = "hits_cached_under"  # the evidence of a cross-tenant hit: a column of its own, not the evidence's tail

@@ -129,7 +129,7 @@ def _header(row, info: RunInfo, cross_tenant: str | None) -> None:
                    help="KV-event messages (batches) the capture holds" if info.has_kv_events else None)
     cols[1].metric("findings", "-" if pd.isna(row.findings) else int(row.findings))
     cols[2].metric("max foreign mass", "-" if pd.isna(row.max_foreign_mass) else f"{row.max_foreign_mass:.4f}")
-    cross_tenant_warning(cross_tenant)  # no attention figure moves for these: said beside the zeros
+    cross_tenant_warning(cross_tenant, not pd.isna(row.max_foreign_mass) and row.max_foreign_mass > 0)
     if info.fault_scope:
         scope = info.fault_scope
         beyond = scope.get("steps") and info.steps and min(scope["steps"]) > info.steps[-1]

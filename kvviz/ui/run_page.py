@@ -287,7 +287,7 @@ def _show_metrics(values: dict, history: dict, limits: dict[str, float], finding
                          "blocks another tenant wrote that a request read (a finding per block), duplicates, "
                          "broken page tables ...")
     cols[-1].markdown(":red-badge[:material/warning: see the Leaks view]" if found else ":green-badge[none]")
-    cross_tenant_warning(cross_tenant)
+    cross_tenant_warning(cross_tenant, (values["max_foreign"] or 0) > 0)
 
 
 def _workload(model, sc, requests: pd.DataFrame | None, engine: dict, seed: int) -> dict:

@@ -135,7 +135,7 @@ def _compare(pair: dict) -> None:
                 (st.success if n else st.error)("the detector fired" if n else "the detector missed this fault")
             if r == "control" or "control" not in roles:
                 (st.success if not n else st.error)("clean" if not n else "the control is not clean")
-            cross_tenant_warning(crossed[r])  # the heatmap shows no leak for these: said beside it
+            cross_tenant_warning(crossed[r], found[r].kind.isin(["foreign", "stale"]).any())  # beside the heatmap
             v = views[r]
             if v is not None:
                 st.plotly_chart(fig.attention_heatmap(v.weights, v.classes, v.query_labels, v.key_labels,
