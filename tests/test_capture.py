@@ -383,9 +383,18 @@ def test_a_capture_is_listed_as_running_while_it_imports(tmp_path):
     def progress(done: int, total: int) -> None:
         with store.read() as con:
             seen.append(list_runs(con)[["status", "scenario"]].values.tolist())
+        if len(seen) == 1:  # the same bytes imported meanwhile (another process, another session) are refused
+            with pytest.raises(CaptureError, match=r"copy.jsonl: is being imported now, as run \w+ \(if no process"):
+                import_capture(copy, store, sha256="ab" * 32)
 
+    copy = tmp_path / "copy.jsonl"
+    copy.write_bytes(cap.read_bytes())
     run_id = import_capture(cap, store, progress, sha256="ab" * 32)
     assert seen and seen[0] == [["running", "capture fleet.jsonl"]]
     with store.read() as con:
         status, workload = con.execute("SELECT status, workload FROM runs WHERE run_id = ?", [run_id]).fetchone()
+        assert con.execute("SELECT count(*) FROM runs").fetchone()[0] == 1
     assert status == "complete" and json.loads(workload) == {"capture": "fleet.jsonl", "sha256": "ab" * 32, "files": 1}
+    with pytest.raises(CaptureError, match=f"was imported before, as run {run_id}"):
+        import_capture(copy, store, sha256="ab" * 32)
+    assert import_capture(copy, store) != run_id, "without its sha256 (import --again) it is a run of its own"

@@ -66,7 +66,8 @@ def import_capture(path: str | Path, store: RunStore, progress: Progress | None 
     dataset of the store's own (STORE_FOLDER/captures/ID, the documented layout) that the run reads
     in place: Parquet is written faster than DuckDB inserts, and nothing is copied into the database.
     A large capture of several replicas is decoded by one process per core (`workers` overrides it).
-    `sha256`, the file's, is kept in the run's workload, where a later import of the same bytes finds it.
+    `sha256`, the file's, is kept in the run's workload, where a later import of the same bytes finds it; bytes
+    another run holds (or another process is importing now) are refused before any work.
     CaptureError names the line that is wrong, and then nothing is registered or left on disk."""
     path = Path(path)
     said = {"capture": path.name} | ({"sha256": sha256} if sha256 else {})
@@ -166,9 +167,16 @@ def _batches(f: Path, columns: list[str] | None = None, whole: bool = False) -> 
 
 
 def _begin(store: RunStore, path: Path, workload: dict) -> str:
-    """A new capture run, `running` until its import ends."""
+    """A new capture run, `running` until its import ends. A capture whose bytes (its workload's sha256) another
+    run holds, or another process is importing now, is refused: the check and the new run are one write."""
     run_id = new_run_id()
     with store.write() as con:
+        other = con.execute("SELECT run_id, status FROM runs WHERE workload->>'sha256' = ? AND status <> 'failed' "
+                            "ORDER BY created_at LIMIT 1", [workload.get("sha256")]).fetchone()
+        if other is not None:
+            raise CaptureError(f"{path}: " + (f"was imported before, as run {other[0]}" if other[1] == "complete" else
+                               f"is being imported now, as run {other[0]} (if no process imports it any more, delete "
+                               "that run or import with --again)"))
         con.execute("INSERT INTO runs (run_id, created_at, status, model, scenario, workload, engine, "
                     "kvviz_version) VALUES (?, ?, 'running', ?, ?, ?, '{}', ?)",
                     [run_id, datetime.now(UTC).replace(tzinfo=None), CAPTURE_MODEL, f"capture {path.name}",

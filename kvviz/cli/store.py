@@ -116,7 +116,7 @@ def cmd_import(args: argparse.Namespace) -> int:
         if tty:
             print(f"\rkvviz: importing {args.file}: {100 * done // total}%", end="", file=sys.stderr, flush=True)
 
-    run_id = import_file(args.file, args.store, progress, args.in_place, before.sha256)
+    run_id = import_file(args.file, args.store, progress, args.in_place, None if args.again else before.sha256)
     if tty:
         print("", file=sys.stderr)
     with args.store.read() as con:
