@@ -294,10 +294,25 @@ def test_bench_measures_only_the_peers_asked_for(tmp_path):
     assert p.returncode == 0, p.stderr
     text = out.read_text()
     one = next(line for line in text.splitlines() if line.startswith("| uniform-2 | kvviz fast (every prompt in one"))
-    assert float(one.split("|")[4]) > 0 and "with every prompt in one step, as generate prefills" in text
-    assert "with 2048-token steps" not in text, "fast with 2048-token steps was not measured"
+    assert float(one.split("|")[4]) > 0 and "uniform-2: every prompt fits one 2048-token step; its TPOT is" in text
+    assert "runs as fast does" not in text and "prefill chunks" not in text, "no fast measured, no chunk taken"
     bad = kvviz("bench", "--model", "tiny-llama", "--sizes", "2", "--peers", "oracle,vllm")
     assert bad.returncode == 2 and "no peer 'vllm'" in bad.stderr and "recorder" in bad.stderr
+
+
+def test_the_bench_report_says_chunks_only_where_a_case_takes_more_than_one_step():
+    """Walk finding: at 2 requests the one-step peer is fast's configuration, and the report compared the two
+    as if fast had waited on prefill chunks."""
+    from kvviz.bench.throughput import ONE_STEP, STEP_TOKENS, Measurement, _ratios
+
+    peer = {name: Measurement("c", name, 10.0, 640, 0, ttft, 0.1, 0.09) for name, ttft in
+            (("kvviz fast", 2.0), (ONE_STEP, 3.0), ("hf generate", 4.0))}
+    one_step = " ".join(_ratios("c", peer, 64, chunked=False))
+    assert "runs as fast does" in one_step and "prefill chunks" not in one_step and "with every prompt" not in one_step
+    chunked = " ".join(_ratios("c", peer, 64, chunked=True))
+    assert "fast's TPOT also waits on the prefill chunks" in chunked
+    assert f"the first token comes after 3000 ms (2000 ms with {STEP_TOKENS}-token steps)" in chunked
+    assert "100.0 ms against generate's 100.0 ms" in chunked
 
 
 def test_bench_sessions_runs_four_at_once_and_one_after_another():

@@ -221,16 +221,17 @@ PEER_NAMES = dict(zip(("fast", "fast-one-step", "inspect", "oracle", "recorder",
 def run_bench(model: LoadedModel, sizes: list[int], new_tokens: int, progress: Callable[[str], None] = print,
               repeat: int = 1, only: set[str] | None = None, peers: list[str] | None = None) -> list[Measurement]:
     """Every peer (or `peers`, names of PEERS) on every case (`only`: cases whose name starts with one of
-    these). With repeat > 1 the peers take turns, in a rotated order each round, and each reports its
-    median run: on a noisy machine that compares like with like."""
+    these), each peer first warmed up on the case's prompts untimed. With repeat > 1 the peers take turns,
+    in a rotated order each round, and each reports its median run: on a noisy machine that compares like
+    with like."""
     names = peers or list(PEERS)
-    warm = BenchCase("warm-up", [[101, 102, 103, 104]] * 2, 2)
-    for peer in names:
-        PEERS[peer](model, warm)
     out = []
     for case in cases(model.config.vocab_size, sizes, new_tokens):
         if only and not any(case.name.startswith(o) for o in only):
             continue
+        warm = BenchCase(case.name, case.prompts, 2)  # untimed: the first peer would pay the case's new shapes
+        for peer in names:
+            PEERS[peer](model, warm)
         runs: dict[str, list[Measurement]] = {peer: [] for peer in names}
         for i in range(repeat):
             for peer in names[i % len(names):] + names[:i % len(names)]:
@@ -278,13 +279,14 @@ def ingest_rates(rows: int = 20_000, keys: int = 256) -> tuple[float, float]:
     return n / part, n / duck
 
 
-def _where_fast_gains(case: str, fast: Measurement, gen: Measurement, new_tokens: int) -> str:
+def _where_fast_gains(case: str, fast: Measurement, gen: Measurement, new_tokens: int, chunked: bool) -> str:
     """Split the ratio into prefill and decode: with decode steps exactly as fast as generate's, the
     whole gain is the time to first token, which bounds the ratio any scheduler can reach."""
     ceiling = gen.seconds / (fast.ttft + gen.tpot * (new_tokens - 1))
     decode = "" if fast.decode_step is None or not gen.decode_step else (
-        f" (a step that only decodes: {1000 * fast.decode_step:.1f} ms, {fast.decode_step / gen.decode_step:.2f}x "
-        "generate's; fast's TPOT also waits on the prefill chunks batched with its decodes)")
+        f" (a step that only decodes: {1000 * fast.decode_step:.1f} ms against generate's "
+        f"{1000 * gen.decode_step:.1f}" + ("; fast's TPOT also waits on the prefill chunks batched with its decodes)"
+                                           if chunked else ")"))
     return (f"{case}: first token after {1000 * fast.ttft:.0f} ms (fast) and {1000 * gen.ttft:.0f} ms (generate), "
             f"then {1000 * fast.tpot:.1f} and {1000 * gen.tpot:.1f} ms per token{decode}; with decode as fast as "
             f"generate's, fast would be {ceiling:.2f}x generate.")
@@ -310,9 +312,11 @@ def report(model: LoadedModel, results: list[Measurement], sizes: list[int], new
         ratio = f"{r.tokens_per_second / base[r.case]:.2f}" if r.case in base else ""
         lines.append(f"| {r.case} | {r.peer} | {r.tokens_per_second:.1f} | {ratio} | {ttft} | {tpot} | {decode} "
                      f"| {computed} |")
+    chunked = {c.name: sum(len(p) for p in c.prompts) > STEP_TOKENS for c in cases(model.config.vocab_size, sizes,
+                                                                                   new_tokens)}
     for case in sorted({r.case for r in results}):
         lines.append("")
-        lines += _ratios(case, {r.peer: r for r in results if r.case == case}, new_tokens)
+        lines += _ratios(case, {r.peer: r for r in results if r.case == case}, new_tokens, chunked[case])
     part, duck = ingest_rates()
     lines.append(f"\nAttention rows written: {part / 1e6:.1f} million weights per second into a Parquet part (the "
                  f"recorder's), {duck / 1e6:.1f} million into DuckDB (one INSERT and its checkpoint), "
@@ -325,8 +329,9 @@ def report(model: LoadedModel, results: list[Measurement], sizes: list[int], new
     return "\n".join(lines) + "\n"
 
 
-def _ratios(case: str, peer: dict[str, Measurement], new_tokens: int) -> list[str]:
-    """The case's sentences, each said when both of its peers were measured."""
+def _ratios(case: str, peer: dict[str, Measurement], new_tokens: int, chunked: bool) -> list[str]:
+    """The case's sentences, each said when both of its peers were measured (`chunked`: the case's prompts
+    take more than one step of STEP_TOKENS)."""
     said = []
     if {"kvviz inspect", "kvviz inspect + oracle"} <= peer.keys():
         plain, checked = peer["kvviz inspect"], peer["kvviz inspect + oracle"]
@@ -342,13 +347,18 @@ def _ratios(case: str, peer: dict[str, Measurement], new_tokens: int) -> list[st
                     f"{seen.tokens_per_second / peer['hf generate_batch'].tokens_per_second:.2f}x generate_batch "
                     "alone.")
     if {"kvviz fast", "hf generate"} <= peer.keys():
-        said.append(_where_fast_gains(case, peer["kvviz fast"], peer["hf generate"], new_tokens))
+        said.append(_where_fast_gains(case, peer["kvviz fast"], peer["hf generate"], new_tokens, chunked))
     if {ONE_STEP, "hf generate"} <= peer.keys():
-        one, gen = peer[ONE_STEP], peer["hf generate"]
-        chunked = peer.get("kvviz fast")
-        said.append(f"{case}: with every prompt in one step, as generate prefills, fast's TPOT is "
-                    f"{1000 * one.tpot:.1f} ms, {one.tpot / gen.tpot:.2f}x generate's, at "
-                    f"{one.tokens_per_second / gen.tokens_per_second:.2f}x its throughput; the first token comes after "
-                    f"{1000 * one.ttft:.0f} ms"
-                    + ("." if chunked is None else f" ({1000 * chunked.ttft:.0f} ms with {STEP_TOKENS}-token steps)."))
+        one, gen, fast = peer[ONE_STEP], peer["hf generate"], peer.get("kvviz fast")
+        if not chunked:
+            same = (", so the one-step peer runs as fast does (what differs between them is run-to-run spread)"
+                    if fast else "")
+            said.append(f"{case}: every prompt fits one {STEP_TOKENS}-token step{same}; its TPOT is "
+                        f"{1000 * one.tpot:.1f} ms against generate's {1000 * gen.tpot:.1f} ms.")
+        else:
+            said.append(f"{case}: with every prompt in one step, as generate prefills, fast's TPOT is "
+                        f"{1000 * one.tpot:.1f} ms against generate's {1000 * gen.tpot:.1f} ms, at "
+                        f"{one.tokens_per_second / gen.tokens_per_second:.2f}x its throughput; the first token comes "
+                        f"after {1000 * one.ttft:.0f} ms"
+                        + ("." if fast is None else f" ({1000 * fast.ttft:.0f} ms with {STEP_TOKENS}-token steps)."))
     return said
