@@ -235,3 +235,7 @@ def test_cross_tenant_blocks_are_those_one_replica_stored_under_two_salts(run, t
         assert list(zip(events.ts - 1000.0, events.salt, events.repeat, strict=True)) == [
             (0.0, "a", False), (1.0, "b", True), (3.0, "a", True)]
         assert capture_time.cross_tenant(con, shared_id, 1000.0, 1000.5)[0] == 0  # only a's store in range
+    from kvviz.figures import capture_time as drawn
+
+    figure = drawn.cross_tenant(events, 1000.0)  # the block named as the findings table names it, 16 digits
+    assert {y for t in figure.data for y in t.y} == {"0000000000000001"}

@@ -104,7 +104,7 @@ def cross_tenant(events: pd.DataFrame, origin: float) -> go.Figure:
     """events: replica, block_hash, ts, salt, repeat: one row per block used by two tenants or more (the
     most used at the top), a mark at each store (circle: the block was new) and hit (diamond) in the
     colour of the salt that made it: the evidence that tenants shared a cache entry, and when."""
-    label = events.block_hash.map("{:x}".format) + (" on " + events.replica if events.replica.nunique() > 1 else "")
+    label = events.block_hash.map("{:016x}".format) + (" on " + events.replica if events.replica.nunique() > 1 else "")
     df = events.assign(block=label, x=events.ts - origin)
     colours = request_colours(df.salt)
     fig = go.Figure()
