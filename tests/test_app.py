@@ -624,6 +624,17 @@ def test_the_sql_quick_chart_draws_a_line_per_series_and_bars_along_names(with_r
     assert at.selectbox(key="sql_colour_3").value == "request_id" and at.radio(key="sql_kind_3").value == "line"
 
 
+def test_the_sql_page_says_why_a_result_of_no_numbers_has_no_chart(with_runs):
+    at = page("sql")
+    at.text_area(key="sql_text").input("SELECT * FROM (VALUES ('a', [1.0, 2.0]), ('b', [3.0, 4.0])) t(name, q)")
+    at.button[0].click().run()
+    assert "sql_chart" not in charts(at) and any("No quick chart: no column holds a number" in c.value
+                                                  for c in at.caption)
+    at.text_area(key="sql_text").input("SELECT * FROM (VALUES ('a', 1.0), ('b', 3.0)) t(name, q)")
+    at.button[0].click().run()
+    assert "sql_chart" in charts(at) and not any("No quick chart" in c.value for c in at.caption)
+
+
 def test_the_sql_quick_chart_plots_a_measure_not_a_layer_number(with_runs):
     """The walk's 'Top leaking heads' chart plotted the sum of `layer`: y defaults to the mass."""
     at = page("sql")

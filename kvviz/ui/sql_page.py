@@ -102,6 +102,9 @@ def _result(df: pd.DataFrame, truncated: bool) -> None:
                (f" (the first {MAX_ROWS:,}; more exist)" if truncated else ""))
     st.dataframe(df, hide_index=True, width="stretch")
     numeric = [c for c in df.columns if pd.api.types.is_numeric_dtype(df[c])]
+    if len(df) > 1 and not numeric:
+        st.caption("No quick chart: no column holds a number (a list, such as quantile_cont's, charts once "
+                   "unnested: `unnest(...)` or `q[1]`).")
     if len(df) > 1 and numeric:
         with st.expander("Quick chart", expanded=True):
             c = st.columns(4)
