@@ -216,25 +216,26 @@ def test_a_reset_of_the_prefix_cache_waits_for_an_idle_loop_and_goes_out_with_th
     from kvviz.engine.workload import RequestSpec
 
     cfg = EngineConfig(block_size=4, num_blocks=16, max_batch_tokens=64, compute="fast", disaggregated=disaggregated)
-    loop, prompt = Engine(tiny(), cfg).open(), list(range(100, 113))  # three full blocks, then one token
+    driver, prompt = Engine(tiny(), cfg).open(), list(range(100, 113))  # three full blocks, then one token
+    loop = driver.backend
 
     def serve(rid: str) -> list:
-        loop.add(RequestSpec(rid, prompt_ids=prompt, max_new_tokens=2, arrival_step=loop.step), prompt)
-        records = [loop.advance()]
-        assert loop.busy and not loop.reset_prefix_cache(), "refused while a request runs"
-        while loop.busy:
-            records.append(loop.advance())
+        driver.add(RequestSpec(rid, prompt_ids=prompt, max_new_tokens=2, arrival_step=loop.step), prompt)
+        records = [driver.advance()]
+        assert driver.busy and not loop.reset_prefix_cache(), "refused while a request runs"
+        while driver.busy:
+            records.append(driver.advance())
         return records
 
     with torch.inference_mode():
         serve("A")
         serve("B")
         cached = {h for i in loop.instances for h in i.kv.snapshot().hashes if h is not None}
-        assert loop.result("B").cached_tokens == 12 and cached
+        assert driver.result("B").cached_tokens == 12 and cached
         assert loop.reset_prefix_cache()
         assert all(not i.kv.pool.cached for i in loop.instances)
         records = serve("C")
-    assert loop.result("C").cached_tokens == 0
+    assert driver.result("C").cached_tokens == 0
     events = records[0].events
     n = next(i for i, e in enumerate(events) if e.kind != "clear")
     assert n > 0 and {e.hash for e in events[:n]} == cached

@@ -473,7 +473,7 @@ def test_a_fault_an_unknown_version_and_kvviz_s_engine_refuse_in_one_sentence(mo
     wl = workload([{"id": "A", "prompt": "hi", "max_new_tokens": 2}])
     with pytest.raises(WorkloadError, match=r"^fault 'boundary': kvviz's faults are injected into kvviz's own"):
         run_checked(tiny(), wl, "boundary")
-    with pytest.raises(EngineError, match=r"^engine.backend: 'transformers' runs through kvviz.hf_backend"):
+    with pytest.raises(EngineError, match=r"^engine.backend: 'transformers' is another engine, run by kvviz.runners"):
         Engine(tiny(), wl.engine).run(wl)
     monkeypatch.setattr(adapter.transformers, "__version__", "5.25.0")
     with pytest.raises(

@@ -308,15 +308,15 @@ def test_an_own_key_read_twice_is_a_duplicate_and_the_request_beside_it_in_the_s
         for j, tok in enumerate(tokens[rid]):
             prov.record(base + j, ids[rid][j], j, tok, rid, None, 1)
     ctx = StepContext(
-        0,
-        [ScheduledWork(rid, 0, tokens[rid], [b]) for rid, b in (("A", 0), ("B", 1))],
-        torch.tensor([0, 0, 0, 1, 1, 1]),
-        torch.tensor([0, 1, 2] * 2),
-        4,
-        prov,
-        [1] * 4,
-        [ids["A"], ids["B"]],
-        [None, None],
+        step=0,
+        work=[ScheduledWork(rid, 0, tokens[rid], [b]) for rid, b in (("A", 0), ("B", 1))],
+        q_row=torch.tensor([0, 0, 0, 1, 1, 1]),
+        q_pos=torch.tensor([0, 1, 2] * 2),
+        block_size=4,
+        provenance=prov,
+        block_lifetimes=[1] * 4,
+        prefix_ids=[ids["A"], ids["B"]],
+        tenants=[None, None],
     )
 
     def group(start: int, slots: list[int], reads: list[list[int]]) -> tuple[AttentionGroup, torch.Tensor]:

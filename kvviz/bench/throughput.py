@@ -180,14 +180,14 @@ def run_hf_observed(model: LoadedModel, case: BenchCase, kernel: str = "eager_pa
     """transformers' continuous batching as kvviz's transformers backend runs it, the provenance oracle
     on every layer: what observing a real engine costs, against `generate_batch` alone with the same
     cache."""
-    from ..hf_backend import run_workload
+    from ..runners.backends import run_backend
 
     cfg = EngineConfig(block_size=16, num_blocks=pool_blocks(case, 16), max_batch_tokens=STEP_TOKENS,
                        backend="transformers", kernel=kernel)
     wl = Workload([RequestSpec(f"r{i}", prompt_ids=p, max_new_tokens=case.new_tokens, ignore_eos=True)
                    for i, p in enumerate(case.prompts)], cfg)
     t = time.perf_counter()
-    res = run_workload(model, wl, observers=[ProvenanceOracle()])
+    res = run_backend(model, wl, observers=[ProvenanceOracle()], run_id="bench")
     seconds = time.perf_counter() - t
     n = len(res.requests)
     return Measurement(case.name, f"transformers backend ({kernel}) + oracle", seconds, res.stats.generated_tokens,

@@ -3,7 +3,6 @@ opens a loop that requests join one by one (a server's)."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -11,9 +10,11 @@ import torch
 from ..models import LoadedModel
 from ..models.queue import WaitCallback
 from ..util.ids import new_run_id
+from .backend import EngineError
 from .config import EngineConfig
 from .defences import Defences
-from .loop import EngineError, EngineLoop
+from .driver import Driver
+from .loop import EngineLoop
 from .observer import AttentionObserver
 from .records import RunResult, StepRecord
 from .workload import RequestSpec, Workload, WorkloadError
@@ -21,14 +22,20 @@ from .workload import RequestSpec, Workload, WorkloadError
 __all__ = ["Engine", "EngineError"]
 
 
+def eos_ids(model: LoadedModel) -> set[int]:
+    """The tokens that end a request: the generation config's and the tokenizer's EOS."""
+    gen = model.model.generation_config
+    eos = gen.eos_token_id if gen is not None else None
+    out = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    if model.tokenizer.eos_token_id is not None:
+        out.add(model.tokenizer.eos_token_id)
+    return out
+
+
 class Engine:
     def __init__(self, model: LoadedModel, config: EngineConfig, defences: Defences | None = None):
         self.model, self.config, self.defences = model, config, defences or Defences()
-        gen = model.model.generation_config
-        eos = gen.eos_token_id if gen is not None else None
-        self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        if model.tokenizer.eos_token_id is not None:
-            self.eos_ids.add(model.tokenizer.eos_token_id)
+        self.eos_ids = eos_ids(model)
 
     def run(self, workload: Workload, on_step: Callable[[StepRecord], None] | None = None,
             observers: Sequence[AttentionObserver] = (), keep_logits: bool = False,
@@ -40,33 +47,22 @@ class Engine:
         if observers and self.config.compute != "inspect":
             raise EngineError("attention observers (the leak oracle) need compute='inspect'")
         specs = self.resolve(workload)
-        arrivals = sorted(specs, key=lambda s: s[0].arrival_step)
         with self.model.queue.turn(on_wait), torch.inference_mode():
-            loop = EngineLoop(self.model, self.config, self.defences, self.eos_ids, workload.seed, observers,
-                              keep_logits)  # times count from the turn
-            while arrivals or loop.busy:
-                while arrivals and arrivals[0][0].arrival_step <= loop.step:
-                    loop.add(*arrivals.pop(0))
-                if loop.advance(snapshot=on_step is not None) is None:
-                    loop.step = arrivals[0][0].arrival_step  # idle until the next arrival
-                elif on_step is not None:
-                    on_step(loop.last)
-        loop.stats.seconds = time.perf_counter() - loop.t0
-        loop.stats.cached_tokens = sum(r.cached_tokens for r in loop.live.values())
-        loop.stats.prompt_tokens = sum(len(r.prompt_ids) for r in loop.live.values())
-        return RunResult(run_id or new_run_id(), self.config, [loop.result(s.id) for s, _ in specs], loop.stats)
+            driver = self.open(workload.seed, observers, keep_logits)  # times count from the turn
+            return driver.run(specs, self.config, run_id or new_run_id(), on_step)
 
-    def open(self, seed: int = 0, observers: Sequence[AttentionObserver] = ()) -> EngineLoop:
-        """A loop that requests join one by one between steps (a server's); the caller holds the
-        model's turn and torch's inference mode around its steps."""
+    def open(self, seed: int = 0, observers: Sequence[AttentionObserver] = (), keep_logits: bool = False) -> Driver:
+        """The engine under a driver that requests join one by one between steps (a server's); the caller
+        holds the model's turn and torch's inference mode around its steps."""
         self._own_backend()
-        return EngineLoop(self.model, self.config, self.defences, self.eos_ids, seed, observers)
+        loop = EngineLoop(self.model, self.config, self.defences, self.eos_ids, seed, observers)
+        return Driver(loop, self.model.tokenizer, self.eos_ids, keep_logits)
 
     def _own_backend(self) -> None:
         """A workload for another backend never runs here by mistake (replaying, serving it)."""
         if self.config.backend != "kvviz":
-            raise EngineError(f"engine.backend: {self.config.backend!r} runs through kvviz.hf_backend, not kvviz's "
-                              "own engine")
+            raise EngineError(f"engine.backend: {self.config.backend!r} is another engine, run by "
+                              "kvviz.runners.backends, not kvviz's own")
 
     # -- requests ------------------------------------------------------------------------------
     def check(self, workload: Workload) -> None:

@@ -18,36 +18,32 @@ import torch
 from ..models import LoadedModel
 from ..models.routing import step_kwargs
 from .attention import KVTensors, StepBatch
+from .backend import Admission, EngineError
 from .block_pool import OutOfBlocks
 from .config import EngineConfig
 from .defences import Defences
 from .kv_cache import KVCacheManager
 from .observer import AttentionObserver, StepContext
 from .plan import ScheduledWork, build_step
-from .records import KVTransfer, Lookup, RequestResult, RunStats, StepRecord
+from .records import KVTransfer, Lookup, StepRecord
 from .sampler import request_generator, sample
 from .scheduler import Scheduler, StepSchedule
-from .workload import RequestSpec, WorkloadError
+from .workload import RequestSpec
 
 
-class EngineError(WorkloadError):
-    """The workload cannot run on this model and pool (it says which request and why)."""
+@dataclass(kw_only=True)
+class _Request:
+    """What the loop keeps of a request to compute it: its tokens so far, how to sample its next one."""
 
-
-@dataclass
-class _Live:
     spec: RequestSpec
-    prompt_ids: list[int]
     generator: torch.Generator
-    output_ids: list[int] = field(default_factory=list)
-    logits: list[torch.Tensor] | None = None
-    cached_tokens: int = -1
-    first_token_step: int = -1
-    finish_step: int = -1
-    finish_reason: str = ""
-    first_token_at: float = 0.0  # perf_counter times
-    finish_at: float = 0.0
+    tokens: list[int]  # the prompt, then every token it sampled
+    prompt_len: int
     block_hashes: list[bytes] = field(default_factory=list)  # its chain when it finished (a session resumes it)
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
 
 
 @dataclass
@@ -59,14 +55,14 @@ class Instance:
 
 
 class EngineLoop:
-    """One shared pool, its scheduler and its requests (or a prefill and a decode instance); `advance`
-    runs one step."""
+    """kvviz's own engine as a Backend: one shared pool, its scheduler and its requests (or a prefill
+    and a decode instance); `advance` runs one step."""
 
     def __init__(self, model: LoadedModel, config: EngineConfig, defences: Defences, eos_ids: set[int], seed: int = 0,
-                 observers: Sequence[AttentionObserver] = (), keep_logits: bool = False):
+                 observers: Sequence[AttentionObserver] = ()):
         cfg = self.config = config
         self.model, self.defences, self.eos_ids, self.seed = model, defences, eos_ids, seed
-        self.observers, self.keep_logits = observers, keep_logits
+        self.observers = observers
         N, arena = cfg.num_blocks, cfg.num_blocks * (2 if cfg.disaggregated else 1)
         host = cfg.offload.cpu_blocks if cfg.offload else 0  # on the instance that looks prefixes up
         self.kv = KVCacheManager(arena, cfg.block_size, cfg.prefix_caching, 0 if cfg.disaggregated else host,
@@ -83,11 +79,8 @@ class EngineLoop:
             defences.pool_patches.apply(inst.kv)
         self.tensors = KVTensors(arena * cfg.block_size)
         self.host_tensors = KVTensors(cfg.offload.cpu_blocks * cfg.block_size, "cpu") if cfg.offload else None
-        self.live: dict[str, _Live] = {}
-        self.stats = RunStats()
+        self.live: dict[str, _Request] = {}
         self.step = 0  # the number the next step gets
-        self.last: StepRecord | None = None
-        self.t0 = time.perf_counter()  # request times count from here
 
     @property
     def instances(self) -> list[Instance]:
@@ -103,9 +96,10 @@ class EngineLoop:
         """Requests are running, waiting for the pool or waiting to be handed over."""
         return bool(self.handoff) or any(i.sched.running or i.sched.waiting for i in self.instances)
 
-    def advance(self, snapshot: bool = False) -> StepRecord | None:
-        """Run one step and return its record (with the pool's snapshot when asked), or None when no
-        request is there; EngineError when requests wait but none can be scheduled."""
+    def advance(self, snapshot: bool = False, logits: bool = False) -> StepRecord | None:
+        """Run one step and return its record (with the pool's snapshot and the sampled logits when
+        asked), or None when no request is there; EngineError when requests wait but none can be
+        scheduled."""
         started = time.perf_counter()
         transfers = self._hand_over() if self.prefill else []
         plans = [i.sched.schedule() for i in self.instances]
@@ -114,7 +108,7 @@ class EngineLoop:
             if self.busy:
                 raise EngineError(f"step {self.step}: no request can be scheduled (pool too small?)")
             return None
-        record = self._step(plan)
+        record = self._step(plan, logits)
         record.transfers = transfers
         for sid in record.finished:
             inst = self.instance_of(sid)
@@ -126,13 +120,12 @@ class EngineLoop:
                     self.prefill.sched.finish(sid)
                     self.handoff.append(sid)
         record.events = [e for i in self.instances for e in i.kv.pop_events()]
-        self.stats.steps += 1
         if snapshot:  # only for a consumer: keep it off the bare hot path
             snap = self.kv.snapshot()
             if self.prefill:
                 snap = snap.merged(self.prefill.kv.snapshot(), self.prefill.kv.pool.owned)
             record.snapshot, record.seconds = snap, time.perf_counter() - started
-        self.last, self.step = record, self.step + 1
+        self.step += 1
         return record
 
     def _hand_over(self) -> list[KVTransfer]:
@@ -150,14 +143,16 @@ class EngineLoop:
                 break  # the decode pool is full: wait for its requests to finish
             self.handoff.pop(0)
             table = self.kv.seqs[sid].block_table
-            out.append(KVTransfer(sid, len(table), seq.num_computed * per_slot, status, tuple(seq.block_table),
-                                  tuple(table), *self.kv.received(sid, seq.num_computed)))
+            kv_of, intact = self.kv.received(sid, seq.num_computed)
+            out.append(KVTransfer(request=sid, blocks=len(table), bytes=seq.num_computed * per_slot, status=status,
+                                  from_blocks=tuple(seq.block_table), to_blocks=tuple(table), kv_of=kv_of,
+                                  intact=intact))
             pkv.free(sid)
             self.sched.add_running(sid)
         return out
 
     # -- one step ------------------------------------------------------------------------------
-    def _step(self, plan) -> StepRecord:
+    def _step(self, plan, keep_logits: bool) -> StepRecord:
         """The step's stages: K/V moved, the work packed, provenance committed, observers told, the
         forward, then sampling."""
         seqs = {sid: s for i in self.instances for sid, s in i.kv.seqs.items()}
@@ -172,15 +167,14 @@ class EngineLoop:
         sampling = [r for r, w in enumerate(work) if w.end == len(seqs[w.seq_id].token_ids)]
         logits = self._forward(work, inp, seqs, [inp.offsets[r] + len(work[r].token_ids) - 1 for r in sampling])
         starts = {sid: a.start for sid, a in plan.work}
-        lookups = {sid: Lookup(len(seqs[sid].token_ids), starts[sid], seqs[sid].salt) for sid in plan.admitted}
-        for sid in plan.admitted:
-            if self.live[sid].cached_tokens < 0:
-                self.live[sid].cached_tokens = starts[sid]
-        sampled, finished = self._sample(logits, [work[r].seq_id for r in sampling], seqs)
-        self.stats.preemptions += len(plan.preempted)
+        lookups = {sid: Lookup(tokens=len(seqs[sid].token_ids), hit_tokens=starts[sid], salt=seqs[sid].salt)
+                   for sid in plan.admitted}
+        names = [work[r].seq_id for r in sampling]
+        sampled, finished = self._sample(logits, names, seqs)
+        kept = {sid: logits[i].float().cpu() for i, sid in enumerate(names)} if keep_logits else {}
         return StepRecord(step=self.step, work={w.seq_id: (w.start, len(w.token_ids)) for w in work},
                           admitted=plan.admitted, preempted=plan.preempted, sampled=sampled, finished=finished,
-                          writes=writes, tokens={w.seq_id: w.token_ids for w in work}, lookups=lookups)
+                          writes=writes, tokens={w.seq_id: w.token_ids for w in work}, lookups=lookups, logits=kept)
 
     def _move_kv(self, plan) -> None:
         """K/V that moves before the forward: host-tier offloads and restores (before copy-on-write: an
@@ -200,8 +194,6 @@ class EngineLoop:
         for r, w in enumerate(work):
             slots = writes[w.seq_id] = write_slots[inp.offsets[r]:inp.offsets[r] + len(w.token_ids)]
             self.instance_of(w.seq_id).kv.commit(w.seq_id, len(w.token_ids), slots)
-            prompt_len = len(self.live[w.seq_id].prompt_ids)
-            self.stats.prefill_tokens_computed += max(0, min(w.end, prompt_len) - w.start)
         return writes
 
     def _forward(self, work: list[ScheduledWork], inp, seqs: dict, keep: list[int]) -> torch.Tensor:
@@ -209,9 +201,11 @@ class EngineLoop:
         the logits of the `keep` positions (each sampling request's last token)."""
         observers, cfg = self.observers, self.config
         if observers:
-            ctx = StepContext(self.step, work, inp.q_row, inp.position_ids[0], cfg.block_size, self.kv.provenance,
-                              self._lifetimes(), [seqs[w.seq_id].prefix_ids[:w.end] for w in work],
-                              [seqs[w.seq_id].salt for w in work])
+            ctx = StepContext(step=self.step, work=work, q_row=inp.q_row, q_pos=inp.position_ids[0],
+                              block_size=cfg.block_size, provenance=self.kv.provenance,
+                              block_lifetimes=self._lifetimes(),
+                              prefix_ids=[seqs[w.seq_id].prefix_ids[:w.end] for w in work],
+                              tenants=[seqs[w.seq_id].salt for w in work])
             for o in observers:
                 o.begin_step(ctx)
 
@@ -231,24 +225,16 @@ class EngineLoop:
     def _sample(self, logits: torch.Tensor, requests: list[str], seqs: dict) -> tuple[dict[str, int], list[str]]:
         """A token for each request whose last position was computed (logits row i: requests[i]); the
         ones that end (EOS or their length) are returned as finished, the rest take their token."""
-        sampled, finished, now = {}, [], time.perf_counter()
+        sampled, finished = {}, []
         greedy = logits.argmax(-1).tolist()  # one pass over the step's rows, as generate takes its argmax
         for i, sid in enumerate(requests):
             state = self.live[sid]
             spec = state.spec
             tok = greedy[i] if spec.temperature == 0 else sample(logits[i], spec.temperature, spec.top_p,
                                                                  state.generator)
-            state.output_ids.append(tok)
-            if state.logits is not None:
-                state.logits.append(logits[i].float().cpu())
-            if state.first_token_step < 0:
-                state.first_token_step, state.first_token_at = self.step, now
+            state.tokens.append(tok)
             sampled[sid] = tok
-            self.stats.generated_tokens += 1
-            eos = tok in self.eos_ids and not state.spec.ignore_eos
-            if eos or len(state.output_ids) >= state.spec.max_new_tokens:
-                state.finish_reason = "eos" if eos else "length"
-                state.finish_step, state.finish_at = self.step, now
+            if (tok in self.eos_ids and not spec.ignore_eos) or state.generated >= spec.max_new_tokens:
                 finished.append(sid)
             else:
                 seqs[sid].append([tok])
@@ -263,7 +249,7 @@ class EngineLoop:
         return life
 
     # -- requests ------------------------------------------------------------------------------
-    def add(self, spec: RequestSpec, own_ids: list[int], generator: torch.Generator | None = None) -> None:
+    def add(self, spec: RequestSpec, own_ids: list[int], generator: torch.Generator | None = None) -> Admission:
         """A request arrives now (its ids resolved by Engine.resolve); a fork shares its parent's blocks
         (partial last block included); a resumed session starts a new request from the first `truncate`
         tokens of its parent's history, with the parent's hashes of those tokens' full blocks. Sampling
@@ -277,21 +263,22 @@ class EngineLoop:
         elif parent is not None:
             base = list(parent.token_ids)
         else:  # the parent has finished: start from everything it produced
-            base = live[spec.parent].prompt_ids + live[spec.parent].output_ids
+            base = list(live[spec.parent].tokens)
         if spec.truncate is not None:
             base = base[:spec.truncate]
-        state = live[spec.id] = _Live(spec, base + own_ids, gen, logits=[] if self.keep_logits else None)
+        prompt = base + own_ids
+        live[spec.id] = _Request(spec=spec, generator=gen, tokens=list(prompt), prompt_len=len(prompt))
         if spec.truncate is None and parent is not None and parent.block_table:
             held.kv.fork(spec.parent, spec.id)
             held.kv.append_tokens(spec.id, own_ids)
-            state.cached_tokens = held.kv.seqs[spec.id].num_computed
             held.sched.add_running(spec.id)
-        else:
-            entry.kv.add(spec.id, state.prompt_ids, spec.cache_salt, spec.adapter)
-            if spec.truncate is not None:
-                hashes = parent.block_hashes if parent is not None else live[spec.parent].block_hashes
-                entry.kv.resume(spec.id, hashes, len(base))
-            entry.sched.add_waiting(spec.id)
+            return Admission(prompt_ids=prompt, cached_tokens=held.kv.seqs[spec.id].num_computed)
+        entry.kv.add(spec.id, prompt, spec.cache_salt, spec.adapter)
+        if spec.truncate is not None:
+            hashes = parent.block_hashes if parent is not None else live[spec.parent].block_hashes
+            entry.kv.resume(spec.id, hashes, len(base))
+        entry.sched.add_waiting(spec.id)
+        return Admission(prompt_ids=prompt)
 
     def reset_prefix_cache(self) -> bool:
         """Forget everything the prefix cache holds, as vLLM's reset_prefix_cache: only while no request
@@ -301,11 +288,11 @@ class EngineLoop:
             return False
         return all([i.kv.reset_prefix_cache() for i in self.instances])
 
-    def cancel(self, request_id: str) -> None:
+    def cancel(self, request_id: str) -> bool:
         """Stop a request where it is (a client gone, a stop string seen) and free its blocks."""
         state = self.live.get(request_id)
         if state is None:
-            return  # forgotten already
+            return False
         inst = self.instance_of(request_id)
         if request_id in inst.sched.waiting:
             inst.sched.waiting.remove(request_id)
@@ -314,19 +301,10 @@ class EngineLoop:
         elif request_id in self.handoff:
             self.handoff.remove(request_id)
         else:
-            return  # finished already
+            return False  # finished already
         state.block_hashes = inst.kv.free(request_id).block_hashes
-        state.finish_reason, state.finish_step, state.finish_at = "cancelled", self.step, time.perf_counter()
+        return True
 
-    def forget(self, request_id: str) -> RequestResult:
-        """A finished or cancelled request's result, dropped from the loop (a server keeps none)."""
-        result = self.result(request_id)
-        del self.live[request_id]
-        return result
-
-    def result(self, request_id: str) -> RequestResult:
-        s, t0 = self.live[request_id], self.t0
-        text = self.model.tokenizer.decode(s.output_ids, skip_special_tokens=True)
-        return RequestResult(s.spec.id, s.prompt_ids, s.output_ids, text, s.finish_reason, s.cached_tokens,
-                             s.spec.arrival_step, s.first_token_step, s.finish_step, s.spec.temperature == 0, s.logits,
-                             s.first_token_at - t0, s.finish_at - t0)
+    def forget(self, request_id: str) -> None:
+        """Drop an ended request's history (a server keeps none; a fork of it can no longer start)."""
+        self.live.pop(request_id, None)

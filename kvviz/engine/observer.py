@@ -19,7 +19,7 @@ from .plan import ScheduledWork
 from .provenance import SlotProvenance
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StepContext:
     step: int
     work: list[ScheduledWork]  # in packed order: request r's tokens come r-th

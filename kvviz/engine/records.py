@@ -11,7 +11,7 @@ from .events import BlockEvent
 from .kv_cache import PoolSnapshot
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class KVTransfer:
     """A prefilled request's K/V sent from the prefill instance to the decode instance."""
 
@@ -25,7 +25,7 @@ class KVTransfer:
     intact: bool = True  # every received slot holds this request's own tokens' K/V at its position
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Lookup:
     """A request's prefix-cache lookup at admission: what a hit rate counts and a miss is explained by."""
 
@@ -34,13 +34,13 @@ class Lookup:
     salt: str | None
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RequestResult:
     id: str
     prompt_ids: list[int]
     output_ids: list[int]
     text: str
-    finish_reason: str  # "eos" or "length"
+    finish_reason: str  # "eos", "length" or "cancelled"
     cached_tokens: int  # prompt tokens served by the prefix cache on first admission
     arrival_step: int
     first_token_step: int
@@ -57,7 +57,7 @@ class RequestResult:
         return (self.finish_seconds - self.first_token_seconds) / n if n > 0 else 0.0
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StepRecord:
     """What one step did, for recorders and progress displays."""
 
@@ -73,6 +73,7 @@ class StepRecord:
     lookups: dict[str, Lookup] = field(default_factory=dict)  # each admitted request's prefix-cache lookup
     snapshot: PoolSnapshot | None = None  # the pool after the step's frees
     transfers: list[KVTransfer] = field(default_factory=list)  # disaggregated: requests handed to decode
+    logits: dict[str, torch.Tensor] = field(default_factory=dict)  # sampling request -> its float32 [V] row, on request
     seconds: float = 0.0
 
 
@@ -91,7 +92,7 @@ class RunStats:
         return self.generated_tokens / self.seconds if self.seconds else 0.0
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RunResult:
     run_id: str
     config: EngineConfig

@@ -2,6 +2,6 @@
 kvviz's oracles (engine.backend "transformers"). Only kvviz.hf_backend.adapter reads transformers'
 internals."""
 
-from .run import BACKEND, check_workload, fault_refused, run_workload
+from .run import BACKEND, TransformersBackend, check_workload, open_backend
 
-__all__ = ["BACKEND", "check_workload", "fault_refused", "run_workload"]
+__all__ = ["BACKEND", "TransformersBackend", "check_workload", "open_backend"]

@@ -216,6 +216,10 @@ class ContinuousBatching:
         finished = [f.state.request_id for f in self._futures if f.state.status == RequestStatus.FINISHED]
         return Outcome(sampled, finished)
 
+    def cancel(self, request_id: str) -> None:
+        """transformers' own cancellation: the next iteration drops the request and frees its blocks."""
+        self.manager.cancel_request(request_id)
+
     def failures(self) -> list[tuple[str, str]]:
         """(request, error) of every request transformers failed, from its output queue."""
         out = []

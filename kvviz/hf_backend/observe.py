@@ -36,7 +36,7 @@ def _hash_bytes(h: int | None) -> bytes | None:
     return None if h is None else h.to_bytes(8, "big")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _Current:
     batch: Batch
     work: list[ScheduledWork]
@@ -45,9 +45,10 @@ class _Current:
     writes: dict[str, list[int]]
     admitted: list[str]  # requests in their first batch
     preempted: list[str]  # requests whose blocks transformers took back to make room (to be recomputed)
+    logits: dict[str, torch.Tensor] = field(default_factory=dict)  # sampling request -> its row, when kept
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Observation:
     """The adapter's listener for one run: it feeds `observers` (the oracle, the attention recorder)."""
 
@@ -56,11 +57,9 @@ class Observation:
     block_size: int
     salts: dict[str, str | None]
     observers: Sequence[AttentionObserver] = ()
-    keep_logits: bool = False
+    keep_logits: bool = False  # this batch's sampled logits go on its record
     step: int = 0  # the number the next batch gets
     admitted: dict[str, Lookup] = field(default_factory=dict)
-    logits: dict[str, list[torch.Tensor]] = field(default_factory=dict)
-    prefill_computed: int = 0  # prompt positions computed, recomputes included
 
     def __post_init__(self) -> None:
         n = self.total_blocks
@@ -88,23 +87,23 @@ class Observation:
             positions += range(start, start + n)
             prefixes.append(p[: start + n])
             if rid not in self.admitted:  # its first batch: what the prefix cache served it
-                self.admitted[rid] = Lookup(len(history), start, salt)
+                self.admitted[rid] = Lookup(tokens=len(history), hit_tokens=start, salt=salt)
                 admitted.append(rid)
-            self.prefill_computed += max(0, min(start + n, self.admitted[rid].tokens) - start)
             offset += n
         ctx = StepContext(
-            self.step,
-            work,
-            torch.tensor(rows, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
-            B,
-            self.provenance,
-            list(self.life),
-            prefixes,
-            [self.salts.get(rid) for rid in batch.requests],
+            step=self.step,
+            work=work,
+            q_row=torch.tensor(rows, dtype=torch.long, device=dev),
+            q_pos=torch.tensor(positions, dtype=torch.long, device=dev),
+            block_size=B,
+            provenance=self.provenance,
+            block_lifetimes=list(self.life),
+            prefix_ids=prefixes,
+            tenants=[self.salts.get(rid) for rid in batch.requests],
         )
         group = AttentionGroup(0, batch.key_slots[None], batch.visible[None])
-        self.current = _Current(batch, work, group, events, writes, admitted, preempted)
+        self.current = _Current(batch=batch, work=work, group=group, events=events, writes=writes, admitted=admitted,
+                                preempted=preempted)
         for o in self.observers:
             o.begin_step(ctx)
 
@@ -124,8 +123,7 @@ class Observation:
             return
         batch = self.current.batch
         sampling = [rid for rid, s in zip(batch.requests, batch.sampling, strict=True) if s]
-        for rid, row in zip(sampling, logits, strict=True):
-            self.logits.setdefault(rid, []).append(row.cpu())
+        self.current.logits = {rid: row.cpu() for rid, row in zip(sampling, logits, strict=True)}
 
     # -- after the batch -----------------------------------------------------------------------
     def end(self, outcome: Outcome, after: CacheView, seconds: float) -> StepRecord:
@@ -136,17 +134,18 @@ class Observation:
         events = cur.events + self._diff(cur.batch.cache, after, fresh=False)[0]
         self.view = after
         record = StepRecord(
-            self.step,
-            {w.seq_id: (w.start, len(w.token_ids)) for w in cur.work},
-            cur.admitted,
-            cur.preempted,
-            outcome.sampled,
-            outcome.finished,
-            cur.writes,
-            {w.seq_id: w.token_ids for w in cur.work},
-            events,
-            {rid: self.admitted[rid] for rid in cur.admitted},
-            self._snapshot(after),
+            step=self.step,
+            work={w.seq_id: (w.start, len(w.token_ids)) for w in cur.work},
+            admitted=cur.admitted,
+            preempted=cur.preempted,
+            sampled=outcome.sampled,
+            finished=outcome.finished,
+            writes=cur.writes,
+            tokens={w.seq_id: w.token_ids for w in cur.work},
+            events=events,
+            lookups={rid: self.admitted[rid] for rid in cur.admitted},
+            snapshot=self._snapshot(after),
+            logits=cur.logits,
             seconds=seconds,
         )
         self.step += 1

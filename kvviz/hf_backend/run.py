@@ -1,6 +1,7 @@
 """A workload run through transformers' continuous batching, observed: what `engine.backend:
-"transformers"` means. The result, step records and observer calls have the shapes kvviz's own engine
-gives, so the oracles, the recorder and every view take a transformers run like any other.
+"transformers"` means. It is a Backend under kvviz's driver: its step records and observer calls have
+the shapes kvviz's own engine gives, so the oracles, the recorder and every view take a transformers
+run like any other.
 
 Every workload field either reaches transformers or is refused in one sentence naming it, before
 anything runs; the one accepted with a consequence (a cache salt) says so in a note.
@@ -9,16 +10,16 @@ anything runs; the one accepted with a consequence (a cache salt) says so in a n
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
 
-from ..engine import Engine, EngineError, RequestResult, RunResult, RunStats, StepRecord
+from ..engine import Admission, EngineError, StepRecord, eos_ids
 from ..engine.observer import AttentionObserver
-from ..engine.workload import Workload, WorkloadError
+from ..engine.workload import RequestSpec, Workload, WorkloadError
 from ..models import LoadedModel
-from ..util.ids import new_run_id
 from .observe import Observation
 
 if TYPE_CHECKING:
@@ -72,124 +73,75 @@ def check_workload(wl: Workload) -> list[str]:
     ]
 
 
-def fault_refused(fault: str | None) -> None:
-    """kvviz's faults strike kvviz's engine; transformers' code runs as shipped."""
-    if fault is not None:
-        raise WorkloadError(
-            f"fault {fault!r}: kvviz's faults are injected into kvviz's own engine; the transformers "
-            "backend runs transformers' code unchanged (run it with engine.backend 'kvviz')"
-        )
-
-
-def run_workload(
-    model: LoadedModel,
-    wl: Workload,
-    on_step: Callable[[StepRecord], None] | None = None,
-    observers: Sequence[AttentionObserver] = (),
-    keep_logits: bool = False,
-    run_id: str | None = None,
-) -> RunResult:
-    """Run every request through transformers' manager, one batch per step, arrivals at their step;
-    observers see every layer's weights as `compute="inspect"` gives them. The caller holds the
-    model's turn."""
+@contextmanager
+def open_backend(model: LoadedModel, wl: Workload,
+                 observers: Sequence[AttentionObserver] = ()) -> Iterator[TransformersBackend]:
+    """transformers' manager for this workload, observed, as a Backend; closed (and the global random
+    state restored: transformers samples from it) when the block ends. The caller holds the model's turn."""
     from .adapter import ContinuousBatching  # refuses a transformers release it does not read, in one sentence
 
     check_workload(wl)
-    cfg, engine = wl.engine, Engine(model, wl.engine)  # its prompt checks and EOS ids; it runs nothing here
-    specs = engine.resolve(wl)
-    eos = sorted(engine.eos_ids)
-    salts = {s.id: s.cache_salt for s in wl.requests}
-    with (
-        torch.random.fork_rng(devices=[model.device.index or 0] if model.device.type == "cuda" else []),
-        torch.inference_mode(),
-    ):
-        cb = ContinuousBatching(
-            model.model,
-            page_size=cfg.block_size,
-            num_blocks=cfg.num_blocks,
-            max_batch_tokens=cfg.max_batch_tokens,
-            block_sharing=cfg.prefix_caching,
-            temperature=wl.requests[0].temperature,
-            top_p=wl.requests[0].top_p,
-            eos_ids=eos,
-            seed=wl.seed,
-            kernel=cfg.kernel,
-        )
+    cfg, eos = wl.engine, sorted(eos_ids(model))
+    with torch.random.fork_rng(devices=[model.device.index or 0] if model.device.type == "cuda" else []):
+        cb = ContinuousBatching(model.model, page_size=cfg.block_size, num_blocks=cfg.num_blocks,
+                                max_batch_tokens=cfg.max_batch_tokens, block_sharing=cfg.prefix_caching,
+                                temperature=wl.requests[0].temperature, top_p=wl.requests[0].top_p, eos_ids=eos,
+                                seed=wl.seed, kernel=cfg.kernel)
         try:
-            obs = cb.listener = Observation(
-                cb.total_blocks, cb.num_blocks, cb.block_size, salts, observers, keep_logits
-            )
-            outputs, stats = _drive(cb, obs, specs, eos, on_step)
+            cb.listener = Observation(total_blocks=cb.total_blocks, data_blocks=cb.num_blocks,
+                                      block_size=cb.block_size, salts={s.id: s.cache_salt for s in wl.requests},
+                                      observers=observers)
+            yield TransformersBackend(cb, eos)
         finally:
             cb.close()
-    results = []
-    for spec, ids in specs:
-        out, (first, last, first_at, last_at) = outputs[spec.id]
-        eos_end = bool(out) and out[-1] in eos and not spec.ignore_eos
-        results.append(
-            RequestResult(
-                spec.id,
-                ids,
-                out,
-                model.tokenizer.decode(out, skip_special_tokens=True),
-                "eos" if eos_end else "length",
-                obs.admitted[spec.id].hit_tokens,
-                spec.arrival_step,
-                first,
-                last,
-                spec.temperature == 0,
-                obs.logits.get(spec.id, []) if keep_logits else None,
-                first_at,
-                last_at,
-            )
-        )
-    stats.prompt_tokens = sum(len(ids) for _, ids in specs)
-    stats.cached_tokens = sum(r.cached_tokens for r in results)
-    stats.prefill_tokens_computed = obs.prefill_computed
-    return RunResult(run_id or new_run_id(), cfg, results, stats)
 
 
-def _drive(
-    cb: ContinuousBatching,
-    obs: Observation,
-    specs,
-    eos: list[int],
-    on_step: Callable[[StepRecord], None] | None,
-) -> tuple[dict, RunStats]:
-    """Queue each request at its arrival step and run batches until every request has finished."""
-    arrivals = sorted(specs, key=lambda s: s[0].arrival_step)
-    outputs: dict[str, tuple[list[int], list]] = {}
-    stats, t0, running = RunStats(), time.perf_counter(), 0
-    while arrivals or running:
-        while arrivals and arrivals[0][0].arrival_step <= obs.step:
-            spec, ids = arrivals.pop(0)
-            cb.add(spec.id, ids, spec.max_new_tokens, [] if spec.ignore_eos else eos)
-            outputs[spec.id] = ([], [-1, -1, 0.0, 0.0])
-            running += 1
-        if not running:  # idle until the next arrival
-            obs.step = arrivals[0][0].arrival_step
-            continue
-        started = time.perf_counter()
-        outcome = cb.step()
-        failed = cb.failures()
+class TransformersBackend:
+    """transformers' continuous batching as a Backend: each step is one iteration of its own loop, the
+    record made from what kvviz observed of it (observe.Observation)."""
+
+    def __init__(self, cb: ContinuousBatching, eos: list[int]):
+        self.cb, self.obs, self.eos = cb, cb.listener, eos
+        self.running: set[str] = set()
+
+    @property
+    def step(self) -> int:
+        return self.obs.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.obs.step = value
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running)
+
+    def add(self, spec: RequestSpec, own_ids: list[int], generator: torch.Generator | None = None) -> Admission:
+        """Queued in transformers' manager (which samples from its own seeded state, not `generator`)."""
+        self.cb.add(spec.id, own_ids, spec.max_new_tokens, [] if spec.ignore_eos else self.eos)
+        self.running.add(spec.id)
+        return Admission(prompt_ids=own_ids)
+
+    def advance(self, snapshot: bool = False, logits: bool = False) -> StepRecord | None:
+        if not self.running:
+            return None
+        started, self.obs.keep_logits = time.perf_counter(), logits
+        outcome = self.cb.step()
+        failed = self.cb.failures()
         if failed:
-            raise EngineError(f"step {obs.step}: transformers failed request {failed[0][0]!r}: {failed[0][1]}")
+            raise EngineError(f"step {self.obs.step}: transformers failed request {failed[0][0]!r}: {failed[0][1]}")
         if outcome is None:
-            raise EngineError(f"step {obs.step}: transformers' scheduler ran no batch (pool too small?)")
-        now = time.perf_counter()
-        record = obs.end(outcome, cb.cache_view(), now - started)
-        for rid, tok in outcome.sampled.items():
-            out, times = outputs[rid]
-            out.append(tok)
-            if times[0] < 0:
-                times[0], times[2] = record.step, now - t0
-        for rid in outcome.finished:
-            outputs[rid][1][1], outputs[rid][1][3] = record.step, now - t0
-            running -= 1
-        stats.steps += 1
-        stats.generated_tokens += len(outcome.sampled)
-        stats.preemptions += len(record.preempted)
-        if on_step is not None:
-            on_step(record)
-    stats.seconds = time.perf_counter() - t0
-    return outputs, stats
+            raise EngineError(f"step {self.obs.step}: transformers' scheduler ran no batch (pool too small?)")
+        self.running.difference_update(outcome.finished)
+        return self.obs.end(outcome, self.cb.cache_view(), time.perf_counter() - started)
+
+    def cancel(self, request_id: str) -> bool:
+        """transformers' own cancellation: the manager drops the request and frees its blocks next step."""
+        if request_id not in self.running:
+            return False
+        self.cb.cancel(request_id)
+        self.running.discard(request_id)
+        return True
+
+    def forget(self, request_id: str) -> None:
+        """transformers keeps nothing of a request once it ended."""

@@ -46,8 +46,13 @@ def isolated_logits(model: LoadedModel, prompt_ids: list[int], output_ids: list[
 ReferenceCallback = Callable[[int, int, str], None]
 
 
+# a request run alone, teacher-forced: (model, prompt ids, output ids) -> [n outputs, V] float32 logits; by
+# default through transformers' own cache, for a backend with its own arithmetic (llama.cpp) through it
+Alone = Callable[[LoadedModel, list[int], list[int]], torch.Tensor]
+
+
 def compare_with_isolated(model: LoadedModel, result: RunResult, leaked: dict[str, float],
-                          tolerance: float = TOLERANCE,
+                          alone: Alone = isolated_logits, tolerance: float = TOLERANCE,
                           on_request: ReferenceCallback | None = None) -> list[Divergence]:
     """One Divergence per request; `leaked` maps request -> its max foreign + stale mass."""
     out = []
@@ -58,7 +63,7 @@ def compare_with_isolated(model: LoadedModel, result: RunResult, leaked: dict[st
             raise ValueError("the run kept no logits: run the engine with keep_logits=True")
         if not r.output_ids:
             continue
-        ref = isolated_logits(model, r.prompt_ids, r.output_ids)
+        ref = alone(model, r.prompt_ids, r.output_ids)
         mine = torch.stack(r.logits)
         diff = (mine - ref).abs().amax(-1)
         kl = torch.nn.functional.kl_div(mine.log_softmax(-1), ref.log_softmax(-1), log_target=True,

@@ -6,17 +6,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from ..analysis import cross_reads
-from ..catalogue.faults import FAULTS, Scope, UnknownFault, defences_with
-from ..engine import Engine, RunResult, StepRecord
+from ..catalogue.faults import FAULTS, Scope, UnknownFault
+from ..engine import RunResult, StepRecord
 from ..engine.observer import AttentionObserver
 from ..engine.workload import Workload
 from ..errors import WorkloadError
-from ..hf_backend import BACKEND as TRANSFORMERS
-from ..hf_backend import check_workload, fault_refused, run_workload
 from ..models import LoadedModel
 from ..models.queue import WaitCallback
 from ..oracle import Finding, OracleConfig, ProvenanceOracle
 from ..oracle.reference import Divergence, ReferenceCallback, compare_with_isolated, divergence_summary
+from ..util.ids import new_run_id
+from .backends import backend_kind, refuse_fault, run_backend
 
 
 class FaultMismatch(WorkloadError):
@@ -52,8 +52,7 @@ def check_fault(fault: str | None, workload: Workload) -> None:
     """Refuse an unknown fault, or one for the other isolation mechanism, before anything runs."""
     if fault is None:
         return
-    if workload.engine.backend == TRANSFORMERS:
-        fault_refused(fault)
+    refuse_fault(fault, workload)
     if fault not in FAULTS:
         raise UnknownFault(f"unknown fault {fault!r}; the catalogue: {', '.join(FAULTS)}")
     if FAULTS[fault].isolation not in (None, workload.engine.isolation):
@@ -68,22 +67,18 @@ def run_checked(model: LoadedModel, workload: Workload, fault: str | None = None
                 on_wait: WaitCallback | None = None, on_reference: ReferenceCallback | None = None) -> CheckedRun:
     """Run with the provenance oracle on every layer (inspect path) and compare each request with
     itself run alone (on_reference hears each), in one turn on the model (on_wait hears how many runs
-    are ahead). The workload's
-    engine.backend says whose engine runs it: kvviz's own, or transformers' continuous batching."""
+    are ahead). The workload's engine.backend says whose engine runs it (runners.backends)."""
     check_fault(fault, workload)
-    engine_cfg = replace(workload.engine, compute="inspect")  # the oracle needs the probabilities
-    notes = check_workload(workload) if engine_cfg.backend == TRANSFORMERS else []
+    wl = replace(workload, engine=replace(workload.engine, compute="inspect"))  # the oracle needs the probabilities
+    kind = backend_kind(wl)
+    notes = kind.check(wl)
     oracle = oracle or ProvenanceOracle(config or OracleConfig())
-    observers = [oracle, *probes]
     with model.queue.turn(on_wait):
-        if engine_cfg.backend == TRANSFORMERS:
-            result = run_workload(model, replace(workload, engine=engine_cfg), on_step, observers, reference, run_id)
-        else:
-            result = Engine(model, engine_cfg, defences_with(fault, engine_cfg.block_size, scope)).run(
-                workload, on_step=on_step, observers=observers, keep_logits=reference, run_id=run_id)
+        result = run_backend(model, wl, fault=fault, scope=scope, observers=[oracle, *probes], keep_logits=reference,
+                             on_step=on_step, run_id=run_id or new_run_id())
         leaked: dict[str, float] = {}
         for s in oracle.steps:
             for r, name in enumerate(s.requests):
                 leaked[name] = max(leaked.get(name, 0.0), float(s.max_foreign[r].max()))
-        divs = compare_with_isolated(model, result, leaked, on_request=on_reference) if reference else []
+        divs = compare_with_isolated(model, result, leaked, kind.alone, on_request=on_reference) if reference else []
     return CheckedRun(workload, fault, result, oracle, divs, notes)

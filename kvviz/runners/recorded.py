@@ -10,8 +10,6 @@ from ..catalogue.faults import Scope
 from ..engine import Engine, StepRecord
 from ..engine.observer import AttentionObserver
 from ..engine.workload import Workload, WorkloadError
-from ..hf_backend import BACKEND as TRANSFORMERS
-from ..hf_backend import check_workload
 from ..models import LoadedModel
 from ..models.queue import WaitCallback
 from ..oracle import ProvenanceOracle
@@ -20,6 +18,7 @@ from ..store import RunStore
 from ..store.attention import AttentionRecorder, AttentionSelection
 from ..store.recorder import RunRecorder
 from ..util.ids import new_run_id
+from .backends import backend_kind
 from .checked import CheckedRun, check_fault, run_checked
 
 DEFAULT_SELECTION = AttentionSelection()
@@ -36,8 +35,7 @@ def record_run(store: RunStore, model: LoadedModel, wl: Workload, fault: str | N
     wl = replace(wl, engine=replace(wl.engine, compute="inspect"))  # what the oracle runs: the record says so
     check_fault(fault, wl)  # bad input is refused before a run row exists
     Engine(model, wl.engine).check(wl)
-    if wl.engine.backend == TRANSFORMERS:
-        check_workload(wl)
+    backend_kind(wl).check(wl)
     if scope is not None:
         check_scope(wl, model.config.num_hidden_layers, "fault", scope.requests, scope.layers)
     check_scope(wl, model.config.num_hidden_layers, "attention", selection.requests, selection.full_layers)

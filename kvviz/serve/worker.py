@@ -1,4 +1,4 @@
-"""The server's engine: one EngineLoop on a background thread that every HTTP request joins between
+"""The server's engine: one engine driver on a background thread that every HTTP request joins between
 steps, so concurrent clients share one pool and one batch as in a real server.
 
 Handlers submit a request and read its events from an asyncio queue: text as it is generated, then
@@ -19,7 +19,7 @@ import torch
 
 from ..analysis.run_metrics import LiveMetrics
 from ..catalogue.faults import defences_with
-from ..engine import Engine, EngineConfig, EngineLoop, StepRecord
+from ..engine import Driver, Engine, EngineConfig, StepRecord
 from ..engine.sampler import request_generator
 from ..engine.workload import RequestSpec, Workload
 from ..models import LoadedModel
@@ -185,7 +185,7 @@ class EngineWorker:
                     done.set_exception(ShuttingDown(self.error))
                 self._resets.clear()
 
-    def _serve(self, loop: EngineLoop) -> None:
+    def _serve(self, loop: Driver) -> None:
         while True:
             with self._lock:
                 while not (self._pending or self._cancelled or self._closing or self._resets):
@@ -199,7 +199,7 @@ class EngineWorker:
                 while self._intake(loop):
                     self._step(loop)
 
-    def _intake(self, loop: EngineLoop) -> bool:
+    def _intake(self, loop: Driver) -> bool:
         """Resets, arrivals and cancellations between steps; True while any request runs."""
         with self._lock:
             self._reset(loop)
@@ -218,13 +218,13 @@ class EngineWorker:
             self._cancelled.clear()
         return loop.busy
 
-    def _reset(self, loop: EngineLoop) -> None:
+    def _reset(self, loop: Driver) -> None:
         """The resets asked for, now (under the lock, between steps)."""
         for done in self._resets:
-            done.set_result(not self._pending and loop.reset_prefix_cache())
+            done.set_result(not self._pending and loop.backend.reset_prefix_cache())
         self._resets.clear()
 
-    def _step(self, loop: EngineLoop) -> None:
+    def _step(self, loop: Driver) -> None:
         rec = loop.advance(snapshot=True)
         if rec is None:
             return
@@ -262,7 +262,7 @@ class EngineWorker:
             elif rid in rec.finished:
                 self._finish(loop, rid, None)
 
-    def _finish(self, loop: EngineLoop, rid: str, reason: str | None) -> None:
+    def _finish(self, loop: Driver, rid: str, reason: str | None) -> None:
         """Deliver the end; reason None: as the engine finished it (EOS is OpenAI's "stop")."""
         result = loop.forget(rid)
         with self._lock:
