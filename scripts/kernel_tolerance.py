@@ -1,5 +1,5 @@
 """Measure how far transformers' sdpa_paged kernel is from kvviz's float32 recomputation on clean runs:
-the figure kvviz.hf_backend.kernel_check's tolerance (MARGIN) is set from.
+the figure kvviz.engine.kernel_check's tolerance (MARGIN) is set from.
 
     python scripts/kernel_tolerance.py [--models tiny-llama,tiny-gpt2,smollm2] [--long 1500]
 
@@ -17,7 +17,7 @@ import random
 from collections import defaultdict
 
 from kvviz.engine.workload import Workload
-from kvviz.hf_backend import kernel_check
+from kvviz.engine import kernel_check
 from kvviz.models import load_model
 from kvviz.runners.checked import run_checked
 

@@ -463,7 +463,8 @@ def test_a_field_the_backend_cannot_honour_is_one_sentence_naming_it(change, fie
 
 
 def test_an_unknown_kernel_or_a_transformers_kernel_for_kvviz_s_engine_is_one_sentence():
-    with pytest.raises(WorkloadError, match=r"^engine.kernel: must be one of eager_paged, sdpa_paged .*'flash'$"):
+    with pytest.raises(WorkloadError, match=r"^engine.kernel: must be one of eager_paged, sdpa_paged, flash_attn "
+                                            r".*'flash'$"):
         workload([{"id": "A", "prompt": "hi"}], kernel="flash")
     with pytest.raises(WorkloadError, match=r"^engine.kernel: 'sdpa_paged' is a kernel of transformers' continuous"):
         workload([{"id": "A", "prompt": "hi"}], kernel="sdpa_paged", backend="kvviz")

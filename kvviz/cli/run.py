@@ -51,7 +51,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise WorkloadError(f"--kv-events {args.kv_events}: no folder {Path(args.kv_events).parent}")
     model = load_model(args.model, device=args.device)
     wl = Workload.from_dict(sc.build(model.tokenizer)) if sc else given
-    if as_shipped is not None and args.isolation is None and wl.engine.isolation != "paged":
+    if (as_shipped is not None and args.backend == "transformers" and args.isolation is None
+            and wl.engine.isolation != "paged"):
         args = argparse.Namespace(**{**vars(args), "isolation": "paged"})
         as_shipped.append(f"its isolation {wl.engine.isolation!r} is kvviz's engine's; transformers isolates "
                           "requests by its own paged attention")
@@ -93,7 +94,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 note = "a run with a fault is judged by the leak oracle, so it runs --compute inspect"
             probe = _seed_probe(model, sc, wl)
             summary = _recorded_run(args, model, wl, fault, progress, waiting, comparing, probe)
-    shipped = (f"scenario {sc.name} on transformers: its requests run through transformers' code as shipped ("
+    shipped = (f"scenario {sc.name} on {args.backend}: its requests run through {args.backend}'s code as shipped ("
                + "; ".join(as_shipped) + "), as the app's Scenarios page runs them") if as_shipped else None
     for said in [shipped, note, *(summary.get("notes") or [])]:
         if said is not None:
@@ -110,10 +111,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _scenario_as_shipped(sc: Scenario | None, args: argparse.Namespace) -> list[str] | None:
-    """A catalogue scenario sent to transformers with --backend: what of it is kvviz's engine's and left out
-    (its fault, its masked isolation) so that its requests run through transformers unchanged; None for
-    anything else. A --fault given on the command line is kept, and refused by the backend."""
-    if sc is None or args.backend != "transformers":
+    """A catalogue scenario sent to another engine with --backend: what of it is kvviz's engine's and left out
+    (its fault; for transformers its masked isolation) so that its requests run through that engine unchanged;
+    None for anything else. A --fault given on the command line is kept, and refused by the backend."""
+    if sc is None or args.backend not in ("transformers", "llama.cpp"):
         return None
     left = []
     if sc.fault is not None and args.fault is None:
@@ -187,7 +188,7 @@ def _seed_probe(model: LoadedModel, sc: Scenario | None, wl: Workload) -> LastPr
 def _print_run(s: dict) -> None:
     """A run summary as a few lines for a person; scripts use --json instead."""
     e, st = s["engine"], s["stats"]
-    backend = e["backend"] + (f" ({e['kernel']})" if e["backend"] == "transformers" else "")
+    backend = e["backend"] + (f" ({e['kernel']})" if e["backend"] != "kvviz" else "")
     print(f"run {s['run_id']}  model {s['model']['name']}  backend {backend}  isolation {e['isolation']}  "
           f"compute {e['compute']}  blocks {e['num_blocks']}x{e['block_size']}  fault {s['fault'] or 'none'}")
     for r in s["requests"]:
@@ -221,19 +222,21 @@ def add_run(sub: Subcommands) -> None:
     run = sub.add_parser("run", help="run a workload through the engine")
     run.add_argument("--workload", metavar="FILE.json", help="requests, engine settings and seed")
     run.add_argument("--scenario", metavar="NAME", help="a catalogue scenario (python -m kvviz scenarios)")
-    run.add_argument("--fault", metavar="NAME", help="inject a fault from the catalogue (docs/faults.md)")
+    run.add_argument("--fault", metavar="NAME", help="inject a fault from the catalogue (docs/faults.md); with "
+                     "--backend llama.cpp, one of its API misuses (docs/engines.md)")
     run.add_argument("--fault-steps", metavar="1,2", help="strike only at these steps")
     run.add_argument("--fault-requests", metavar="A,B", help="strike only these requests (page tables, masks)")
     run.add_argument("--fault-layers", metavar="0,3", help="strike only these layers (attention arithmetic)")
     run.add_argument("--fail-on-leak", action="store_true", help="exit 1 when the oracles report findings")
     add_model_device(run)
-    run.add_argument("--backend", choices=["kvviz", "transformers"],
-                     help="whose engine runs the workload: kvviz's own, or Hugging Face transformers' continuous "
-                          "batching, observed (overrides the workload's engine.backend)")
-    run.add_argument("--kernel", choices=["eager_paged", "sdpa_paged"],
-                     help="the transformers backend's paged attention kernel: eager_paged returns its weights; "
-                          "sdpa_paged returns none, so kvviz recomputes them and checks the kernel's output "
-                          "(overrides the workload's engine.kernel)")
+    run.add_argument("--backend", choices=["kvviz", "transformers", "llama.cpp"],
+                     help="whose engine runs the workload: kvviz's own, Hugging Face transformers' continuous "
+                          "batching or llama.cpp (a GGUF model: smollm2, tiny-llama or a .gguf path), observed "
+                          "(overrides the workload's engine.backend)")
+    run.add_argument("--kernel", choices=["eager_paged", "sdpa_paged", "flash_attn"],
+                     help="the other engine's attention kernel: eager_paged (both) returns its weights; "
+                          "transformers' sdpa_paged and llama.cpp's flash_attn return none, so kvviz recomputes "
+                          "them and checks the kernel's output (overrides the workload's engine.kernel)")
     run.add_argument("--isolation", choices=["paged", "masked"], help="override the workload's isolation mechanism")
     run.add_argument("--compute", choices=["inspect", "fast"], help="override the workload's compute path")
     run.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")

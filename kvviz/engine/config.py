@@ -8,8 +8,12 @@ from ..errors import WorkloadError
 
 ISOLATIONS = ("paged", "masked")
 COMPUTES = ("inspect", "fast")
-BACKENDS = ("kvviz", "transformers")
-KERNELS = ("eager_paged", "sdpa_paged")  # transformers' paged attention kernels the transformers backend runs
+BACKENDS = ("kvviz", "transformers", "llama.cpp")
+# the other engines' attention kernels: the first returns its weights (the plain, eager computation), the
+# others return none and are checked against kvviz's recomputation of them
+BACKEND_KERNELS = {"transformers": ("eager_paged", "sdpa_paged"), "llama.cpp": ("eager_paged", "flash_attn")}
+KERNELS = tuple(dict.fromkeys(k for ks in BACKEND_KERNELS.values() for k in ks))
+KERNEL_OWNERS = {"sdpa_paged": "transformers' continuous batching", "flash_attn": "llama.cpp"}
 
 
 class ConfigError(WorkloadError):
@@ -51,9 +55,11 @@ class EngineConfig:
     for later prefix hits (None: evicted blocks are dropped). disaggregated: a prefill instance with a
     pool of its own (num_blocks more) computes each prompt and transfers its K/V to this, the decode
     instance. backend: `kvviz` runs kvviz's own engine; `transformers` runs Hugging Face transformers'
-    continuous batching (kvviz.hf_backend), which kvviz only observes. kernel: which of transformers'
-    paged attention kernels that backend runs: `eager_paged` returns its weights, `sdpa_paged` (torch
-    SDPA) returns none and is checked against kvviz's recomputation; kvviz's engine has its own (compute).
+    continuous batching (kvviz.hf_backend), `llama.cpp` runs llama.cpp through its C API
+    (kvviz.llama_backend); kvviz only observes either. kernel: which attention kernel the other engine
+    runs: `eager_paged` (both) computes and returns its weights; transformers' `sdpa_paged` (torch SDPA)
+    and llama.cpp's `flash_attn` return none and are checked against kvviz's recomputation; kvviz's
+    engine has its own (compute).
     """
 
     block_size: int = 16
@@ -79,11 +85,12 @@ class EngineConfig:
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend: must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.kernel not in KERNELS:
-            raise ConfigError(f"kernel: must be one of {', '.join(KERNELS)} (transformers' paged attention "
+            raise ConfigError(f"kernel: must be one of {', '.join(KERNELS)} (the other engines' attention "
                               f"kernels), got {self.kernel!r}")
-        if self.kernel != KERNELS[0] and self.backend != "transformers":
-            raise ConfigError(f"kernel: {self.kernel!r} is a kernel of transformers' continuous batching, run with "
-                              "backend 'transformers'; kvviz's engine attends by its compute setting")
+        if self.kernel != KERNELS[0] and self.kernel not in BACKEND_KERNELS.get(self.backend, ()):
+            owner = [b for b, ks in BACKEND_KERNELS.items() if self.kernel in ks][0]
+            raise ConfigError(f"kernel: {self.kernel!r} is a kernel of {KERNEL_OWNERS[self.kernel]}, run with "
+                              f"backend {owner!r}; kvviz's engine attends by its compute setting")
         for name in ("prefix_caching", "disaggregated"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: must be true or false, got {getattr(self, name)!r}")

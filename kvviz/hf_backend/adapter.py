@@ -7,7 +7,7 @@ thread), and only observes. The attention function registered under transformers
 kernel chosen (`paged|eager` for eager_paged, `sdpa` for sdpa_paged, which continuous batching runs
 over its paged cache) calls transformers' function as transformers' module holds it and returns its
 result unchanged; what it saw (the packed batch, its write and read indices, and the weights:
-eager_paged's as returned, sdpa_paged's recomputed by kvviz.hf_backend.kernel_check and checked
+eager_paged's as returned, sdpa_paged's recomputed by kvviz.engine.kernel_check and checked
 against the kernel's output) goes to a listener, and the allocator's block tables, ledger reference
 counts and hashes are read between batches. No file of transformers is patched; for any model kvviz
 does not observe the function is transformers' own.
@@ -58,8 +58,8 @@ from transformers.generation.continuous_batching.requests import RequestStatus
 from transformers.integrations import eager_paged, sdpa_attention
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from ..engine import kernel_check
 from ..models.routing import stock_copy
-from . import kernel_check
 from .facts import Batch, CacheView, Listener, Outcome
 
 _OBSERVED: dict[int, ContinuousBatching] = {}  # id of an attention module -> the run observing it

@@ -53,7 +53,7 @@ class Listener(Protocol):
 
     def on_kernel(self, layer: int, excess: torch.Tensor) -> None:
         """excess [H, T]: a kernel that returns no weights, so those given to on_layer were recomputed; how
-        far its output is from theirs, in tolerances (kvviz.hf_backend.kernel_check)."""
+        far its output is from theirs, in tolerances (kvviz.engine.kernel_check)."""
 
     def on_logits(self, logits: torch.Tensor) -> None:
         """[n, V] float32: the logits of the n requests sampling this batch, in batch order."""

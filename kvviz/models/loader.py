@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from . import gguf, smollm2, tiny
+from . import gguf, gguf_export, smollm2, tiny
 from .cache import cache_dir
 from .errors import ModelError, ModelNotFound, UnsupportedModel
 from .queue import ModelQueue
@@ -37,10 +37,21 @@ class LoadedModel:
     dtype: torch.dtype
     fingerprint: str  # sha256 of the weights' source: a run is only replayable on the same weights
     queue: ModelQueue = field(default_factory=ModelQueue, repr=False, compare=False)  # runs take turns on it
+    source_gguf: Path | None = None  # the GGUF file the weights came from, if they did
 
     @property
     def config(self):
         return self.model.config
+
+    def gguf(self) -> Path:
+        """A GGUF file of these weights, for engines that load GGUF (llama.cpp): the file they came from,
+        or, for the tiny Llama, the weights written as one."""
+        if self.source_gguf is not None:
+            return self.source_gguf
+        if self.model.config.model_type == "llama" and self.name in tiny.TINY_CONFIGS:
+            return gguf_export.llama_gguf(self.model, self.fingerprint)
+        raise ModelNotFound(f"model: {self.name} has no GGUF file; llama.cpp loads GGUF only (give a .gguf path, "
+                            "smollm2 or tiny-llama, or convert the model with llama.cpp's convert_hf_to_gguf.py)")
 
 
 def stderr_progress(message: str) -> None:
@@ -80,23 +91,26 @@ def load_model(name_or_path: str = DEFAULT_MODEL, device: str = "auto", dtype: s
     """Load a decoder by built-in name (smollm2, tiny-llama, tiny-gpt2), HF folder or .gguf path."""
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
+    source = None
     if name_or_path in tiny.TINY_CONFIGS:
         model, tokenizer = tiny.tiny_model(name_or_path), tiny.byte_tokenizer()
         fingerprint = _tensor_fingerprint(model)
     else:
-        folder, fingerprint = _local_folder(name_or_path, progress)
+        folder, fingerprint, source = _local_folder(name_or_path, progress)
         model, tokenizer = _from_folder(folder)
     model = model.to(device=dev, dtype=dt).eval().requires_grad_(False)
     route_attention(model)  # once, here: no run ever changes the model again
     line = cache_dir() / "queue" / f"{fingerprint[:16]}-{dev.type}{dev.index if dev.index is not None else ''}"
-    return LoadedModel(name_or_path, model, tokenizer, dev, dt, fingerprint, ModelQueue(line))
+    return LoadedModel(name_or_path, model, tokenizer, dev, dt, fingerprint, ModelQueue(line), source)
 
 
-def _local_folder(name_or_path: str, progress: Callable[[str], None]) -> tuple[Path, str]:
-    """A Hugging Face folder for the request (converting GGUF files) and its weights' fingerprint."""
+def _local_folder(name_or_path: str, progress: Callable[[str], None]) -> tuple[Path, str, Path | None]:
+    """A Hugging Face folder for the request (converting GGUF files), its weights' fingerprint and the
+    GGUF file it came from, if it did."""
     if name_or_path == "smollm2":
-        folder = gguf.convert_gguf(smollm2.gguf_path(progress), progress)
-        return folder, gguf.source_sha256(folder)
+        source = smollm2.gguf_path(progress)
+        folder = gguf.convert_gguf(source, progress)
+        return folder, gguf.source_sha256(folder), source
     path = Path(name_or_path).expanduser()
     if not path.exists():
         raise ModelNotFound(f"no model {name_or_path!r}: not a built-in ({', '.join(BUILTIN)}) "
@@ -105,11 +119,11 @@ def _local_folder(name_or_path: str, progress: Callable[[str], None]) -> tuple[P
         if path.suffix.lower() != ".gguf":
             raise ModelNotFound(f"{path} is a file but not a .gguf: give a .gguf file or a Hugging Face folder")
         folder = gguf.convert_gguf(path, progress)
-        return folder, gguf.source_sha256(folder)
+        return folder, gguf.source_sha256(folder), path.resolve()
     if not (path / "config.json").exists():
         raise ModelNotFound(f"{path} has no config.json: not a Hugging Face model folder")
     _check_architecture(path)
-    return path, _files_fingerprint(path)
+    return path, _files_fingerprint(path), None
 
 
 def _check_architecture(folder: Path) -> None:

@@ -10,14 +10,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import hf_backend
-from ..catalogue.faults import Scope, defences_with
+from .. import hf_backend, llama_backend
+from ..catalogue.faults import FAULTS, Scope, defences_with
 from ..engine import Backend, Driver, Engine, EngineLoop, RunResult, StepRecord, eos_ids
 from ..engine.observer import AttentionObserver
 from ..engine.workload import Workload
 from ..errors import WorkloadError
 from ..models import LoadedModel
-from ..oracle.reference import Alone, isolated_logits
+from ..oracle.reference import TOLERANCE, Alone, isolated_logits
 
 # how a backend opens: (model, workload, observers, fault, fault scope) -> a context that yields it
 Opener = Callable[[LoadedModel, Workload, Sequence[AttentionObserver], str | None, Scope | None],
@@ -28,10 +28,12 @@ Opener = Callable[[LoadedModel, Workload, Sequence[AttentionObserver], str | Non
 class BackendKind:
     name: str  # engine.backend
     label: str  # what the app and the CLI call it
-    check: Callable[[Workload], list[str]]  # refuses what it cannot run; notes on what it runs with a consequence
-    takes_faults: bool  # kvviz's catalogue faults strike it
+    # refuses what it cannot run on this model, before anything runs; notes on what it runs with a consequence
+    check: Callable[[LoadedModel, Workload], list[str]]
+    faults: tuple[str, ...]  # the faults it can be run with: kvviz's catalogue, llama.cpp's API misuses, or none
     open: Opener
-    alone: Alone  # the reference oracle's run of one request by itself
+    alone: Callable[[Workload], Alone]  # the reference oracle's run of one request by itself, for a workload
+    tolerance: float = TOLERANCE  # logit difference from the request run alone that batch variance explains
 
 
 @contextmanager
@@ -46,11 +48,31 @@ def _open_transformers(model: LoadedModel, wl: Workload, observers: Sequence[Att
     return hf_backend.open_backend(model, wl, observers)
 
 
+def _open_llama(model: LoadedModel, wl: Workload, observers: Sequence[AttentionObserver], fault: str | None,
+                scope: Scope | None) -> AbstractContextManager[Backend]:
+    return llama_backend.open_backend(model, wl, observers, None if fault is None else llama_backend.Misuse(fault))
+
+
+def _transformers_alone(wl: Workload) -> Alone:
+    return isolated_logits
+
+
+def _check_llama(model: LoadedModel, wl: Workload) -> list[str]:
+    notes = llama_backend.check_workload(wl)
+    llama_backend.adapter.check_version()
+    model.gguf()  # a model llama.cpp cannot load is refused before a run begins
+    return notes
+
+
 BACKENDS: dict[str, BackendKind] = {k.name: k for k in (
-    BackendKind(name="kvviz", label="kvviz's engine", check=lambda wl: [], takes_faults=True, open=_open_kvviz,
-                alone=isolated_logits),
-    BackendKind(name=hf_backend.BACKEND, label="transformers' continuous batching", check=hf_backend.check_workload,
-                takes_faults=False, open=_open_transformers, alone=isolated_logits),
+    BackendKind(name="kvviz", label="kvviz's engine", check=lambda model, wl: [], faults=tuple(FAULTS),
+                open=_open_kvviz, alone=_transformers_alone),
+    BackendKind(name=hf_backend.BACKEND, label="transformers' continuous batching",
+                check=lambda model, wl: hf_backend.check_workload(wl),
+                faults=(), open=_open_transformers, alone=_transformers_alone),
+    BackendKind(name=llama_backend.BACKEND, label="llama.cpp", check=_check_llama,
+                faults=tuple(llama_backend.MISUSES), open=_open_llama, alone=llama_backend.alone,
+                tolerance=llama_backend.TOLERANCE),
 )}
 
 
@@ -59,11 +81,15 @@ def backend_kind(wl: Workload) -> BackendKind:
 
 
 def refuse_fault(fault: str | None, wl: Workload) -> None:
-    """A catalogue fault on a backend that runs its own code unchanged: refused in one sentence."""
+    """A fault the workload's backend cannot be run with, refused in one sentence: kvviz's catalogue faults
+    strike kvviz's engine, llama.cpp's API misuses llama.cpp, and transformers runs unchanged."""
     kind = backend_kind(wl)
-    if fault is not None and not kind.takes_faults:
+    if fault is None or fault in kind.faults or kind.name == "kvviz":  # kvviz's: runners.checked.check_fault
+        return
+    if fault in FAULTS or not kind.faults:
         raise WorkloadError(f"fault {fault!r}: kvviz's faults are injected into kvviz's own engine; {kind.label} "
                             "runs its own code unchanged (run it with engine.backend 'kvviz')")
+    raise WorkloadError(f"fault {fault!r}: {kind.label}'s faults are its API misuses ({', '.join(kind.faults)})")
 
 
 def run_backend(model: LoadedModel, wl: Workload, *, fault: str | None = None, scope: Scope | None = None,

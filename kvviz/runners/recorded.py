@@ -35,7 +35,7 @@ def record_run(store: RunStore, model: LoadedModel, wl: Workload, fault: str | N
     wl = replace(wl, engine=replace(wl.engine, compute="inspect"))  # what the oracle runs: the record says so
     check_fault(fault, wl)  # bad input is refused before a run row exists
     Engine(model, wl.engine).check(wl)
-    backend_kind(wl).check(wl)
+    backend_kind(wl).check(model, wl)
     if scope is not None:
         check_scope(wl, model.config.num_hidden_layers, "fault", scope.requests, scope.layers)
     check_scope(wl, model.config.num_hidden_layers, "attention", selection.requests, selection.full_layers)

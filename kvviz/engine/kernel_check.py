@@ -1,4 +1,5 @@
-"""Judging a paged attention kernel that returns no weights (transformers' `sdpa_paged`).
+"""Judging an attention kernel that returns no weights (transformers' `sdpa_paged`, llama.cpp's flash
+attention).
 
 kvviz recomputes every head's weights in float32 from the queries and the gathered keys the kernel
 was given, over the keys the kernel was told each query may see (transformers' mask), and compares
@@ -62,9 +63,11 @@ def check(
     visible: torch.Tensor,
     scaling: float | None,
     output: torch.Tensor,
+    eps: float | None = None,
 ) -> KernelCheck:
     """query [H, T, D], key and value [KVH, K, D] (the kernel's inputs, gathered), visible [T, K] (what
-    the kernel was told each query sees), output [T, H, D] (what it returned)."""
+    the kernel was told each query sees), output [T, H, D] (what it returned); eps: the epsilon of the
+    dtype the kernel computed in, by default its output's."""
     H, T, D = query.shape
     groups = H // key.shape[0]
     # a query told to see nothing: the kernels' finite fill spreads its weight over every key, so here too
@@ -76,6 +79,6 @@ def check(
     ours = torch.matmul(weights, v)  # [H, T, D]
     diff = (output.transpose(0, 1).float() - ours).abs().amax(-1)  # [H, T]
     scale = torch.where(visible, v.abs().amax(-1)[:, None, :], 0.0).amax(-1)  # [H, T] largest |v| a query sees
-    unit = torch.finfo(output.dtype).eps * torch.log2(2 * visible.sum(-1)) * scale
+    unit = (eps or torch.finfo(output.dtype).eps) * torch.log2(2 * visible.sum(-1)) * scale
     error = diff / unit.clamp(min=torch.finfo(torch.float32).tiny)
     return KernelCheck(weights, error / MARGIN, error)

@@ -1,0 +1,161 @@
+"""kvviz's account of llama.cpp's KV cells: where each token's K/V went, which sequences hold each cell,
+and the provenance of every cell's content, checked against llama.cpp's own state after every step.
+
+llama.cpp's unified cache is one buffer of cells; a cell holds a position and a *set* of sequence ids.
+`llama_memory_seq_cp` shares cells by adding a sequence id to them (no copy), `seq_rm` takes ids away,
+and a cell with no id left is free (its K/V stays in the buffer until a write reuses it). kvviz learns
+where writes go from the graph (the cache write's indices), applies the seq_cp / seq_rm calls it made
+with llama.cpp's documented semantics, and compares the result with the cells llama.cpp's state API
+reports (position and sequence ids of every occupied cell, in cell order): a difference stops the run.
+
+Cells are kvviz's slots. For the block map and the oracle's lifetimes they are grouped into blocks of
+`block_size` cells. A cell freed while others of its block stay held must read as stale, not as its old
+content, so a block's lifetime moves on when any of its cells is freed and the cells still held are
+stamped with the new lifetime: a freed cell alone keeps the old one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..engine.events import BlockEvent
+from ..engine.kv_cache import PoolSnapshot
+from ..engine.provenance import SlotProvenance
+from .adapter import BackendError
+from .facts import Cell
+
+
+@dataclass(frozen=True)
+class CellSnapshot(PoolSnapshot):
+    """The cache as a pool snapshot; live slots are the occupied cells (cells are not position-aligned
+    to blocks as a paged pool's are)."""
+
+    occupied: int = 0
+
+    def live_slots(self) -> int:
+        return self.occupied
+
+
+class CellTable:
+    """Every cell's position, sequence set and provenance (streams numbered on: cell = stream * size + i)."""
+
+    def __init__(self, n_cells: int, block_size: int, streams: int = 1):
+        self.n_cells, self.block_size, self.streams = n_cells, block_size, streams
+        self.pos = [-1] * n_cells
+        self.seqs: list[set[int]] = [set() for _ in range(n_cells)]
+        self.by_seq: dict[int, set[int]] = {}  # sequence -> the cells it holds
+        self.provenance = SlotProvenance(n_cells)
+        self.life = [0] * ((n_cells + block_size - 1) // block_size)
+        self.events: list[BlockEvent] = []  # since the last take_events
+        self.names: dict[int, str] = {}  # sequence -> the request running on it
+
+    # -- what happened to the cells ------------------------------------------------------------
+    def write(self, cell: int, pos: int, seqs: tuple[int, ...], prefix_id: int, token: int, writer: str,
+              tenant: str | None) -> None:
+        """A token's K/V written into `cell` by a decode (llama.cpp's write index for it)."""
+        b = cell // self.block_size
+        if self.seqs[cell]:
+            raise BackendError(f"llama.cpp wrote into cell {cell}, which sequences {sorted(self.seqs[cell])} "
+                               "still hold")
+        if not self._held(b):
+            self.life[b] += 1
+            self.events.append(BlockEvent("allocate", b, writer, 1))
+        self.pos[cell], self.seqs[cell] = pos, set(seqs)
+        for s in seqs:
+            self.by_seq.setdefault(s, set()).add(cell)
+        self.provenance.record(cell, prefix_id, pos, token, writer, tenant, self.life[b])
+
+    def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
+        """`llama_memory_seq_cp` in one stream: dst joins every cell of src at a position in [p0, p1)."""
+        if src == dst:
+            return
+        hi = p1 if p1 >= 0 else 1 << 62
+        shared: dict[int, int] = {}
+        for c in sorted(self.by_seq.get(src, ())):
+            if max(p0, 0) <= self.pos[c] < hi and dst not in self.seqs[c]:
+                self.seqs[c].add(dst)
+                self.by_seq.setdefault(dst, set()).add(c)
+                b = c // self.block_size
+                shared[b] = max(shared.get(b, 0), len(self.seqs[c]))
+        for b, n in shared.items():
+            self.events.append(BlockEvent("share", b, self.names.get(dst), n))
+
+    def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> None:
+        """`llama_memory_seq_rm`: seq leaves its cells at positions in [p0, p1) (-1: open ends)."""
+        hi = p1 if p1 >= 0 else 1 << 62
+        freed: set[int] = set()
+        left: dict[int, int] = {}
+        held = self.by_seq.get(seq, set())
+        for c in sorted(held):
+            if max(p0, 0) <= self.pos[c] < hi:
+                self.seqs[c].discard(seq)
+                held.discard(c)
+                b = c // self.block_size
+                left[b] = max(left.get(b, 0), len(self.seqs[c]))
+                if not self.seqs[c]:
+                    freed.add(c)
+        for b, n in left.items():
+            self.events.append(BlockEvent("free", b, self.names.get(seq), n))
+        for b in sorted({c // self.block_size for c in freed}):
+            self._stale(b)
+
+    def _stale(self, b: int) -> None:
+        """Cells of block b were freed: a new lifetime, in which the cells still held are written."""
+        self.life[b] += 1
+        lo = b * self.block_size
+        for c in range(lo, min(lo + self.block_size, self.n_cells)):
+            if self.seqs[c]:
+                self.provenance.life[c] = self.life[b]
+
+    def _held(self, b: int) -> bool:
+        lo = b * self.block_size
+        return any(self.seqs[c] for c in range(lo, min(lo + self.block_size, self.n_cells)))
+
+    def take_events(self) -> list[BlockEvent]:
+        out, self.events = self.events, []
+        return out
+
+    # -- checks and views ----------------------------------------------------------------------
+    def check(self, reported: list[list[Cell]], step: int) -> None:
+        """The cells llama.cpp's state reports, stream by stream in cell order, must be kvviz's."""
+        size = self.n_cells // self.streams
+        for s, cells in enumerate(reported):
+            ours = [Cell(pos=self.pos[c], seqs=frozenset(self.seqs[c]))
+                    for c in range(s * size, (s + 1) * size) if self.seqs[c]]
+            if ours != cells:
+                at = next((i for i, (a, b) in enumerate(zip(ours, cells, strict=False)) if a != b),
+                          min(len(ours), len(cells)))
+                theirs = cells[at] if at < len(cells) else "nothing"
+                mine = ours[at] if at < len(ours) else "nothing"
+                raise BackendError(f"step {step}: llama.cpp's state reports {len(cells)} occupied cells in stream {s} "
+                                   f"where kvviz counted {len(ours)}; the {at + 1}th is {theirs}, kvviz's {mine}")
+
+    def occupied(self) -> int:
+        return sum(1 for s in self.seqs if s)
+
+    def cells_of(self, seq: int) -> list[int]:
+        """The cells sequence seq holds, by position."""
+        return sorted(self.by_seq.get(seq, ()), key=lambda c: (self.pos[c], c))
+
+    def snapshot(self, running: dict[str, int]) -> CellSnapshot:
+        """The cache as a block map: a block's refcount is the most running requests any of its cells
+        serves; a block that only idle sequences hold (llama-server's slot cache, kept for reuse) shows
+        as cached, named by its first held cell's content."""
+        B, n_blocks = self.block_size, len(self.life)
+        live = set(running.values())
+        refcounts, hashes, tables = [0] * n_blocks, [None] * n_blocks, {}
+        for c in range(self.n_cells):
+            if self.seqs[c]:
+                b = c // B
+                refcounts[b] = max(refcounts[b], len(self.seqs[c] & live))
+                if hashes[b] is None:
+                    hashes[b] = (self.provenance.prefix[c] & (2**64 - 1)).to_bytes(8, "big")
+        for rid, seq in running.items():
+            tables[rid] = tuple(dict.fromkeys(c // B for c in self.cells_of(seq)))
+        for b in range(n_blocks):
+            if refcounts[b]:
+                hashes[b] = None
+        free = tuple(b for b in range(n_blocks) if not refcounts[b] and hashes[b] is None)
+        return CellSnapshot(B, tuple(refcounts), tuple(hashes), tuple(self.life), free, tables,
+                            {rid: len(self.cells_of(seq)) for rid, seq in running.items()},
+                            occupied=self.occupied())
