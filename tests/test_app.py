@@ -107,6 +107,8 @@ def test_every_page_renders_on_an_empty_store(empty_db, name):
 def test_every_page_renders_with_runs(with_runs, name):
     at = page(name)
     assert not at.error
+    if name == "home":  # walk finding: which engine ran each recent run was missing
+        assert set(at.dataframe[0].value.engine) == {"kvviz"}
 
 
 def test_run_page_stores_a_run_and_opens_it(empty_db):
@@ -670,6 +672,11 @@ def test_runs_page_compares_and_deletes(store, tmp_path, monkeypatch):
     assert any(d.value is not None for d in at.dataframe) and not at.exception
     summary = next(d.value for d in at.dataframe if faulty in d.value.columns)
     assert summary.loc["engine"].tolist() == ["kvviz", "kvviz"], "a kvviz run beside a transformers one says so"
+    with RunStore.open(db).read() as con:  # walk finding: two engines on one workload differed only by findings
+        prompt, cached = con.execute("SELECT sum(len(prompt_ids)), sum(greatest(cached_tokens, 0)) FROM requests "
+                                     "WHERE run_id = ?", [faulty]).fetchone()
+    assert summary.loc[["prompt_tokens", "cached_tokens", "hit_rate"], faulty].tolist() == [
+        str(prompt), str(cached), str(round(cached / prompt, 4))]
     assert all(len(v.partition(".")[2]) <= 4 for v in summary.loc["leak_rate"]), summary.loc["leak_rate"]
     lines = {t["name"]: t["line"] for t in charts(at)["runs_cmp_timeline"]["data"] if t.get("showlegend")}
     assert lines[f"A ({faulty})"]["color"] == lines[f"A ({control})"]["color"], "one request, one colour"
@@ -1061,9 +1068,9 @@ def test_the_run_page_runs_transformers_and_the_inspector_says_which_engine_ran(
     continuous batching under the kernel chosen (kvviz's engine offers none), stored as a transformers run,
     opened in the inspector, which names the engine and the kernel."""
     at = custom_requests({})
-    assert not [s for s in at.selectbox if s.key == "run_kern_custom"]
+    assert not [s for s in at.selectbox if s.key.startswith("run_kern")]
     at.selectbox(key="run_be_custom").set_value("transformers").run()
-    at.selectbox(key="run_kern_custom").set_value("sdpa_paged").run()
+    at.selectbox(key="run_kern-transformers_custom").set_value("sdpa_paged").run()
     at.button(key="run_go").click().run()
     assert not at.exception and not at.error, [e.value for e in at.error]
     [run_id] = run_ids(empty_db)
@@ -1087,9 +1094,10 @@ def test_the_engine_pickers_show_short_names_and_say_the_rest_in_their_help(empt
     fifth of a row; the options are the engines' short names, the help says what each one is."""
     for name, key in (("run", "run_be_passphrase"), ("scenarios", "sc_engine")):
         picker = page(name).selectbox(key=key)
-        assert picker.options == ["kvviz", "transformers"], picker.options
+        assert picker.options == ["kvviz", "transformers", "llama.cpp"], picker.options
         assert picker.help.startswith("kvviz: kvviz's own paged engine. transformers: Hugging Face transformers' "
                                       "own continuous batching")
+        assert "llama.cpp: llama.cpp through its C API" in picker.help
 
 
 def test_the_run_page_runs_a_masked_scenario_in_transformers_with_its_own_paged_isolation(empty_db):
@@ -1148,3 +1156,74 @@ def test_the_pages_that_only_read_start_without_the_engine():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_the_scenarios_page_runs_a_llama_cpp_misuse_beside_its_control(empty_db):
+    """With llama.cpp chosen, its API misuses follow the catalogue, marked as such; one runs with its
+    control on llama.cpp: the detector fires, the control stays clean, both recorded as llama.cpp runs."""
+    at = page("scenarios")
+    at.selectbox(key="sc_engine").set_value("llama.cpp").run()
+    names = at.selectbox(key="sc_name").options
+    assert names[-4:] == ["reuse_without_rm: llama.cpp API misuse: llama_memory_seq_rm",
+                          "cp_one_long: llama.cpp API misuse: llama_memory_seq_cp",
+                          "one_sequence: llama.cpp API misuse: llama_batch",
+                          "positions_from_zero: llama.cpp API misuse: llama_batch"], names[-4:]
+    at.selectbox(key="sc_name").set_value("reuse_without_rm")
+    at.selectbox(key="sc_model").set_value("tiny-llama").run()
+    assert any("*Marked as such:*" in m.value for m in at.markdown)
+    at.button(key="sc_go").click().run()
+    assert not at.exception and not at.error, [e.value for e in at.error]
+    pair = at.session_state["sc_pair"]
+    with RunStore.open(empty_db).read() as con:
+        rows = dict(con.execute("SELECT run_id, backend || ' ' || coalesce(fault, '-') FROM runs").fetchall())
+    assert rows == {pair["scenario"]: "llama.cpp reuse_without_rm", pair["control"]: "llama.cpp -"}
+    assert any(s.value == "the detector fired" for s in at.success) and any(s.value == "clean" for s in at.success)
+    at.selectbox(key="sc_engine").set_value("kvviz").run()  # the misuses are llama.cpp's: listed no more
+    assert "reuse_without_rm" not in " ".join(at.selectbox(key="sc_name").options)
+
+
+def test_a_scenario_an_engine_cannot_run_is_refused_before_anything_runs(empty_db):
+    """Walk finding: control_forks on transformers ran and recorded kvviz's side first, then refused the
+    forks with the progress bar frozen at a third. Every run of the plan is checked before the first."""
+    at = page("scenarios")
+    at.selectbox(key="sc_name").set_value("control_forks")
+    at.selectbox(key="sc_model").set_value("tiny-llama")
+    at.selectbox(key="sc_engine").set_value("transformers").run()
+    at.button(key="sc_go").click().run()
+    assert [e.value for e in at.error][0].startswith("requests[1].parent: transformers' manager forks only")
+    assert not Path(empty_db).exists() or run_ids(empty_db) == []
+    assert not at.get("progress")
+
+
+def test_the_run_page_runs_llama_cpp_with_its_kernel_and_misuse_and_says_which_engine_ran(empty_db):
+    at = custom_requests({})
+    at.selectbox(key="run_be_custom").set_value("llama.cpp").run()
+    fixed = {t.label: t.value for t in at.text_input if t.disabled}
+    assert fixed["isolation"] == "masked" and fixed["host tier blocks"] == "0", fixed
+    assert at.selectbox(key="run_kern-llama.cpp_custom").options == ["eager_paged", "flash_attn"]
+    at.selectbox(key="run_kern-llama.cpp_custom").set_value("flash_attn").run()
+    at.selectbox(key="run_misuse_custom").set_value("one_sequence").run()
+    at.button(key="run_go").click().run()
+    assert not at.exception and not at.error, [e.value for e in at.error]
+    with RunStore.open(empty_db).read() as con:
+        row = con.execute("SELECT backend, fault, status, json_extract_string(engine, '$.kernel') FROM runs").fetchone()
+    assert row == ("llama.cpp", "one_sequence", "complete", "flash_attn")
+    assert any("on llama.cpp) finished" in s.value for s in at.success)
+    at.button(key="run_open").click().run()
+    assert any("engine: llama.cpp" in m.value for m in at.markdown)
+
+
+@pytest.mark.parametrize("backend", ["transformers", "llama.cpp"])
+def test_the_cache_view_says_how_the_other_engines_reuse_prompts(backend, tiny, empty_db):
+    """Walk finding: a transformers request that ended in its prefill step left nothing to reuse, and the
+    next one's miss read as cold with nothing said; llama.cpp's hits are prefixes of any length."""
+    wl = json.loads((Path(__file__).resolve().parent.parent / "examples/engines/resend-after-finish.json").read_text())
+    wl["engine"]["backend"] = backend
+    run_id = live.run(RunStore.open(empty_db), tiny, wl).run_id
+    at = page("inspector", run_id=run_id)
+    at.segmented_control(key="insp_view").set_value("Cache").run()
+    assert not at.exception and not at.error
+    said = " ".join(c.value for c in at.caption)
+    assert ("transformers registers no block a request fills in its last forward" in said) == (backend ==
+                                                                                              "transformers")
+    assert ("llama.cpp reuses cells, not blocks" in said) == (backend == "llama.cpp")

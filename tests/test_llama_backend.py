@@ -29,6 +29,7 @@ from kvviz.runners import replay
 from kvviz.runners.checked import run_checked
 from kvviz.runners.recorded import record_run
 from kvviz.store import RunStore
+from kvviz.store.chrome import chrome_trace
 
 from .cli import kvviz
 
@@ -196,6 +197,8 @@ def test_a_recorded_llama_cpp_run_is_a_run_like_any_other_and_replays_identicall
         len(r.output_ids) - 1 for r in run.result.requests)
     assert hits == {r.id: r.cached_tokens for r in run.result.requests}
     assert replay.verify(store, rid, "cpu") == []
+    with store.read() as con:
+        assert chrome_trace(con, rid)["traceEvents"][0]["args"]["name"] == f"kvviz run {rid} (llama.cpp)"
 
 
 def test_a_run_that_fails_midway_is_marked_failed_with_its_steps_so_far(tmp_path):

@@ -64,6 +64,15 @@ def list_runs(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
     return df.astype(object).where(df.notna(), None)
 
 
+def cache_use(con: duckdb.DuckDBPyConnection, run_id: str) -> dict[str, float | int | None]:
+    """What a run's prompts found in the cache: prompt tokens, tokens served from it, and their share (the hit
+    rate; None for a run with no request, such as a capture)."""
+    prompt, cached = con.execute("SELECT sum(len(prompt_ids)), sum(greatest(cached_tokens, 0)) FROM requests "
+                                 "WHERE run_id = ?", [run_id]).fetchone()
+    return {"prompt_tokens": prompt, "cached_tokens": cached,
+            "hit_rate": round(cached / prompt, 4) if prompt else None}
+
+
 def scope_text(scope: dict) -> str:
     """A fault scope as a reader says it: "steps 3, 4; requests A"."""
     parts = [f"{k} {', '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in scope.items() if v is not None]

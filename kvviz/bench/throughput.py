@@ -2,8 +2,10 @@
 
 Peers, on the same prompts: kvviz `fast` and `inspect` (paged, prefix caching on), `inspect` with
 the provenance oracle on every layer, transformers batched `generate` with left padding,
-transformers `generate_batch` (its own continuous batching), and that same continuous batching run
-by kvviz's transformers backend under the oracle. Ratios are against `generate` measured in the
+transformers `generate_batch` (its own continuous batching), that same continuous batching run
+by kvviz's transformers backend under the oracle, and llama.cpp on the model's GGUF file: through
+llama-cpp-python with nothing of kvviz in the loop, and through kvviz's llama.cpp backend with and
+without the oracle. Ratios are against `generate` measured in the
 same run; every request generates exactly the same number of tokens (EOS ignored) so the work is
 equal.
 """
@@ -195,6 +197,35 @@ def run_hf_observed(model: LoadedModel, case: BenchCase, kernel: str = "eager_pa
                        sum(r.seconds_per_output_token for r in res.requests) / n)
 
 
+def run_llama(model: LoadedModel, case: BenchCase, oracle: bool = True) -> Measurement:
+    """The case through llama.cpp as kvviz's llama.cpp backend runs it (llama-server's slots, every cell and
+    every layer's attention observed), with the provenance oracle on every layer or without it."""
+    from ..runners.backends import run_backend
+
+    cfg = EngineConfig(block_size=16, num_blocks=pool_blocks(case, 16), max_batch_tokens=STEP_TOKENS,
+                       backend="llama.cpp")
+    wl = Workload([RequestSpec(f"r{i}", prompt_ids=p, max_new_tokens=case.new_tokens, ignore_eos=True)
+                   for i, p in enumerate(case.prompts)], cfg)
+    t = time.perf_counter()
+    res = run_backend(model, wl, observers=[ProvenanceOracle()] if oracle else [], run_id="bench")
+    seconds = time.perf_counter() - t
+    n = len(res.requests)
+    return Measurement(case.name, "llama.cpp backend" + (" + oracle" if oracle else ""), seconds,
+                       res.stats.generated_tokens, res.stats.prefill_tokens_computed,
+                       sum(r.first_token_seconds for r in res.requests) / n,
+                       sum(r.seconds_per_output_token for r in res.requests) / n)
+
+
+def run_llama_plain(model: LoadedModel, case: BenchCase) -> Measurement:
+    """The case through llama-cpp-python's bindings with nothing of kvviz in the loop (the baseline the
+    llama.cpp backend's overhead is measured against)."""
+    from ..llama_backend.baseline import run_plain
+
+    t = time.perf_counter()
+    out = run_plain(model.gguf(), case.prompts, case.new_tokens, STEP_TOKENS)
+    return Measurement(case.name, "llama-cpp-python", time.perf_counter() - t, sum(len(o) for o in out))
+
+
 def run_one_step(model: LoadedModel, case: BenchCase) -> Measurement:
     """`fast` with a step budget that takes every prompt at once, as `generate` prefills its batch (and as
     vLLM's offline LLM sizes its budget): no request's decode steps share a step with another's prefill
@@ -213,9 +244,13 @@ PEERS: dict[str, Callable[[LoadedModel, BenchCase], Measurement]] = {
     "hf generate": run_generate,
     "hf generate_batch": run_generate_batch,
     "transformers backend + oracle": run_hf_observed,
+    "llama-cpp-python": run_llama_plain,
+    "llama.cpp backend": lambda model, c: run_llama(model, c, oracle=False),
+    "llama.cpp backend + oracle": run_llama,
 }
 PEER_NAMES = dict(zip(("fast", "fast-one-step", "inspect", "oracle", "recorder", "generate", "generate_batch",
-                       "transformers"), PEERS, strict=True))  # what `bench --peers` takes
+                       "transformers", "llama-cpp-python", "llama.cpp", "llama.cpp-oracle"), PEERS,
+                      strict=True))  # what `bench --peers` takes
 
 
 def run_bench(model: LoadedModel, sizes: list[int], new_tokens: int, progress: Callable[[str], None] = print,
@@ -346,6 +381,15 @@ def _ratios(case: str, peer: dict[str, Measurement], new_tokens: int, chunked: b
         said.append(f"{case}: transformers' continuous batching observed by the oracle on every layer runs at "
                     f"{seen.tokens_per_second / peer['hf generate_batch'].tokens_per_second:.2f}x generate_batch "
                     "alone.")
+    if "llama-cpp-python" in peer:
+        plain = peer["llama-cpp-python"].tokens_per_second
+        seen = [f"{name} {m.tokens_per_second / plain:.2f}x" for name, m in peer.items()
+                if name.startswith("llama.cpp")]
+        others = [f"{name} {m.tokens_per_second:.1f}" for name, m in peer.items()
+                  if name in ("kvviz fast", "hf generate", "hf generate_batch")]
+        said.append(f"{case}: llama.cpp without kvviz runs {plain:.1f} tok/s"
+                    + (f"; observed by kvviz: {', '.join(seen)}" if seen else "")
+                    + (f"; on the same model, tok/s: {', '.join(others)}" if others else "") + ".")
     if {"kvviz fast", "hf generate"} <= peer.keys():
         said.append(_where_fast_gains(case, peer["kvviz fast"], peer["hf generate"], new_tokens, chunked))
     if {ONE_STEP, "hf generate"} <= peer.keys():

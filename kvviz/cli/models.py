@@ -142,7 +142,8 @@ def add_bench(sub: Subcommands) -> None:
                        help="run every peer this many times, interleaved, and report medians (default 1)")
     bench.add_argument("--cases", help="only these cases, comma-separated: uniform, mixed, shared-system")
     bench.add_argument("--peers", help="only these peers, comma-separated: fast, fast-one-step, inspect, oracle, "
-                                       "recorder, generate, generate_batch, transformers (default: all)")
+                                       "recorder, generate, generate_batch, transformers, llama-cpp-python, "
+                                       "llama.cpp, llama.cpp-oracle (default: all)")
     what = bench.add_mutually_exclusive_group()
     what.add_argument("--sessions", type=int, metavar="N",
                       help="instead: N sessions recording scenarios at once vs one after another (many users)")

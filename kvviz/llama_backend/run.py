@@ -61,9 +61,6 @@ def check_workload(wl: Workload) -> list[str]:
             raise WorkloadError(f"requests[{i}].adapter: the llama.cpp backend runs the base model only; use "
                                 "engine.backend 'kvviz' for adapters")
     notes = []
-    if cfg.isolation == "masked":
-        notes.append("engine.isolation: llama.cpp always isolates sequences by its attention mask over one shared "
-                     "cache (the seed's shared axis), whatever this setting says")
     salted = sorted({r.cache_salt for r in wl.requests if r.cache_salt is not None})
     if salted:
         notes.append(f"requests[].cache_salt: llama.cpp has no cache salt, so the tenants {', '.join(salted)} share "
@@ -107,7 +104,7 @@ class LlamaBackend:
         self.ctx: LlamaContext | None = None
         self.cells = CellTable(n_cells(wl), cfg.block_size)
         scheduler = OneSequence if misuse == Misuse.ONE_SEQUENCE else Slots
-        self.sched = scheduler(min(256, len(wl.requests)), cfg.max_batch_tokens, self, misuse)
+        self.sched = scheduler(min(256, len(wl.requests)), cfg.max_batch_tokens, self, misuse, cfg.prefix_caching)
         self.salts = {r.id: r.cache_salt for r in wl.requests}
         self.jobs: dict[str, Job] = {}
         self.specs: dict[str, RequestSpec] = {}

@@ -89,9 +89,12 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class Slots:
-    def __init__(self, n_seq: int, n_batch: int, ops: CacheOps, misuse: Misuse | None = None):
+    def __init__(self, n_seq: int, n_batch: int, ops: CacheOps, misuse: Misuse | None = None, reuse: bool = True):
+        """reuse False: no prompt is served from cells (llama-server's cache_prompt off): every admission
+        empties its slot and computes the whole prompt."""
         self.slots = [Slot(seq=i) for i in range(n_seq)]
         self.n_batch, self.ops, self.misuse = n_batch, ops, misuse
+        self.room = (lambda job: max(len(job.prompt) - 1, 0)) if reuse else (lambda job: 0)
         self.waiting: list[Job] = []
         self.running: list[Job] = []
 
@@ -106,7 +109,7 @@ class Slots:
         free = [s for s in self.slots if s.request is None]
         if not free:
             return False
-        room = max(len(job.prompt) - 1, 0)  # the last prompt token is always computed
+        room = self.room(job)  # the last prompt token is always computed
         slot = max(free, key=lambda s: (min(common_prefix(s.tokens, job.prompt), room), -s.used))
         if common_prefix(slot.tokens, job.prompt) == 0:
             slot = min(free, key=lambda s: s.used)  # no prefix to reuse: the least recently used
@@ -197,8 +200,8 @@ class OneSequence(Slots):
     """The misuse Misuse.ONE_SEQUENCE: every request in sequence 0, positions numbered on from what it
     holds (as llama_batch_get_one's callers do), nothing ever removed."""
 
-    def __init__(self, n_seq: int, n_batch: int, ops: CacheOps, misuse: Misuse | None = None):
-        super().__init__(n_seq, n_batch, ops, misuse)
+    def __init__(self, n_seq: int, n_batch: int, ops: CacheOps, misuse: Misuse | None = None, reuse: bool = True):
+        super().__init__(n_seq, n_batch, ops, misuse, reuse)
         self.next_pos = 0
 
     def _admit(self, job: Job, step: int) -> bool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -34,6 +34,7 @@ class BackendKind:
     open: Opener
     alone: Callable[[Workload], Alone]  # the reference oracle's run of one request by itself, for a workload
     tolerance: float = TOLERANCE  # logit difference from the request run alone that batch variance explains
+    isolation: str | None = None  # the isolation mechanism it always uses, recorded as the run's (None: as set)
 
 
 @contextmanager
@@ -72,12 +73,19 @@ BACKENDS: dict[str, BackendKind] = {k.name: k for k in (
                 faults=(), open=_open_transformers, alone=_transformers_alone),
     BackendKind(name=llama_backend.BACKEND, label="llama.cpp", check=_check_llama,
                 faults=tuple(llama_backend.MISUSES), open=_open_llama, alone=llama_backend.alone,
-                tolerance=llama_backend.TOLERANCE),
+                tolerance=llama_backend.TOLERANCE, isolation="masked"),
 )}
 
 
 def backend_kind(wl: Workload) -> BackendKind:
     return BACKENDS[wl.engine.backend]
+
+
+def as_run(wl: Workload) -> Workload:
+    """The workload as its backend runs it, for the run's record: the oracle's compute path (inspect), and
+    the isolation a backend always uses (llama.cpp: its mask over one shared key axis)."""
+    kind, engine = backend_kind(wl), replace(wl.engine, compute="inspect")
+    return replace(wl, engine=replace(engine, isolation=kind.isolation) if kind.isolation else engine)
 
 
 def refuse_fault(fault: str | None, wl: Workload) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from ..analysis import cross_reads
 from ..catalogue.faults import FAULTS, Scope, UnknownFault
@@ -16,7 +16,7 @@ from ..models.queue import WaitCallback
 from ..oracle import Finding, OracleConfig, ProvenanceOracle
 from ..oracle.reference import Divergence, ReferenceCallback, compare_with_isolated, divergence_summary
 from ..util.ids import new_run_id
-from .backends import backend_kind, refuse_fault, run_backend
+from .backends import as_run, backend_kind, refuse_fault, run_backend
 
 
 class FaultMismatch(WorkloadError):
@@ -71,7 +71,7 @@ def run_checked(model: LoadedModel, workload: Workload, fault: str | None = None
     itself run alone (on_reference hears each), in one turn on the model (on_wait hears how many runs
     are ahead). The workload's engine.backend says whose engine runs it (runners.backends)."""
     check_fault(fault, workload)
-    wl = replace(workload, engine=replace(workload.engine, compute="inspect"))  # the oracle needs the probabilities
+    wl = as_run(workload)  # the oracle needs the probabilities
     kind = backend_kind(wl)
     notes = kind.check(model, wl)
     oracle = oracle or ProvenanceOracle(config or OracleConfig())

@@ -3,6 +3,7 @@ pool as a block-map frame, tokens so far, the oracle's counters), so pages never
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -12,14 +13,17 @@ from ..analysis import cross_reads
 from ..analysis.run_metrics import LiveMetrics
 from ..catalogue.faults import Scope
 from ..catalogue.scenarios import scenario
-from ..engine import StepRecord
+from ..engine import Engine, StepRecord
 from ..engine.workload import Workload
+from ..llama_backend import MISUSES
 from ..models import LoadedModel, load_model
 from ..models.queue import WaitCallback, waiting_message  # noqa: F401 (the pages say it)
 from ..oracle import ProvenanceOracle
 from ..oracle.reference import ReferenceCallback
 from ..store import RunStore
 from ..store.attention import AttentionSelection
+from .backends import as_run, backend_kind
+from .checked import check_fault
 from .recorded import DEFAULT_SELECTION, record_run
 
 
@@ -51,6 +55,32 @@ def model(name: str, device: str = "auto") -> LoadedModel:
 def scenario_workload(name: str, model: LoadedModel) -> dict:
     """A scenario's workload for this model (a tight pool is sized by its tokenizer)."""
     return scenario(name).build(model.tokenizer)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MisuseScenario:
+    """A llama.cpp API misuse as the pages show it: its requests, run with the misuse and without."""
+
+    name: str
+    title: str
+    explanation: str
+    pattern: str
+    workload: dict
+
+
+def misuse_scenarios() -> dict[str, MisuseScenario]:
+    """llama.cpp's API misuses (not kvviz's fault catalogue: mistakes in code that drives llama.cpp)."""
+    return {m.name.value: MisuseScenario(name=m.name.value, title=m.title, explanation=m.what, pattern=m.pattern,
+                                         workload=copy.deepcopy(m.workload)) for m in MISUSES.values()}
+
+
+def check(model: LoadedModel, workload: dict, fault: str | None = None) -> None:
+    """Refuse a workload, fault or model the run would refuse (KvvizError), before anything runs: a page
+    that runs several in a row checks them all first."""
+    wl = Workload.from_dict(workload)
+    check_fault(fault, wl)
+    Engine(model, wl.engine).check(wl)
+    backend_kind(as_run(wl)).check(model, as_run(wl))
 
 
 def run(store: RunStore, model: LoadedModel, workload: dict, fault: str | None = None, *,

@@ -4,7 +4,6 @@ Scenarios pages do. A run that dies is marked failed in the database, with its s
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 
 from ..catalogue.faults import Scope
 from ..engine import Engine, StepRecord
@@ -18,7 +17,7 @@ from ..store import RunStore
 from ..store.attention import AttentionRecorder, AttentionSelection
 from ..store.recorder import RunRecorder
 from ..util.ids import new_run_id
-from .backends import backend_kind
+from .backends import as_run, backend_kind
 from .checked import CheckedRun, check_fault, run_checked
 
 DEFAULT_SELECTION = AttentionSelection()
@@ -32,7 +31,7 @@ def record_run(store: RunStore, model: LoadedModel, wl: Workload, fault: str | N
                on_reference: ReferenceCallback | None = None) -> CheckedRun:
     """Run with both oracles, recording every step; on_step sees each step and the oracle so far. The
     run row is written once the run has its turn on the model (on_wait hears the queue until then)."""
-    wl = replace(wl, engine=replace(wl.engine, compute="inspect"))  # what the oracle runs: the record says so
+    wl = as_run(wl)  # what the oracle runs: the record says so
     check_fault(fault, wl)  # bad input is refused before a run row exists
     Engine(model, wl.engine).check(wl)
     backend_kind(wl).check(model, wl)

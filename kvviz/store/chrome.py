@@ -27,7 +27,9 @@ def chrome_trace(con: duckdb.DuckDBPyConnection, run_id: str) -> dict:
     requests = [r[0] for r in con.execute("SELECT DISTINCT request_id FROM step_work WHERE run_id = ? ORDER BY 1",
                                           [run_id]).fetchall()]
     tid = {r: i + 2 for i, r in enumerate(requests)}
-    events = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": f"kvviz run {run_id}"}},
+    (backend,) = con.execute("SELECT backend FROM runs WHERE run_id = ?", [run_id]).fetchone()
+    events = [{"ph": "M", "name": "process_name", "pid": 1,
+               "args": {"name": f"kvviz run {run_id}" + (f" ({backend})" if backend else "")}},
               {"ph": "M", "name": "thread_name", "pid": 1, "tid": 1, "args": {"name": "engine steps"}}]
     events += [{"ph": "M", "name": "thread_name", "pid": 1, "tid": tid[r], "args": {"name": f"request {r}"}}
                for r in requests]

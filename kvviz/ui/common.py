@@ -17,16 +17,22 @@ from ..store import RunStore, StoreError
 
 MODELS = ("smollm2", "tiny-llama", "tiny-gpt2")
 EMPTY = "—"  # a missing value in a table (st.dataframe says "None", which reads as a name)
-ENGINES = {"kvviz": "kvviz's engine", "transformers": "transformers' continuous batching"}  # engine.backend
-KERNELS = ("eager_paged", "sdpa_paged")  # engine.kernel: transformers' paged attention kernels
-KERNEL_HELP = ("eager_paged returns its attention weights, which the oracle reads as they are; sdpa_paged (torch's "
-               "SDPA) returns none, so kvviz recomputes them in float32 from the kernel's own inputs and mask and "
-               "checks its output against theirs at every layer (a kernel_mismatch finding past the tolerance)")
+ENGINES = {"kvviz": "kvviz's engine", "transformers": "transformers' continuous batching",
+           "llama.cpp": "llama.cpp"}  # engine.backend
+KERNELS = {"transformers": ("eager_paged", "sdpa_paged"), "llama.cpp": ("eager_paged", "flash_attn")}  # engine.kernel
+KERNEL_HELP = ("eager_paged computes the attention weights and hands them over as they are (transformers' eager "
+               "kernel; llama.cpp's KQ, softmax, KQV); sdpa_paged (torch's SDPA) and flash_attn (llama.cpp's flash "
+               "attention) return none, so kvviz recomputes them in float32 from the kernel's own inputs and mask "
+               "and checks its output against theirs at every layer (a kernel_mismatch finding past the tolerance)")
 # the engine pickers show the short names (ENGINES' long ones are cut in a narrow column); the help says the rest
 ENGINE_HELP = ("kvviz: kvviz's own paged engine. transformers: Hugging Face transformers' own continuous batching "
                "(its scheduler, paged cache and attention, as generate_batch runs them) observed by kvviz's oracles: "
                "it has no cache salt (tenants share prefix blocks, reported as cross-tenant reads) and runs no fork, "
-               "resumed session, adapter, masked isolation, host tier, disaggregation or kvviz fault")
+               "resumed session, adapter, masked isolation, host tier, disaggregation or kvviz fault. llama.cpp: "
+               "llama.cpp through its C API on the model's GGUF file (smollm2 as it ships, quantised; tiny-llama), "
+               "scheduled as llama-server schedules its slots: every request's cells in one unified cache, isolated "
+               "by its attention mask, prefixes shared by seq_cp; no salt, adapter, host tier, disaggregation or "
+               "kvviz fault (its own API misuses instead)")
 
 
 @dataclass(frozen=True)

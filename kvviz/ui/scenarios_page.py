@@ -24,33 +24,52 @@ from .common import (
     store,
 )
 
+OTHER = {  # what running a catalogue scenario on another engine means
+    "transformers": "**In transformers:** its continuous batching runs the scenario's requests as shipped (no kvviz "
+                    "fault is injected into it, and it isolates requests with its own paged attention), beside kvviz's "
+                    "engine running the same requests clean: what each one shares and what the oracles see in each.",
+    "llama.cpp": "**In llama.cpp:** the scenario's requests run through llama.cpp as shipped, scheduled as "
+                 "llama-server schedules its slots (no kvviz fault is injected: it isolates requests by its attention "
+                 "mask over one unified cache), beside kvviz's engine running the same requests clean. llama.cpp's "
+                 "own API misuses are the scenarios listed after the catalogue.",
+}
+
 
 def render() -> None:
     st.title("Scenarios")
     st.caption("Each scenario is a workload with an injected isolation fault and the finding it must raise; "
                "its control is the same workload with correct defences, which must stay clean.")
     c1, c2, c3 = st.columns([3, 1, 1])
-    name = c1.selectbox("Scenario", list(SCENARIOS), key="sc_name", format_func=lambda n: f"{n}: {SCENARIOS[n].title}")
-    model = c2.selectbox("Model", MODELS, key="sc_model")
     engine = c3.selectbox("Engine", list(ENGINES), key="sc_engine", help=ENGINE_HELP)
-    sc = SCENARIOS[name]
-    st.markdown(f"### {sc.title}\n{sc.explanation}")
-    if engine == "transformers":
-        st.markdown("**In transformers:** its continuous batching runs the scenario's requests as shipped (no kvviz "
-                    "fault is injected into it, and it isolates requests with its own paged attention), beside "
-                    "kvviz's engine running the same requests clean: what each one shares and what the oracles see "
-                    "in each.")
-        label = "Run it in transformers and in kvviz's engine"
-    elif sc.fault:
-        f = FAULTS[sc.fault]
-        st.markdown(f"**Fault** `{f.name}` replaces `{f.defence}`: {f.breaks}.  \n*Mirrors:* {f.mirrors}.  \n"
-                    f"**Expected finding:** {' or '.join(sc.expected)}")
+    misuses = live.misuse_scenarios() if engine == "llama.cpp" else {}
+    names = [*SCENARIOS, *misuses]
+    if st.session_state.get("sc_name") not in names:  # a misuse, listed no more once the engine changed
+        st.session_state.pop("sc_name", None)
+    name = c1.selectbox("Scenario", names, key="sc_name",
+                        format_func=lambda n: f"{n}: {(SCENARIOS.get(n) or misuses[n]).title}")
+    model = c2.selectbox("Model", MODELS, key="sc_model")
+    if name in misuses:
+        m = misuses[name]
+        st.markdown(f"### {m.title}\n{m.explanation[0].upper()}{m.explanation[1:]}: {m.pattern}.  \n*Marked as "
+                    "such:* a mistake in code that drives llama.cpp, made through its API, not a fault of kvviz's "
+                    "catalogue. Its control is the same requests with the calls made right.")
+        label = "Run it with its control"
     else:
-        st.markdown("**A clean control:** it must produce no finding.")
-    if engine != "transformers":
-        label = "Run it with its control" if sc.fault else "Run it"
+        sc = SCENARIOS[name]
+        st.markdown(f"### {sc.title}\n{sc.explanation}")
+        if engine in OTHER:
+            st.markdown(OTHER[engine])
+            label = f"Run it in {engine} and in kvviz's engine"
+        elif sc.fault:
+            f = FAULTS[sc.fault]
+            st.markdown(f"**Fault** `{f.name}` replaces `{f.defence}`: {f.breaks}.  \n*Mirrors:* {f.mirrors}.  \n"
+                        f"**Expected finding:** {' or '.join(sc.expected)}")
+            label = "Run it with its control"
+        else:
+            st.markdown("**A clean control:** it must produce no finding.")
+            label = "Run it"
     if st.button(label, type="primary", icon=":material/science:", key="sc_go"):
-        _run_pair(name, model, engine)
+        _run_pair(name, model, engine, misuses)
     pair = st.session_state.get("sc_pair")
     if pair and pair["name"] == name:
         _compare(pair)
@@ -60,20 +79,29 @@ def render() -> None:
                      hide_index=True, width="stretch")
 
 
-def _run_pair(name: str, model_name: str, engine: str = "kvviz") -> None:
-    """The scenario and its clean control on kvviz's engine; or, in transformers, the scenario's requests
-    through transformers' continuous batching (its own paged isolation, no fault) and kvviz's engine clean."""
+def _plan(name: str, model, engine: str, misuses: dict) -> list[tuple[str, str | None, dict]]:
+    """(role, fault, workload) of each run, the control first: the run under study is then the newest, the one
+    the inspector opens. A misuse and its control run on llama.cpp; a catalogue scenario on another engine runs
+    its requests there as shipped, beside kvviz's engine running them clean."""
+    if name in misuses:
+        return [("control", None, misuses[name].workload), ("scenario", name, misuses[name].workload)]
+    sc, workload = SCENARIOS[name], live.scenario_workload(name, model)
+    if engine in OTHER:
+        isolation = {"isolation": "paged"} if engine == "transformers" else {}
+        other = {**workload, "engine": {**workload["engine"], "backend": engine, **isolation}}
+        return [("control", None, workload), (engine, None, other)]
+    return ([("control", None, workload)] if sc.fault else []) + [("scenario", sc.fault, workload)]
+
+
+def _run_pair(name: str, model_name: str, engine: str, misuses: dict) -> None:
+    """The scenario's runs (see _plan), each checked before the first starts: a workload one engine cannot run
+    (transformers and forks) is refused before anything is recorded."""
     model = load_model_or_error(model_name)
     if model is None:
         return
-    sc = SCENARIOS[name]
-    workload = live.scenario_workload(name, model)
-    # the control first: the run under study is then the newest, the one the inspector opens
-    if engine == "transformers":
-        hf = {**workload, "engine": {**workload["engine"], "backend": "transformers", "isolation": "paged"}}
-        plan = [("control", None, workload), ("transformers", None, hf)]
-    else:
-        plan = ([("control", None, workload)] if sc.fault else []) + [("scenario", sc.fault, workload)]
+    plan = _plan(name, model, engine, misuses)
+    for _, fault, wl in plan:
+        live.check(model, wl, fault)  # a refusal (KvvizError) is shown by the app, and nothing has run
     bar = st.progress(0.0, text="starting...")
     ids = {}
     for i, (role, fault, wl) in enumerate(plan):
@@ -89,13 +117,14 @@ def _run_pair(name: str, model_name: str, engine: str = "kvviz") -> None:
         ids[role] = live.run(store(), model, wl, fault, on_step=on_step, on_wait=on_wait, on_reference=on_reference,
                              scenario_name=f"control of {name}" if role == "control" else name).run_id
     bar.progress(1.0, text="done")
-    st.session_state["sc_pair"] = {"name": name, **ids}
+    st.session_state["sc_pair"] = {"name": name, "engine": engine, **ids}
     st.session_state["run_id"] = ids[plan[-1][0]]  # the inspector, opened next, shows it
 
 
 def _compare(pair: dict) -> None:
-    roles = [r for r in ("scenario", "transformers", "control") if r in pair]
-    subject = roles[0]  # the scenario run, or transformers' run of its requests
+    roles = [r for r in ("scenario", "transformers", "llama.cpp", "control") if r in pair]
+    subject = roles[0]  # the scenario run, or another engine's run of its requests
+    other = subject in OTHER
     with reader() as con:
         gone = [r for r in roles if not RunStore.has_run(con, pair[r])]
     if gone:  # deleted since (Runs page, CLI): said, not a failure of the comparison
@@ -126,12 +155,12 @@ def _compare(pair: dict) -> None:
     for col, r in zip(cols, roles, strict=True):
         with col:
             n = len(found[r])
-            title = {"control": "kvviz's engine, clean"}.get(r, r) if subject == "transformers" else r
+            title = {"control": "kvviz's engine, clean"}.get(r, r) if other else r
             st.markdown(f"#### {title}: `{pair[r]}`")
             st.metric("findings", n)
-            if r == "transformers":
-                (st.warning if n else st.success)(f"the oracles report {n} findings in transformers' run" if n
-                                                  else "clean: transformers' run has no finding")
+            if r in OTHER:
+                (st.warning if n else st.success)(f"the oracles report {n} findings in {r}'s run" if n
+                                                  else f"clean: {r}'s run has no finding")
             elif r == "scenario" and "control" in roles:
                 (st.success if n else st.error)("the detector fired" if n else "the detector missed this fault")
             if r == "control" or "control" not in roles:
@@ -150,13 +179,16 @@ def _compare(pair: dict) -> None:
     if len(roles) == 2:
         both = texts[subject].merge(texts["control"], on="request_id", suffixes=("", "_control"))
         changed = both.request_id[both.text != both.text_control].tolist()
-        if subject == "transformers":
-            st.markdown(f"**Generated text:** {', '.join(changed)} wrote something else in transformers than in "
+        if other:
+            st.markdown(f"**Generated text:** {', '.join(changed)} wrote something else in {subject} than in "
                         "kvviz's engine." if changed else "**Generated text:** the same in both engines.")
         else:
             st.markdown(f"**Generated text:** {', '.join(changed)} wrote something else than in the control run."
                         if changed else "**Generated text:** the same as in the control run: on this model the fault "
-                        "did not change what was written, only what was read.")
+                        "did not change what was written, only what was read. The logits moved all the same: the "
+                        "inspector's Leaks view compares each request's logits with the request run alone, and a "
+                        "request that read foreign keys is listed there as a leak even when its words came out "
+                        "the same.")
     if len(roles) == 2 and layers:
         diff = grids[subject].merge(grids["control"], on=["layer", "head"], suffixes=("", "_control"))
         diff["max_foreign"] = diff["max_foreign"] - diff["max_foreign_control"]
