@@ -16,8 +16,8 @@ import argparse
 import random
 from collections import defaultdict
 
-from kvviz.engine.workload import Workload
 from kvviz.engine import kernel_check
+from kvviz.engine.workload import Workload
 from kvviz.models import load_model
 from kvviz.runners.checked import run_checked
 

@@ -245,3 +245,46 @@ def test_smollm2_on_llama_cpp_the_passphrase_experiment_is_clean_and_a_misuse_le
     leaked = run_checked(m, Workload.from_dict(MISUSES[Misuse.REUSE_WITHOUT_RM].workload), "reuse_without_rm")
     assert ("foreign", "B", "A") in sources(leaked)
     assert {d.request: d.classification for d in leaked.divergences}["B"] == "leak"
+
+
+def test_kv_events_say_which_blocks_llama_cpp_holds(tmp_path):
+    """The full blocks each sequence's cells hold, hash-chained over their tokens: A's system prompt is
+    stored once though B holds it too (seq_cp shares the cells, as a prefix hit publishes nothing), with
+    the salt of the request that wrote it; the capture of the run imports with those stores."""
+    from kvviz.engine.hashing import block_hash
+    from kvviz.runners.backends import run_backend
+
+    m = tiny()
+    reqs = [{"id": "A", "prompt": SYSTEM + "Hi.", "max_new_tokens": 4, "cache_salt": "t1"},
+            {"id": "B", "prompt": SYSTEM + "Hello.", "max_new_tokens": 4, "cache_salt": "t2", "arrival_step": 2}]
+    wl, records = workload(reqs), []
+    run_backend(m, wl, on_step=records.append, run_id="x")
+    stored = [e for r in records for e in r.events if e.kind == "cache"]
+    ids = list(m.tokenizer(SYSTEM + "Hi.").input_ids)
+    assert stored[0].hash == block_hash(None, ids[:16]) and stored[0].salt == "t1" and stored[0].request == "A"
+    assert len({e.hash for e in stored}) == len(stored), "a block two sequences hold is stored once"
+    assert not [e for r in records for e in r.events if e.kind == "evict"], "idle slots keep their cells"
+    running = next(r for r in records if "B" in r.snapshot.page_tables)
+    assert running.snapshot.hashes[stored[0].block] is None  # a running request holds it: used, not cached
+    assert records[-1].snapshot.hashes[stored[0].block] == stored[0].hash  # idle slots keep it: cached, so named
+    capture = tmp_path / "run.jsonl"
+    ok = kvviz("run", "--workload", _file(tmp_path, reqs), "--model", "tiny-llama", "--db", tmp_path / "k.duckdb",
+               "--quiet", "--kv-events", capture)
+    assert ok.returncode == 0, ok.stderr
+    imported = kvviz("import", capture, "--db", tmp_path / "c.duckdb")
+    assert imported.returncode == 0, imported.stderr
+    with RunStore.open(tmp_path / "c.duckdb").read() as con:
+        stores = con.execute("SELECT count(*), list(DISTINCT salt) FROM kv_events "
+                             "WHERE kind = 'BlockStored'").fetchone()
+    assert stores[0] == len({e.hash for e in stored}) and stores[1] == ["t1"]
+
+
+def _file(tmp_path, reqs: list[dict]):
+    path = tmp_path / "w.json"
+    path.write_text(json.dumps({"requests": reqs, "engine": ENGINE}))
+    return path
+
+
+def test_prefix_caching_off_reuses_nothing_as_cache_prompt_false():
+    run = run_checked(tiny(), workload(CLEAN[:2] + CLEAN[3:4], prefix_caching=False))
+    assert [r.cached_tokens for r in run.result.requests] == [0, 0, 0] and run.findings == []

@@ -137,10 +137,11 @@ class CellTable:
         """The cells sequence seq holds, by position."""
         return sorted(self.by_seq.get(seq, ()), key=lambda c: (self.pos[c], c))
 
-    def snapshot(self, running: dict[str, int]) -> CellSnapshot:
+    def snapshot(self, running: dict[str, int], named: dict[int, bytes]) -> CellSnapshot:
         """The cache as a block map: a block's refcount is the most running requests any of its cells
         serves; a block that only idle sequences hold (llama-server's slot cache, kept for reuse) shows
-        as cached, named by its first held cell's content."""
+        as cached, named as its KV events name the block starting in it (`named`), else by its first held
+        cell's content."""
         B, n_blocks = self.block_size, len(self.life)
         live = set(running.values())
         refcounts, hashes, tables = [0] * n_blocks, [None] * n_blocks, {}
@@ -149,7 +150,7 @@ class CellTable:
                 b = c // B
                 refcounts[b] = max(refcounts[b], len(self.seqs[c] & live))
                 if hashes[b] is None:
-                    hashes[b] = (self.provenance.prefix[c] & (2**64 - 1)).to_bytes(8, "big")
+                    hashes[b] = named.get(b) or self.provenance.prefix[c].to_bytes(8, "big")
         for rid, seq in running.items():
             tables[rid] = tuple(dict.fromkeys(c // B for c in self.cells_of(seq)))
         for b in range(n_blocks):

@@ -31,6 +31,7 @@ from .cells import CellTable
 from .facts import BatchToken, Ubatch
 from .misuse import Misuse
 from .slots import Chunk, Job, OneSequence, Slots
+from .stored import Holding, StoredBlocks
 
 BACKEND = "llama.cpp"
 KERNELS = ("eager_paged", "flash_attn")  # llama.cpp's attention: KQ, softmax, KQV (its weights read); flash attention
@@ -103,6 +104,7 @@ class LlamaBackend:
         self.model, self.observers, self.seed, self.eos = model, observers, wl.seed, eos_ids(model)
         self.ctx: LlamaContext | None = None
         self.cells = CellTable(n_cells(wl), cfg.block_size)
+        self.stored = StoredBlocks(cfg.block_size)
         scheduler = OneSequence if misuse == Misuse.ONE_SEQUENCE else Slots
         self.sched = scheduler(min(256, len(wl.requests)), cfg.max_batch_tokens, self, misuse, cfg.prefix_caching)
         self.salts = {r.id: r.cache_salt for r in wl.requests}
@@ -167,9 +169,12 @@ class LlamaBackend:
         self.sched.computed(chunks, self.step)
         record = self._record(chunks, rows, admitted, logits)
         self.cells.check(self.ctx.cells(), self.step)
+        holdings = [Holding(tokens=self.sched.held(slot), cells=self.cells.cells_of(slot.seq))
+                    for slot in self.sched.slots]
+        record.events = self.cells.take_events() + self.stored.changes(holdings, self.cells.provenance)
         if snapshot:
-            record.snapshot = self.cells.snapshot({j.id: j.slot.seq for j in self.sched.running})
-        record.events = self.cells.take_events()
+            named = {block: name for name, block in self.stored.held.items()}
+            record.snapshot = self.cells.snapshot({j.id: j.slot.seq for j in self.sched.running}, named)
         record.seconds = time.perf_counter() - started
         self.step += 1
         return record

@@ -114,7 +114,7 @@ class Slots:
         if common_prefix(slot.tokens, job.prompt) == 0:
             slot = min(free, key=lambda s: s.used)  # no prefix to reuse: the least recently used
         kept = min(common_prefix(slot.tokens, job.prompt), room)
-        donors = [(min(common_prefix(self._held(s), job.prompt), room), s) for s in self.slots if s is not slot]
+        donors = [(min(common_prefix(self.held(s), job.prompt), room), s) for s in self.slots if s is not slot]
         shared, donor = max(donors, key=lambda d: d[0], default=(0, None))
         n = max(kept, shared)
         if not self._room_for(job.remaining - n, keep={slot, donor}):
@@ -122,7 +122,7 @@ class Slots:
         held, job.offset = len(slot.tokens), 0
         if shared > kept:
             self.ops.seq_rm(slot.seq)
-            if self.misuse == Misuse.CP_ONE_LONG and shared < min(room, len(self._held(donor))):
+            if self.misuse == Misuse.CP_ONE_LONG and shared < min(room, len(self.held(donor))):
                 n = shared + 1  # one cell too many, counted as the request's own prefix
             self.ops.seq_cp(donor.seq, slot.seq, 0, n)
         elif self.misuse == Misuse.REUSE_WITHOUT_RM:  # and positions go on from the cells it still holds
@@ -136,7 +136,7 @@ class Slots:
         self.running.append(job)
         return True
 
-    def _held(self, slot: Slot) -> list[int]:
+    def held(self, slot: Slot) -> list[int]:
         """The tokens a slot's cells hold: a running request's computed ones, an idle slot's cache."""
         job = next((j for j in self.running if j.slot is slot), None)
         return job.history[:job.computed] if job is not None else slot.tokens
