@@ -9,6 +9,9 @@ ENV PIP_NO_CACHE_DIR=1 \
     PYTHONUNBUFFERED=1
 
 WORKDIR /app
+# llama-cpp-python is a source distribution: pip builds llama.cpp with cmake and a C++ compiler (minutes)
+RUN apt-get update && apt-get install -y --no-install-recommends build-essential cmake \
+    && rm -rf /var/lib/apt/lists/*
 COPY requirements.txt .
 # The runtime only: what requirements.txt lists under "# Tests" (pytest, a browser driver, pyspark) stays out.
 RUN sed '/^# Tests/,$d' requirements.txt > /tmp/runtime.txt && pip install -r /tmp/runtime.txt

@@ -1069,8 +1069,8 @@ def test_the_run_page_runs_transformers_and_the_inspector_says_which_engine_ran(
     opened in the inspector, which names the engine and the kernel."""
     at = custom_requests({})
     assert not [s for s in at.selectbox if s.key.startswith("run_kern")]
-    at.selectbox(key="run_be_custom").set_value("transformers").run()
-    at.selectbox(key="run_kern-transformers_custom").set_value("sdpa_paged").run()
+    at.selectbox(key="run_be").set_value("transformers").run()
+    at.selectbox(key="run_kern-transformers").set_value("sdpa_paged").run()
     at.button(key="run_go").click().run()
     assert not at.exception and not at.error, [e.value for e in at.error]
     [run_id] = run_ids(empty_db)
@@ -1092,7 +1092,7 @@ def test_the_run_page_runs_transformers_and_the_inspector_says_which_engine_ran(
 def test_the_engine_pickers_show_short_names_and_say_the_rest_in_their_help(empty_db):
     """Walk finding: "transformers' continuous batching" was cut to "transformers' co..." in the Run page's
     fifth of a row; the options are the engines' short names, the help says what each one is."""
-    for name, key in (("run", "run_be_passphrase"), ("scenarios", "sc_engine")):
+    for name, key in (("run", "run_be"), ("scenarios", "sc_engine")):
         picker = page(name).selectbox(key=key)
         assert picker.options == ["kvviz", "transformers", "llama.cpp"], picker.options
         assert picker.help.startswith("kvviz: kvviz's own paged engine. transformers: Hugging Face transformers' "
@@ -1106,7 +1106,7 @@ def test_the_run_page_runs_a_masked_scenario_in_transformers_with_its_own_paged_
     at = page("run")
     at.selectbox(key="run_model").set_value("tiny-llama").run()
     assert at.selectbox(key="run_iso_passphrase").value == "masked"
-    at.selectbox(key="run_be_passphrase").set_value("transformers").run()
+    at.selectbox(key="run_be").set_value("transformers").run()
     fixed = {t.label: t.value for t in at.text_input if t.disabled}
     assert fixed == {"isolation": "paged", "host tier blocks": "0", "fault": "none", "fault steps": "",
                      "fault requests": "", "fault layers": ""}, fixed
@@ -1115,7 +1115,7 @@ def test_the_run_page_runs_a_masked_scenario_in_transformers_with_its_own_paged_
     with RunStore.open(empty_db).read() as con:
         assert con.execute("SELECT backend, status FROM runs").fetchone() == ("transformers", "complete")
     at.switch_page("kvviz/ui/pages/run.py").run()
-    at.selectbox(key="run_be_passphrase").set_value("kvviz").run()
+    at.selectbox(key="run_be").set_value("kvviz").run()
     assert at.selectbox(key="run_iso_passphrase").value == "masked"
     assert not [t for t in at.text_input if t.disabled]
 
@@ -1164,10 +1164,11 @@ def test_the_scenarios_page_runs_a_llama_cpp_misuse_beside_its_control(empty_db)
     at = page("scenarios")
     at.selectbox(key="sc_engine").set_value("llama.cpp").run()
     names = at.selectbox(key="sc_name").options
-    assert names[-4:] == ["reuse_without_rm: llama.cpp API misuse: llama_memory_seq_rm",
-                          "cp_one_long: llama.cpp API misuse: llama_memory_seq_cp",
-                          "one_sequence: llama.cpp API misuse: llama_batch",
-                          "positions_from_zero: llama.cpp API misuse: llama_batch"], names[-4:]
+    assert names[-4:] == [
+        "reuse_without_rm: llama.cpp API misuse: a sequence reused without seq_rm (llama_memory_seq_rm)",
+        "cp_one_long: llama.cpp API misuse: seq_cp one cell too long (llama_memory_seq_cp)",
+        "one_sequence: llama.cpp API misuse: every request in one sequence (llama_batch)",
+        "positions_from_zero: llama.cpp API misuse: positions restarted at 0 (llama_batch)"], names[-4:]
     at.selectbox(key="sc_name").set_value("reuse_without_rm")
     at.selectbox(key="sc_model").set_value("tiny-llama").run()
     assert any("*Marked as such:*" in m.value for m in at.markdown)
@@ -1197,12 +1198,12 @@ def test_a_scenario_an_engine_cannot_run_is_refused_before_anything_runs(empty_d
 
 def test_the_run_page_runs_llama_cpp_with_its_kernel_and_misuse_and_says_which_engine_ran(empty_db):
     at = custom_requests({})
-    at.selectbox(key="run_be_custom").set_value("llama.cpp").run()
+    at.selectbox(key="run_be").set_value("llama.cpp").run()
     fixed = {t.label: t.value for t in at.text_input if t.disabled}
     assert fixed["isolation"] == "masked" and fixed["host tier blocks"] == "0", fixed
-    assert at.selectbox(key="run_kern-llama.cpp_custom").options == ["eager_paged", "flash_attn"]
-    at.selectbox(key="run_kern-llama.cpp_custom").set_value("flash_attn").run()
-    at.selectbox(key="run_misuse_custom").set_value("one_sequence").run()
+    assert at.selectbox(key="run_kern-llama.cpp").options == ["eager_paged", "flash_attn"]
+    at.selectbox(key="run_kern-llama.cpp").set_value("flash_attn").run()
+    at.selectbox(key="run_misuse").set_value("one_sequence").run()
     at.button(key="run_go").click().run()
     assert not at.exception and not at.error, [e.value for e in at.error]
     with RunStore.open(empty_db).read() as con:
@@ -1227,3 +1228,30 @@ def test_the_cache_view_says_how_the_other_engines_reuse_prompts(backend, tiny, 
     assert ("transformers registers no block a request fills in its last forward" in said) == (backend ==
                                                                                               "transformers")
     assert ("llama.cpp reuses cells, not blocks" in said) == (backend == "llama.cpp")
+    columns = list(next(d for d in at.dataframe if "hit tokens" in d.value.columns).value.columns)
+    assert ("reason" in columns) == (backend != "llama.cpp"), "block reasons would contradict cell-wise hits"
+
+
+def test_the_engine_chosen_on_the_run_page_stays_when_the_workload_changes(empty_db):
+    """Walk finding: picking another scenario, or custom requests, put the engine back to kvviz's."""
+    at = page("run")
+    at.selectbox(key="run_be").set_value("llama.cpp").run()
+    at.selectbox(key="run_kern-llama.cpp").set_value("flash_attn").run()
+    at.selectbox(key="run_scenario").set_value("boundary").run()
+    at.radio(key="run_source").set_value("custom").run()
+    assert at.selectbox(key="run_be").value == "llama.cpp"
+    assert at.selectbox(key="run_kern-llama.cpp").value == "flash_attn"
+
+
+def test_a_misuse_llama_cpp_refuses_is_said_as_an_outcome_beside_its_control(empty_db):
+    """Walk finding: positions_from_zero showed only a red error and hid its control."""
+    at = page("scenarios")
+    at.selectbox(key="sc_engine").set_value("llama.cpp").run()
+    at.selectbox(key="sc_name").set_value("positions_from_zero")
+    at.selectbox(key="sc_model").set_value("tiny-llama").run()
+    at.button(key="sc_go").click().run()
+    assert not at.exception and not at.error, [e.value for e in at.error]
+    assert any(s.value.startswith("llama.cpp refused this misuse: its run failed at step ") for s in at.success)
+    assert any(s.value == "clean" for s in at.success)
+    with RunStore.open(empty_db).read() as con:
+        assert sorted(r[0] for r in con.execute("SELECT status FROM runs").fetchall()) == ["complete", "failed"]

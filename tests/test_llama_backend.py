@@ -122,7 +122,9 @@ def test_each_silent_misuse_is_caught_and_its_control_is_clean(misuse, kernel):
     expected = {Misuse.REUSE_WITHOUT_RM: ("foreign", "B", "A"), Misuse.CP_ONE_LONG: ("foreign", "B", "A"),
                 Misuse.ONE_SEQUENCE: ("foreign", "B", "A")}[misuse]
     assert expected in sources(run)
-    assert {f.kind for f in run.findings} <= {"foreign", "duplicate", "kernel_mismatch"} - {"kernel_mismatch"}
+    assert {f.kind for f in run.findings} <= {"foreign", "duplicate"}
+    assert all(f.source_request != f.request for f in run.findings), "a request's own tokens are its own"
+    assert not [n for n in run.notes if "never struck" in n]
     assert {d.request: d.classification for d in run.divergences}["B"] == "leak"
     assert run.summary()["leak"]["max_foreign_mass"] > 0.01
 
@@ -288,3 +290,16 @@ def _file(tmp_path, reqs: list[dict]):
 def test_prefix_caching_off_reuses_nothing_as_cache_prompt_false():
     run = run_checked(tiny(), workload(CLEAN[:2] + CLEAN[3:4], prefix_caching=False))
     assert [r.cached_tokens for r in run.result.requests] == [0, 0, 0] and run.findings == []
+
+
+def test_a_misuse_that_changes_no_call_says_so_and_its_run_says_it_on_the_record(tmp_path):
+    """Walk finding: reuse_without_rm with requests that never take an ended request's sequence ran clean,
+    which read as llama.cpp surviving the misuse. The run says the misuse never struck, and what it needs."""
+    store = RunStore.open(tmp_path / "k.duckdb")
+    run = record_run(store, tiny(), workload(CLEAN[:2]), "reuse_without_rm")
+    assert run.findings == []
+    [note] = [n for n in run.notes if "never struck" in n]
+    assert note.startswith("the misuse reuse_without_rm never struck, so its run is a clean run: it needs a request "
+                           "that arrives after another has ended")
+    with store.read() as con:
+        assert con.execute("SELECT notes FROM runs").fetchone()[0] == run.notes

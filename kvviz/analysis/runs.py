@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import duckdb
 import pandas as pd
@@ -32,7 +32,8 @@ class RunInfo:
     has_attention: bool
     has_kv_events: bool  # an imported vLLM/SGLang capture
     fault_scope: dict | None = None  # where the fault was confined
-    backend: str | None = None  # the engine that ran it (kvviz, transformers); None for a capture
+    backend: str | None = None  # the engine that ran it (kvviz, transformers, llama.cpp); None for a capture
+    notes: list[str] = field(default_factory=list)  # what its engine ran with a consequence, or said once it ran
 
     @property
     def recording(self) -> bool:
@@ -80,7 +81,7 @@ def scope_text(scope: dict) -> str:
 
 
 def run_info(con: duckdb.DuckDBPyConnection, run_id: str) -> RunInfo:
-    row = con.execute("SELECT status, error, model, scenario, fault, engine, fault_scope, backend FROM runs "
+    row = con.execute("SELECT status, error, model, scenario, fault, engine, fault_scope, backend, notes FROM runs "
                       "WHERE run_id = ?", [run_id]).fetchone()
     if row is None:
         raise StoreError(f"no run {run_id!r} in this database")
@@ -95,7 +96,7 @@ def run_info(con: duckdb.DuckDBPyConnection, run_id: str) -> RunInfo:
                                           [run_id]).fetchall()]
     return RunInfo(run_id, row[0], row[1], row[2], row[3], row[4], json.loads(row[5]) if row[5] else {}, steps,
                    requests, exists("blocks"), exists("attention"), row[2] == CAPTURE_MODEL or exists("kv_events"),
-                   json.loads(row[6]) if row[6] else None, row[7])
+                   json.loads(row[6]) if row[6] else None, row[7], list(row[8] or []))
 
 
 def requests_frame(con: duckdb.DuckDBPyConnection, run_id: str) -> pd.DataFrame:

@@ -36,6 +36,7 @@ class Backend(Protocol):
     """One engine under kvviz's driver."""
 
     step: int  # the number the next step gets; the driver moves it past idle steps
+    notes: list[str]  # what it says of the run once it ran (a misuse that never struck), for the run's record
 
     @property
     def busy(self) -> bool:

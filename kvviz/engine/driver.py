@@ -128,4 +128,4 @@ class Driver:
                 on_step(self.last)
         self.stats.seconds = time.perf_counter() - self.t0
         return RunResult(run_id=run_id, config=config, requests=[self.result(s.id) for s, _ in specs],
-                         stats=self.stats)
+                         stats=self.stats, notes=list(self.backend.notes))

@@ -81,6 +81,7 @@ class EngineLoop:
         self.host_tensors = KVTensors(cfg.offload.cpu_blocks * cfg.block_size, "cpu") if cfg.offload else None
         self.live: dict[str, _Request] = {}
         self.step = 0  # the number the next step gets
+        self.notes: list[str] = []
 
     @property
     def instances(self) -> list[Instance]:

@@ -98,6 +98,7 @@ class RunResult:
     config: EngineConfig
     requests: list[RequestResult]
     stats: RunStats = field(default_factory=RunStats)
+    notes: list[str] = field(default_factory=list)  # what the backend said of the run once it ran
 
     def summary(self) -> dict:
         s = self.stats

@@ -103,6 +103,7 @@ class TransformersBackend:
     def __init__(self, cb: ContinuousBatching, eos: list[int]):
         self.cb, self.obs, self.eos = cb, cb.listener, eos
         self.running: set[str] = set()
+        self.notes: list[str] = []
 
     @property
     def step(self) -> int:

@@ -47,12 +47,13 @@ class CellTable:
         self.provenance = SlotProvenance(n_cells)
         self.life = [0] * ((n_cells + block_size - 1) // block_size)
         self.events: list[BlockEvent] = []  # since the last take_events
-        self.names: dict[int, str] = {}  # sequence -> the request running on it
 
     # -- what happened to the cells ------------------------------------------------------------
-    def write(self, cell: int, pos: int, seqs: tuple[int, ...], prefix_id: int, token: int, writer: str,
-              tenant: str | None) -> None:
-        """A token's K/V written into `cell` by a decode (llama.cpp's write index for it)."""
+    def write(self, cell: int, pos: int, seqs: tuple[int, ...], *, index: int, prefix_id: int, token: int,
+              writer: str, tenant: str | None) -> None:
+        """A token's K/V written into `cell` by a decode (llama.cpp's write index for it): `pos` is the position
+        llama.cpp was given, `index` the token's place in its request's history (the provenance's position:
+        they differ only when an application numbers positions wrong)."""
         b = cell // self.block_size
         if self.seqs[cell]:
             raise BackendError(f"llama.cpp wrote into cell {cell}, which sequences {sorted(self.seqs[cell])} "
@@ -63,10 +64,11 @@ class CellTable:
         self.pos[cell], self.seqs[cell] = pos, set(seqs)
         for s in seqs:
             self.by_seq.setdefault(s, set()).add(cell)
-        self.provenance.record(cell, prefix_id, pos, token, writer, tenant, self.life[b])
+        self.provenance.record(cell, prefix_id, index, token, writer, tenant, self.life[b])
 
-    def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
-        """`llama_memory_seq_cp` in one stream: dst joins every cell of src at a position in [p0, p1)."""
+    def seq_cp(self, src: int, dst: int, p0: int, p1: int, request: str | None = None) -> None:
+        """`llama_memory_seq_cp` in one stream: dst joins every cell of src at a position in [p0, p1) (for
+        `request`, the one dst serves)."""
         if src == dst:
             return
         hi = p1 if p1 >= 0 else 1 << 62
@@ -78,10 +80,11 @@ class CellTable:
                 b = c // self.block_size
                 shared[b] = max(shared.get(b, 0), len(self.seqs[c]))
         for b, n in shared.items():
-            self.events.append(BlockEvent("share", b, self.names.get(dst), n))
+            self.events.append(BlockEvent("share", b, request, n))
 
-    def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> None:
-        """`llama_memory_seq_rm`: seq leaves its cells at positions in [p0, p1) (-1: open ends)."""
+    def seq_rm(self, seq: int, p0: int = -1, p1: int = -1, request: str | None = None) -> None:
+        """`llama_memory_seq_rm`: seq leaves its cells at positions in [p0, p1) (-1: open ends; `request`: the
+        one seq served last)."""
         hi = p1 if p1 >= 0 else 1 << 62
         freed: set[int] = set()
         left: dict[int, int] = {}
@@ -95,7 +98,7 @@ class CellTable:
                 if not self.seqs[c]:
                     freed.add(c)
         for b, n in left.items():
-            self.events.append(BlockEvent("free", b, self.names.get(seq), n))
+            self.events.append(BlockEvent("free", b, request, n))
         for b in sorted({c // self.block_size for c in freed}):
             self._stale(b)
 
@@ -138,19 +141,20 @@ class CellTable:
         return sorted(self.by_seq.get(seq, ()), key=lambda c: (self.pos[c], c))
 
     def snapshot(self, running: dict[str, int], named: dict[int, bytes]) -> CellSnapshot:
-        """The cache as a block map: a block's refcount is the most running requests any of its cells
-        serves; a block that only idle sequences hold (llama-server's slot cache, kept for reuse) shows
-        as cached, named as its KV events name the block starting in it (`named`), else by its first held
-        cell's content."""
+        """The cache as a block map: a block's refcount is how many running requests hold cells in it (they
+        share a cell only where its sequence set says so); a block that only idle sequences hold
+        (llama-server's slot cache, kept for reuse) shows as cached, named as its KV events name the block
+        starting in it (`named`), else by its first held cell's content."""
         B, n_blocks = self.block_size, len(self.life)
-        live = set(running.values())
-        refcounts, hashes, tables = [0] * n_blocks, [None] * n_blocks, {}
+        live, holders = set(running.values()), [set() for _ in range(n_blocks)]
+        hashes, tables = [None] * n_blocks, {}
         for c in range(self.n_cells):
             if self.seqs[c]:
                 b = c // B
-                refcounts[b] = max(refcounts[b], len(self.seqs[c] & live))
+                holders[b] |= self.seqs[c] & live
                 if hashes[b] is None:
                     hashes[b] = named.get(b) or self.provenance.prefix[c].to_bytes(8, "big")
+        refcounts = [len(h) for h in holders]
         for rid, seq in running.items():
             tables[rid] = tuple(dict.fromkeys(c // B for c in self.cells_of(seq)))
         for b in range(n_blocks):

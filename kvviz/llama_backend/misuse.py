@@ -23,10 +23,15 @@ class MisuseInfo:
     what: str  # what the application does
     pattern: str  # which of the seed's leaks it is
     workload: dict  # requests that meet the misuse (its clean control: the same, called right)
+    short: str  # what goes wrong, in a few words
+    needs: str  # what a workload must hold for the misuse to strike
 
     @property
     def title(self) -> str:
-        return f"llama.cpp API misuse: {self.call}"
+        return f"llama.cpp API misuse: {self.short} ({self.call})"
+
+    def never_struck(self) -> str:
+        return f"the misuse {self.name} never struck, so its run is a clean run: it needs {self.needs}"
 
 
 def _req(rid: str, prompt: str, new: int = 6, **kw) -> dict:
@@ -51,19 +56,26 @@ MISUSES = {m.name: m for m in (
                what="a finished request's sequence id is given to the next request without seq_rm of the "
                     "cells it no longer shares, and the new tokens' positions go on from llama_memory_seq_pos_max "
                     "(llama.cpp refuses any other start): the new request sees the old one's cells",
-               pattern="the seed's boundary leak, across requests in time", workload=_AFTER),
+               pattern="the seed's boundary leak, across requests in time", workload=_AFTER,
+               short="a sequence reused without seq_rm",
+               needs="a request that arrives after another has ended, its prompt starting as the other's did, so "
+                     "that it takes the ended request's sequence"),
     MisuseInfo(name=Misuse.CP_ONE_LONG, call="llama_memory_seq_cp",
                what="the common prefix is measured one token too long, so seq_cp gives the sequence the "
                     "donor's first differing cell too and the request takes it for its own",
-               pattern="the seed's boundary leak", workload=_WHILE),
+               pattern="the seed's boundary leak", workload=_WHILE, short="seq_cp one cell too long",
+               needs="a request whose prompt starts as a running or ended request's and goes on differently, "
+                     "with at least two tokens of its own"),
     MisuseInfo(name=Misuse.ONE_SEQUENCE, call="llama_batch",
                what="every request is decoded in sequence 0 (llama_batch_get_one's sequence) with positions going "
                     "on from what the cache holds, and no seq_rm between requests: each request sees every token "
                     "of every request before it",
-               pattern="the seed's global leak", workload=_TOGETHER),
+               pattern="the seed's global leak", workload=_TOGETHER, short="every request in one sequence",
+               needs="at least two requests"),
     MisuseInfo(name=Misuse.POSITIONS_FROM_ZERO, call="llama_batch",
                what="a request that reuses a cached prefix numbers its new tokens from 0 instead of from the "
                     "end of the prefix; llama.cpp's batch check refuses positions that do not continue the "
                     "sequence, so the run fails loudly instead of leaking",
-               pattern="the seed's positional leak", workload=_AFTER),
+               pattern="the seed's positional leak", workload=_AFTER, short="positions restarted at 0",
+               needs="a request that finds part of its prompt in the cache"),
 )}

@@ -29,7 +29,7 @@ from ..models import LoadedModel
 from .adapter import BackendError, CallFailed, LlamaContext
 from .cells import CellTable
 from .facts import BatchToken, Ubatch
-from .misuse import Misuse
+from .misuse import MISUSES, Misuse
 from .slots import Chunk, Job, OneSequence, Slots
 from .stored import Holding, StoredBlocks
 
@@ -113,17 +113,25 @@ class LlamaBackend:
         self.generators: dict[str, torch.Generator] = {}
         self.prefixes: dict[str, list[int]] = {}
         self.step = 0
+        self.misuse = misuse
         self._chunks: list[Chunk] = []
         self._observed = False
+
+    @property
+    def notes(self) -> list[str]:
+        """A misuse that changed no call leaves a clean run that must not read as llama.cpp surviving it."""
+        if self.misuse is None or self.sched.struck:
+            return []
+        return [MISUSES[self.misuse].never_struck()]
 
     # -- the cache calls the scheduler makes (slots.CacheOps) ----------------------------------
     def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
         self.ctx.seq_cp(src, dst, p0, p1)
-        self.cells.seq_cp(src, dst, p0, p1)
+        self.cells.seq_cp(src, dst, p0, p1, self.sched.slots[dst].request)
 
     def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> None:
         self.ctx.seq_rm(seq, p0, p1)
-        self.cells.seq_rm(seq, p0, p1)
+        self.cells.seq_rm(seq, p0, p1, self.sched.slots[seq].request)
 
     def free_cells(self) -> int:
         return self.cells.n_cells - self.cells.occupied()
@@ -156,7 +164,6 @@ class LlamaBackend:
         tokens = [BatchToken(token=t, pos=p, seqs=(c.job.slot.seq,), logits=c.sample and k == len(c.tokens) - 1)
                   for c in chunks for k, (t, p) in enumerate(zip(c.tokens, c.positions, strict=True))]
         self._observed = False
-        self.cells.names = {j.slot.seq: j.id for j in self.sched.running}
         try:
             rows = self.ctx.decode(tokens)
         except CallFailed as e:
@@ -222,11 +229,11 @@ class LlamaBackend:
             p = self._prefix_ids(job.id, job.history, c.start + len(c.tokens))
             slots = writes[job.id] = [next(cells) for _ in c.tokens]
             for k, (cell, pos) in enumerate(zip(slots, c.positions, strict=True)):
-                self.cells.write(cell, pos, (job.slot.seq,), p[c.start + k], c.tokens[k], job.id,
-                                 self.salts.get(job.id))
+                self.cells.write(cell, pos, (job.slot.seq,), index=c.start + k, prefix_id=p[c.start + k],
+                                 token=c.tokens[k], writer=job.id, tenant=self.salts.get(job.id))
             work.append(ScheduledWork(job.id, c.start, c.tokens, []))
             rows += [r] * len(c.tokens)
-            positions += c.positions
+            positions += range(c.start, c.start + len(c.tokens))  # the queries' places in their histories
             prefixes.append(p[:c.start + len(c.tokens)])
             tenants.append(self.salts.get(job.id))
         self._writes = writes

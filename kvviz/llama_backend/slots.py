@@ -39,6 +39,7 @@ class Slot:
     seq: int
     tokens: list[int] = field(default_factory=list)  # what its cells hold, by position (its prompt cache)
     request: str | None = None  # the request running on it
+    last: str | None = None  # the request that ran on it last (whose cells an idle slot keeps)
     used: int = -1  # the last step a request ran on it
 
 
@@ -97,6 +98,7 @@ class Slots:
         self.room = (lambda job: max(len(job.prompt) - 1, 0)) if reuse else (lambda job: 0)
         self.waiting: list[Job] = []
         self.running: list[Job] = []
+        self.struck: list[str] = []  # the requests whose calls the misuse changed
 
     def admit(self, step: int) -> list[Job]:
         """Waiting requests onto slots, first come first served, while a slot and room are free."""
@@ -119,18 +121,22 @@ class Slots:
         n = max(kept, shared)
         if not self._room_for(job.remaining - n, keep={slot, donor}):
             return False
-        held, job.offset = len(slot.tokens), 0
+        held, job.offset, slot.request = len(slot.tokens), 0, job.id  # the calls below are made for it
         if shared > kept:
             self.ops.seq_rm(slot.seq)
             if self.misuse == Misuse.CP_ONE_LONG and shared < min(room, len(self.held(donor))):
                 n = shared + 1  # one cell too many, counted as the request's own prefix
+                self.struck.append(job.id)
             self.ops.seq_cp(donor.seq, slot.seq, 0, n)
         elif self.misuse == Misuse.REUSE_WITHOUT_RM:  # and positions go on from the cells it still holds
             job.offset = held - kept
+            if held > kept:
+                self.struck.append(job.id)
         else:
             self.ops.seq_rm(slot.seq, kept, -1)
-        if self.misuse == Misuse.POSITIONS_FROM_ZERO:
+        if self.misuse == Misuse.POSITIONS_FROM_ZERO and n:
             job.offset = -n
+            self.struck.append(job.id)
         job.slot, job.cached, job.computed = slot, n, n
         slot.tokens, slot.request, slot.used = job.prompt[:n], job.id, step
         self.running.append(job)
@@ -181,7 +187,7 @@ class Slots:
     def finish(self, job: Job) -> None:
         """The request ended: its slot goes idle, its cells kept for the next request that shares them."""
         self.running.remove(job)
-        job.slot.request = None
+        job.slot.request, job.slot.last = None, job.id
 
     def cancel(self, request_id: str) -> bool:
         for j in self.waiting:
@@ -207,6 +213,8 @@ class OneSequence(Slots):
     def _admit(self, job: Job, step: int) -> bool:
         if not self._room_for(job.remaining, keep=set()):
             return False
+        if self.next_pos or self.running:  # the sequence holds another request's cells, or will this step
+            self.struck.append(job.id)
         job.slot = self.slots[0]
         self.running.append(job)
         return True

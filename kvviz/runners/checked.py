@@ -84,4 +84,4 @@ def run_checked(model: LoadedModel, workload: Workload, fault: str | None = None
                 leaked[name] = max(leaked.get(name, 0.0), float(s.max_foreign[r].max()))
         divs = compare_with_isolated(model, result, leaked, kind.alone(wl), kind.tolerance,
                                      on_request=on_reference) if reference else []
-    return CheckedRun(workload, fault, result, oracle, divs, notes)
+    return CheckedRun(workload, fault, result, oracle, divs, notes + result.notes)

@@ -45,6 +45,7 @@ class Outcome:
     texts: dict[str, str]
     findings: int
     max_foreign: float
+    notes: list[str]  # what the engine ran with a stated consequence, or said once it ran
 
 
 def model(name: str, device: str = "auto") -> LoadedModel:
@@ -65,13 +66,14 @@ class MisuseScenario:
     title: str
     explanation: str
     pattern: str
+    needs: str  # what a workload must hold for it to strike
     workload: dict
 
 
 def misuse_scenarios() -> dict[str, MisuseScenario]:
     """llama.cpp's API misuses (not kvviz's fault catalogue: mistakes in code that drives llama.cpp)."""
     return {m.name.value: MisuseScenario(name=m.name.value, title=m.title, explanation=m.what, pattern=m.pattern,
-                                         workload=copy.deepcopy(m.workload)) for m in MISUSES.values()}
+                                         needs=m.needs, workload=copy.deepcopy(m.workload)) for m in MISUSES.values()}
 
 
 def check(model: LoadedModel, workload: dict, fault: str | None = None) -> None:
@@ -110,7 +112,7 @@ def run(store: RunStore, model: LoadedModel, workload: dict, fault: str | None =
                          on_wait=on_wait, on_reference=on_reference)
     summary = checked.summary()
     return Outcome(checked.result.run_id, {r.id: r.text for r in checked.result.requests}, len(checked.findings),
-                   summary["leak"]["max_foreign_mass"])
+                   summary["leak"]["max_foreign_mass"], checked.notes)
 
 
 def comparing_message(done: int, n: int, request: str) -> str:

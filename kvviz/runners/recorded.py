@@ -70,7 +70,8 @@ def save_run(rec: RunRecorder, run: CheckedRun, seconds: float | None = None) ->
     rec.add_divergences(run.divergences)
     st = res.stats
     rec.complete(st.steps, seconds if seconds is not None else st.seconds, st.generated_tokens,
-                 summary["leak"]["max_foreign_mass"], summary["leak"]["leak_rate"], len(run.findings))
+                 summary["leak"]["max_foreign_mass"], summary["leak"]["leak_rate"], len(run.findings),
+                 notes=run.notes)
 
 
 def check_scope(wl: Workload, num_layers: int, what: str, requests: frozenset[str] | None,

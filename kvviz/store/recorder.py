@@ -356,7 +356,7 @@ class RunRecorder:
                       last_step=f.last_step)
 
     def complete(self, steps: int, seconds: float, generated: int, max_foreign: float | None, leak_rate: float | None,
-                 findings: int, workload: dict | None = None) -> None:
+                 findings: int, workload: dict | None = None, notes: list[str] | None = None) -> None:
         """Write what is buffered and mark the run complete with its totals (and, for a run whose
         requests arrived as it went, the workload they made); a write that failed marks it failed."""
         self._hand_over_rest()
@@ -368,7 +368,8 @@ class RunRecorder:
         values = [steps, seconds, generated, max_foreign, leak_rate, findings, self.run_id]
         with self.store.write() as con:
             con.execute("UPDATE runs SET status = 'complete', steps = ?, seconds = ?, generated_tokens = ?, "
-                        "max_foreign_mass = ?, leak_rate = ?, findings = ? WHERE run_id = ?", values)
+                        "max_foreign_mass = ?, leak_rate = ?, findings = ?, notes = ? WHERE run_id = ?",
+                        values[:-1] + [notes or None, self.run_id])
             if workload is not None:
                 con.execute("UPDATE runs SET workload = ? WHERE run_id = ?",
                             [json.dumps(workload, ensure_ascii=False), self.run_id])

@@ -28,9 +28,9 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 
-SCHEMA_VERSION = "14"
+SCHEMA_VERSION = "15"
 # Versions whose files the idempotent DDL brings up to date.
-UPGRADABLE = {"1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12", "13"}
+UPGRADABLE = {"1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12", "13", "14"}
 
 _ARROW = {"VARCHAR": pa.string(), "JSON": pa.string(), "TIMESTAMP": pa.timestamp("us"), "BIGINT": pa.int64(),
           "INTEGER": pa.int32(), "DOUBLE": pa.float64(), "FLOAT": pa.float32(), "BOOLEAN": pa.bool_(),
@@ -114,7 +114,10 @@ TABLES: dict[str, Table] = {t.name: t for t in (
         Column("explained_at", "TIMESTAMP", "when its lookups were explained and kept in lookup_explanations",
                in_trace=False, added_in="9"),
         Column("backend", "VARCHAR", "the engine that ran it: kvviz (kvviz's own) | transformers (Hugging Face "
-               "transformers' continuous batching, observed); null for a capture", added_in="12")), key="run_id"),
+               "transformers' continuous batching, observed) | llama.cpp (observed); null for a capture",
+               added_in="12"),
+        Column("notes", "VARCHAR[]", "what the run's engine ran with a stated consequence (a salt it has not) and "
+               "said once it ran (a misuse that never struck)", in_trace=False, added_in="15")), key="run_id"),
     Table("requests", "Each request of a run and what it generated.", _cols(
         RUN_ID + "request_id VARCHAR, tenant VARCHAR, parent VARCHAR, prompt_ids INTEGER[], output_ids INTEGER[], "
         "text VARCHAR, arrival_step INTEGER, first_token_step INTEGER, finish_step INTEGER, finish_reason VARCHAR, "

@@ -36,18 +36,21 @@ def render(con, info: RunInfo, step: int) -> None:
     st.plotly_chart(cache_fig.hit_rate(rates, current=step, steps=(info.steps[0], info.steps[-1])), width="stretch",
                     key="insp_hits")
     table = lookups_table(found)
-    st.caption("Each lookup (a request's admission, and a re-admission after preemption), up to the step "
-               "shown; reasons as `python -m kvviz explain` gives them.")
+    if info.backend == "llama.cpp":  # prefixes of any length, not whole blocks: block reasons would contradict them
+        table = table[["request", "step", "hit tokens"]]
+        st.caption("Each request's admission, up to the step shown: how many of its prompt tokens llama.cpp's cells "
+                   "already held. llama.cpp reuses cells, not blocks: the longest prefix the request shares with a "
+                   "sequence llama.cpp holds (a running request's or an idle slot's), copied by seq_cp, whatever "
+                   "the block size.")
+    else:
+        st.caption("Each lookup (a request's admission, and a re-admission after preemption), up to the step "
+                   "shown; reasons as `python -m kvviz explain` gives them.")
     st.dataframe(table[table.step <= step], hide_index=True, width="stretch", key="insp_lookups")
     if info.backend == "transformers" and table.reason.astype(str).str.startswith("cold").any():
         st.caption("A cold miss in a transformers run may follow a request that computed the same prefix: "
                    "transformers registers no block a request fills in its last forward (the request is marked "
                    "finished before those blocks' hashes are registered), so a request that ended in the forward "
                    "that read its prompt leaves nothing to reuse (docs/engines.md).")
-    if info.backend == "llama.cpp":
-        st.caption("llama.cpp reuses cells, not blocks: a request's hit tokens are the longest prefix it shares "
-                   "with a sequence llama.cpp holds (a running request's or an idle slot's), copied by seq_cp, "
-                   "whatever the block size; the reasons above are worked out from whole blocks.")
     if len(evicted):
         st.plotly_chart(cache_fig.lifetimes(lives), width="stretch", key="insp_lives")
     else:

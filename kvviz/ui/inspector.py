@@ -123,13 +123,16 @@ def _header(row, info: RunInfo, cross_tenant: str | None) -> None:
     if info.backend == "llama.cpp":
         st.caption(f"llama.cpp ran this run through its C API (its unified KV cache, its masks and attention, "
                    f"unchanged), scheduled as llama-server schedules its slots; kvviz observed it: the pool is the "
-                   f"cache's cells in blocks of {info.block_size}, a block's refcount the most running requests any "
-                   "of its cells serves, a cached block one only an idle slot still holds (kept for the next request "
+                   f"cache's cells in blocks of {info.block_size}, a block's refcount how many running requests hold "
+                   "cells in it (they share a cell only where the cell's sequences say so: click a block for what "
+                   "its cells hold), a cached block one only an idle slot still holds (kept for the next request "
                    "that shares it), and the attention is every cell on llama.cpp's key axis.")
     if info.engine.get("kernel") in ("sdpa_paged", "flash_attn"):
         st.caption(f"Kernel {info.engine['kernel']} returns no weights: the attention shown is kvviz's float32 "
                    "recomputation from the kernel's own inputs and mask, checked against its output at every layer "
                    "(kernel_mismatch findings past the tolerance).")
+    for note in info.notes:
+        st.info(note[0].upper() + note[1:] + ".", icon=":material/info:")
     cols = st.columns(3)
     cols[0].metric("messages" if info.has_kv_events else "steps", f"{len(info.steps):,}",
                    help="KV-event messages (batches) the capture holds" if info.has_kv_events else None)

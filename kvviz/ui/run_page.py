@@ -128,6 +128,8 @@ def _finished(limits: dict[str, float]) -> None:
     st.success(f"Run `{done['run_id']}` ({done['model']} on {done['engine']}) finished: {last.tokens} tokens in "
                f"{len(done['steps'])} steps, "
                f"{last.findings} findings.", icon=":material/check_circle:")
+    for note in done.get("notes", []):
+        st.info(note[0].upper() + note[1:] + ".", icon=":material/info:")
     if st.button("Open it in the inspector", type="primary", icon=":material/search:", key="run_open"):
         open_run(done["run_id"])
     values, held = _settled(last, done["steps"])
@@ -212,7 +214,7 @@ def _settings(sc, engine0: dict):
     with st.expander("Engine, fault and recording", expanded=sc is None):
         # read before the widgets it governs are drawn: another engine runs only its own isolation and no kvviz
         # fault, host tier or disaggregation, so those show what it runs instead of a refusal later
-        backend = st.session_state[_key("be", tag, engine0.get("backend", "kvviz"))]
+        backend = st.session_state[_keep("run_be", engine0.get("backend", "kvviz"))]  # one choice for every workload
         other, fixed = backend != "kvviz", FIXED.format(engine=ENGINES[backend])
         own = {"transformers": "paged", "llama.cpp": "masked"}.get(backend)  # the isolation it always uses
         c = st.columns(5)
@@ -242,21 +244,21 @@ def _settings(sc, engine0: dict):
         engine["disaggregated"] = False if other else c[1].checkbox(
             "disaggregated prefill", key=_key("dis", tag, bool(engine0.get("disaggregated", False))),
             help="a prefill instance with a pool of its own computes each prompt, then transfers its K/V here")
-        engine["backend"] = c[2].selectbox("engine", list(ENGINES), help=ENGINE_HELP,
-                                           key=_key("be", tag, engine0.get("backend", "kvviz")))
+        engine["backend"] = c[2].selectbox("engine", list(ENGINES), help=ENGINE_HELP, key="run_be")
         if other:
             kernels = KERNELS[backend]  # each engine's own kernels, each its own choice
             first = engine0.get("kernel") if engine0.get("kernel") in kernels else kernels[0]
-            engine["kernel"] = c[3].selectbox("attention kernel", kernels, key=_key(f"kern-{backend}", tag, first),
+            engine["kernel"] = c[3].selectbox("attention kernel", kernels, key=_keep(f"run_kern-{backend}", first),
                                               help=KERNEL_HELP)
         c = st.columns(4)
         misuses = live.misuse_scenarios() if backend == "llama.cpp" else {}
         if backend == "transformers":
             fault = _only(c[0], "fault", "none", fixed)
         elif misuses:  # llama.cpp's own API misuses, not kvviz's catalogue
-            fault = c[0].selectbox("API misuse", ["none", *misuses], key=_key("misuse", tag, "none"),
+            fault = c[0].selectbox("API misuse", ["none", *misuses], key=_keep("run_misuse", "none"),
                                    help="a mistake in code that drives llama.cpp, made through its API (docs/"
-                                        "engines.md); kvviz's catalogue faults strike kvviz's engine only")
+                                        "engines.md); kvviz's catalogue faults strike kvviz's engine only. The "
+                                        "Scenarios page runs each with requests it strikes, beside its control")
         else:
             fault = c[0].selectbox("fault", ["none", *FAULTS], key=_key("fault", tag, sc.fault if sc and sc.fault
                                                                         else "none"),
@@ -270,9 +272,10 @@ def _settings(sc, engine0: dict):
                        "host tier or disaggregated prefill (choose kvviz's engine for those).")
         elif backend == "llama.cpp":
             st.caption("llama.cpp runs as shipped, through its C API: one unified cache of cells isolated by its "
-                       "attention mask, prefixes shared by seq_cp as llama-server shares them; no kvviz fault, host "
-                       "tier or disaggregated prefill." + (f" **{fault}**: {misuses[fault].explanation}."
-                                                          if fault != "none" else ""))
+                       "attention mask, prefixes shared by seq_cp as llama-server shares them; no host tier or "
+                       "disaggregated prefill, and its own API misuses instead of kvviz's faults."
+                       + (f" **{fault}**: {misuses[fault].explanation}; it strikes only with "
+                          f"{misuses[fault].needs}." if fault != "none" else ""))
         elif fault != "none":
             st.caption(f"**{fault}** replaces `{FAULTS[fault].defence}`: {FAULTS[fault].breaks}")
         c = st.columns(3)
@@ -391,5 +394,5 @@ def _run(name, sc, requests, engine, fault, scope_text, selection, seed, limits)
         raise
     st.session_state.pop("run_started", None)
     st.session_state["run_finished"] = {"run_id": out.run_id, "last": final[0], "found": found, "steps": steps,
-                                        "engine": ENGINES[engine["backend"]], "model": name}
+                                        "engine": ENGINES[engine["backend"]], "model": name, "notes": out.notes}
     st.rerun()  # the finished panel replaces the live one, drawn once with the last step

@@ -9,6 +9,7 @@ import streamlit as st
 from ..analysis import attention, cross_reads, leaks, runs
 from ..catalogue.faults import FAULTS
 from ..catalogue.scenarios import SCENARIOS
+from ..errors import KvvizError
 from ..figures import attention as fig
 from ..runners import live
 from ..store import RunStore
@@ -103,7 +104,7 @@ def _run_pair(name: str, model_name: str, engine: str, misuses: dict) -> None:
     for _, fault, wl in plan:
         live.check(model, wl, fault)  # a refusal (KvvizError) is shown by the app, and nothing has run
     bar = st.progress(0.0, text="starting...")
-    ids = {}
+    ids: dict[str, str] = {}
     for i, (role, fault, wl) in enumerate(plan):
         def on_step(s: live.LiveStep, role=role, i=i) -> None:
             bar.progress((i + min(1.0, s.tokens / max(1, s.total))) / len(plan),
@@ -114,14 +115,26 @@ def _run_pair(name: str, model_name: str, engine: str, misuses: dict) -> None:
         def on_reference(done: int, n: int, req: str, role=role, i=i) -> None:
             bar.progress((i + done / n) / len(plan), text=f"{role}: {live.comparing_message(done, n, req)}")
 
-        ids[role] = live.run(store(), model, wl, fault, on_step=on_step, on_wait=on_wait, on_reference=on_reference,
-                             scenario_name=f"control of {name}" if role == "control" else name).run_id
+        try:
+            ids[role] = live.run(store(), model, wl, fault, on_step=on_step, on_wait=on_wait,
+                                 on_reference=on_reference,
+                                 scenario_name=f"control of {name}" if role == "control" else name).run_id
+        except KvvizError as e:
+            if name not in misuses:
+                raise
+            ids["refused"] = str(e)  # a misuse llama.cpp's own checks refuse: an outcome, said beside the control
     bar.progress(1.0, text="done")
     st.session_state["sc_pair"] = {"name": name, "engine": engine, **ids}
-    st.session_state["run_id"] = ids[plan[-1][0]]  # the inspector, opened next, shows it
+    last = plan[-1][0] if plan[-1][0] in ids else "control"  # a misuse llama.cpp refused has no run to open
+    st.session_state["run_id"] = ids[last]  # the inspector, opened next, shows it
 
 
 def _compare(pair: dict) -> None:
+    if "refused" in pair:
+        st.success(f"llama.cpp refused this misuse: its run failed at {pair['refused']}. llama.cpp's batch check "
+                   "wants each sequence's positions to go on from its cells, so the mistake fails loudly instead of "
+                   "leaking (the Runs page lists the run as failed). Its control is below.",
+                   icon=":material/verified_user:")
     roles = [r for r in ("scenario", "transformers", "llama.cpp", "control") if r in pair]
     subject = roles[0]  # the scenario run, or another engine's run of its requests
     other = subject in OTHER
@@ -165,6 +178,8 @@ def _compare(pair: dict) -> None:
                 (st.success if n else st.error)("the detector fired" if n else "the detector missed this fault")
             if r == "control" or "control" not in roles:
                 (st.success if not n else st.error)("clean" if not n else "the control is not clean")
+            for note in infos[r].notes:
+                st.info(note[0].upper() + note[1:] + ".", icon=":material/info:")
             cross_tenant_warning(crossed[r], found[r].kind.isin(["foreign", "stale"]).any())  # beside the heatmap
             v = views[r]
             if v is not None:
@@ -180,8 +195,11 @@ def _compare(pair: dict) -> None:
         both = texts[subject].merge(texts["control"], on="request_id", suffixes=("", "_control"))
         changed = both.request_id[both.text != both.text_control].tolist()
         if other:
-            st.markdown(f"**Generated text:** {', '.join(changed)} wrote something else in {subject} than in "
-                        "kvviz's engine." if changed else "**Generated text:** the same in both engines.")
+            weights = (" llama.cpp runs the GGUF file's quantised weights, kvviz's engine the float32 weights "
+                       "converted from it: their words can differ with no leak at all." if subject == "llama.cpp"
+                       else "")
+            st.markdown((f"**Generated text:** {', '.join(changed)} wrote something else in {subject} than in "
+                         "kvviz's engine." if changed else "**Generated text:** the same in both engines.") + weights)
         else:
             st.markdown(f"**Generated text:** {', '.join(changed)} wrote something else than in the control run."
                         if changed else "**Generated text:** the same as in the control run: on this model the fault "
