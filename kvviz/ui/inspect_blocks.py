@@ -66,7 +66,8 @@ def render(con, info: RunInfo, step: int) -> None:
     with st.expander("Occupancy over time", expanded=True):
         grid, steps, per_row = blocks.occupancy(con, info.run_id)
         st.plotly_chart(fig.occupancy(grid, steps, step, per_row), width="stretch", key="insp_occupancy")
-    with st.expander("Memory utilisation: paged against contiguous", expanded=True):
+    held = "llama.cpp's cells" if info.backend == "llama.cpp" else "paged"  # its cache is cells, not pages
+    with st.expander(f"Memory utilisation: {held} against contiguous", expanded=True):
         _memory(con, info, step)
 
 
@@ -166,7 +167,8 @@ def _memory(con, info: RunInfo, step: int) -> None:
     st.plotly_chart(fig.memory_utilisation(mem.frame(), memory.ARTICLE, step), width="stretch", key="insp_memory")
     trash = (" (transformers' data blocks: its reserved trash blocks, last in the map, hold no request's tokens "
              "and are not counted)" if info.backend == "transformers" else "")
-    st.caption(f"Both in the same {mem.capacity} slots{trash}. Paged: the pool's own count after each step; a shared "
+    pool = "llama.cpp's cells: its cache's" if info.backend == "llama.cpp" else "Paged: the pool's"
+    st.caption(f"Both in the same {mem.capacity} slots{trash}. {pool} own count after each step; a shared "
                "block counts once. Contiguous: a replay; each request advances as it did here once it has a "
                "region." + (f" Never placed (longer than the space): {', '.join(mem.contiguous.refused)}."
                             if mem.contiguous.refused else "")
