@@ -168,6 +168,7 @@ class LlamaContext:
         self.batch = L.llama_batch_init(n_batch, 0, n_seq_max)
         self.n_batch, self.n_seq_max = n_batch, n_seq_max
         self._layer = 0
+        self._state = (ctypes.c_uint8 * 0)()
         self._seen_write = False
         self._error: BaseException | None = None
 
@@ -226,10 +227,11 @@ class LlamaContext:
         """Every stream's occupied cells in cell order, as llama.cpp's state API writes them (position and
         sequence ids; it writes no cell indices, so kvviz places them by what it saw written)."""
         n = self.L.llama_state_seq_get_size(self.ctx, -1)
-        buf = (ctypes.c_uint8 * n)()
-        if self.L.llama_state_seq_get_data(self.ctx, buf, n, -1) != n:
+        if len(self._state) < n:  # one buffer, grown as the cache fills: the state holds every cell's K/V too
+            self._state = (ctypes.c_uint8 * max(n, 2 * len(self._state)))()
+        if self.L.llama_state_seq_get_data(self.ctx, self._state, n, -1) != n:
             raise CallFailed("llama_state_seq_get_data(-1) wrote less than its size")
-        return parse_cells(bytes(buf))
+        return parse_cells(memoryview(self._state)[:n])
 
     def close(self) -> None:
         if self.ctx:
@@ -281,7 +283,7 @@ class LlamaContext:
         self._layer += 1
 
 
-def parse_cells(state: bytes) -> list[list[Cell]]:
+def parse_cells(state: bytes | memoryview) -> list[list[Cell]]:
     """The cells of `llama_state_seq_get_data(.., -1)`: after a magic number and the sequence id, per
     stream a cell count, each cell's position, sequence count and ids, then the stream's K/V (skipped:
     kvviz reads K/V in the graph)."""
