@@ -14,6 +14,7 @@ import torch
 from .backend import Backend, EngineError
 from .config import EngineConfig
 from .records import RequestResult, RunResult, RunStats, StepRecord
+from .sampler import is_eos
 from .workload import RequestSpec
 
 
@@ -81,7 +82,7 @@ class Driver:
                 p.first_token_step, p.first_token_at = record.step, now
         for sid in record.finished:
             p = self.requests[sid]
-            eos = bool(p.output_ids) and p.output_ids[-1] in self.eos_ids and not p.spec.ignore_eos
+            eos = bool(p.output_ids) and is_eos(p.output_ids[-1], p.spec, self.eos_ids)
             p.finish_reason, p.finish_step, p.finish_at = "eos" if eos else "length", record.step, now
         st.steps += 1
         st.generated_tokens += len(record.sampled)
@@ -101,7 +102,7 @@ class Driver:
             id=p.spec.id, prompt_ids=p.prompt_ids, output_ids=p.output_ids,
             text=self.tokenizer.decode(p.output_ids, skip_special_tokens=True), finish_reason=p.finish_reason,
             cached_tokens=p.cached_tokens, arrival_step=p.spec.arrival_step, first_token_step=p.first_token_step,
-            finish_step=p.finish_step, greedy=p.spec.temperature == 0, logits=p.logits,
+            finish_step=p.finish_step, logits=p.logits,
             first_token_seconds=p.first_token_at - t0 if p.first_token_step >= 0 else 0.0,
             finish_seconds=p.finish_at - t0 if p.finish_step >= 0 else 0.0)
 

@@ -26,7 +26,7 @@ from .kv_cache import KVCacheManager
 from .observer import AttentionObserver, StepContext
 from .plan import ScheduledWork, build_step
 from .records import KVTransfer, Lookup, StepRecord
-from .sampler import request_generator, sample
+from .sampler import ends, request_generator, sample
 from .scheduler import Scheduler, StepSchedule
 from .workload import RequestSpec
 
@@ -235,7 +235,7 @@ class EngineLoop:
                                                                  state.generator)
             state.tokens.append(tok)
             sampled[sid] = tok
-            if (tok in self.eos_ids and not spec.ignore_eos) or state.generated >= spec.max_new_tokens:
+            if ends(tok, state.generated, spec, self.eos_ids):
                 finished.append(sid)
             else:
                 seqs[sid].append([tok])

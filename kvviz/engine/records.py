@@ -45,7 +45,6 @@ class RequestResult:
     arrival_step: int
     first_token_step: int
     finish_step: int
-    greedy: bool
     logits: list[torch.Tensor] | None = None  # one float32 [V] row per generated token, on request
     first_token_seconds: float = 0.0  # since the run started: time to first token, queueing included
     finish_seconds: float = 0.0

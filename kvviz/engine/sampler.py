@@ -14,6 +14,16 @@ def request_generator(seed: int, request_id: str, device: torch.device) -> torch
     return torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
+def is_eos(token: int, spec, eos_ids: set[int]) -> bool:
+    """The token ends its request (an EOS, unless the request ignores EOS)."""
+    return token in eos_ids and not spec.ignore_eos
+
+
+def ends(token: int, generated: int, spec, eos_ids: set[int]) -> bool:
+    """A request that has just sampled `token`, its `generated`th, stops here: at EOS or at its length."""
+    return is_eos(token, spec, eos_ids) or generated >= spec.max_new_tokens
+
+
 def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
     """One token from a [V] logits row, at a temperature above 0 (greedy rows take their argmax, which
     the loop finds for every row of a step at once)."""

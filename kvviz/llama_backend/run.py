@@ -23,7 +23,7 @@ from ..engine.hashing import PREFIX_SEED, prefix_ids
 from ..engine.observer import AttentionObserver, StepContext
 from ..engine.plan import ScheduledWork
 from ..engine.records import Lookup
-from ..engine.sampler import request_generator, sample
+from ..engine.sampler import ends, request_generator, sample
 from ..engine.workload import RequestSpec, Workload, WorkloadError
 from ..models import LoadedModel
 from .adapter import BackendError, CallFailed, LlamaContext
@@ -199,7 +199,7 @@ class LlamaBackend:
             job.history.append(tok)
             if keep:
                 kept[job.id] = logits
-            if (tok in self.eos and not spec.ignore_eos) or len(job.history) - len(job.prompt) >= job.max_new_tokens:
+            if ends(tok, len(job.history) - len(job.prompt), spec, self.eos):
                 finished.append(job.id)
                 self.sched.finish(job)
         return StepRecord(step=self.step, work={c.job.id: (c.start, len(c.tokens)) for c in chunks},

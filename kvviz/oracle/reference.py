@@ -1,9 +1,11 @@
-"""The reference oracle: each request again, alone, through transformers' own attention.
+"""The reference oracle: each request again, alone, through transformers' own attention (or, for an
+engine whose arithmetic differs, through that engine alone: llama.cpp's `alone`).
 
 It shares nothing with the engine: one forward of the request's prompt plus the tokens the engine
 produced (teacher forcing), batch size 1, the model's stock attention. Comparing the two sets of
 logits tells a leak (the request's output moved and it put weight on foreign slots) from batch
-variance (logits move by rounding, with zero foreign weight): the second is never called a leak.
+variance (logits move within the tolerance, with zero foreign weight): the second is never called a
+leak, and a greedy token that flips within the tolerance is a near tie, not a divergence.
 """
 
 from __future__ import annotations
