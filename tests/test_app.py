@@ -1200,15 +1200,18 @@ def test_the_run_page_runs_llama_cpp_with_its_kernel_and_misuse_and_says_which_e
     at = custom_requests({})
     at.selectbox(key="run_be").set_value("llama.cpp").run()
     fixed = {t.label: t.value for t in at.text_input if t.disabled}
-    assert fixed["isolation"] == "masked" and fixed["host tier blocks"] == "0", fixed
+    assert fixed["host tier blocks"] == "0", fixed
+    iso = at.selectbox(key="run_iso-llama.cpp_custom")
+    assert iso.options == ["masked", "streams"] and iso.value == "masked"  # kv_unified on, or a stream per sequence
+    iso.set_value("streams").run()
     assert at.selectbox(key="run_kern-llama.cpp").options == ["eager_paged", "flash_attn"]
     at.selectbox(key="run_kern-llama.cpp").set_value("flash_attn").run()
     at.selectbox(key="run_misuse").set_value("one_sequence").run()
     at.button(key="run_go").click().run()
     assert not at.exception and not at.error, [e.value for e in at.error]
     with RunStore.open(empty_db).read() as con:
-        row = con.execute("SELECT backend, fault, status, json_extract_string(engine, '$.kernel') FROM runs").fetchone()
-    assert row == ("llama.cpp", "one_sequence", "complete", "flash_attn")
+        row = con.execute("SELECT backend, fault, status, engine->>'kernel', engine->>'isolation' FROM runs").fetchone()
+    assert row == ("llama.cpp", "one_sequence", "complete", "flash_attn", "streams")
     assert any("on llama.cpp) finished" in s.value for s in at.success)
     at.button(key="run_open").click().run()
     assert any("engine: llama.cpp" in m.value for m in at.markdown)

@@ -96,6 +96,56 @@ def test_a_clean_workload_is_clean_and_equals_each_request_run_alone(kernel):
     assert max(d.max_logit_diff for d in run.divergences) < 1e-2  # float32 weights, a float16 cache: rounding only
 
 
+@pytest.mark.parametrize("kernel", ["eager_paged", "flash_attn"])
+def test_a_stream_per_sequence_shares_nothing_between_sequences_and_stays_clean(kernel):
+    """kv_unified off (isolation 'streams'): each sequence writes only its own stream's cells and reads only
+    them, so B recomputes the system prompt A holds and the fork recomputes its parent's history; a later
+    request still reuses the idle slot it lands on. Clean, and each request its own run alone."""
+    run = run_checked(tiny(), workload(CLEAN, kernel=kernel, isolation="streams"))
+    res = {r.id: r for r in run.result.requests}
+    assert run.findings == [] and run.oracle.counts["foreign"] == run.oracle.counts["stale"] == 0
+    assert res["B"].cached_tokens == res["F"].cached_tokens == 0  # nothing crosses between streams
+    assert res["C"].cached_tokens == len(res["A"].prompt_ids)  # A's idle slot, in its own stream
+    assert res["S"].cached_tokens == 20
+    assert {d.classification for d in run.divergences} <= {"identical", "batch_variance"}
+    assert max(d.max_logit_diff for d in run.divergences) < 1e-2
+    unified = run_checked(tiny(), workload(CLEAN, kernel=kernel))
+    assert run.result.stats.prefill_tokens_computed > unified.result.stats.prefill_tokens_computed
+
+
+def test_streams_keep_each_sequence_s_cells_in_its_own_buffer_and_a_misuse_within_one_is_still_caught():
+    m, wl = tiny(), workload(CLEAN[:2], isolation="streams")
+    with torch.inference_mode(), open_backend(m, wl) as backend:
+        driver = Driver(backend, m.tokenizer, eos_ids(m))
+        for spec, ids in Engine(m, wl.engine).resolve(wl):
+            driver.add(spec, ids)
+        for _ in range(3):
+            driver.advance()
+        size = backend.ctx.stream_size
+        assert backend.ctx.n_stream == 2 and backend.cells.n_cells == 2 * size
+        for seq in (0, 1):
+            cells = backend.cells.cells_of(seq)
+            assert cells and all(c // size == seq for c in cells)
+    info = MISUSES[Misuse.REUSE_WITHOUT_RM]  # a slot reused without seq_rm: the old cells sit in the same stream
+    wl = Workload.from_dict({**info.workload, "engine": {**info.workload["engine"], "isolation": "streams"}})
+    assert run_checked(tiny(), wl).findings == []
+    assert ("foreign", "B", "A") in sources(run_checked(tiny(), wl, "reuse_without_rm"))
+    info = MISUSES[Misuse.CP_ONE_LONG]  # no seq_cp between streams, so the misuse has no call to strike
+    wl = Workload.from_dict({**info.workload, "engine": {**info.workload["engine"], "isolation": "streams"}})
+    run = run_checked(tiny(), wl, "cp_one_long")
+    assert run.findings == [] and any("no seq_cp was called" in n for n in run.notes)
+
+
+def test_streams_are_llama_cpp_s_and_a_request_must_fit_its_sequence_s_stream():
+    with pytest.raises(WorkloadError, match=r"^engine.isolation: 'streams' .* is llama.cpp's cache with kv_unified"):
+        Workload.from_dict({"requests": [{"id": "A", "prompt": "hi"}], "engine": {"isolation": "streams"}})
+    reqs = [{"id": f"R{i}", "prompt": "hi " * 100, "max_new_tokens": 200} for i in range(2)]
+    assert run_checked(tiny(), workload(reqs, num_blocks=32)).findings == []  # 512 cells hold both
+    with pytest.raises(WorkloadError, match=r"^requests\[0\]: may reach \d+ tokens but with isolation 'streams' one "
+                                            r"sequence's stream holds 256 cells \(2 streams"):
+        run_checked(tiny(), workload(reqs, num_blocks=32, isolation="streams"))
+
+
 def test_kvviz_s_account_of_the_cells_is_checked_against_llama_cpp_s_state():
     """A cell kvviz thinks another sequence holds, but llama.cpp does not: the run stops at that step
     with what each side counted, instead of judging attention by a wrong account."""

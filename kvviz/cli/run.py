@@ -237,7 +237,9 @@ def add_run(sub: Subcommands) -> None:
                      help="the other engine's attention kernel: eager_paged (both) returns its weights; "
                           "transformers' sdpa_paged and llama.cpp's flash_attn return none, so kvviz recomputes "
                           "them and checks the kernel's output (overrides the workload's engine.kernel)")
-    run.add_argument("--isolation", choices=["paged", "masked"], help="override the workload's isolation mechanism")
+    run.add_argument("--isolation", choices=["paged", "masked", "streams"],
+                     help="override the workload's isolation mechanism (streams: one KV stream per sequence, "
+                          "llama.cpp's kv_unified off)")
     run.add_argument("--compute", choices=["inspect", "fast"], help="override the workload's compute path")
     run.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     run.add_argument("--json", action="store_true", help="print one JSON summary as the last line of stdout")

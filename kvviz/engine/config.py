@@ -6,7 +6,8 @@ from dataclasses import asdict, dataclass, fields
 
 from ..errors import WorkloadError
 
-ISOLATIONS = ("paged", "masked")
+ISOLATIONS = ("paged", "masked", "streams")
+STREAMS_OWNER = "llama.cpp"  # one KV stream per sequence: llama.cpp with kv_unified off
 COMPUTES = ("inspect", "fast")
 BACKENDS = ("kvviz", "transformers", "llama.cpp")
 # the other engines' attention kernels: the first returns its weights (the plain, eager computation), the
@@ -50,13 +51,14 @@ class EngineConfig:
 
     isolation: `paged` gathers each request's own slots through its page table (isolation by
     addressing); `masked` puts every live slot on one key axis and relies on the mask alone (the
-    seed's apparatus). compute: `inspect` materialises float32 probabilities for the oracle;
-    `fast` uses torch SDPA and exposes none. offload: a host tier that keeps evicted cached blocks
-    for later prefix hits (None: evicted blocks are dropped). disaggregated: a prefill instance with a
-    pool of its own (num_blocks more) computes each prompt and transfers its K/V to this, the decode
-    instance. backend: `kvviz` runs kvviz's own engine; `transformers` runs Hugging Face transformers'
-    continuous batching (kvviz.hf_backend), `llama.cpp` runs llama.cpp through its C API
-    (kvviz.llama_backend); kvviz only observes either. kernel: which attention kernel the other engine
+    seed's apparatus); `streams` is llama.cpp's other cache layout (kv_unified off): each sequence has a
+    buffer of its own, so requests are kept apart by where their cells are. compute: `inspect`
+    materialises float32 probabilities for the oracle; `fast` uses torch SDPA and exposes none.
+    offload: a host tier that keeps evicted cached blocks for later prefix hits (None: evicted blocks
+    are dropped). disaggregated: a prefill instance with a pool of its own (num_blocks more) computes
+    each prompt and transfers its K/V to this, the decode instance. backend: `kvviz` runs kvviz's own
+    engine; `transformers` runs Hugging Face transformers' continuous batching (kvviz.hf_backend),
+    `llama.cpp` runs llama.cpp through its C API (kvviz.llama_backend); kvviz only observes either.
     runs: `eager_paged` (both) computes and returns its weights; transformers' `sdpa_paged` (torch SDPA)
     and llama.cpp's `flash_attn` return none and are checked against kvviz's recomputation; kvviz's
     engine has its own (compute).
@@ -80,6 +82,9 @@ class EngineConfig:
                 raise ConfigError(f"{name}: must be a positive integer, got {v!r}")
         if self.isolation not in ISOLATIONS:
             raise ConfigError(f"isolation: must be one of {', '.join(ISOLATIONS)}, got {self.isolation!r}")
+        if self.isolation == "streams" and self.backend != STREAMS_OWNER:
+            raise ConfigError(f"isolation: 'streams' (one KV stream per sequence) is {STREAMS_OWNER}'s cache with "
+                              f"kv_unified off; run it with backend {STREAMS_OWNER!r}")
         if self.compute not in COMPUTES:
             raise ConfigError(f"compute: must be one of {', '.join(COMPUTES)}, got {self.compute!r}")
         if self.backend not in BACKENDS:

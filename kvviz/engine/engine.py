@@ -69,8 +69,9 @@ class Engine:
         """Refuse a workload this model and pool cannot run (WorkloadError), before anything starts."""
         self.resolve(workload)
 
-    def resolve(self, workload: Workload) -> list[tuple[RequestSpec, list[int]]]:
-        """Token ids of each request's own prompt, checked against the vocabulary and the pool."""
+    def resolve(self, workload: Workload, room: tuple[int, str] | None = None) -> list[tuple[RequestSpec, list[int]]]:
+        """Token ids of each request's own prompt, checked against the vocabulary and the pool (or `room`: the
+        most one request may hold and the words that say so, where a backend gives each request less)."""
         tok, cfg = self.model.tokenizer, self.config
         vocab = self.model.config.vocab_size
         max_pos = getattr(self.model.config, "max_position_embeddings", None) or getattr(self.model.config,
@@ -84,10 +85,11 @@ class Engine:
                                     f"(size {vocab})")
             history = longest.get(s.parent, 0)
             longest[s.id] = (history if s.truncate is None else min(history, s.truncate)) + len(ids) + s.max_new_tokens
-            capacity = cfg.num_blocks * cfg.block_size
+            pool = cfg.num_blocks * cfg.block_size
+            capacity, holds = room or (pool, f"the pool holds {pool} ({cfg.num_blocks} blocks x {cfg.block_size})")
             if longest[s.id] > capacity:
-                raise WorkloadError(f"requests[{i}]: may reach {longest[s.id]} tokens but the pool holds {capacity} "
-                                    f"({cfg.num_blocks} blocks x {cfg.block_size}); raise engine.num_blocks")
+                raise WorkloadError(f"requests[{i}]: may reach {longest[s.id]} tokens but {holds}; "
+                                    "raise engine.num_blocks")
             if max_pos and longest[s.id] > max_pos:
                 raise WorkloadError(f"requests[{i}]: may reach {longest[s.id]} tokens, beyond the model's "
                                     f"{max_pos} positions")

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from .attention import AttentionGroup
@@ -26,8 +27,8 @@ class StepContext:
     q_row: torch.Tensor  # [T] index into `work` of each packed query token
     q_pos: torch.Tensor  # [T] logical position of each packed query token
     block_size: int
-    provenance: SlotProvenance  # includes this step's writes
-    block_lifetimes: list[int]
+    provenance: SlotProvenance  # includes this step's writes (a backend decoding in parts: as each part is judged)
+    block_lifetimes: list[int] | np.ndarray  # an int64 array is read live, as the provenance is
     prefix_ids: list[list[int]]  # per work row: the request's prefix ids up to its context end
     tenants: list[str | None]  # per work row: the request's cache salt
 

@@ -3,7 +3,7 @@ by kvviz's oracles (engine.backend "llama.cpp"). Only kvviz.llama_backend.adapte
 
 from . import adapter
 from .misuse import MISUSES, Misuse
-from .run import BACKEND, TOLERANCE, LlamaBackend, alone, check_workload, open_backend
+from .run import BACKEND, ISOLATIONS, TOLERANCE, LlamaBackend, alone, check_workload, open_backend, stream_room
 
-__all__ = ["BACKEND", "MISUSES", "TOLERANCE", "LlamaBackend", "Misuse", "adapter", "alone", "check_workload",
-           "open_backend"]
+__all__ = ["BACKEND", "ISOLATIONS", "MISUSES", "TOLERANCE", "LlamaBackend", "Misuse", "adapter", "alone",
+           "check_workload", "open_backend", "stream_room"]

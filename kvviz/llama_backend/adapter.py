@@ -163,7 +163,9 @@ class LlamaContext:
         if not self.ctx:
             raise BackendError(f"engine.num_blocks: llama.cpp could not make a context of {n_ctx} cells for "
                                f"{n_seq_max} sequences here")
-        self.n_ctx = L.llama_n_ctx(self.ctx)  # llama.cpp rounds the cache up to a multiple of 256 cells
+        # llama.cpp rounds each stream up to a multiple of 256 cells; without kv_unified a stream per sequence
+        self.stream_size, self.n_stream = L.llama_n_ctx_seq(self.ctx), 1 if unified else n_seq_max
+        self.n_ctx = self.stream_size * self.n_stream
         self.mem = L.llama_get_memory(self.ctx)
         self.batch = L.llama_batch_init(n_batch, 0, n_seq_max)
         self.n_batch, self.n_seq_max = n_batch, n_seq_max
@@ -264,9 +266,12 @@ class LlamaContext:
 
     def _attention(self, n_kv: int, mask: np.ndarray) -> torch.Tensor:
         """What the mask lets each token see [T, n_kv]; at the first attention layer, the ubatch's facts."""
+        if mask.shape[0] != 1:
+            raise BackendError(f"llama.cpp evaluated {mask.shape[0]} streams at once; kvviz decodes one at a time")
         visible = torch.from_numpy(mask.reshape(-1, mask.shape[-1])[:len(self._cells)] == 0)
         if self._layer == 0:
-            self.listener.on_ubatch(Ubatch(cells=self._cells, n_kv=n_kv, visible=visible))
+            base = self._cells[0] // self.stream_size * self.stream_size
+            self.listener.on_ubatch(Ubatch(cells=self._cells, n_kv=n_kv, visible=visible, base=base))
         return visible
 
     def _flash(self, t: _Tensor) -> None:
@@ -286,7 +291,7 @@ class LlamaContext:
 def parse_cells(state: bytes | memoryview) -> list[list[Cell]]:
     """The cells of `llama_state_seq_get_data(.., -1)`: after a magic number and the sequence id, per
     stream a cell count, each cell's position, sequence count and ids, then the stream's K/V (skipped:
-    kvviz reads K/V in the graph)."""
+    kvviz reads K/V in the graph): whether V is transposed, the layer count, then K and V layer by layer."""
     view, at, streams = memoryview(state), 8, []
 
     def u32() -> int:
@@ -294,9 +299,8 @@ def parse_cells(state: bytes | memoryview) -> list[list[Cell]]:
         at += 4
         return struct.unpack_from("<I", view, at - 4)[0]
 
-    def skip_rows(count: int) -> None:
+    def skip_rows(layers: int, count: int) -> None:
         nonlocal at
-        layers = u32()
         for _ in range(layers):
             at += 4  # type
             (row,) = struct.unpack_from("<Q", view, at)
@@ -313,12 +317,11 @@ def parse_cells(state: bytes | memoryview) -> list[list[Cell]]:
             cells.append(Cell(pos=pos, seqs=frozenset(seqs)))
         streams.append(cells)
         if count:
-            v_trans = u32()
-            skip_rows(count)  # K
+            v_trans, layers = u32(), u32()
+            skip_rows(layers, count)  # K
             if not v_trans:
-                skip_rows(count)
+                skip_rows(layers, count)
             else:
-                layers = u32()
                 for _ in range(layers):
                     at += 4
                     size, dim = struct.unpack_from("<II", view, at)

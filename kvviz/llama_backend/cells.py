@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..engine.events import BlockEvent
 from ..engine.kv_cache import PoolSnapshot
 from ..engine.provenance import SlotProvenance
@@ -45,7 +47,8 @@ class CellTable:
         self.seqs: list[set[int]] = [set() for _ in range(n_cells)]
         self.by_seq: dict[int, set[int]] = {}  # sequence -> the cells it holds
         self.provenance = SlotProvenance(n_cells)
-        self.life = [0] * ((n_cells + block_size - 1) // block_size)
+        # each block's lifetime, in an array the oracle reads live (a stream decoded later in a step moves it)
+        self.life = np.zeros((n_cells + block_size - 1) // block_size, dtype=np.int64)
         self.events: list[BlockEvent] = []  # since the last take_events
 
     # -- what happened to the cells ------------------------------------------------------------
@@ -64,13 +67,16 @@ class CellTable:
         self.pos[cell], self.seqs[cell] = pos, set(seqs)
         for s in seqs:
             self.by_seq.setdefault(s, set()).add(cell)
-        self.provenance.record(cell, prefix_id, index, token, writer, tenant, self.life[b])
+        self.provenance.record(cell, prefix_id, index, token, writer, tenant, int(self.life[b]))
 
     def seq_cp(self, src: int, dst: int, p0: int, p1: int, request: str | None = None) -> None:
         """`llama_memory_seq_cp` in one stream: dst joins every cell of src at a position in [p0, p1) (for
         `request`, the one dst serves)."""
         if src == dst:
             return
+        if self.streams > 1:
+            raise BackendError(f"seq_cp({src}, {dst}) between streams copies a whole buffer: kvviz shares cells in "
+                               "one unified cache only")
         hi = p1 if p1 >= 0 else 1 << 62
         shared: dict[int, int] = {}
         for c in sorted(self.by_seq.get(src, ())):
@@ -108,7 +114,7 @@ class CellTable:
         lo = b * self.block_size
         for c in range(lo, min(lo + self.block_size, self.n_cells)):
             if self.seqs[c]:
-                self.provenance.life[c] = self.life[b]
+                self.provenance.life[c] = int(self.life[b])
 
     def _held(self, b: int) -> bool:
         lo = b * self.block_size
@@ -132,6 +138,10 @@ class CellTable:
                 mine = ours[at] if at < len(ours) else "nothing"
                 raise BackendError(f"step {step}: llama.cpp's state reports {len(cells)} occupied cells in stream {s} "
                                    f"where kvviz counted {len(ours)}; the {at + 1}th is {theirs}, kvviz's {mine}")
+
+    def freed_by_rm(self, seq: int, p0: int) -> int:
+        """Cells `seq_rm(seq, p0, -1)` would free: those no other sequence holds, at positions from p0."""
+        return sum(1 for c in self.by_seq.get(seq, ()) if self.pos[c] >= p0 and len(self.seqs[c]) == 1)
 
     def occupied(self) -> int:
         return sum(1 for s in self.seqs if s)
@@ -161,6 +171,6 @@ class CellTable:
             if refcounts[b]:
                 hashes[b] = None
         free = tuple(b for b in range(n_blocks) if not refcounts[b] and hashes[b] is None)
-        return CellSnapshot(B, tuple(refcounts), tuple(hashes), tuple(self.life), free, tables,
+        return CellSnapshot(B, tuple(refcounts), tuple(hashes), tuple(self.life.tolist()), free, tables,
                             {rid: len(self.cells_of(seq)) for rid, seq in running.items()},
                             occupied=self.occupied())

@@ -33,6 +33,7 @@ class Ubatch:
 
     cells: list[int]  # the cell each token's K/V went to (llama.cpp's write indices, every stream numbered on)
     n_kv: int  # keys on the attention axis: cells 0..n_kv-1 of the stream
+    base: int  # the stream's first cell in kvviz's numbering (stream * its size: 0 in one unified cache)
     visible: torch.Tensor  # [T, n_kv] bool: what llama.cpp's mask let each query see
 
 

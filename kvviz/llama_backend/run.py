@@ -34,6 +34,7 @@ from .slots import Chunk, Job, OneSequence, Slots
 from .stored import Holding, StoredBlocks
 
 BACKEND = "llama.cpp"
+ISOLATIONS = ("masked", "streams")  # one unified cache behind the mask (kv_unified), or a stream per sequence
 KERNELS = ("eager_paged", "flash_attn")  # llama.cpp's attention: KQ, softmax, KQV (its weights read); flash attention
 CELL_ROUND = 256  # llama.cpp sizes its cache in multiples of this many cells
 # llama.cpp is not batch-invariant: a request computed beside others (its cells in larger matrix products, its
@@ -70,10 +71,32 @@ def check_workload(wl: Workload) -> list[str]:
     return notes
 
 
-def n_cells(wl: Workload) -> int:
-    """The cache's cells: the pool's slots, rounded up as llama.cpp rounds them."""
-    want = wl.engine.num_blocks * wl.engine.block_size
-    return -(-want // CELL_ROUND) * CELL_ROUND
+def _round(n: int) -> int:
+    return -(-n // CELL_ROUND) * CELL_ROUND
+
+
+def n_sequences(wl: Workload) -> int:
+    """llama-server's slots: a sequence id for each request that may run at once."""
+    return min(256, len(wl.requests))
+
+
+def streams(wl: Workload) -> tuple[int, int]:
+    """The cache's streams and the cells of each, as llama.cpp sizes them: the pool's slots rounded up to a
+    multiple of 256 cells, in one unified stream (isolation 'masked') or split between the sequences, each
+    share rounded up again (isolation 'streams': kv_unified off)."""
+    cells = _round(wl.engine.num_blocks * wl.engine.block_size)
+    if wl.engine.isolation != "streams":
+        return 1, cells
+    n = n_sequences(wl)
+    return n, _round(cells // n)
+
+
+def stream_room(wl: Workload) -> tuple[int, str] | None:
+    """What one request may hold where each sequence has a stream of its own (None: the whole cache)."""
+    n, size = streams(wl)
+    if n == 1:
+        return None
+    return size, f"with isolation 'streams' one sequence's stream holds {size} cells ({n} streams of llama.cpp's cache)"
 
 
 @contextmanager
@@ -83,12 +106,13 @@ def open_backend(model: LoadedModel, wl: Workload, observers: Sequence[Attention
     check_workload(wl)
     cfg = wl.engine
     backend = LlamaBackend(model, wl, observers, misuse)
-    backend.ctx = LlamaContext(model.gguf(), n_ctx=n_cells(wl), n_batch=cfg.max_batch_tokens,
-                               n_seq_max=min(256, len(wl.requests)), unified=True,
+    n, size = streams(wl)
+    backend.ctx = LlamaContext(model.gguf(), n_ctx=n * size, n_batch=cfg.max_batch_tokens,
+                               n_seq_max=n_sequences(wl), unified=n == 1,
                                flash_attn=cfg.kernel == "flash_attn", listener=backend)
-    if backend.ctx.n_ctx != backend.cells.n_cells:
-        raise BackendError(f"engine.num_blocks: llama.cpp made {backend.ctx.n_ctx} cells where kvviz expected "
-                           f"{backend.cells.n_cells}")
+    if (backend.ctx.n_stream, backend.ctx.stream_size) != (n, size):
+        raise BackendError(f"engine.num_blocks: llama.cpp made {backend.ctx.n_stream} streams of "
+                           f"{backend.ctx.stream_size} cells where kvviz expected {n} of {size}")
     try:
         yield backend
     finally:
@@ -103,10 +127,12 @@ class LlamaBackend:
         cfg = wl.engine
         self.model, self.observers, self.seed, self.eos = model, observers, wl.seed, eos_ids(model)
         self.ctx: LlamaContext | None = None
-        self.cells = CellTable(n_cells(wl), cfg.block_size)
+        n, size = streams(wl)
+        self.unified = n == 1
+        self.cells = CellTable(n * size, cfg.block_size, streams=n)
         self.stored = StoredBlocks(cfg.block_size)
         scheduler = OneSequence if misuse == Misuse.ONE_SEQUENCE else Slots
-        self.sched = scheduler(min(256, len(wl.requests)), cfg.max_batch_tokens, self, misuse, cfg.prefix_caching)
+        self.sched = scheduler(n_sequences(wl), cfg.max_batch_tokens, self, misuse, cfg.prefix_caching, self.unified)
         self.salts = {r.id: r.cache_salt for r in wl.requests}
         self.jobs: dict[str, Job] = {}
         self.specs: dict[str, RequestSpec] = {}
@@ -114,14 +140,22 @@ class LlamaBackend:
         self.prefixes: dict[str, list[int]] = {}
         self.step = 0
         self.misuse = misuse
-        self._chunks: list[Chunk] = []
-        self._observed = False
+        self._chunks: list[Chunk] = []  # the step's work
+        self._part: list[Chunk] = []  # the part of it being decoded
+        self._writes: dict[str, list[int]] = {}  # each request's cells written this step
+        self._observed = 0  # decodes of the step seen by the evaluation callback
+        self._seen = False  # the decode in progress was
+        self._start = 0  # the first packed token of the decode in progress
+        self._groups: list[AttentionGroup] = []  # the step's attention groups, one per decode
 
     @property
     def notes(self) -> list[str]:
         """A misuse that changed no call leaves a clean run that must not read as llama.cpp surviving it."""
         if self.misuse is None or self.sched.struck:
             return []
+        if self.misuse == Misuse.CP_ONE_LONG and not self.unified:
+            return [f"the misuse {self.misuse} never struck: with isolation 'streams' no request takes cells from "
+                    "another sequence (seq_cp between streams copies a whole buffer), so no seq_cp was called"]
         return [MISUSES[self.misuse].never_struck()]
 
     # -- the cache calls the scheduler makes (slots.CacheOps) ----------------------------------
@@ -135,6 +169,9 @@ class LlamaBackend:
 
     def free_cells(self) -> int:
         return self.cells.n_cells - self.cells.occupied()
+
+    def freed_by_rm(self, seq: int, p0: int) -> int:
+        return self.cells.freed_by_rm(seq, p0)
 
     # -- the Backend protocol ------------------------------------------------------------------
     @property
@@ -161,20 +198,13 @@ class LlamaBackend:
         if not chunks:
             raise EngineError(f"step {self.step}: no request can be scheduled (the cache holds "
                               f"{self.cells.n_cells} cells; raise engine.num_blocks)")
-        tokens = [BatchToken(token=t, pos=p, seqs=(c.job.slot.seq,), logits=c.sample and k == len(c.tokens) - 1)
-                  for c in chunks for k, (t, p) in enumerate(zip(c.tokens, c.positions, strict=True))]
-        self._observed = False
-        try:
-            rows = self.ctx.decode(tokens)
-        except CallFailed as e:
-            raise EngineError(f"step {self.step}: {e}") from None
+        self._observed, self._writes, self._start, self._groups = 0, {}, 0, []
+        sampled = self._decode(chunks) if self.unified else {k: v for c in chunks for k, v in self._decode([c]).items()}
         if self.observers and self._observed:
             for o in self.observers:
                 o.end_step()
-        if not self._observed:
-            raise BackendError(f"step {self.step}: llama.cpp decoded the batch without the graph kvviz observes")
         self.sched.computed(chunks, self.step)
-        record = self._record(chunks, rows, admitted, logits)
+        record = self._record(chunks, sampled, admitted, logits)
         self.cells.check(self.ctx.cells(), self.step)
         holdings = [Holding(tokens=self.sched.held(slot), cells=self.cells.cells_of(slot.seq))
                     for slot in self.sched.slots]
@@ -186,13 +216,29 @@ class LlamaBackend:
         self.step += 1
         return record
 
-    def _record(self, chunks: list[Chunk], rows: list[int], admitted: list[Job], keep: bool) -> StepRecord:
+    def _decode(self, chunks: list[Chunk]) -> dict[str, torch.Tensor]:
+        """One `llama_decode` of these chunks (every chunk of the step in one unified cache; one sequence's
+        with a stream each, as llama.cpp would split them anyway); the logits of each request sampling."""
+        self._part = chunks
+        tokens = [BatchToken(token=t, pos=p, seqs=(c.job.slot.seq,), logits=c.sample and k == len(c.tokens) - 1)
+                  for c in chunks for k, (t, p) in enumerate(zip(c.tokens, c.positions, strict=True))]
+        self._seen = False
+        try:
+            rows = self.ctx.decode(tokens)
+        except CallFailed as e:
+            raise EngineError(f"step {self.step}: {e}") from None
+        if not self._seen:
+            raise BackendError(f"step {self.step}: llama.cpp decoded the batch without the graph kvviz observes")
+        self._start += len(tokens)
+        return {c.job.id: self.ctx.logits(row) for c, row in zip([c for c in chunks if c.sample], rows, strict=True)}
+
+    def _record(self, chunks: list[Chunk], sampled_logits: dict[str, torch.Tensor], admitted: list[Job],
+                keep: bool) -> StepRecord:
         """Sample each request whose last token was computed; the step's record."""
         sampled, finished, kept = {}, [], {}
-        sampling = [c for c in chunks if c.sample]
-        for c, row in zip(sampling, rows, strict=True):
+        for c in (c for c in chunks if c.sample):
             job, spec = c.job, self.specs[c.job.id]
-            logits = self.ctx.logits(row)
+            logits = sampled_logits[job.id]
             tok = int(logits.argmax()) if spec.temperature == 0 else sample(logits, spec.temperature, spec.top_p,
                                                                             self.generators[job.id])
             sampled[job.id] = tok
@@ -217,34 +263,43 @@ class LlamaBackend:
 
     # -- what the adapter observed (facts.Listener) --------------------------------------------
     def on_ubatch(self, ubatch: Ubatch) -> None:
-        """The batch's cells, written into kvviz's account before any layer is judged; the observers
-        told the step: every token of the batch over cells 0..n_kv-1."""
-        if self._observed:
+        """The decode's cells, written into kvviz's account before any of its layers is judged; at the step's
+        first decode the observers are told the step. Each decode is one attention group: its tokens over
+        cells 0..n_kv-1 of the stream it reads."""
+        if self._seen:
             raise BackendError(f"step {self.step}: llama.cpp split the batch into several evaluations")
-        self._observed = True
-        chunks, cells, writes = self._chunks, iter(ubatch.cells), {}
-        work, rows, positions, prefixes, tenants = [], [], [], [], []
-        for r, c in enumerate(chunks):
+        self._seen, self._observed = True, self._observed + 1
+        cells = iter(ubatch.cells)
+        for c in self._part:
             job = c.job
             p = self._prefix_ids(job.id, job.history, c.start + len(c.tokens))
-            slots = writes[job.id] = [next(cells) for _ in c.tokens]
+            slots = self._writes[job.id] = [next(cells) for _ in c.tokens]
             for k, (cell, pos) in enumerate(zip(slots, c.positions, strict=True)):
                 self.cells.write(cell, pos, (job.slot.seq,), index=c.start + k, prefix_id=p[c.start + k],
                                  token=c.tokens[k], writer=job.id, tenant=self.salts.get(job.id))
-            work.append(ScheduledWork(job.id, c.start, c.tokens, []))
-            rows += [r] * len(c.tokens)
-            positions += range(c.start, c.start + len(c.tokens))  # the queries' places in their histories
-            prefixes.append(p[:c.start + len(c.tokens)])
-            tenants.append(self.salts.get(job.id))
-        self._writes = writes
         if not self.observers:
             return
-        ctx = StepContext(step=self.step, work=work, q_row=torch.tensor(rows), q_pos=torch.tensor(positions),
-                          block_size=self.cells.block_size, provenance=self.cells.provenance,
-                          block_lifetimes=list(self.cells.life), prefix_ids=prefixes, tenants=tenants)
-        self._group = AttentionGroup(0, torch.arange(ubatch.n_kv)[None], ubatch.visible[None])
-        for o in self.observers:
-            o.begin_step(ctx)
+        if self._observed == 1:
+            for o in self.observers:
+                o.begin_step(self._context())
+        self._group = AttentionGroup(self._start, (ubatch.base + torch.arange(ubatch.n_kv))[None],
+                                     ubatch.visible[None])
+        self._groups.append(self._group)  # alive for the step: observers key what they work out by the group
+
+    def _context(self) -> StepContext:
+        """The step as the observers see it: every chunk's queries at their places in their histories. Block
+        lifetimes are kvviz's live array, so a stream's decode later in the step is judged on its writes."""
+        work, rows, positions, prefixes, tenants = [], [], [], [], []
+        for r, c in enumerate(self._chunks):
+            end = c.start + len(c.tokens)
+            work.append(ScheduledWork(c.job.id, c.start, c.tokens, []))
+            rows += [r] * len(c.tokens)
+            positions += range(c.start, end)
+            prefixes.append(self._prefix_ids(c.job.id, c.job.history, end)[:end])
+            tenants.append(self.salts.get(c.job.id))
+        return StepContext(step=self.step, work=work, q_row=torch.tensor(rows), q_pos=torch.tensor(positions),
+                           block_size=self.cells.block_size, provenance=self.cells.provenance,
+                           block_lifetimes=self.cells.life, prefix_ids=prefixes, tenants=tenants)
 
     def on_layer(self, layer: int, weights: torch.Tensor) -> None:
         for o in self.observers:

@@ -33,6 +33,9 @@ class CacheOps(Protocol):
 
     def free_cells(self) -> int: ...
 
+    def freed_by_rm(self, seq: int, p0: int) -> int:
+        """Cells `seq_rm(seq, p0, -1)` would free: those only seq holds, at positions from p0."""
+
 
 @dataclass(kw_only=True, eq=False)
 class Slot:
@@ -90,11 +93,14 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class Slots:
-    def __init__(self, n_seq: int, n_batch: int, ops: CacheOps, misuse: Misuse | None = None, reuse: bool = True):
+    def __init__(self, n_seq: int, n_batch: int, ops: CacheOps, misuse: Misuse | None = None, reuse: bool = True,
+                 share: bool = True):
         """reuse False: no prompt is served from cells (llama-server's cache_prompt off): every admission
-        empties its slot and computes the whole prompt."""
+        empties its slot and computes the whole prompt. share False: a stream per sequence (kv_unified off),
+        where seq_cp between sequences copies a whole buffer: a request reuses only its own slot's cells,
+        each slot's stream holds what it may write (checked before the run), and no idle slot gives room."""
         self.slots = [Slot(seq=i) for i in range(n_seq)]
-        self.n_batch, self.ops, self.misuse = n_batch, ops, misuse
+        self.n_batch, self.ops, self.misuse, self.share = n_batch, ops, misuse, share
         self.room = (lambda job: max(len(job.prompt) - 1, 0)) if reuse else (lambda job: 0)
         self.waiting: list[Job] = []
         self.running: list[Job] = []
@@ -116,10 +122,12 @@ class Slots:
         if common_prefix(slot.tokens, job.prompt) == 0:
             slot = min(free, key=lambda s: s.used)  # no prefix to reuse: the least recently used
         kept = min(common_prefix(slot.tokens, job.prompt), room)
-        donors = [(min(common_prefix(self.held(s), job.prompt), room), s) for s in self.slots if s is not slot]
+        donors = [(min(common_prefix(self.held(s), job.prompt), room), s) for s in self.slots
+                  if s is not slot and self.share]
         shared, donor = max(donors, key=lambda d: d[0], default=(0, None))
         n = max(kept, shared)
-        if not self._room_for(job.remaining - n, keep={slot, donor}):
+        freed = self.ops.freed_by_rm(slot.seq, kept if kept >= shared else 0)  # the slot's cells it gives back
+        if self.share and not self._room_for(job.remaining - n - freed, keep={slot, donor}):
             return False
         held, job.offset, slot.request = len(slot.tokens), 0, job.id  # the calls below are made for it
         if shared > kept:
@@ -206,8 +214,9 @@ class OneSequence(Slots):
     """The misuse Misuse.ONE_SEQUENCE: every request in sequence 0, positions numbered on from what it
     holds (as llama_batch_get_one's callers do), nothing ever removed."""
 
-    def __init__(self, n_seq: int, n_batch: int, ops: CacheOps, misuse: Misuse | None = None, reuse: bool = True):
-        super().__init__(n_seq, n_batch, ops, misuse, reuse)
+    def __init__(self, n_seq: int, n_batch: int, ops: CacheOps, misuse: Misuse | None = None, reuse: bool = True,
+                 share: bool = True):
+        super().__init__(n_seq, n_batch, ops, misuse, reuse, share)
         self.next_pos = 0
 
     def _admit(self, job: Job, step: int) -> bool:

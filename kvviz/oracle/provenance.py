@@ -123,7 +123,7 @@ class ProvenanceOracle:
         self.ctx = ctx
         self.slot_prefix, self.slot_pos = tensor(prov.prefix), tensor(prov.pos)
         self.slot_writer, self.slot_tenant, self.slot_life = tensor(prov.writer), tensor(prov.tenant), tensor(prov.life)
-        self.block_life = torch.tensor(ctx.block_lifetimes, dtype=torch.long, device=dev)
+        self.block_life = torch.as_tensor(ctx.block_lifetimes, dtype=torch.long, device=dev)  # an array: read live
         width = max(len(p) for p in ctx.prefix_ids)
         self.req_prefix = torch.tensor([p + [-1] * (width - len(p)) for p in ctx.prefix_ids], device=dev)
         self.req_tenant = torch.tensor([prov.tenants.id(t) for t in ctx.tenants], device=dev)

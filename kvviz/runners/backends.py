@@ -34,7 +34,8 @@ class BackendKind:
     open: Opener
     alone: Callable[[Workload], Alone]  # the reference oracle's run of one request by itself, for a workload
     tolerance: float = TOLERANCE  # logit difference from the request run alone that batch variance explains
-    isolation: str | None = None  # the isolation mechanism it always uses, recorded as the run's (None: as set)
+    # the isolations it can run, the first recorded when the workload asks for another (empty: any, as set)
+    isolations: tuple[str, ...] = ()
 
 
 @contextmanager
@@ -60,6 +61,9 @@ def _transformers_alone(wl: Workload) -> Alone:
 
 def _check_llama(model: LoadedModel, wl: Workload) -> list[str]:
     notes = llama_backend.check_workload(wl)
+    room = llama_backend.stream_room(wl)
+    if room is not None:  # each request within its sequence's stream
+        Engine(model, wl.engine).resolve(wl, room)
     llama_backend.adapter.check_version()
     model.gguf()  # a model llama.cpp cannot load is refused before a run begins
     return notes
@@ -73,7 +77,7 @@ BACKENDS: dict[str, BackendKind] = {k.name: k for k in (
                 faults=(), open=_open_transformers, alone=_transformers_alone),
     BackendKind(name=llama_backend.BACKEND, label="llama.cpp", check=_check_llama,
                 faults=tuple(llama_backend.MISUSES), open=_open_llama, alone=llama_backend.alone,
-                tolerance=llama_backend.TOLERANCE, isolation="masked"),
+                tolerance=llama_backend.TOLERANCE, isolations=llama_backend.ISOLATIONS),
 )}
 
 
@@ -83,9 +87,11 @@ def backend_kind(wl: Workload) -> BackendKind:
 
 def as_run(wl: Workload) -> Workload:
     """The workload as its backend runs it, for the run's record: the oracle's compute path (inspect), and
-    the isolation a backend always uses (llama.cpp: its mask over one shared key axis)."""
+    the isolation the backend runs (llama.cpp: its mask over one unified cache unless streams are asked for)."""
     kind, engine = backend_kind(wl), replace(wl.engine, compute="inspect")
-    return replace(wl, engine=replace(engine, isolation=kind.isolation) if kind.isolation else engine)
+    if kind.isolations and engine.isolation not in kind.isolations:
+        engine = replace(engine, isolation=kind.isolations[0])
+    return replace(wl, engine=engine)
 
 
 def refuse_fault(fault: str | None, wl: Workload) -> None:

@@ -24,6 +24,12 @@ KERNEL_HELP = ("eager_paged computes the attention weights and hands them over a
                "kernel; llama.cpp's KQ, softmax, KQV); sdpa_paged (torch's SDPA) and flash_attn (llama.cpp's flash "
                "attention) return none, so kvviz recomputes them in float32 from the kernel's own inputs and mask "
                "and checks its output against theirs at every layer (a kernel_mismatch finding past the tolerance)")
+# engine.isolation each engine runs, its default first
+ISOLATIONS = {"kvviz": ("paged", "masked"), "transformers": ("paged",), "llama.cpp": ("masked", "streams")}
+ISOLATION_HELP = ("paged: each request gathers its own slots through its page table. masked: every live slot on one "
+                  "key axis, the attention mask the only wall (llama.cpp: one unified cache of cells, kv_unified). "
+                  "streams: llama.cpp with kv_unified off, a buffer of cells per sequence: nothing is shared between "
+                  "sequences, a request reuses only its own slot's cells")
 # the engine pickers show the short names (ENGINES' long ones are cut in a narrow column); the help says the rest
 ENGINE_HELP = ("kvviz: kvviz's own paged engine. transformers: Hugging Face transformers' own continuous batching "
                "(its scheduler, paged cache and attention, as generate_batch runs them) observed by kvviz's oracles: "
@@ -31,7 +37,8 @@ ENGINE_HELP = ("kvviz: kvviz's own paged engine. transformers: Hugging Face tran
                "resumed session, adapter, masked isolation, host tier, disaggregation or kvviz fault. llama.cpp: "
                "llama.cpp through its C API on the model's GGUF file (smollm2 as it ships, quantised; tiny-llama), "
                "scheduled as llama-server schedules its slots: every request's cells in one unified cache, isolated "
-               "by its attention mask, prefixes shared by seq_cp; no salt, adapter, host tier, disaggregation or "
+               "by its attention mask, prefixes shared by seq_cp (or a stream per sequence: isolation streams); "
+               "no salt, adapter, host tier, disaggregation or "
                "kvviz fault (its own API misuses instead)")
 
 

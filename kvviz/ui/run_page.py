@@ -19,6 +19,8 @@ from ..store.attention import AttentionSelection
 from .common import (
     ENGINE_HELP,
     ENGINES,
+    ISOLATION_HELP,
+    ISOLATIONS,
     KERNEL_HELP,
     KERNELS,
     MODELS,
@@ -216,7 +218,7 @@ def _settings(sc, engine0: dict):
         # fault, host tier or disaggregation, so those show what it runs instead of a refusal later
         backend = st.session_state[_keep("run_be", engine0.get("backend", "kvviz"))]  # one choice for every workload
         other, fixed = backend != "kvviz", FIXED.format(engine=ENGINES[backend])
-        own = {"transformers": "paged", "llama.cpp": "masked"}.get(backend)  # the isolation it always uses
+        own = ISOLATIONS[backend][0] if other else engine0.get("isolation", "paged")
         c = st.columns(5)
         tight = bool(sc and sc.tight_pool)
         engine = {
@@ -227,8 +229,9 @@ def _settings(sc, engine0: dict):
                                             key=_key("nb", tag, int(engine0.get("num_blocks", 256)))),
             "max_batch_tokens": c[2].number_input("token budget per step", 1, 65536,
                                                   key=_key("mbt", tag, int(engine0.get("max_batch_tokens", 256)))),
-            "isolation": _only(c[3], "isolation", own, fixed) if other else
-            c[3].selectbox("isolation", ("paged", "masked"), key=_key("iso", tag, engine0.get("isolation", "paged"))),
+            "isolation": c[3].selectbox("isolation", ISOLATIONS[backend], help=ISOLATION_HELP,
+                                        key=_key(f"iso-{backend}" if other else "iso", tag, own))
+            if len(ISOLATIONS[backend]) > 1 else _only(c[3], "isolation", own, fixed),
             "prefix_caching": c[4].checkbox("prefix caching", key=_key("pc", tag,
                                                                         bool(engine0.get("prefix_caching", True)))),
         }
