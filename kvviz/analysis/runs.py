@@ -51,12 +51,14 @@ class RunInfo:
 
 
 def list_runs(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
-    """Newest first, with the leak summary the runs table shows and the engine that ran each (kvviz or
-    transformers: a transformers run of a fault's scenario runs no fault, which must not read as a fault
-    that never fired); a run still recording (or killed) counts the steps stored so far. Missing values
-    are None, not NaN."""
+    """Newest first, with the leak summary the runs table shows and the engine that ran each (a transformers
+    run of a fault's scenario runs no fault, which must not read as a fault that never fired), its
+    kernel (another engine's: kvviz's own attends by its compute path) and isolation; a run still
+    recording (or killed) counts the steps stored so far. Missing values are None, not NaN."""
     df = con.execute(
-        "SELECT run_id, created_at, status, model, backend AS engine, scenario, fault, fault_scope, "
+        "SELECT run_id, created_at, status, model, backend AS engine, "
+        "CASE WHEN backend <> 'kvviz' THEN engine->>'kernel' END AS kernel, engine->>'isolation' AS isolation, "
+        "scenario, fault, fault_scope, "
         "coalesce(r.steps, (SELECT count(*) FROM steps s WHERE s.run_id = r.run_id)) AS steps, "
         "generated_tokens AS tokens, round(leak_rate, 6) AS leak_rate, round(max_foreign_mass, 4) AS "
         "max_foreign_mass, findings, round(seconds, 2) AS seconds, error FROM runs r "

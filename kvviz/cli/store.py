@@ -33,8 +33,8 @@ def cmd_runs(args: argparse.Namespace) -> int:
         return fail(f"--limit must be >= 1, got {args.limit}", "runs")
     with args.store.read() as con:
         df = list_runs(con)
-    shown = df.head(args.limit)[["run_id", "created_at", "status", "model", "engine", "scenario", "fault", "steps",
-                                 "findings", "max_foreign_mass"]]
+    shown = df.head(args.limit)[["run_id", "created_at", "status", "model", "engine", "kernel", "isolation", "scenario",
+                                 "fault", "steps", "findings", "max_foreign_mass"]]
     _print_rows(list(shown.columns), [tuple(r) for r in shown.itertuples(index=False)], args.format)
     if len(df) > args.limit:
         print(f"kvviz: runs: the newest {args.limit} of {len(df)} (--limit)", file=sys.stderr)

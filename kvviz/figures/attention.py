@@ -53,7 +53,7 @@ def attention_heatmap(weights: np.ndarray, classes: np.ndarray, query_labels: li
             fig.add_vline(x=i - 0.5, line={"color": "#333", "width": 2})
     if mark_row is not None:
         fig.add_hrect(y0=mark_row - 0.5, y1=mark_row + 0.5, line={"color": "black", "width": 2})
-    step = max(1, len(key_labels) // 60)
+    step = -(-len(key_labels) // 40)  # at most 40 labels: rotated, more overlap on a half-page figure
     fig.update_xaxes(type="category", tickvals=x[::step], ticktext=ticks[::step], tickangle=-60, showgrid=False,
                      title="key (slot order; colour: writer)")
     ystep = max(1, len(query_labels) // 40)

@@ -35,5 +35,6 @@ leak patterns and the metrics it says to watch are all reproduced here.
     if listing is None:
         return
     st.subheader("Recent runs")
-    st.dataframe(listing.head(10)[["run_id", "created_at", "status", "model", "engine", "scenario", "fault", "findings",
-                                   "max_foreign_mass"]], hide_index=True, width="stretch", placeholder=EMPTY)
+    shown = ["run_id", "created_at", "status", "model", "engine", "kernel", "isolation", "scenario", "fault",
+             "findings", "max_foreign_mass"]
+    st.dataframe(listing.head(10)[shown], hide_index=True, width="stretch", placeholder=EMPTY)

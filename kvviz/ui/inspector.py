@@ -193,10 +193,11 @@ def _step_views(info: RunInfo, playing: bool) -> None:
             st.rerun(scope="app")
     left, right = st.columns([6, 1])
     with left:
+        label = f"Step (numbered from {steps[0]}: {len(steps)} steps)"  # a run's "12 steps" end at step 11
         if len(steps) > MANY_STEPS and steps[-1] - steps[0] + 1 == len(steps):  # a long run: a number range,
-            st.slider("Step", steps[0], steps[-1], key="insp_step")  # not a list of every step for the browser
+            st.slider(label, steps[0], steps[-1], key="insp_step")  # not a list of every step for the browser
         elif len(steps) > 1:
-            st.select_slider("Step", steps, key="insp_step")
+            st.select_slider(label, steps, key="insp_step")
         else:
             st.caption(f"step {steps[0]} (the only step)")
         opened = st.session_state.get("insp_opened")

@@ -76,8 +76,8 @@ def _compare(a: str, b: str) -> None:
         found = {r: leaks.findings(con, r) for r in (a, b)}
         texts = {r: runs.requests_frame(con, r).set_index("request_id").text for r in (a, b)}
         cache = {r: runs.cache_use(con, r) for r in (a, b)}
-    summary = pd.DataFrame({r: pd.concat([info[r][["status", "model", "engine", "scenario", "fault", "steps",
-                                                    "tokens"]], pd.Series(cache[r], dtype=object),
+    how = ["status", "model", "engine", "kernel", "isolation", "scenario", "fault", "steps", "tokens"]
+    summary = pd.DataFrame({r: pd.concat([info[r][how], pd.Series(cache[r], dtype=object),
                                           info[r][["leak_rate", "max_foreign_mass", "findings"]]]) for r in (a, b)})
     measures = ["leak_rate", "max_foreign_mass"]  # four places, as the listing draws them (str() gives all)
     summary.loc[measures] = summary.loc[measures].map(lambda v: v if pd.isna(v) else round(float(v), 4))

@@ -118,7 +118,7 @@ def _run_pair(name: str, model_name: str, engine: str, misuses: dict) -> None:
         try:
             ids[role] = live.run(store(), model, wl, fault, on_step=on_step, on_wait=on_wait,
                                  on_reference=on_reference,
-                                 scenario_name=f"control of {name}" if role == "control" else name).run_id
+                                 scenario_name=_recorded_name(name, role, engine)).run_id
         except KvvizError as e:
             if name not in misuses:
                 raise
@@ -127,6 +127,15 @@ def _run_pair(name: str, model_name: str, engine: str, misuses: dict) -> None:
     st.session_state["sc_pair"] = {"name": name, "engine": engine, **ids}
     last = plan[-1][0] if plan[-1][0] in ids else "control"  # a misuse llama.cpp refused has no run to open
     st.session_state["run_id"] = ids[last]  # the inspector, opened next, shows it
+
+
+def _recorded_name(name: str, role: str, engine: str) -> str:
+    """What the Runs page calls each run: beside another engine, kvviz's run is the same requests clean, not a
+    fault's control."""
+    if role != "control":
+        return name
+    beside = engine in OTHER and name in SCENARIOS
+    return f"{name} on kvviz's engine, beside {engine}" if beside else f"control of {name}"
 
 
 def _compare(pair: dict) -> None:
