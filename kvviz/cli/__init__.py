@@ -16,9 +16,11 @@ from .models import add_bench, add_fetch_model
 from .run import add_run
 from .serve import add_serve
 from .store import add_explain, add_export, add_import, add_replay, add_runs, add_sql
+from .whatif import add_whatif
 
 COMMANDS = (add_fetch_model, add_run, add_runs, add_sql, add_replay, add_export, add_capture_vllm, add_capture_example,
-            add_import, add_explain, add_scenarios, add_audit, add_bench, add_serve, add_audit_timing)  # --help's order
+            add_import, add_explain, add_whatif, add_scenarios, add_audit, add_bench, add_serve,
+            add_audit_timing)  # --help's order
 
 
 def build_parser() -> argparse.ArgumentParser:

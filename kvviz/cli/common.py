@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 Subcommands = argparse._SubParsersAction  # what each command module's add_* registers its parser on
@@ -38,3 +39,21 @@ def finding_text(kind: str, request: str, step: int, layer: int | None, head: in
              f"layer {layer:2d} head {head:2d}" if layer is not None and head is not None else "")
     pos = f" pos {position:4d}" if position is not None else ""
     return f"{kind:13} {request:>8} {steps} {where}{pos}{src}" + (f"  mass {mass:.4f}" if mass is not None else "")
+
+
+def print_rows(columns: list[str], rows: list[tuple], fmt: str) -> None:
+    """Rows on stdout as JSON, CSV or an aligned table: every listing command's output."""
+    if fmt == "json":
+        print(json.dumps([dict(zip(columns, r, strict=True)) for r in rows], default=str, ensure_ascii=False))
+    elif fmt == "csv":
+        import csv
+
+        w = csv.writer(sys.stdout, lineterminator="\n")
+        w.writerow(columns)
+        w.writerows(rows)
+    else:
+        text = [["" if v is None else str(v) for v in r] for r in rows]
+        widths = [max([len(c)] + [len(r[i]) for r in text]) for i, c in enumerate(columns)]
+        print("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip())
+        for r in text:
+            print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip())

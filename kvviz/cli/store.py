@@ -8,7 +8,7 @@ import argparse
 import json
 import sys
 
-from .common import DEVICE_HELP, Subcommands, add_db, fail, finding_text
+from .common import DEVICE_HELP, Subcommands, add_db, fail, finding_text, print_rows
 
 
 def cmd_sql(args: argparse.Namespace) -> int:
@@ -19,7 +19,7 @@ def cmd_sql(args: argparse.Namespace) -> int:
         return fail(f"--limit must be >= 0, got {args.limit}", "sql")
     with args.store.read() as con:
         res = run_query(con, args.query, max_rows=args.limit)
-    _print_rows(res.columns, res.rows, args.format)
+    print_rows(res.columns, res.rows, args.format)
     if res.truncated:
         print(f"kvviz: sql: showing the first {args.limit} rows", file=sys.stderr)
     return 0
@@ -35,27 +35,10 @@ def cmd_runs(args: argparse.Namespace) -> int:
         df = list_runs(con)
     shown = df.head(args.limit)[["run_id", "created_at", "status", "model", "engine", "kernel", "isolation", "scenario",
                                  "fault", "steps", "findings", "max_foreign_mass"]]
-    _print_rows(list(shown.columns), [tuple(r) for r in shown.itertuples(index=False)], args.format)
+    print_rows(list(shown.columns), [tuple(r) for r in shown.itertuples(index=False)], args.format)
     if len(df) > args.limit:
         print(f"kvviz: runs: the newest {args.limit} of {len(df)} (--limit)", file=sys.stderr)
     return 0
-
-
-def _print_rows(columns: list[str], rows: list[tuple], fmt: str) -> None:
-    if fmt == "json":
-        print(json.dumps([dict(zip(columns, r, strict=True)) for r in rows], default=str, ensure_ascii=False))
-    elif fmt == "csv":
-        import csv
-
-        w = csv.writer(sys.stdout, lineterminator="\n")
-        w.writerow(columns)
-        w.writerows(rows)
-    else:
-        text = [["" if v is None else str(v) for v in r] for r in rows]
-        widths = [max([len(c)] + [len(r[i]) for r in text]) for i, c in enumerate(columns)]
-        print("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip())
-        for r in text:
-            print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip())
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
@@ -163,7 +146,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
             return fail(f"run {args.run_id} has no lookup of request {args.request!r}", "explain")
     if args.summary:
         share = (lambda n: round(n / len(found), 4)) if args.json else (lambda n: f"{n / len(found):.1%}")
-        _print_rows(["reason", "lookups", "share"], [(r, n, share(n)) for r, n in
+        print_rows(["reason", "lookups", "share"], [(r, n, share(n)) for r, n in
                                                       found.by_reason().most_common()],
                     "json" if args.json else "table")
         return 0

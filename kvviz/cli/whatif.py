@@ -1,0 +1,108 @@
+"""`kvviz whatif`: a request trace replayed under prefix caches it never ran on (kvviz/whatif/): the hit
+rate against capacity for each eviction policy and, with --tenants, what salting per tenant costs."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..errors import KvvizError
+from .common import Subcommands, print_rows
+
+if TYPE_CHECKING:
+    from ..whatif import Trace
+
+DEFAULT_POLICIES = "lru,lfu,seed,newcomer,belady"
+
+
+def cmd_whatif(args: argparse.Namespace) -> int:
+    """The curve table on stdout (policy x capacity), progress on stderr, the rows to --out."""
+    from ..whatif import as_table, assign_tenants, capacity_grid, curve, keyed, read_mooncake
+    from ..whatif.curves import check_capacities
+    from ..whatif.policies import check_policy
+
+    policies = [check_policy(p.strip()) for p in args.policy.split(",") if p.strip()]
+    if not policies:
+        raise KvvizError("--policy names no policy")
+    if args.points < 2:
+        raise KvvizError(f"--points must be at least 2, got {args.points}")
+    if args.tenants is not None and args.tenants < 1:
+        raise KvvizError(f"--tenants must be at least 1, got {args.tenants}")
+    if args.out and Path(args.out).suffix not in (".csv", ".parquet"):
+        raise KvvizError(f"--out {args.out}: write .csv or .parquet")
+    caps = check_capacities(args.capacity) if args.capacity else None
+    trace = read_mooncake(args.trace, block_size=args.block_size)
+    caps = caps or capacity_grid(trace.distinct_blocks, args.points)
+    print(f"{args.trace}: {trace.requests:,} requests, {trace.prompt_tokens:,} prompt tokens, {trace.lookups:,} "
+          f"full-block lookups of {trace.distinct_blocks:,} distinct blocks ({trace.block_size} tokens each)")
+    points = curve(trace, policies, caps, progress=_progress())
+    rate = {(p.policy, p.capacity): f"{p.hit_rate:.2%}" for p in points}
+    print_rows(["capacity", "tokens", *policies],
+                [(_capacity(c, trace.distinct_blocks), f"{c * trace.block_size:,}", *(rate[p, c] for p in policies))
+                 for c in caps], "table")
+    if args.tenants:
+        trace = assign_tenants(trace, args.tenants)
+        for keying in ("tenant", "conversation"):
+            points += curve(keyed(trace, keying), ["lru"], caps, keying=keying)
+        _print_isolation(trace, max(caps), args.tenants)
+    if args.out:
+        table = as_table(points)
+        if args.out.endswith(".csv"):
+            import pyarrow.csv as pcsv
+
+            pcsv.write_csv(table, args.out)
+        else:
+            import pyarrow.parquet as pq
+
+            pq.write_table(table, args.out)
+        print(f"kvviz: whatif: {len(points)} rows written to {args.out}", file=sys.stderr)
+    return 0
+
+
+def _print_isolation(trace: Trace, capacity: int, tenants: int) -> None:
+    """Per tenant, LRU's hit rate shared and salted; then who would read whose blocks if shared."""
+    from ..whatif import cross_reads, tenant_costs
+
+    print(f"\nsalting at capacity {_capacity(capacity, trace.distinct_blocks)} (lru), "
+          f"{int(trace.conversation.max()) + 1:,} conversations dealt to {tenants} tenants in turn:")
+    per_tenant, per_conv = (tenant_costs(trace, capacity, keying=k) for k in ("tenant", "conversation"))
+    print_rows(["tenant", "prompt tokens", "shared", "per tenant", "loss", "per conversation", "loss"],
+                [(a.tenant, f"{a.prompt_tokens:,}", f"{a.shared_hit_rate:.2%}", f"{a.hit_rate:.2%}", f"{a.loss:.2%}",
+                  f"{b.hit_rate:.2%}", f"{b.loss:.2%}") for a, b in zip(per_tenant, per_conv, strict=True)], "table")
+    reads = cross_reads(trace, capacity)
+    print(f"\ncross-tenant reads a shared cache allows: {sum(r.blocks for r in reads):,} blocks")
+    if reads:
+        print_rows(["reader", "writer", "blocks", "tokens"],
+                    [(r.reader, r.writer, f"{r.blocks:,}", f"{r.tokens:,}") for r in reads], "table")
+
+
+def _capacity(blocks: int, distinct: int) -> str:
+    return f"{blocks:,}" + (" (unbounded)" if blocks >= distinct else "")
+
+
+def _progress() -> Callable[[str, int, int], None] | None:
+    """Each per-capacity policy's progress, redrawn on stderr when it is a terminal."""
+    if not sys.stderr.isatty():
+        return None
+
+    def said(policy: str, done: int, total: int) -> None:
+        print(f"\rkvviz: whatif: {policy} {done}/{total} capacities", end="\n" if done == total else "",
+              file=sys.stderr, flush=True)
+
+    return said
+
+
+def add_whatif(sub: Subcommands) -> None:
+    p = sub.add_parser("whatif", help="a request trace replayed under other prefix caches: hit rate against "
+                                      "capacity per eviction policy, and what salting per tenant costs")
+    p.add_argument("trace", help="a Mooncake trace (JSONL: timestamp, input_length, output_length, hash_ids)")
+    p.add_argument("--policy", default=DEFAULT_POLICIES, help=f"comma-separated (default {DEFAULT_POLICIES})")
+    p.add_argument("--points", type=int, default=20, help="log-spaced capacities up to unbounded (default 20)")
+    p.add_argument("--capacity", type=int, nargs="+", help="capacities in blocks instead of --points")
+    p.add_argument("--block-size", type=int, default=512, help="tokens per hash id (default 512)")
+    p.add_argument("--tenants", type=int, help="deal conversations to N tenants and show what salting costs")
+    p.add_argument("--out", help="the rows, one per policy and capacity: .csv or .parquet")
+    p.set_defaults(func=cmd_whatif)
