@@ -34,6 +34,8 @@ def cmd_whatif(args: argparse.Namespace) -> int:
     if args.out and Path(args.out).suffix not in (".csv", ".parquet"):
         raise KvvizError(f"--out {args.out}: write .csv or .parquet")
     caps = check_capacities(args.capacity) if args.capacity else None
+    if not Path(args.trace).exists():
+        return _run(args, policies, caps)
     trace = read_mooncake(args.trace, block_size=args.block_size)
     caps = caps or capacity_grid(trace.distinct_blocks, args.points)
     print(f"{args.trace}: {trace.requests:,} requests, {trace.prompt_tokens:,} prompt tokens, {trace.lookups:,} "
@@ -59,6 +61,27 @@ def cmd_whatif(args: argparse.Namespace) -> int:
 
             pq.write_table(table, args.out)
         print(f"kvviz: whatif: {len(points)} rows written to {args.out}", file=sys.stderr)
+    return 0
+
+
+def _run(args: argparse.Namespace, policies: list[str], caps: list[int] | None) -> int:
+    """A run in the store (an engine run or a capture) replayed, its points kept as its whatif_points."""
+    from ..analysis.runs import run_info
+    from ..analysis.whatif_runs import compute
+    from ..store import RunStore
+
+    if caps:
+        raise KvvizError("--capacity applies to a trace file; a run is replayed at --points capacities and its own")
+    store = RunStore.open(args.run_db)
+    with store.read() as con:
+        info = run_info(con, args.trace)
+    points = compute(store, info, policies, args.points, progress=_progress())
+    if not points:
+        raise KvvizError(f"run {args.trace} has no lookup to replay (no request, or a capture without stored blocks)")
+    rate = {(p.policy, p.capacity): f"{p.hit_rate:.2%}" for p in points}
+    caps = sorted({p.capacity for p in points})
+    print_rows(["capacity", *policies], [(f"{c:,}", *(rate[p, c] for p in policies)) for c in caps], "table")
+    print(f"kvviz: whatif: {len(points)} points kept in whatif_points (run {args.trace})", file=sys.stderr)
     return 0
 
 
@@ -98,7 +121,11 @@ def _progress() -> Callable[[str, int, int], None] | None:
 def add_whatif(sub: Subcommands) -> None:
     p = sub.add_parser("whatif", help="a request trace replayed under other prefix caches: hit rate against "
                                       "capacity per eviction policy, and what salting per tenant costs")
-    p.add_argument("trace", help="a Mooncake trace (JSONL: timestamp, input_length, output_length, hash_ids)")
+    p.add_argument("trace", metavar="TRACE_OR_RUN", help="a Mooncake trace (JSONL: timestamp, input_length, "
+                   "output_length, hash_ids), or the id of a run in --db (an engine run or a capture): its points "
+                   "are kept in the store's whatif_points")
+    p.add_argument("--db", dest="run_db", help="the run store a run id is read from (default $KVVIZ_DB, else "
+                   "runs/kvviz.duckdb)")
     p.add_argument("--policy", default=DEFAULT_POLICIES, help=f"comma-separated (default {DEFAULT_POLICIES})")
     p.add_argument("--points", type=int, default=20, help="log-spaced capacities up to unbounded (default 20)")
     p.add_argument("--capacity", type=int, nargs="+", help="capacities in blocks instead of --points")

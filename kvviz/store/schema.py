@@ -16,7 +16,8 @@ block_lifetimes per block of an engine run (two blocks can hold one hash) ended 
 (block_events kind clear), version 13 the keys each recorded query could see written once
 (attention_keys) instead of in each of its rows (attention_rows; `attention` is the view that joins
 them back), version 14 attention rows a recorder writes as Parquet parts beside the store
-(attention_parts: the `attention` view reads them where they lie); older files are upgraded in place by
+(attention_parts: the `attention` view reads them where they lie), version 15 what a run's engine said of it
+(runs.notes), version 16 its replays under other caches (whatif_points); older files are upgraded in place by
 the idempotent DDL.
 """
 
@@ -28,9 +29,9 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 
-SCHEMA_VERSION = "15"
+SCHEMA_VERSION = "16"
 # Versions whose files the idempotent DDL brings up to date.
-UPGRADABLE = {"1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12", "13", "14"}
+UPGRADABLE = {"1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12", "13", "14", "15"}
 
 _ARROW = {"VARCHAR": pa.string(), "JSON": pa.string(), "TIMESTAMP": pa.timestamp("us"), "BIGINT": pa.int64(),
           "INTEGER": pa.int32(), "DOUBLE": pa.float64(), "FLOAT": pa.float32(), "BOOLEAN": pa.bool_(),
@@ -247,6 +248,17 @@ TABLES: dict[str, Table] = {t.name: t for t in (
               Column("reason", "VARCHAR", "cold | evicted | capacity | namespace | diverged | partial_block | "
                      "preempted | unexplained"),
               Column("evidence", "JSON", "what shows the reason, e.g. when the block was stored and evicted")),
+          in_trace=False),
+    Table("whatif_points", "The run replayed under other prefix caches (`kvviz whatif`, the inspector's What if "
+          "view): per eviction policy and capacity, the share of prompt tokens a cache that size would have served "
+          "(a capture's capacity is per replica, the hits of its replicas summed).", (
+              *_cols(RUN_ID + "policy VARCHAR"),
+              Column("keying", "VARCHAR", "shared | tenant | conversation: how blocks were keyed (salted)"),
+              Column("capacity", "BIGINT", "blocks; the run's distinct blocks is the unbounded cache"),
+              Column("hits", "BIGINT", "full-block lookups served from the cache"),
+              Column("lookups", "BIGINT", "full-block lookups"),
+              Column("tokens_saved", "BIGINT", "prefill tokens served: hits x block size"),
+              Column("prompt_tokens", "BIGINT"), Column("hit_rate", "DOUBLE", "tokens_saved / prompt_tokens")),
           in_trace=False),
     Table("timing_audits", "Timing audits of a server's prompt cache (kvviz audit-timing), one row per audit: "
           "a one-sided KS test that hits reach their first token sooner than misses.", (

@@ -17,9 +17,10 @@ from ..errors import StoreError
 from ..figures import capture_time as time_fig
 from ..figures import captures as tree_fig
 from ..runners import explain_jobs
+from . import inspect_whatif
 from .common import db_path, lookups_table, reader, store
 
-VIEWS = ("Activity", "Occupancy", "Lifetimes", "Shared prefixes", "Prefix tree", "Cross-tenant")
+VIEWS = ("Activity", "Occupancy", "Lifetimes", "Shared prefixes", "Prefix tree", "Cross-tenant", "What if")
 PROGRESS_S = 1.0  # how often the progress of an explanation in the background is looked at
 
 
@@ -40,6 +41,8 @@ def render(info: RunInfo) -> None:
     view = st.segmented_control("View", VIEWS, key="insp_view", label_visibility="collapsed") or VIEWS[0]
     if view == "Activity":  # its own readers
         _activity(info, span, a, b)
+    elif view == "What if":  # the whole capture, not the range: it writes what it computes
+        inspect_whatif.render(info)
     else:
         with reader() as con:
             if view == "Occupancy":

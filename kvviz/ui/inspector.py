@@ -11,10 +11,10 @@ import streamlit as st
 from ..analysis import blocks, cross_reads, leaks, runs
 from ..analysis.runs import RunInfo
 from ..store import RunStore
-from . import inspect_attention, inspect_blocks, inspect_cache, inspect_capture, inspect_leaks
+from . import inspect_attention, inspect_blocks, inspect_cache, inspect_capture, inspect_leaks, inspect_whatif
 from .common import ENGINES, cross_tenant_warning, db_path, reader, runs_or_hint
 
-ENGINE_VIEWS = ("Blocks", "Attention", "Leaks", "Cache", "Requests")
+ENGINE_VIEWS = ("Blocks", "Attention", "Leaks", "Cache", "Requests", "What if")
 TICK_S = 0.8  # play: seconds per step
 FOLLOW_S = 2.0  # a run being recorded: seconds between looks for new steps
 MANY_STEPS = 2000  # past this, the step slider is a plain range: a list of every step would go to the browser
@@ -210,6 +210,9 @@ def _step_views(info: RunInfo, playing: bool) -> None:
         st.session_state["insp_view"] = ENGINE_VIEWS[0]
     view = st.segmented_control("View", ENGINE_VIEWS, key="insp_view", label_visibility="collapsed") or ENGINE_VIEWS[0]
     step = st.session_state["insp_step"]
+    if view == "What if":  # writes what it computes: no reader held
+        inspect_whatif.render(info)
+        return
     with reader() as con:
         if view == "Blocks":
             inspect_blocks.render(con, info, step)

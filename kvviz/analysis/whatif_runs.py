@@ -1,0 +1,129 @@
+"""A stored run replayed under other prefix caches (kvviz.whatif): the trace it is, and the curve points
+kept in the store (whatif_points) so that a user can query them with SQL next to the run.
+
+What a run's trace is:
+- an engine run: each request's first lookup, in the order the cache saw them, its prompt's full blocks
+  keyed by their tokens and the request's salt (so a salted run is replayed salted), capacity in the
+  run's blocks, the run's own pool (num_blocks) marked;
+- a capture: each BlockStored event on a device medium is one request's lookup, its chain from the
+  root (the stored blocks after their cached ancestors, found through parent hashes), replayed per
+  replica (each replica its own cache; a capacity is per replica and the hits of all are summed);
+  only full blocks are known, so prompt tokens are full blocks x block size. A capture of requests that
+  stored nothing (full hits without kv_cache_report_mode="full") does not show them: the replay sees the
+  requests that the events name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import duckdb
+import numpy as np
+import pandas as pd
+
+from ..store import RunStore
+from ..whatif import POLICIES, CurvePoint, Trace, as_table, capacity_grid, curve, trace_from_blocks
+from .runs import RunInfo
+
+DEFAULT_POLICIES = ("lru", "lfu", "seed", "newcomer", "belady")
+ALL_POLICIES = tuple(POLICIES)  # what the views offer
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunTraces:
+    """The traces of one run, one per independent cache (a capture's replicas), and what the run had."""
+
+    traces: dict[str, Trace]  # cache (replica) -> its trace
+    own_capacity: int | None  # the run's own cache in blocks (per replica), where known
+
+    @property
+    def distinct_blocks(self) -> int:
+        return max((t.distinct_blocks for t in self.traces.values()), default=0)
+
+
+def run_traces(con: duckdb.DuckDBPyConnection, info: RunInfo) -> RunTraces:
+    """The run as traces a replay takes (see the module docstring)."""
+    if info.has_kv_events:
+        return _capture_traces(con, info.run_id)
+    rows = con.execute(
+        "SELECT any_value(r.prompt_ids), any_value(r.tenant), min(l.step) AS first FROM requests r "
+        "JOIN cache_lookups l ON l.run_id = r.run_id AND l.request_id = r.request_id WHERE r.run_id = ? "
+        "GROUP BY r.request_id "
+        "ORDER BY first, r.request_id", [info.run_id]).fetchall()
+    bs = info.block_size
+    ids = [[hash((tenant, i, tuple(p[i * bs:(i + 1) * bs]))) for i in range(len(p) // bs)] for p, tenant, _ in rows]
+    trace = trace_from_blocks(ids, [len(p) for p, _, _ in rows], block_size=bs)
+    return RunTraces(traces={"": trace} if rows else {}, own_capacity=int(info.engine.get("num_blocks", 0)) or None)
+
+
+def _capture_traces(con: duckdb.DuckDBPyConnection, run_id: str) -> RunTraces:
+    df = con.execute(
+        # hashes shifted into BIGINT (a bijection of UBIGINT): numpy keeps them exact, pandas' nullable uint64 not
+        "SELECT replica, step, event_index, CAST(block_hash::HUGEINT - 9223372036854775808 AS BIGINT) AS block_hash, "
+        "coalesce(CAST(parent_hash::HUGEINT - 9223372036854775808 AS BIGINT), 0) AS parent_hash, "
+        "parent_hash IS NULL AS root, block_size FROM kv_events "
+        "WHERE run_id = ? AND kind = 'BlockStored' AND coalesce(medium, 'GPU') = 'GPU' "
+        "ORDER BY replica, step, event_index, block_index", [run_id]).df()
+    traces = {}
+    for replica, part in df.groupby("replica", sort=True, dropna=False):
+        traces[str(replica)] = _chains(part)
+    return RunTraces(traces=traces, own_capacity=None)
+
+
+def _chains(part: pd.DataFrame) -> Trace:
+    """Each event's lookup: the cached ancestors of its first block (by parent hash), then its blocks."""
+    parent: dict[int, int | None] = {}
+    chains: list[list[int]] = []
+    hashes, parents, roots = part.block_hash.to_numpy(), part.parent_hash.to_numpy(), part.root.to_numpy()
+    step, event = part.step.to_numpy(), part.event_index.to_numpy()
+    starts = np.flatnonzero(np.r_[True, (np.diff(step) != 0) | (np.diff(event) != 0)])
+    for a, b in zip(starts, [*starts[1:], len(part)], strict=True):
+        up, first = [], None if roots[a] else int(parents[a])
+        while first is not None and first in parent:
+            up.append(first)
+            first = parent[first]
+        chain = up[::-1] + [int(h) for h in hashes[a:b]]
+        for prev, h in zip([None, *chain], chain, strict=False):
+            parent.setdefault(h, prev)
+        chains.append(chain)
+    bs = int(part.block_size.dropna().iloc[0]) if part.block_size.notna().any() else 16
+    return trace_from_blocks(chains, [len(c) * bs for c in chains], block_size=bs)
+
+
+def compute(store: RunStore, info: RunInfo, policies: Sequence[str] = DEFAULT_POLICIES, points: int = 20,
+            progress: Progress | None = None) -> list[CurvePoint]:
+    """The run's curve for each policy at `points` capacities (and its own), kept as its whatif_points
+    (replacing any kept before); the points, summed over the run's caches."""
+    with store.read() as con:
+        rt = run_traces(con, info)
+    if not rt.traces:
+        return []
+    caps = sorted(set(capacity_grid(rt.distinct_blocks, points)) | ({rt.own_capacity} if rt.own_capacity else set()))
+    per_cache = [curve(t, policies, caps, progress=progress) for t in rt.traces.values()]
+    summed = [_sum([pts[i] for pts in per_cache]) for i in range(len(per_cache[0]))]
+    table = as_table(summed)
+    with store.write() as con:
+        con.execute("DELETE FROM whatif_points WHERE run_id = ?", [info.run_id])
+        con.register("points", table)
+        con.execute("INSERT INTO whatif_points BY NAME SELECT ? AS run_id, * FROM points", [info.run_id])
+        con.unregister("points")
+    return summed
+
+
+def _sum(points: list[CurvePoint]) -> CurvePoint:
+    """One point of several independent caches (replicas): counts added, the rate re-divided."""
+    first = points[0]
+    if len(points) == 1:
+        return first
+    hits, lookups = sum(p.hits for p in points), sum(p.lookups for p in points)
+    saved, prompt = sum(p.tokens_saved for p in points), sum(p.prompt_tokens for p in points)
+    return CurvePoint(policy=first.policy, keying=first.keying, capacity=first.capacity, hits=hits, lookups=lookups,
+                      tokens_saved=saved, prompt_tokens=prompt, hit_rate=saved / prompt if prompt else 0.0)
+
+
+def stored_points(con: duckdb.DuckDBPyConnection, run_id: str) -> pd.DataFrame:
+    """The points kept for a run, by policy and capacity."""
+    return con.execute("SELECT policy, keying, capacity, hits, lookups, tokens_saved, prompt_tokens, hit_rate "
+                       "FROM whatif_points WHERE run_id = ? ORDER BY policy, keying, capacity", [run_id]).df()

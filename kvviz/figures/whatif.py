@@ -1,0 +1,39 @@
+"""The what-if curve: the share of prompt tokens a prefix cache would have served, against its capacity,
+one line per eviction policy, so a user sees at once how much memory buys and how much a policy does."""
+
+from __future__ import annotations
+
+import pandas as pd
+import plotly.graph_objects as go
+
+from .palette import clear_of_modebar
+
+# Belady is the bound the others are read against: dashed black; the rest distinct, none a provenance colour
+POLICY_STYLE = {"lru": ("#4c78a8", "solid"), "lfu": ("#bcbd22", "solid"), "seed": ("#e78ac3", "solid"),
+                "newcomer": ("#1b9e77", "solid"), "belady": ("#111111", "dash")}
+POLICY_NAMES = {"lru": "LRU (vLLM's order)", "lfu": "LFU", "seed": "the seed's advice", "newcomer": "newcomer",
+                "belady": "Belady (optimal)"}
+
+
+def hit_rate_curve(points: pd.DataFrame, *, own_capacity: int | None = None, unbounded: int | None = None,
+                   block_size: int | None = None) -> go.Figure:
+    """points: policy, capacity, hit_rate (one keying). Capacity on a log axis; the run's own cache and
+    the unbounded one (every distinct block) marked where known."""
+    fig = go.Figure()
+    for policy, df in points.groupby("policy", sort=False):
+        colour, dash = POLICY_STYLE.get(policy, ("#888888", "dot"))
+        df = df.sort_values("capacity")
+        tokens = "" if block_size is None else "<br>%{customdata:,} tokens"
+        fig.add_trace(go.Scatter(
+            x=df.capacity, y=df.hit_rate, mode="lines+markers", name=POLICY_NAMES.get(policy, policy),
+            line={"color": colour, "dash": dash}, marker={"size": 5},
+            customdata=None if block_size is None else df.capacity * block_size,
+            hovertemplate=f"%{{x:,}} blocks{tokens}<br>hit rate %{{y:.2%}}<extra>%{{fullData.name}}</extra>"))
+    for x, text in ((own_capacity, "this run's cache"), (unbounded, "unbounded")):
+        if x:
+            fig.add_vline(x=x, line={"dash": "dot", "color": "#888"}, annotation_text=text,
+                          annotation_position="top left")
+    fig.update_xaxes(type="log", title="cache capacity (blocks, log scale)")
+    fig.update_yaxes(title="prompt tokens served from the cache", tickformat=".0%", rangemode="tozero")
+    fig.update_layout(height=420, margin={"l": 10, "r": 10, "t": 40, "b": 10}, legend={"orientation": "h", "y": -0.2})
+    return clear_of_modebar(fig)

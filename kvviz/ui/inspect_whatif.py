@@ -1,0 +1,86 @@
+"""What if: the run replayed under prefix caches it never ran on (kvviz.whatif), any run, engine or
+capture: the hit rate each eviction policy would have had at each capacity, computed on demand with
+progress, kept in the store (whatif_points) and drawn against capacity."""
+
+from __future__ import annotations
+
+import pandas as pd
+import streamlit as st
+
+from ..analysis.runs import RunInfo
+from ..analysis.whatif_runs import ALL_POLICIES, DEFAULT_POLICIES, compute, stored_points
+from ..figures import whatif as fig
+from .common import EMPTY, reader, store
+
+HELP = ("The run's lookups replayed, one request at a time in the order the cache saw them, under caches of other "
+        "sizes and eviction policies: a request is served up to its first uncached full block, then stores its "
+        "blocks. LRU evicts as vLLM's free queue does; LFU by use counts; the seed's advice keeps long prefixes "
+        "longer; newcomer is LRU in which blocks never seen before enter cold; Belady evicts the block used "
+        "furthest in the future (the optimum no online policy reaches).")
+
+
+def render(info: RunInfo) -> None:
+    st.caption(HELP)
+    left, mid, right = st.columns([4, 2, 2])
+    policies = left.multiselect("Policies", list(ALL_POLICIES), default=list(DEFAULT_POLICIES), key="wi_policies",
+                                format_func=lambda p: fig.POLICY_NAMES.get(p, p))
+    points = mid.number_input("Capacities", 4, 60, 20, key="wi_points",
+                              help="log-spaced from 4 blocks to the unbounded cache, with the run's own")
+    with reader() as con:
+        kept = stored_points(con, info.run_id)
+    go = right.button("Compute again" if not kept.empty else "Compute", type="primary", key="wi_go",
+                      icon=":material/query_stats:", disabled=not policies)
+    if go:
+        kept = _compute(info, policies, int(points))
+    if kept.empty:
+        st.info("Not computed yet for this run: choose the policies and press Compute (a run of thousands of "
+                "requests takes seconds; Belady and the others replay once per capacity).", icon=":material/info:")
+        return
+    shared = kept[kept.keying == "shared"]
+    own = int(info.engine["num_blocks"]) if not info.has_kv_events and info.engine.get("num_blocks") else None
+    unbounded = int(shared.capacity.max())
+    st.plotly_chart(fig.hit_rate_curve(shared, own_capacity=own, unbounded=unbounded,
+                                       block_size=None if info.has_kv_events else info.block_size),
+                    width="stretch", key="wi_curve")
+    st.markdown(_sentence(shared, own))
+    if info.has_kv_events:
+        st.caption("A capture's capacity is per replica (each replica its own cache; their hits summed). Only full "
+                   "blocks are known, and a request that stored nothing (a full hit without kv_cache_report_mode="
+                   "\"full\") is not in the events, so the replay sees the requests the events name.")
+    with st.expander("The points, and the SQL that reads them"):
+        st.dataframe(kept, hide_index=True, width="stretch", placeholder=EMPTY)
+        st.code(f"SELECT policy, capacity, hit_rate FROM whatif_points WHERE run_id = '{info.run_id}' "
+                "ORDER BY policy, capacity", language="sql")
+
+
+def _compute(info: RunInfo, policies: list[str], points: int) -> pd.DataFrame:
+    bar = st.progress(0.0, text="replaying...")
+
+    def progress(policy: str, done: int, total: int) -> None:
+        at = policies.index(policy)
+        bar.progress((at + done / total) / len(policies), text=f"{fig.POLICY_NAMES.get(policy, policy)}: "
+                                                               f"{done} of {total} capacities")
+
+    compute(store(), info, policies, points, progress)
+    bar.empty()
+    with reader() as con:
+        return stored_points(con, info.run_id)
+
+
+def _sentence(points: pd.DataFrame, own: int | None) -> str:
+    """What the curve says, in one line: at the run's own capacity (or the middle of the range) which
+    policy serves most, against LRU and the bound."""
+    caps = sorted(points.capacity.unique())
+    at = own if own in caps else caps[len(caps) // 2]
+    row = points[points.capacity == at].set_index("policy").hit_rate
+    online = row.drop("belady", errors="ignore")
+    best = online.idxmax() if not online.empty else None
+    parts = [f"At **{at:,} blocks**" + (" (this run's cache)" if at == own else "")]
+    if "lru" in row:
+        parts.append(f"LRU serves {row['lru']:.1%} of prompt tokens")
+    if best is not None and best != "lru":
+        parts.append(f"{fig.POLICY_NAMES.get(best, best)} {row[best]:.1%}")
+    if "belady" in row:
+        parts.append(f"the optimum {row['belady']:.1%}")
+    top = points[points.capacity == caps[-1]].hit_rate.max()
+    return ", ".join(parts) + f"; an unbounded cache {top:.1%}."

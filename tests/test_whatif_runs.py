@@ -1,0 +1,110 @@
+"""A stored run replayed under other prefix caches: an engine run's requests keyed by their tokens and
+salts, a capture's events as chains through their parent hashes, each replica its own cache; the points
+kept in whatif_points for SQL, `kvviz whatif RUN`, and the inspector's What if view."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from kvviz.analysis.runs import run_info
+from kvviz.analysis.whatif_runs import _chains, compute, run_traces
+from kvviz.models import load_model
+from kvviz.runners import live
+from kvviz.store import RunStore
+from kvviz.whatif import curve
+
+from .apptest import AppTest
+from .cli import kvviz
+
+APP = str(Path(__file__).resolve().parent.parent / "app.py")
+A = list(range(1, 13))  # three full blocks of 4
+WORKLOAD = {"requests": [
+    {"id": "A", "prompt_ids": A, "max_new_tokens": 2},
+    {"id": "B", "prompt_ids": A[:8] + [50, 51, 52, 53], "max_new_tokens": 2, "arrival_step": 4},
+    {"id": "C", "prompt_ids": A, "max_new_tokens": 2, "cache_salt": "t2", "arrival_step": 5}],
+    "engine": {"block_size": 4, "num_blocks": 32}}
+
+
+@functools.cache
+def tiny():
+    return load_model("tiny-llama", device="cpu")
+
+
+@pytest.fixture
+def engine_run(tmp_path):
+    store = RunStore.open(tmp_path / "k.duckdb")
+    return store, live.run(store, tiny(), WORKLOAD).run_id
+
+
+def test_an_engine_run_is_replayed_by_its_requests_blocks_and_salts(engine_run):
+    """B shares A's first two blocks; C has A's tokens under another salt, so it shares nothing. Counted
+    by hand: a cache of one block serves B one block (A stored only its first), two blocks or more serve
+    both; an unbounded cache serves 8 of the 36 prompt tokens."""
+    store, rid = engine_run
+    with store.read() as con:
+        info = run_info(con, rid)
+        traces = run_traces(con, info)
+    trace = traces.traces[""]
+    assert trace.requests == 3 and trace.lookups == 9 and trace.distinct_blocks == 7 and traces.own_capacity == 32
+    assert [p.hits for p in curve(trace, ["lru", "belady"], [1, 2, 7])] == [1, 2, 2, 1, 2, 2]
+    points = compute(store, info, ["lru", "seed"], points=4)
+    with store.read() as con:
+        rows = con.execute("SELECT policy, capacity, hits, tokens_saved, prompt_tokens, hit_rate FROM whatif_points "
+                           "WHERE run_id = ? AND capacity = 32 ORDER BY policy", [rid]).fetchall()
+    assert rows == [("lru", 32, 2, 8, 36, 8 / 36), ("seed", 32, 2, 8, 36, 8 / 36)]  # the run's own pool is a point
+    assert len(points) == 2 * len({p.capacity for p in points})
+    compute(store, info, ["lru"], points=4)  # computed again: the kept points are replaced, not added to
+    with store.read() as con:
+        assert con.execute("SELECT DISTINCT policy FROM whatif_points WHERE run_id = ?", [rid]).fetchall() == [("lru",)]
+
+
+def test_a_capture_s_events_are_chains_through_their_parents():
+    """e0 stores h1 h2 from the root, e1 stores h3 after h2, e2 stores h4 after h1: their lookups are
+    h1 h2 / h1 h2 h3 / h1 h4, so an unbounded cache serves 2 + 1 blocks, and a cache of one block (each
+    event stores its first block only) serves e1 and e2 their h1."""
+    part = pd.DataFrame({"step": [0, 0, 1, 2], "event_index": [0, 0, 0, 0], "block_hash": [11, 12, 13, 14],
+                         "parent_hash": [0, 11, 12, 11], "root": [True, False, False, False], "block_size": [16] * 4})
+    trace = _chains(part)
+    assert trace.lookups == 7 and trace.distinct_blocks == 4 and trace.block_size == 16
+    assert [p.hits for p in curve(trace, ["lru"], [1, 4])] == [2, 3]
+
+
+def test_a_capture_is_replayed_per_replica_and_the_cli_keeps_the_points(tmp_path):
+    store = RunStore.open(tmp_path / "k.duckdb")
+    cap = tmp_path / "cap.jsonl"
+    assert kvviz("capture-example", cap, "--events", "2000", "--replicas", "2").returncode == 0
+    rid = kvviz("import", cap, "--db", store.path).stdout.strip()
+    out = kvviz("whatif", rid, "--db", store.path, "--policy", "lru,belady", "--points", "6")
+    assert out.returncode == 0, out.stderr
+    assert "points kept in whatif_points" in out.stderr and "belady" in out.stdout.splitlines()[0]
+    with store.read() as con:
+        info = run_info(con, rid)
+        traces = run_traces(con, info).traces
+        kept = con.execute("SELECT capacity, hits, lookups FROM whatif_points WHERE run_id = ? AND policy = 'lru' "
+                           "ORDER BY capacity", [rid]).fetchall()
+    assert len(traces) == 2  # each replica its own cache
+    for capacity, hits, lookups in kept:  # the fleet's point: each replica at that capacity, summed
+        each = [curve(t, ["lru"], [capacity])[0] for t in traces.values()]
+        assert (hits, lookups) == (sum(p.hits for p in each), sum(p.lookups for p in each))
+    assert kvviz("whatif", "nosuchrun", "--db", store.path).returncode == 2
+
+
+def test_the_inspector_s_what_if_view_computes_with_progress_and_draws_the_curve(engine_run, monkeypatch):
+    store, rid = engine_run
+    monkeypatch.setenv("KVVIZ_DB", str(store.path))
+    at = AppTest.from_file(APP, default_timeout=60)
+    at.session_state["run_id"] = rid
+    at.run()
+    at.switch_page("kvviz/ui/pages/inspector.py").run()
+    at.segmented_control(key="insp_view").set_value("What if").run()
+    assert any("Not computed yet" in i.value for i in at.info)
+    at.button(key="wi_go").click().run()
+    assert not at.exception
+    assert any("At **32 blocks** (this run's cache)" in m.value and "LRU serves 22.2%" in m.value for m in at.markdown)
+    assert at.get("plotly_chart")
+    at.run()  # kept: the next visit draws it at once, and offers to compute again
+    assert at.get("plotly_chart") and at.button(key="wi_go").label == "Compute again"
