@@ -16,8 +16,9 @@ from hypothesis import strategies as st
 from kvviz.errors import CaptureError, KvvizError
 from kvviz.whatif import POLICIES, as_dicts, as_table, capacity_grid, curve, read_mooncake, request_hits
 from kvviz.whatif.lru import NEVER, lru_hits, reuse_distances
+from kvviz.whatif.policies import Seed
 from kvviz.whatif.salting import assign_tenants, cross_reads, keyed, tenant_costs
-from kvviz.whatif.simulate import replay
+from kvviz.whatif.simulate import parents, replay
 from kvviz.whatif.trace import trace_from_blocks
 from tests.cli import kvviz, kvviz_process
 
@@ -60,12 +61,27 @@ def test_a_prefix_reused_after_a_scan_is_kept_by_frequency_and_by_newcomer():
     assert hits(blocks(*"xaxbcx"), 2) == {"lru": 1, "lfu": 2, "seed": 1, "newcomer": 2, "belady": 2}
 
 
-def test_the_seed_policy_strands_a_long_prefix_behind_its_evicted_first_block():
-    """sab, sc, sab with capacity 3. LRU frees sab tail first, so sc's block c evicts b; the third request
-    hits s and a (LRU 1 + 2 = 3 hits, every other policy too). GreedyDual ranks a block by its prefix
-    length: s 1, a 2, b 3, so c evicts a; b stays cached but unreachable, and the third request hits s
-    alone (1 + 1 = 2)."""
-    assert hits(blocks("sab", "sc", "sab"), 3) == {"lru": 3, "lfu": 3, "seed": 2, "newcomer": 3, "belady": 3}
+def test_the_seed_policy_evicts_leaves_only_so_a_shared_first_block_never_strands_its_prefix(monkeypatch):
+    """sab, sc, sab with capacity 3 (keys s 0, a 1, c 2, b 3). LRU frees sab tail first, so sc's block c
+    evicts b; the third request hits s and a (1 + 2 = 3 hits, every other policy too). Seed ranks a leaf
+    by its prefix length; when c comes, s is held and a has a cached child, so b, the one leaf, goes: 3
+    hits as well. Read at the block level instead (any unheld block a victim), GreedyDual would evict a
+    (priority 2, below b's 3) and strand b, cached but unreachable: the third request hits s alone (2)."""
+    trace = blocks("sab", "sc", "sab")
+    assert hits(trace, 3) == {"lru": 3, "lfu": 3, "seed": 3, "newcomer": 3, "belady": 3}
+    monkeypatch.setattr(Seed, "leaves_only", False)
+    cached: list[list[int]] = []
+    assert replay(trace, "seed", 3, after=lambda r, c: cached.append(list(c))).tolist() == [0, 1, 1]
+    assert cached[1] == [1, 0, 1, 1]  # b (key 3) cached without a (key 1)
+
+
+def test_the_seed_policy_keeps_a_long_prefix_over_a_short_recent_one():
+    """abc, x, y, abc with capacity 4. y finds the cache full (a b c x). LRU evicts c, the least recent
+    (abc was freed tail first, before x came): the second abc hits a and b (2). Seed may evict the leaves
+    c (priority 0 + 3) and x (0 + 1) and keeps c, the end of the longer prefix: 3 hits, as MIN's (x is
+    never used again). LFU (every block used once, c the oldest) and newcomer (every block new, all
+    handicapped alike) evict c as LRU does."""
+    assert hits(blocks("abc", "x", "y", "abc"), 4) == {"lru": 2, "lfu": 2, "seed": 3, "newcomer": 2, "belady": 3}
 
 
 def test_hit_rate_counts_prompt_tokens_and_the_partial_last_block_never_hits():
@@ -129,13 +145,30 @@ def test_along_a_request_distances_only_grow_so_the_prefix_rule_needs_no_cut_off
 def test_belady_bounds_every_policy_and_unbounded_bounds_belady(trace):
     """MIN keeps the cache prefix-closed (a parent is next used no later than its child, ties evict the
     child), so its hits are the most any policy that stores what each request brings can have: checked,
-    not assumed. At the unbounded capacity every policy serves every block seen before."""
+    not assumed, seed's leaves-only GreedyDual included. At the unbounded capacity every policy serves
+    every block seen before."""
     unbounded = int(request_hits(trace, "lru", max(trace.distinct_blocks, 1)).sum())
     assert unbounded == int((reuse_distances(trace) != NEVER).sum())
     for c in range(1, trace.distinct_blocks + 1):
         got = hits(trace, c)
         assert max(got.values()) == got["belady"] <= unbounded
+        assert got["seed"] <= got["belady"]
     assert set(hits(trace, max(trace.distinct_blocks, 1)).values()) == {unbounded}
+
+
+@settings(max_examples=100, deadline=None)
+@given(traces())
+def test_every_policy_keeps_the_cache_prefix_closed(trace):
+    """After every request, at every capacity, each cached block's parent is cached too: nothing is
+    stranded behind a missing prefix (seed's by evicting leaves only, the others' by their priorities)."""
+    up = parents(trace)
+
+    def closed(r: int, cached: bytearray) -> None:
+        assert all(cached[up[x]] for x in range(len(cached)) if cached[x] and up[x] >= 0), (r, list(cached))
+
+    for p in POLICIES:
+        for c in range(1, trace.distinct_blocks + 1):
+            replay(trace, p, c, after=closed)
 
 
 def test_the_dominance_count_matches_a_direct_count():

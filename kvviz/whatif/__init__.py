@@ -17,9 +17,10 @@ The replay, as every module here computes it:
 - Blocks are keyed by their whole prefix (chained hashes), shared by every request unless the salting
   replay keys them per tenant or per conversation (salting.py).
 
-Policies (policies.py): lru (vLLM's free-queue order), lfu, seed (the seed article's advice), newcomer
-(kvviz's own: LRU that makes never-seen blocks enter cold) and belady (MIN, the upper bound), each
-agreeing at the unbounded capacity, where nothing is evicted.
+Policies (policies.py): lru (vLLM's free-queue order), lfu, seed (the seed article's advice, read as a
+radix tree would: GreedyDual by prefix length over the unreferenced leaves), newcomer (kvviz's own: LRU
+that makes never-seen blocks enter cold) and belady (MIN, the upper bound), each keeping the cache
+prefix-closed and agreeing at the unbounded capacity, where nothing is evicted.
 
 Modules: trace (the Mooncake reader and the array form), lru (every capacity at once from reuse
 distances), policies and simulate (any policy, exactly, one pass per capacity), curves (the points),

@@ -1,11 +1,12 @@
 """The eviction policies the replay offers, each as the priority it gives a block when a request touches
 it: the cached block with the lowest priority, among those the admitted request does not hold, is
-evicted first. Priorities are unique ints (ties broken by LRU order), so a heap entry is live exactly
-when it equals the block's current priority.
+evicted first; a policy with `leaves_only = True` may evict only blocks no cached block extends (the
+replay enforces it, simulate.py). Priorities are unique ints (ties broken by LRU order), so a heap entry
+is live exactly when it equals the block's current priority.
 
-Every policy here but `seed` keeps the cache prefix-closed (checked on random traces): a block is never
-colder than its child, as every request that touches a child touches its parent, so no cached block is
-stranded behind a missing prefix.
+Every policy here keeps the cache prefix-closed (checked on random traces), so no cached block is ever
+stranded behind a missing prefix: `seed` because it evicts leaves only, the others because a block is
+never colder than its child, as every request that touches a child touches its parent.
 """
 
 from __future__ import annotations
@@ -45,13 +46,16 @@ class Lfu:
 
 
 class Seed:
-    """The seed's advice (its section 6.3), formalised. Refcount zero first: the admitted request's blocks
-    are never evicted (a trace has no durations, so between lookups no other request holds a block).
-    Then recency and size weighed together, as GreedyDual does: a touched block's priority is the clock
-    plus its rebuild cost, the length in blocks of the prefix it ends (depth + 1), and the clock rises to
-    each victim's priority. Of blocks touched together the one ending the longer prefix stays longer, and
-    any block untouched for long enough goes, as with LRU. Taken literally at the block level this evicts
-    a shared first block before the long prefixes behind it, which it strands."""
+    """The seed's advice (its section 6.3), read as a radix-tree cache (SGLang) would: refcount zero first,
+    then least recently used, large blocks last, as they stand for long prefixes, dear to rebuild.
+    Refcount zero: the admitted request's blocks are never evicted (a trace has no durations, so between
+    lookups no other request holds a block), nor is a block with a cached child, which references it
+    (`leaves_only`): evicting it would strand the child. Among those leaves, recency and size are weighed
+    together as GreedyDual does: a touched block's priority is the clock plus its rebuild cost, the length
+    in blocks of the prefix it ends (depth + 1), and the clock rises to each victim's priority, so the
+    leaf ending a longer prefix stays longer, and any leaf untouched long enough goes, as with LRU."""
+
+    leaves_only = True
 
     def __init__(self, trace: Trace, capacity: int):
         self.order, self.scale = trace.touch_order.tolist(), trace.lookups + 1
@@ -62,7 +66,9 @@ class Seed:
         return (self.clock + self.cost[i]) * self.scale + self.order[i]
 
     def evicted(self, key: int, priority: int) -> None:
-        self.clock = priority // self.scale
+        # a parent freed by its child's eviction keeps the priority of its last touch, which may lie below
+        # the clock (its cost is a block less than the child's): the clock never goes back
+        self.clock = max(self.clock, priority // self.scale)
 
 
 class Newcomer:
