@@ -108,3 +108,15 @@ def test_the_inspector_s_what_if_view_computes_with_progress_and_draws_the_curve
     assert at.get("plotly_chart")
     at.run()  # kept: the next visit draws it at once, and offers to compute again
     assert at.get("plotly_chart") and at.button(key="wi_go").label == "Compute again"
+
+
+def test_bench_whatif_times_each_policy_against_the_exact_lru_peer(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(f'{{"timestamp": {i}, "input_length": 2048, "output_length": 1, '
+                             f'"hash_ids": [0, {i % 5 + 1}, {i + 10}, {i + 100}]}}\n' for i in range(40)))
+    out = kvviz("bench", "--whatif", trace)
+    assert out.returncode == 0, out.stderr
+    row = next(line for line in out.stdout.splitlines() if line.startswith("| t.jsonl"))
+    assert row.split("|")[2].strip() == "40" and row.split("|")[3].strip() == "160" and row.endswith("x |")
+    bad = kvviz("bench", "--whatif", tmp_path / "missing.jsonl")
+    assert bad.returncode == 2 and "--whatif: no trace" in bad.stderr

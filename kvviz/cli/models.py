@@ -54,6 +54,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if min(lengths) <= PRIVATE + NEW:
             return fail(f"--lengths: a sequence holds a shared prefix, {PRIVATE} private and {NEW} generated "
                         f"tokens, so every length must exceed {PRIVATE + NEW}, got {args.lengths!r}")
+    if args.whatif is not None:
+        from ..bench.whatif import default_traces, run_whatif_bench, whatif_report
+
+        paths = [Path(p) for p in args.whatif] or default_traces()
+        missing = [p for p in paths if not p.is_file()]
+        if not paths or missing:
+            return fail(f"--whatif: no trace {missing[0] if missing else 'given'} (name Mooncake trace files; the "
+                        "default reads ../shared/traces/*.jsonl beside the repository)")
+        return _write(whatif_report(run_whatif_bench(paths, progress=say)), args.out)
     if args.capture_live:
         from ..bench.capture_import import live_report, run_live_bench
 
@@ -160,6 +169,9 @@ def add_bench(sub: Subcommands) -> None:
     what.add_argument("--capture-live", action="store_true",
                       help="instead: can one capture-vllm process keep up with two publishers at 10,000 batches/s "
                            "each (for --duration seconds)?")
+    what.add_argument("--whatif", nargs="*", metavar="TRACE.jsonl",
+                      help="replaying Mooncake traces under other caches: the one-pass LRU curve, each policy's "
+                           "exact replays (default traces: ../shared/traces/*.jsonl)")
     what.add_argument("--tiers", action="store_true",
                       help="instead: the engine with an unused host tier and disaggregated against plain")
     what.add_argument("--serve", action="store_true",
