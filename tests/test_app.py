@@ -1164,11 +1164,13 @@ def test_the_scenarios_page_runs_a_llama_cpp_misuse_beside_its_control(empty_db)
     at = page("scenarios")
     at.selectbox(key="sc_engine").set_value("llama.cpp").run()
     names = at.selectbox(key="sc_name").options
-    assert names[-4:] == [
+    assert names[-5:] == [
         "reuse_without_rm: llama.cpp API misuse: a sequence reused without seq_rm (llama_memory_seq_rm)",
         "cp_one_long: llama.cpp API misuse: seq_cp one cell too long (llama_memory_seq_cp)",
         "one_sequence: llama.cpp API misuse: every request in one sequence (llama_batch)",
-        "positions_from_zero: llama.cpp API misuse: positions restarted at 0 (llama_batch)"], names[-4:]
+        "restore_wrong: llama.cpp API misuse: a prompt cache restored into the wrong request "
+        "(llama_state_seq_set_data)",
+        "positions_from_zero: llama.cpp API misuse: positions restarted at 0 (llama_batch)"], names[-5:]
     at.selectbox(key="sc_name").set_value("reuse_without_rm")
     at.selectbox(key="sc_model").set_value("tiny-llama").run()
     assert any("*Marked as such:*" in m.value for m in at.markdown)

@@ -161,7 +161,8 @@ def test_kvviz_s_account_of_the_cells_is_checked_against_llama_cpp_s_state():
 
 
 @pytest.mark.parametrize("kernel", ["eager_paged", "flash_attn"])
-@pytest.mark.parametrize("misuse", [Misuse.REUSE_WITHOUT_RM, Misuse.CP_ONE_LONG, Misuse.ONE_SEQUENCE])
+@pytest.mark.parametrize("misuse", [Misuse.REUSE_WITHOUT_RM, Misuse.CP_ONE_LONG, Misuse.ONE_SEQUENCE,
+                                    Misuse.RESTORE_WRONG])
 def test_each_silent_misuse_is_caught_and_its_control_is_clean(misuse, kernel):
     info = MISUSES[misuse]
     wl = Workload.from_dict({**info.workload, "engine": {**info.workload["engine"], "kernel": kernel}})
@@ -170,13 +171,39 @@ def test_each_silent_misuse_is_caught_and_its_control_is_clean(misuse, kernel):
                                                                                           "batch_variance"}
     run = run_checked(tiny(), wl, misuse.value)
     expected = {Misuse.REUSE_WITHOUT_RM: ("foreign", "B", "A"), Misuse.CP_ONE_LONG: ("foreign", "B", "A"),
-                Misuse.ONE_SEQUENCE: ("foreign", "B", "A")}[misuse]
+                Misuse.ONE_SEQUENCE: ("foreign", "B", "A"), Misuse.RESTORE_WRONG: ("foreign", "C", "D")}[misuse]
     assert expected in sources(run)
     assert {f.kind for f in run.findings} <= {"foreign", "duplicate"}
     assert all(f.source_request != f.request for f in run.findings), "a request's own tokens are its own"
     assert not [n for n in run.notes if "never struck" in n]
-    assert {d.request: d.classification for d in run.divergences}["B"] == "leak"
+    assert {d.request: d.classification for d in run.divergences}[expected[1]] == "leak"
     assert run.summary()["leak"]["max_foreign_mass"] > 0.01
+
+
+def test_a_prompt_only_host_memory_holds_is_restored_where_llama_cpp_s_search_puts_it(monkeypatch):
+    """llama-server's host-memory prompt cache: A's and D's idle cells are saved as X needs their room, and
+    C, going on from A's history, has A's saved state restored into its sequence (llama_state_seq_set_data)
+    and computes only its own prompt. Where llama.cpp put the restored cells is kvviz's model of its search
+    (each stream's head), held here to every decode's observed write cells and confirmed by the state check."""
+    from kvviz.llama_backend.run import LlamaBackend
+
+    predicted, observed = [], []
+    original = LlamaBackend.on_ubatch
+
+    def watched(self, ubatch):
+        stream = ubatch.cells[0] // (self.cells.n_cells // self.cells.streams)
+        predicted.append(self.cells.place(len(ubatch.cells), stream))
+        observed.append(ubatch.cells)
+        original(self, ubatch)
+
+    monkeypatch.setattr(LlamaBackend, "on_ubatch", watched)
+    run = run_checked(tiny(), Workload.from_dict(MISUSES[Misuse.RESTORE_WRONG].workload))
+    res = {r.id: r for r in run.result.requests}
+    assert res["C"].cached_tokens == len(res["A"].prompt_ids) + len(res["A"].output_ids) - 1  # A's computed cells
+    assert run.findings == [] and run.oracle.counts["foreign"] == 0
+    for wl in (workload(CLEAN), workload(CLEAN, isolation="streams")):
+        run_checked(tiny(), wl)
+    assert len(observed) > 30 and predicted == observed
 
 
 def test_numbering_a_continuation_from_zero_is_refused_by_llama_cpp_and_the_run_says_so():

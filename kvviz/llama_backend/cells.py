@@ -8,6 +8,12 @@ where writes go from the graph (the cache write's indices), applies the seq_cp /
 with llama.cpp's documented semantics, and compares the result with the cells llama.cpp's state API
 reports (position and sequence ids of every occupied cell, in cell order): a difference stops the run.
 
+Where llama.cpp puts cells it is not told (a restored sequence's) follows from its search: each stream
+has a head, which a decode leaves after its last cell and a `seq_rm` moves back to the first cell it
+frees; a search starts there (or at 0 when at least twice the cells sought lie free before it) and takes
+the empty cells it meets, wrapping. kvviz keeps the heads as llama.cpp does (`place`); the state check
+after the step confirms the placement, and a test holds it to every decode's observed cells.
+
 Cells are kvviz's slots. For the block map and the oracle's lifetimes they are grouped into blocks of
 `block_size` cells. A cell freed while others of its block stay held must read as stale, not as its old
 content, so a block's lifetime moves on when any of its cells is freed and the cells still held are
@@ -22,7 +28,7 @@ import numpy as np
 
 from ..engine.events import BlockEvent
 from ..engine.kv_cache import PoolSnapshot
-from ..engine.provenance import SlotProvenance
+from ..engine.provenance import SlotFacts, SlotProvenance
 from .adapter import BackendError
 from .facts import Cell
 
@@ -50,6 +56,7 @@ class CellTable:
         # each block's lifetime, in an array the oracle reads live (a stream decoded later in a step moves it)
         self.life = np.zeros((n_cells + block_size - 1) // block_size, dtype=np.int64)
         self.events: list[BlockEvent] = []  # since the last take_events
+        self.head = [0] * streams  # llama.cpp's v_heads: where each stream's search for free cells starts
 
     # -- what happened to the cells ------------------------------------------------------------
     def write(self, cell: int, pos: int, seqs: tuple[int, ...], *, index: int, prefix_id: int, token: int,
@@ -90,7 +97,7 @@ class CellTable:
 
     def seq_rm(self, seq: int, p0: int = -1, p1: int = -1, request: str | None = None) -> None:
         """`llama_memory_seq_rm`: seq leaves its cells at positions in [p0, p1) (-1: open ends; `request`: the
-        one seq served last)."""
+        one seq served last); the stream's head moves back to the first cell freed."""
         hi = p1 if p1 >= 0 else 1 << 62
         freed: set[int] = set()
         left: dict[int, int] = {}
@@ -107,6 +114,44 @@ class CellTable:
             self.events.append(BlockEvent("free", b, request, n))
         for b in sorted({c // self.block_size for c in freed}):
             self._stale(b)
+        if freed:
+            s, size = divmod(min(freed), self.n_cells // self.streams)
+            self.head[s] = min(self.head[s], size)
+
+    # -- where llama.cpp puts cells ------------------------------------------------------------
+    def place(self, n: int, stream: int = 0) -> list[int]:
+        """The n cells llama.cpp's search (find_slot, non-contiguous) takes in `stream` now: empty ones from
+        the head, wrapping, from 0 when twice n lie free before the head."""
+        size = self.n_cells // self.streams
+        base, used = stream * size, sum(1 for c in range(stream * size, (stream + 1) * size) if self.seqs[c])
+        head = self.head[stream] if self.head[stream] <= used + 2 * n else 0
+        out = [base + (head + i) % size for i in range(size) if not self.seqs[base + (head + i) % size]][:n]
+        if len(out) < n:
+            raise BackendError(f"llama.cpp has no {n} free cells in stream {stream} (it holds {size})")
+        return out
+
+    def placed(self, cells: list[int]) -> None:
+        """Cells of one evaluation were written: the stream's head moves past the last."""
+        s, i = divmod(cells[-1], self.n_cells // self.streams)
+        self.head[s] = i + 1
+
+    def saved(self, seq: int) -> list[tuple[int, SlotFacts]]:
+        """What `llama_state_seq_get_data(seq)` keeps, in its order (cell order): each cell's position and
+        the facts of its content, to give the cells a restore makes."""
+        return [(self.pos[c], self.provenance.facts(c)) for c in sorted(self.by_seq.get(seq, ()))]
+
+    def restore(self, seq: int, saved: list[tuple[int, SlotFacts]], request: str | None) -> list[int]:
+        """`llama_state_seq_set_data(seq)`: seq's cells removed, then the saved cells placed as llama.cpp's
+        search places them, holding seq and their saved content (`request`: whom the restore serves)."""
+        self.seq_rm(seq, request=request)
+        stream = 0 if self.streams == 1 else seq
+        cells = self.place(len(saved), stream)
+        for cell, (pos, f) in zip(cells, saved, strict=True):
+            self.write(cell, pos, (seq,), index=f.pos, prefix_id=f.prefix_id, token=f.token, writer=f.writer,
+                       tenant=f.tenant)
+        if cells:
+            self.placed(cells)
+        return cells
 
     def _stale(self, b: int) -> None:
         """Cells of block b were freed: a new lifetime, in which the cells still held are written."""

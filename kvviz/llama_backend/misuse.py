@@ -14,6 +14,7 @@ class Misuse(StrEnum):
     CP_ONE_LONG = "cp_one_long"
     ONE_SEQUENCE = "one_sequence"
     POSITIONS_FROM_ZERO = "positions_from_zero"
+    RESTORE_WRONG = "restore_wrong"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,6 +49,14 @@ _AFTER = _workload(_req("A", "The passphrase is red orange yellow. Repeat the pa
 # B arrives while A runs, sharing the start of A's prompt: it copies A's cells
 _WHILE = _workload(_req("A", "The passphrase is red orange yellow. Repeat the passphrase:", 12),
                    _req("B", "The passphrase is green cyan blue. Repeat the passphrase:", 8, arrival_step=2))
+# A and D end; X needs the room their idle cells hold, so both are saved to host memory; C goes on from A's
+# history (a fork of A), and only the host cache holds it
+_RESTORED = {"requests": [
+    _req("A", "The passphrase is red orange yellow.", 4),
+    _req("D", "My card number is 4929 1234 5678.", 4, arrival_step=6),
+    {"id": "X", "prompt_ids": [120] * 245, "max_new_tokens": 4, "arrival_step": 12},
+    _req("C", " Repeat the passphrase:", 6, parent="A", arrival_step=20)],
+    "engine": {"backend": "llama.cpp", "block_size": 16, "num_blocks": 16}}
 _TOGETHER = _workload(_req("A", "Passphrase: red orange yellow", 6), _req("B", "Password: green cyan blue", 6))
 
 
@@ -72,6 +81,14 @@ MISUSES = {m.name: m for m in (
                     "of every request before it",
                pattern="the seed's global leak", workload=_TOGETHER, short="every request in one sequence",
                needs="at least two requests"),
+    MisuseInfo(name=Misuse.RESTORE_WRONG, call="llama_state_seq_set_data",
+               what="the host-memory prompt cache restores the prompt saved last instead of the one the request "
+                    "goes on from (a cache looked up by the wrong key), and the request trusts it as its own "
+                    "prefix as far as it goes: it reads another conversation's cells",
+               pattern="the seed's global leak, through the prompt cache", workload=_RESTORED,
+               short="a prompt cache restored into the wrong request",
+               needs="a request that goes on from a prompt only the host-memory cache holds, with another "
+                     "prompt saved there beside it (the cache must have been full enough to save both)"),
     MisuseInfo(name=Misuse.POSITIONS_FROM_ZERO, call="llama_batch",
                what="a request that reuses a cached prefix numbers its new tokens from 0 instead of from the "
                     "end of the prefix; llama.cpp's batch check refuses positions that do not continue the "

@@ -30,7 +30,7 @@ from .adapter import BackendError, CallFailed, LlamaContext
 from .cells import CellTable
 from .facts import BatchToken, Ubatch
 from .misuse import MISUSES, Misuse
-from .slots import Chunk, Job, OneSequence, Slots
+from .slots import Chunk, Job, OneSequence, Saved, Slots
 from .stored import Holding, StoredBlocks
 
 BACKEND = "llama.cpp"
@@ -167,6 +167,14 @@ class LlamaBackend:
         self.ctx.seq_rm(seq, p0, p1)
         self.cells.seq_rm(seq, p0, p1, self.sched.slots[seq].request)
 
+    def save(self, seq: int) -> Saved:
+        return Saved(state=self.ctx.seq_state(seq), cells=self.cells.saved(seq))
+
+    def restore(self, seq: int, saved: Saved, keep: int) -> None:
+        self.ctx.restore(saved.state, seq)
+        self.cells.restore(seq, saved.cells, self.sched.slots[seq].request)
+        self.seq_rm(seq, keep, -1)
+
     def free_cells(self) -> int:
         return self.cells.n_cells - self.cells.occupied()
 
@@ -277,6 +285,7 @@ class LlamaBackend:
             for k, (cell, pos) in enumerate(zip(slots, c.positions, strict=True)):
                 self.cells.write(cell, pos, (job.slot.seq,), index=c.start + k, prefix_id=p[c.start + k],
                                  token=c.tokens[k], writer=job.id, tenant=self.salts.get(job.id))
+        self.cells.placed(ubatch.cells)
         if not self.observers:
             return
         if self._observed == 1:

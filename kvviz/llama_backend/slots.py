@@ -14,6 +14,11 @@ prompt tokens of the requests still reading theirs, in arrival order, up to `n_b
 admitted only while the cache can hold what every running request may still write (their remaining
 prompt and generation); idle slots' cells are given back, least recently used first, to make room.
 
+Cells given back that way are not lost: as llama-server's host-memory prompt cache keeps them, the
+sequence's state is saved first (`llama_state_seq_get_data`), and a later request whose prompt shares
+more with a saved prompt than with any sequence's cells has it restored into its slot
+(`llama_state_seq_set_data`), keeping the shared prefix.
+
 Which llama.cpp calls are made goes through `CacheOps`, so that a misuse of the API (misuse.py) is a
 different call, visible to nothing but what llama.cpp then computes.
 """
@@ -26,8 +31,29 @@ from typing import Protocol
 from .misuse import Misuse
 
 
+@dataclass(frozen=True, kw_only=True)
+class Saved:
+    """A sequence's state as llama.cpp wrote it, and kvviz's facts of each of its cells in that order."""
+
+    state: bytes
+    cells: list
+
+
+@dataclass(kw_only=True)
+class HostEntry:
+    """A prompt in llama-server's host-memory cache: its tokens and the saved state of their cells."""
+
+    tokens: list[int]
+    saved: Saved
+
+
 class CacheOps(Protocol):
     def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None: ...
+
+    def save(self, seq: int) -> Saved: ...
+
+    def restore(self, seq: int, saved: Saved, keep: int) -> None:
+        """The saved state into sequence seq, then its cells from position `keep` on removed."""
 
     def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> None: ...
 
@@ -104,6 +130,8 @@ class Slots:
         self.room = (lambda job: max(len(job.prompt) - 1, 0)) if reuse else (lambda job: 0)
         self.waiting: list[Job] = []
         self.running: list[Job] = []
+        self.host: list[HostEntry] = []  # the host-memory prompt cache, oldest first (none without reuse)
+        self.reuse = reuse
         self.struck: list[str] = []  # the requests whose calls the misuse changed
 
     def admit(self, step: int) -> list[Job]:
@@ -126,11 +154,18 @@ class Slots:
                   if s is not slot and self.share]
         shared, donor = max(donors, key=lambda d: d[0], default=(0, None))
         n = max(kept, shared)
-        freed = self.ops.freed_by_rm(slot.seq, kept if kept >= shared else 0)  # the slot's cells it gives back
-        if self.share and not self._room_for(job.remaining - n - freed, keep={slot, donor}):
+        entry, restored = self._from_host(job, room, n)
+        n = max(n, restored)
+        freed = self.ops.freed_by_rm(slot.seq, kept if kept >= max(shared, restored) else 0)  # what it gives back
+        extra = len(entry.tokens) - restored if entry else 0  # restored whole, then cut to what it keeps
+        donating = {donor} if shared > max(kept, restored) else set()  # a donor holding nothing it needs goes too
+        if self.share and not self._room_for(job.remaining - n - freed + extra, keep={slot} | donating):
             return False
         held, job.offset, slot.request = len(slot.tokens), 0, job.id  # the calls below are made for it
-        if shared > kept:
+        if entry is not None:
+            self.ops.seq_rm(slot.seq)
+            self.ops.restore(slot.seq, entry.saved, restored)
+        elif shared > kept:
             self.ops.seq_rm(slot.seq)
             if self.misuse == Misuse.CP_ONE_LONG and shared < min(room, len(self.held(donor))):
                 n = shared + 1  # one cell too many, counted as the request's own prefix
@@ -150,6 +185,22 @@ class Slots:
         self.running.append(job)
         return True
 
+    def _from_host(self, job: Job, room: int, device: int) -> tuple[HostEntry | None, int]:
+        """The saved prompt to restore for this request, and the prefix it keeps: the one sharing most with
+        its prompt, when that beats every sequence's cells. The misuse RESTORE_WRONG restores the prompt
+        saved last of the others instead, trusting it as the request's own as far as it goes."""
+        if not self.host:
+            return None, 0
+        best = max(self.host, key=lambda e: common_prefix(e.tokens, job.prompt))
+        n = min(common_prefix(best.tokens, job.prompt), room)
+        if n <= device:
+            return None, 0
+        others = [e for e in self.host if e is not best]
+        if self.misuse == Misuse.RESTORE_WRONG and others:
+            self.struck.append(job.id)
+            return others[-1], min(len(others[-1].tokens), room)
+        return best, n
+
     def held(self, slot: Slot) -> list[int]:
         """The tokens a slot's cells hold: a running request's computed ones, an idle slot's cache."""
         job = next((j for j in self.running if j.slot is slot), None)
@@ -164,6 +215,8 @@ class Slots:
         idle = sorted((s for s in self.slots if s.request is None and s.tokens and s not in keep), key=lambda s: s.used)
         while not enough() and idle:
             s = idle.pop(0)
+            if self.reuse:  # kept in host memory, as llama-server's prompt cache keeps it
+                self.host.append(HostEntry(tokens=list(s.tokens), saved=self.ops.save(s.seq)))
             self.ops.seq_rm(s.seq)
             s.tokens = []
         return enough()
