@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 
 from kvviz.analysis.runs import run_info
-from kvviz.analysis.whatif_runs import _chains, compute, run_traces
+from kvviz.analysis.whatif_runs import _chains, compute, isolation_costs, run_traces
 from kvviz.models import load_model
 from kvviz.runners import live
 from kvviz.store import RunStore
@@ -57,6 +57,12 @@ def test_an_engine_run_is_replayed_by_its_requests_blocks_and_salts(engine_run):
                            "WHERE run_id = ? AND capacity = 32 ORDER BY policy", [rid]).fetchall()
     assert rows == [("lru", 32, 2, 8, 36, 8 / 36), ("seed", 32, 2, 8, 36, 8 / 36)]  # the run's own pool is a point
     assert len(points) == 2 * len({p.capacity for p in points})
+    costs, reads = isolation_costs(traces, 32)  # C's salt: shared, C would have read A's three blocks
+    assert costs.set_index("tenant")[["hit rate shared", "hit rate salted"]].to_dict("index") == {
+        "(no salt)": {"hit rate shared": 8 / 24, "hit rate salted": 8 / 24}, "t2": {"hit rate shared": 1.0,
+                                                                                  "hit rate salted": 0.0}}
+    assert reads.to_dict("records") == [{"reader": "t2", "would read blocks of": "(no salt)", "blocks": 3,
+                                         "tokens": 12}]
     compute(store, info, ["lru"], points=4)  # computed again: the kept points are replaced, not added to
     with store.read() as con:
         assert con.execute("SELECT DISTINCT policy FROM whatif_points WHERE run_id = ?", [rid]).fetchall() == [("lru",)]
@@ -106,6 +112,7 @@ def test_the_inspector_s_what_if_view_computes_with_progress_and_draws_the_curve
     assert not at.exception
     assert any("At **32 blocks** (this run's cache)" in m.value and "LRU serves 22.2%" in m.value for m in at.markdown)
     assert at.get("plotly_chart")
+    assert any("**What isolation costs** at 32 blocks" in m.value for m in at.markdown)
     at.run()  # kept: the next visit draws it at once, and offers to compute again
     assert at.get("plotly_chart") and at.button(key="wi_go").label == "Compute again"
 

@@ -16,14 +16,26 @@ What a run's trace is:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import duckdb
 import numpy as np
 import pandas as pd
 
 from ..store import RunStore
-from ..whatif import POLICIES, CurvePoint, Trace, as_table, capacity_grid, curve, trace_from_blocks
+from ..whatif import (
+    POLICIES,
+    CurvePoint,
+    Trace,
+    as_table,
+    capacity_grid,
+    cross_reads,
+    curve,
+    keyed,
+    tenant_costs,
+    trace_from_blocks,
+)
+from ..whatif.salting import conversations
 from .runs import RunInfo
 
 DEFAULT_POLICIES = ("lru", "lfu", "seed", "newcomer", "belady")
@@ -33,10 +45,13 @@ Progress = Callable[[str, int, int], None]
 
 @dataclass(frozen=True, kw_only=True)
 class RunTraces:
-    """The traces of one run, one per independent cache (a capture's replicas), and what the run had."""
+    """The traces of one run, one per independent cache (a capture's replicas), keyed as the run keyed its
+    blocks, and what the run had."""
 
     traces: dict[str, Trace]  # cache (replica) -> its trace
     own_capacity: int | None  # the run's own cache in blocks (per replica), where known
+    tenants: list[str | None] = field(default_factory=list)  # an engine run's salts, by the traces' tenant ids
+    unsalted: Trace | None = None  # an engine run's trace with every block shared, tenants kept
 
     @property
     def distinct_blocks(self) -> int:
@@ -52,10 +67,16 @@ def run_traces(con: duckdb.DuckDBPyConnection, info: RunInfo) -> RunTraces:
         "JOIN cache_lookups l ON l.run_id = r.run_id AND l.request_id = r.request_id WHERE r.run_id = ? "
         "GROUP BY r.request_id "
         "ORDER BY first, r.request_id", [info.run_id]).fetchall()
+    if not rows:
+        return RunTraces(traces={}, own_capacity=None)
     bs = info.block_size
-    ids = [[hash((tenant, i, tuple(p[i * bs:(i + 1) * bs]))) for i in range(len(p) // bs)] for p, tenant, _ in rows]
-    trace = trace_from_blocks(ids, [len(p) for p, _, _ in rows], block_size=bs)
-    return RunTraces(traces={"": trace} if rows else {}, own_capacity=int(info.engine.get("num_blocks", 0)) or None)
+    ids = [[hash(tuple(p[i * bs:(i + 1) * bs])) for i in range(len(p) // bs)] for p, _, _ in rows]
+    names = list(dict.fromkeys(t for _, t, _ in rows))
+    tenant = np.array([names.index(t) for _, t, _ in rows], np.int64)
+    shared = trace_from_blocks(ids, [len(p) for p, _, _ in rows], block_size=bs)
+    shared = replace(shared, tenant=tenant, conversation=conversations(shared, system_ends=2))
+    return RunTraces(traces={"": keyed(shared, "tenant")}, own_capacity=int(info.engine.get("num_blocks", 0)) or None,
+                     tenants=names, unsalted=shared)
 
 
 def _capture_traces(con: duckdb.DuckDBPyConnection, run_id: str) -> RunTraces:
@@ -127,3 +148,19 @@ def stored_points(con: duckdb.DuckDBPyConnection, run_id: str) -> pd.DataFrame:
     """The points kept for a run, by policy and capacity."""
     return con.execute("SELECT policy, keying, capacity, hits, lookups, tokens_saved, prompt_tokens, hit_rate "
                        "FROM whatif_points WHERE run_id = ? ORDER BY policy, keying, capacity", [run_id]).df()
+
+
+def isolation_costs(rt: RunTraces, capacity: int) -> tuple[pd.DataFrame, pd.DataFrame] | None:
+    """What the run's salts cost at one capacity (LRU), each tenant's hit rate with every block shared and
+    as the run keyed them, and the reads of other tenants' blocks that sharing would have allowed; None
+    for a run of one tenant (or a capture: its block hashes hold their salts, so they cannot be unsalted)."""
+    if rt.unsalted is None or len(rt.tenants) < 2:
+        return None
+    name = {i: t or "(no salt)" for i, t in enumerate(rt.tenants)}
+    costs = pd.DataFrame([{"tenant": name[c.tenant], "prompt tokens": c.prompt_tokens,
+                           "hit rate shared": c.shared_hit_rate, "hit rate salted": c.hit_rate, "loss": c.loss}
+                          for c in tenant_costs(rt.unsalted, capacity)])
+    reads = pd.DataFrame([{"reader": name[r.reader], "would read blocks of": name[r.writer], "blocks": r.blocks,
+                           "tokens": r.tokens} for r in cross_reads(rt.unsalted, capacity)],
+                         columns=["reader", "would read blocks of", "blocks", "tokens"])
+    return costs, reads

@@ -8,7 +8,7 @@ import pandas as pd
 import streamlit as st
 
 from ..analysis.runs import RunInfo
-from ..analysis.whatif_runs import ALL_POLICIES, DEFAULT_POLICIES, compute, stored_points
+from ..analysis.whatif_runs import ALL_POLICIES, DEFAULT_POLICIES, compute, isolation_costs, run_traces, stored_points
 from ..figures import whatif as fig
 from .common import EMPTY, reader, store
 
@@ -47,6 +47,8 @@ def render(info: RunInfo) -> None:
         st.caption("A capture's capacity is per replica (each replica its own cache; their hits summed). Only full "
                    "blocks are known, and a request that stored nothing (a full hit without kv_cache_report_mode="
                    "\"full\") is not in the events, so the replay sees the requests the events name.")
+    if not info.has_kv_events:
+        _isolation(info, own or unbounded)
     with st.expander("The points, and the SQL that reads them"):
         st.dataframe(kept, hide_index=True, width="stretch", placeholder=EMPTY)
         st.code(f"SELECT policy, capacity, hit_rate FROM whatif_points WHERE run_id = '{info.run_id}' "
@@ -84,3 +86,23 @@ def _sentence(points: pd.DataFrame, own: int | None) -> str:
         parts.append(f"the optimum {row['belady']:.1%}")
     top = points[points.capacity == caps[-1]].hit_rate.max()
     return ", ".join(parts) + f"; an unbounded cache {top:.1%}."
+
+
+def _isolation(info: RunInfo, capacity: int) -> None:
+    """What the run's salts cost: each tenant's hit rate with every block shared against as salted, and
+    the reads of other tenants' blocks that sharing would have allowed (LRU at the run's own capacity)."""
+    with reader() as con:
+        costs = isolation_costs(run_traces(con, info), capacity)
+    if costs is None:
+        return
+    table, reads = costs
+    st.markdown(f"**What isolation costs** at {capacity:,} blocks (LRU): each tenant's share of prompt tokens "
+                "served with every block shared across tenants, and salted as this run kept them.")
+    st.dataframe(table, hide_index=True, width="stretch", placeholder=EMPTY, column_config={
+        c: st.column_config.NumberColumn(format="percent") for c in ("hit rate shared", "hit rate salted", "loss")})
+    if reads.empty:
+        st.caption("Sharing would have let no tenant read another's blocks: the salts cost nothing here.")
+    else:
+        st.markdown(f"Sharing would have let tenants read {int(reads.blocks.sum()):,} blocks computed by another "
+                    "tenant: what the salts forbid.")
+        st.dataframe(reads, hide_index=True, width="stretch")
