@@ -5,6 +5,7 @@ kept in whatif_points for SQL, `kvviz whatif RUN`, and the inspector's What if v
 from __future__ import annotations
 
 import functools
+import random
 from pathlib import Path
 
 import pandas as pd
@@ -15,7 +16,7 @@ from kvviz.analysis.whatif_runs import _chains, compute, isolation_costs, run_tr
 from kvviz.models import load_model
 from kvviz.runners import live
 from kvviz.store import RunStore
-from kvviz.whatif import curve
+from kvviz.whatif import curve, request_hits
 
 from .apptest import AppTest
 from .cli import kvviz
@@ -127,3 +128,36 @@ def test_bench_whatif_times_each_policy_against_the_exact_lru_peer(tmp_path):
     assert row.split("|")[2].strip() == "40" and row.split("|")[3].strip() == "160" and row.endswith("x |")
     bad = kvviz("bench", "--whatif", tmp_path / "missing.jsonl")
     assert bad.returncode == 2 and "--whatif: no trace" in bad.stderr
+
+
+def test_the_replay_predicts_the_hits_kvviz_s_engine_had(tmp_path):
+    """The simulator checked against a real cache: requests one after another (each arrives after the one
+    before has ended), multi-turn prefixes over shared system prompts, a pool small enough to evict.
+    Each request holds its full prompt blocks and one partial block while it runs, and the partial block
+    is freed first, so the engine's pool of N blocks caches as the replay's LRU of N - 1 blocks does:
+    every request's cached tokens are the replay's, exactly."""
+    rng = random.Random(7)
+    systems = [[rng.randrange(1, 200) for _ in range(8)] for _ in range(3)]
+    conversations, requests = [], []
+    for i in range(40):
+        if conversations and rng.random() < 0.5:  # a conversation goes on: its prompt and a new turn
+            c = rng.randrange(len(conversations))
+            conversations[c] = conversations[c][:-1] + [rng.randrange(1, 200) for _ in range(4)]
+        else:
+            conversations.append(rng.choice(systems) + [rng.randrange(1, 200) for _ in range(4 * rng.randrange(1, 3))])
+            c = len(conversations) - 1
+        prompt = conversations[c] + [rng.randrange(1, 200)]  # full blocks of 4 and one token more
+        conversations[c] = prompt
+        requests.append({"id": f"r{i}", "prompt_ids": prompt[:4 * 9 + 1], "max_new_tokens": 3,
+                         "arrival_step": 5 * i})
+    store = RunStore.open(tmp_path / "k.duckdb")
+    wl = {"requests": requests, "engine": {"block_size": 4, "num_blocks": 12, "compute": "fast"}}
+    rid = live.run(store, tiny(), wl).run_id
+    with store.read() as con:
+        trace = run_traces(con, run_info(con, rid)).traces[""]
+        cached = [c for (c,) in con.execute("SELECT r.cached_tokens FROM requests r JOIN cache_lookups l USING "
+                                            "(run_id, request_id) WHERE run_id = ? ORDER BY l.step", [rid]).fetchall()]
+    predicted = (request_hits(trace, "lru", 11) * 4).tolist()
+    assert sum(cached) > 0 and predicted == cached
+    for other in (10, 12):  # one block more or less would have served other requests: the test tells them apart
+        assert (request_hits(trace, "lru", other) * 4).tolist() != cached
