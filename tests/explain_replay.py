@@ -355,20 +355,23 @@ def _explain_capture(con: duckdb.DuckDBPyConnection, run_id: str) -> list[Explan
 def _explain_part(
     con: duckdb.DuckDBPyConnection, run_id: str, replica: str, group: int | None, name: str
 ) -> list[Explanation]:
-    """Each stored chain segment is a lookup, named by its session where the server says one (a
-    conversation's turns, one after another) or by its first block. Repeats change nothing in the
+    """Each stored chain segment (an event's blocks, or those after the hits it repeats) is a lookup,
+    named by its session where the server says one (a conversation's turns, one after another) or by
+    its first block. Repeats change nothing in the
     cache (a re-reported hit, a removal of a block not cached) and are left out; a replica's clear (or
     its publisher's restart) removes every block of every group. A step's lookups are explained once
     its last event is in."""
     cur = con.execute(
         "SELECT step, kind, block_hash, parent_hash, token_ids, salt, salt_named, session_id, "
-        "block_index, block_size, group_idx, coalesce(restart, 0), coalesce(repeat, false) FROM kv_events "
+        "block_index, block_size, group_idx, coalesce(restart, 0), coalesce(repeat, false), "
+        "coalesce(event_index, 0) FROM kv_events "
         "WHERE run_id = ? AND coalesce(replica, 'replica-0') = ? "
         "ORDER BY step, coalesce(event_index, 0), coalesce(block_index, 0)",
         [run_id, replica],
     )
     history, out, seen, step_lookups, tenants, restart = CacheHistory(None), [], {}, [], False, None
-    for step, kind, h, parent, block, salt, named, session, index, size, g, started, rep in cur.fetchall():
+    before = None  # the last block of this group kept (not a repeat): (step, event, index)
+    for step, kind, h, parent, block, salt, named, session, index, size, g, started, rep, event in cur.fetchall():
         if step_lookups and step != step_lookups[0].t:  # every event of their step is in
             out += map(history.explain, step_lookups)
             step_lookups = []
@@ -379,6 +382,8 @@ def _explain_part(
             history.add(CacheEvent(step, "clear"))
         if kind not in ("BlockStored", "BlockRemoved") or h is None or g != group or rep:
             continue
+        # a segment begins at its event's first block, or at the first after the hits its event repeats
+        begins, before = index == 0 or before != (step, event, index - 1), (step, event, index)
         own = salt if parent is None or named else None  # a continuation's salt is its event's, or the chain's
         e = CacheEvent(step, "store" if kind == "BlockStored" else "remove", h, parent, tokens(block or ()), own)
         if kind == "BlockStored":  # what it continues, before it is in (a block may name itself as its parent)
@@ -389,7 +394,7 @@ def _explain_part(
             continue
         history.block_size = history.block_size or size or 16
         seen[h] = seen.get(h, 0) + 1  # stored again after an eviction: its n-th life
-        if index == 0 and history.known(h):  # a request's new blocks begin here
+        if begins and history.known(h):  # a request's new blocks begin here
             whole, n = history.tokens_of(h), seen[h]
             request = name + (session or f"chain-{h:016x}" + (f"#{n}" if n > 1 else ""))
             step_lookups.append(

@@ -229,6 +229,19 @@ def test_a_captures_lookups_are_named_by_session_and_repeats_are_not_lookups(tmp
     assert found == [("conv-7", 0, 0), ("conv-7", 2, 4), ("chain-0000000000000004", 3, 0)]
 
 
+def test_the_new_blocks_after_the_hits_an_event_repeats_are_its_lookup(tmp_path):
+    """kv_cache_report_mode=full reports a request's hits and its new blocks in one event (as a Mooncake
+    trace's import writes each request): the new blocks are a lookup that stopped after the hits."""
+    from tests.test_capture import stored_map
+
+    turns = [stored_map([1, 2], None, [10, 11, 12, 13]),
+             stored_map([1, 2, 3], None, [10, 11, 12, 13, 14, 15])]  # 1 and 2 reported again: hits
+    found = [(e.request, e.step, e.hit_tokens, e.stop_block, e.reason, e.evidence)
+             for e in explained_capture(tmp_path, turns)]
+    assert found == [(f"chain-{1:016x}", 0, 0, 0, "cold", {"new_from_token": 0}),
+                     (f"chain-{3:016x}", 1, 4, 2, "cold", {"new_from_token": 4})]
+
+
 def test_a_chain_stored_again_after_an_all_blocks_cleared_missed_because_of_the_reset(tmp_path):
     """AllBlocksCleared empties the replica's cache: the chain stored again after it is explained as
     lost to the reset (not still cached, not evicted)."""

@@ -126,6 +126,19 @@ def test_mutated_traces_import_whole_or_are_refused(edits, cut):
     imported_whole_or_refused(mutate(valid_trace(), edits, cut), ".zip")
 
 
+MOONCAKE = b"".join(json.dumps(r).encode() + b"\n" for r in [  # a Mooncake trace: hash ids, 512 tokens each
+    {"timestamp": 0, "input_length": 1100, "output_length": 3, "hash_ids": [0, 1, 2]},
+    {"timestamp": 250, "input_length": 1024, "output_length": 9, "hash_ids": [0, 1]},
+    {"timestamp": 250, "input_length": 100, "output_length": 1, "hash_ids": [3]}])
+
+
+@pytest.mark.slow
+@FUZZ
+@given(edits=EDITS, cut=st.none() | st.integers(0, len(MOONCAKE)))
+def test_mutated_mooncake_traces_import_whole_or_are_refused(edits, cut):
+    imported_whole_or_refused(mutate(MOONCAKE, edits, cut), ".jsonl")
+
+
 def rezip(members: dict[str, bytes]) -> bytes:
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w") as z:

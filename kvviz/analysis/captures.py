@@ -86,12 +86,14 @@ def reuse_tree(con: duckdb.DuckDBPyConnection, run_id: str, start: float, end: f
     the set holds its own ancestors), each chain of single children collapsed into one segment, the
     `roots` busiest subtrees, and under each segment its `fanout` busiest children, the others folded
     into one row. One row per segment: id (its last block's hash, hex), parent (the segment above, ""
-    at the top), first (its first block's hash), blocks, tokens, uses and hits of its first block,
+    at the top), first (its first block's hash), blocks, tokens (a block stored without its tokens, as a
+    hash-only trace's are, counts its block size), uses and hits of its first block,
     tenants (distinct salts), salts, and folded (how many children a folded row stands for, else 0)."""
     top = con.execute(
         "SELECT block_hash, any_value(parent_hash) AS parent_hash, count(*) AS uses, count(*) FILTER (repeat) AS hits, "
         "count(DISTINCT coalesce(salt, '')) AS tenants, string_agg(DISTINCT coalesce(salt, '(no salt)'), ', ' "
-        "ORDER BY coalesce(salt, '(no salt)')) AS salts, any_value(len(token_ids)) AS tokens FROM kv_events "
+        "ORDER BY coalesce(salt, '(no salt)')) AS salts, any_value(coalesce(len(token_ids), block_size)) AS tokens "
+        "FROM kv_events "
         "WHERE run_id = $run AND kind = 'BlockStored' AND ts BETWEEN $a AND $b AND "
         "($replica IS NULL OR coalesce(replica, 'replica-0') = $replica) AND ($group IS NULL OR group_idx = $group) "
         "GROUP BY block_hash ORDER BY uses DESC, block_hash LIMIT $n",

@@ -5,7 +5,8 @@ explained where it lies.
 The history is blocks stored and removed (and whole caches cleared), in order, per replica and KV
 group; a lookup at step t sees what was cached before t and not removed by the end of t. A lookup is
 an engine run's admission (cache_lookups) or a capture's stored chain segment (it stopped where its
-new blocks begin). The reasons, in the order they are checked:
+new blocks begin: an event's blocks, or those after the hits the event repeats). The reasons, in the
+order they are checked:
 
 - partial_block: every full block the lookup could use was served (an engine lookup; the last token is
   always computed);
@@ -23,7 +24,9 @@ new blocks begin). The reasons, in the order they are checked:
 A lookup whose hits were on blocks cached under another namespace names it (hits_cached_under).
 
 A block's content is its whole token prefix (a block hash is no name for it: salts and adapters enter
-the hash). Prefixes are named by pointer doubling: each round joins every block to the block 2^i above
+the hash). A block stored without its tokens (a hash-only trace: kvviz/capture/mooncake.py) is named by
+its hash instead and counts block_size tokens; no sibling shares tokens with it, so none of its lookups
+is said to have diverged. Prefixes are named by pointer doubling: each round joins every block to the block 2^i above
 it and names the pair, so a chain of n blocks takes log2(n) rounds, each one portable statement; the
 driver (`explain`) runs them through an `Sql` (DuckDB here, Spark or Trino the same way).
 
@@ -106,7 +109,10 @@ SELECT CAST(NULL AS BIGINT) AS lid, CAST(NULL AS BIGINT) AS j, tokens FROM expla
 # stores before it: the how-many-th store of its hash it is (nth; and the stores less the removals of
 # its hash so far, total, which LIVES reads when no clear splits the history), whether any store so far
 # named a tenant,
-# and the block size of the part (its first store's). Tokens, salts and sessions are left out (DuckDB's
+# and the block size of the part (its first store's). A capture store's bidx is 0 where it begins a segment:
+# the row before it is not the block before it in its event (its event's first block, or the first after
+# the hits kv_cache_report_mode="full" repeats ahead of a request's new blocks in one event, which are no
+# rows here). Tokens, salts and sessions are left out (DuckDB's
 # window sorts carry every column: with them this step took 13 s at 10M events, without 9 s): LINKS takes
 # each store's from explain_input by its place (replica, grp, step, ev, blk name one event row: a
 # capture's step is its message's number, ev its event's place in it, blk its block's; an engine run's ev
@@ -119,7 +125,13 @@ offsets AS (
     FROM sizes),
 e AS (
     SELECT i.replica, i.grp, i.step, i.ev, i.blk, i.kind, i.hash, i.parent, i.chain_salt IS NOT NULL AS tenanted,
-           i.bidx, i.block_size,
+           CASE WHEN i.bidx IS NULL THEN NULL
+                WHEN i.bidx = 0
+                  OR LAG(i.step) OVER (PARTITION BY i.replica ORDER BY i.step, i.ev, i.blk) IS DISTINCT FROM i.step
+                  OR LAG(i.ev) OVER (PARTITION BY i.replica ORDER BY i.step, i.ev, i.blk) IS DISTINCT FROM i.ev
+                  OR LAG(i.blk) OVER (PARTITION BY i.replica ORDER BY i.step, i.ev, i.blk) IS DISTINCT FROM i.blk - 1
+                THEN 0 ELSE i.bidx END AS bidx,
+           i.block_size,
            o.before + ROW_NUMBER() OVER (PARTITION BY i.replica ORDER BY i.step, i.ev, i.blk) AS pos
     FROM explain_input i JOIN offsets o ON o.replica = i.replica),
 parts AS (
@@ -170,22 +182,25 @@ virtual AS (
     FROM explain_lookup_blocks b)
 SELECT s.pos AS id, a.up, s.parent IS NOT NULL AND a.up IS NULL AS orphan, i.tokens, i.salt,
        s.parent IS NULL OR i.salt IS NOT NULL AS fixed, CAST(NULL AS BIGINT) AS lid, CAST(NULL AS BIGINT) AS j,
-       i.session, i.named
+       i.session, i.named, CASE WHEN i.tokens IS NULL THEN s.hash END AS untokened,
+       CAST(CASE WHEN i.tokens IS NULL THEN COALESCE(i.block_size, 0) ELSE cardinality(i.tokens) END AS BIGINT)
+           AS width
 FROM stores s LEFT JOIN asked a ON a.pos = s.pos
 JOIN explain_input i ON i.replica = s.replica AND i.grp = s.grp AND i.step = s.step AND i.ev = s.ev AND i.blk = s.blk
      AND i.kind = 'store'
 UNION ALL
 SELECT id, CASE WHEN j > 0 THEN id - 1 END, false, tokens, CAST(NULL AS VARCHAR(256)), true, lid, j,
-       CAST(NULL AS VARCHAR(256)), CAST(NULL AS BOOLEAN)
+       CAST(NULL AS VARCHAR(256)), CAST(NULL AS BOOLEAN), NULL, CAST(COALESCE(cardinality(tokens), 0) AS BIGINT)
 FROM virtual
 """
 
-# Round 0 of the doubling: each block names its own tokens (and whether it begins its chain), jumps
-# to its parent, and knows its namespace if its event names one (or it begins its chain).
+# Round 0 of the doubling: each block names its own tokens (a block stored without them, its hash) and
+# whether it begins its chain, jumps to its parent, and knows its namespace if its event names one (or
+# it begins its chain).
 CHAIN_START = """
 SELECT id, up AS jump, orphan AS dead,
-       MIN(id) OVER (PARTITION BY tokens, CASE WHEN up IS NULL THEN 1 ELSE 0 END) AS lab,
-       fixed, salt, CAST(COALESCE(cardinality(tokens), 0) AS BIGINT) AS ntok, 1 AS depth
+       MIN(id) OVER (PARTITION BY tokens, untokened, CASE WHEN up IS NULL THEN 1 ELSE 0 END) AS lab,
+       fixed, salt, width AS ntok, 1 AS depth
 FROM xp_links
 """
 
@@ -204,7 +219,7 @@ FROM {chain} c LEFT JOIN {chain} p ON p.id = c.jump
 # Every store whose chain is known, with its namespace, its prefix's name and its parent's (its tokens stay in
 # xp_links, by id = pos: the tables after it are narrow).
 NODES = """
-SELECT e.replica, e.grp, e.pos, e.step, e.hash, e.parent, CAST(COALESCE(cardinality(l.tokens), 0) AS BIGINT) AS width,
+SELECT e.replica, e.grp, e.pos, e.step, e.hash, e.parent, l.width,
        e.bidx, l.session, l.named,
        e.nth, e.tenants, e.bsize, f.salt, f.lab, COALESCE(pf.lab, {root}) AS plab, pf.salt AS parent_salt,
        f.ntok, f.depth,

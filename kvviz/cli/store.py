@@ -83,8 +83,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    """Validate and import a kvviz trace or a vLLM/SGLang KV-event capture into the store; a bad file
-    is refused whole, with the reason."""
+    """Validate and import a kvviz trace, a vLLM/SGLang KV-event capture or a Mooncake trace into the
+    store; a bad file is refused whole, with the reason."""
     from ..runners.uploads import earlier_import, import_file
 
     before = earlier_import(args.file, args.store)
@@ -201,9 +201,11 @@ def add_export(sub: Subcommands) -> None:
 
 
 def add_import(sub: Subcommands) -> None:
-    imp = sub.add_parser("import", help="import a kvviz trace or a vLLM/SGLang KV-event capture into the run store")
-    imp.add_argument("file", metavar="PATH", help="a kvviz trace (.zip), a capture (.jsonl), a capture dataset "
-                                                 "folder or one of its .parquet parts")
+    imp = sub.add_parser("import", help="import a kvviz trace, a vLLM/SGLang KV-event capture or a Mooncake request "
+                                        "trace into the run store")
+    imp.add_argument("file", metavar="PATH", help="a kvviz trace (.zip), a capture (.jsonl), a Mooncake trace (.jsonl "
+                                                 "of hash_ids: imported as a capture), a capture dataset folder or "
+                                                 "one of its .parquet parts")
     imp.add_argument("--in-place", action="store_true",
                      help="a capture dataset folder: register it where it lies (kv_events reads its files; nothing "
                           "is copied, and moving it later marks the run failed)")

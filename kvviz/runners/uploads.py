@@ -1,5 +1,6 @@
-"""Bringing a file into the store: a kvviz trace (zip), a vLLM/SGLang KV-event capture (JSONL) or a
-capture dataset (a folder of Parquet), told apart by content; nothing is inserted unless all is."""
+"""Bringing a file into the store: a kvviz trace (zip), a vLLM/SGLang KV-event capture (JSONL), a
+Mooncake request trace (JSONL of hash_ids, imported as a capture) or a capture dataset (a folder of
+Parquet), told apart by content; nothing is inserted unless all is."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from ..capture.events import CaptureError
 from ..capture.import_vllm import Progress, import_capture, import_dataset
+from ..capture.mooncake import import_mooncake, is_mooncake
 from ..capture.synthetic import write_example
 from ..store import RunStore
 from ..store.trace import import_trace, trace_run_id
@@ -21,8 +23,10 @@ from ..store.trace import import_trace, trace_run_id
 def import_file(path: str | Path, store: RunStore, progress: Progress | None = None, in_place: bool = False,
                 sha256: str | None = None) -> str:
     """Import and return the new run id; a KvvizError names the problem (and nothing was imported).
-    A folder (or .parquet file) is a capture dataset; `progress` follows a capture's bytes; a JSONL
-    capture's run keeps `sha256` (its bytes', from `earlier_import`) so that it is not imported twice."""
+    A folder (or .parquet file) is a capture dataset; a JSON-lines file whose first line is a request
+    with hash_ids is a Mooncake trace, any other a vLLM/SGLang capture; `progress` follows a capture's
+    bytes; a JSONL capture's or trace's run keeps `sha256` (its bytes', from `earlier_import`) so that it
+    is not imported twice."""
     path = Path(path)
     if path.is_dir() or path.suffix.lower() == ".parquet":
         if not path.exists():
@@ -39,6 +43,8 @@ def import_file(path: str | Path, store: RunStore, progress: Progress | None = N
         raise CaptureError(f"{path}: --in-place takes a capture dataset folder; a file is always copied in")
     if path.suffix.lower() == ".zip" or zipfile.is_zipfile(path):
         return import_trace(path, store)  # a .zip that is no zip gets the trace reader's "not a zip" error
+    if is_mooncake(path):
+        return import_mooncake(path, store, progress, sha256=sha256)
     return import_capture(path, store, progress, sha256=sha256)
 
 
