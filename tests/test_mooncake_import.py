@@ -280,3 +280,26 @@ def test_a_trace_of_short_requests_and_a_long_one_in_parts(tmp_path, monkeypatch
     assert {pq.ParquetFile(p).metadata.row_group(0).num_rows for p in parts} == {2}
     assert rows(store, run_id, "SELECT count(*), count(*) FILTER (repeat) FROM kv_events WHERE run_id = $run") == [
         (BLOCKS, HITS)]
+
+
+def test_the_inspector_says_what_an_imported_request_trace_is_and_replays_it(tmp_path, monkeypatch):
+    from .apptest import AppTest
+
+    store = RunStore.open(tmp_path / "k.duckdb")
+    rid = import_file(write_trace(tmp_path / "t.jsonl"), store)
+    monkeypatch.setenv("KVVIZ_DB", str(store.path))
+    at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=60)
+    at.session_state["run_id"] = rid
+    at.run()
+    at.switch_page("kvviz/ui/pages/inspector.py").run()
+    assert any("imported request trace (Mooncake's format)" in i.value for i in at.info)
+    assert any("from the trace's start" in c.value for c in at.caption)  # not 1970 on a publisher's clock
+    at.segmented_control(key="insp_view").set_value("What if").run()
+    at.button(key="wi_go").click().run()
+    assert not at.exception
+    # unbounded, every policy serves the blocks an earlier request stored: HITS of them, 512 tokens each
+    with store.read() as con:
+        hits = con.execute("SELECT DISTINCT hits FROM whatif_points WHERE run_id = ? AND capacity = "
+                           "(SELECT max(capacity) FROM whatif_points WHERE run_id = ?)", [rid, rid]).fetchall()
+    assert hits == [(HITS,)]
+    assert any("an unbounded cache" in m.value and "this run's cache" not in m.value for m in at.markdown)

@@ -25,17 +25,23 @@ PROGRESS_S = 1.0  # how often the progress of an explanation in the background i
 
 
 def render(info: RunInfo) -> None:
-    st.info("This run is an imported KV-event capture. The events carry no physical block ids and no attention "
-            "weights, so the block map and the heatmaps are not available for it.", icon=":material/info:")
     with reader() as con:
+        trace = con.execute("SELECT workload->>'format' = 'mooncake' FROM runs WHERE run_id = ?",
+                            [info.run_id]).fetchone()[0]
         names = captures.replicas(con, info.run_id)
         span = capture_time.span(con, info.run_id) if names else None
+    st.info("This run is an imported request trace (Mooncake's format): one lookup per request, its full blocks "
+            "stored after it as an unbounded cache would, hashes without tokens, times from the trace's start. No "
+            "block ids, evictions or attention: the block map and heatmaps are not available, and its own capacity "
+            "is unknown (What if replays it under any)." if trace else
+            "This run is an imported KV-event capture. The events carry no physical block ids and no attention "
+            "weights, so the block map and the heatmaps are not available for it.", icon=":material/info:")
     if span is None:
         st.info("None of this capture's events can be read: it stored nothing, or (see above) its dataset is "
                 "no longer where it was registered.", icon=":material/info:")
         return
     above = st.container()  # the explanation's progress, said here once the views have drawn
-    a, b = _time_range(info.run_id, span)
+    a, b = _time_range(info.run_id, span, trace)
     if st.session_state.get("insp_view") not in VIEWS:
         st.session_state["insp_view"] = VIEWS[0]
     view = st.segmented_control("View", VIEWS, key="insp_view", label_visibility="collapsed") or VIEWS[0]
@@ -59,8 +65,9 @@ def render(info: RunInfo) -> None:
         _explanation(info)
 
 
-def _time_range(run_id: str, span: capture_time.Span) -> tuple[float, float]:
-    """The range chosen (publisher clock), from the slider or a drag across the activity chart."""
+def _time_range(run_id: str, span: capture_time.Span, trace: bool = False) -> tuple[float, float]:
+    """The range chosen (publisher clock; a request trace's: seconds from its start), from the slider or a
+    drag across the activity chart."""
     length = float(max(span.end - span.start, 0.001))
     if st.session_state.get("insp_range_for") != run_id or "insp_range" not in st.session_state:
         st.session_state.update(insp_range_for=run_id, insp_range=(0.0, length), insp_brushed=None)
@@ -75,7 +82,8 @@ def _time_range(run_id: str, span: capture_time.Span) -> tuple[float, float]:
                  on_click=lambda: st.session_state.update(insp_range=(0.0, length)))
     lo, hi = st.session_state["insp_range"]
     a, b = span.start + lo, span.start + hi
-    st.caption(f"{_clock(a)} to {_clock(b)} UTC on the publishers' clocks ({hi - lo:,.3g} s of {length:,.3g} s).")
+    st.caption(f"{a:,.3f} s to {b:,.3f} s from the trace's start ({hi - lo:,.3g} s of {length:,.3g} s)." if trace else
+               f"{_clock(a)} to {_clock(b)} UTC on the publishers' clocks ({hi - lo:,.3g} s of {length:,.3g} s).")
     return a, b
 
 

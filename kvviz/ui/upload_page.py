@@ -1,5 +1,6 @@
-"""Upload: a kvviz trace (.zip of Parquet tables) or a vLLM/SGLang KV-event capture (.jsonl from
-`kvviz capture-vllm`) becomes a run; a refused file is explained and imports nothing."""
+"""Upload: a kvviz trace (.zip of Parquet tables), a vLLM/SGLang KV-event capture (.jsonl from
+`kvviz capture-vllm`) or a Mooncake request trace (.jsonl) becomes a run; a refused file is explained and
+imports nothing."""
 
 from __future__ import annotations
 
@@ -21,10 +22,13 @@ def render() -> None:
         "- a **vLLM or SGLang KV-event capture** (`.jsonl`) written by `python -m kvviz capture-vllm --endpoint "
         "tcp://HOST:5557 --out capture.jsonl` (or by kvviz's own engine: `python -m kvviz run ... --kv-events "
         "capture.jsonl`, in the same format): it becomes the prefix tree, cache occupancy over time, evictions and "
-        "cross-tenant findings.\n\n"
+        "cross-tenant findings;\n"
+        "- a **request trace** in the format Mooncake publishes (`.jsonl`: `timestamp`, `input_length`, "
+        "`output_length`, `hash_ids`): block hashes without tokens, imported as a capture whose views, explain and "
+        "What if read it (docs/capture-format.md says what a hash-only trace cannot tell).\n\n"
         "A fleet's **capture dataset** (a folder of Parquet, `capture-vllm --out DIR`) stays where it is: import "
         "it from a shell on this machine with `python -m kvviz import DIR`, then open it in the inspector.")
-    up = st.file_uploader("Trace or capture", type=["zip", "jsonl"], key="upload_file")
+    up = st.file_uploader("Trace, capture or request trace", type=["zip", "jsonl"], key="upload_file")
     if up is None:
         st.caption(f"Uploads are kept in `{_folder()}`; runs go to `{db_path()}`.")
         st.markdown("No capture at hand? Try the capture views on a **synthetic** one: two replicas, eight "
