@@ -80,37 +80,62 @@ def run_traces(con: duckdb.DuckDBPyConnection, info: RunInfo) -> RunTraces:
 
 
 def _capture_traces(con: duckdb.DuckDBPyConnection, run_id: str) -> RunTraces:
-    df = con.execute(
-        # hashes shifted into BIGINT (a bijection of UBIGINT): numpy keeps them exact, pandas' nullable uint64 not
-        "SELECT replica, step, event_index, CAST(block_hash::HUGEINT - 9223372036854775808 AS BIGINT) AS block_hash, "
-        "coalesce(CAST(parent_hash::HUGEINT - 9223372036854775808 AS BIGINT), 0) AS parent_hash, "
-        "parent_hash IS NULL AS root, block_size FROM kv_events "
-        "WHERE run_id = ? AND kind = 'BlockStored' AND coalesce(medium, 'GPU') = 'GPU' "
-        "ORDER BY replica, step, event_index, block_index", [run_id]).df()
+    replicas = [r for (r,) in con.execute("SELECT DISTINCT replica FROM kv_events WHERE run_id = ? AND kind = "
+                                          "'BlockStored' ORDER BY replica", [run_id]).fetchall()]
     traces = {}
-    for replica, part in df.groupby("replica", sort=True, dropna=False):
-        traces[str(replica)] = _chains(part)
+    for replica in replicas:  # one replica's columns at a time: memory is the largest replica's
+        cols = con.execute(
+            # hashes shifted into BIGINT (a bijection of UBIGINT): numpy keeps them exact
+            "SELECT step, event_index, CAST(block_hash::HUGEINT - 9223372036854775808 AS BIGINT) AS block_hash, "
+            "coalesce(CAST(parent_hash::HUGEINT - 9223372036854775808 AS BIGINT), 0) AS parent_hash, "
+            "parent_hash IS NULL AS root, coalesce(block_size, 16) AS block_size FROM kv_events "
+            "WHERE run_id = ? AND replica IS NOT DISTINCT FROM ? AND kind = 'BlockStored' "
+            "AND coalesce(medium, 'GPU') = 'GPU' ORDER BY step, event_index, block_index",
+            [run_id, replica]).fetchnumpy()
+        traces[str(replica)] = _chains(pd.DataFrame(cols))
     return RunTraces(traces=traces, own_capacity=None)
 
 
 def _chains(part: pd.DataFrame) -> Trace:
-    """Each event's lookup: the cached ancestors of its first block (by parent hash), then its blocks."""
-    parent: dict[int, int | None] = {}
-    chains: list[list[int]] = []
-    hashes, parents, roots = part.block_hash.to_numpy(), part.parent_hash.to_numpy(), part.root.to_numpy()
+    """Each event's lookup: the ancestors of its first block (through parent hashes, to the root), then its
+    blocks; in arrays: a block hash names its whole prefix, so the hashes are the keys (made dense)."""
     step, event = part.step.to_numpy(), part.event_index.to_numpy()
+    hashes, parents, roots = part.block_hash.to_numpy(), part.parent_hash.to_numpy(), part.root.to_numpy()
     starts = np.flatnonzero(np.r_[True, (np.diff(step) != 0) | (np.diff(event) != 0)])
-    for a, b in zip(starts, [*starts[1:], len(part)], strict=True):
-        up, first = [], None if roots[a] else int(parents[a])
-        while first is not None and first in parent:
-            up.append(first)
-            first = parent[first]
-        chain = up[::-1] + [int(h) for h in hashes[a:b]]
-        for prev, h in zip([None, *chain], chain, strict=False):
-            parent.setdefault(h, prev)
-        chains.append(chain)
-    bs = int(part.block_size.dropna().iloc[0]) if part.block_size.notna().any() else 16
-    return trace_from_blocks(chains, [len(c) * bs for c in chains], block_size=bs)
+    uniq, key = np.unique(hashes, return_inverse=True)
+    # each block's parent, from the row that first stored it: a row's parent hash, or the row before it
+    first = np.unique(key, return_index=True)[1]
+    named = np.searchsorted(uniq, parents).clip(0, len(uniq) - 1)
+    known = ~roots & (uniq[named] == parents)
+    parent = np.full(len(uniq), -1, np.int64)
+    parent[key[first]] = np.where(known, named, -1)[first]
+    depth = _depths(parent)  # ancestors of each block
+    head = parent[key[starts]]  # the block each event continues (-1: the root)
+    up = np.where(head >= 0, depth[head.clip(0)] + 1, 0)
+    own = np.diff(np.r_[starts, len(hashes)])
+    offsets = np.zeros(len(starts) + 1, np.int64)
+    np.cumsum(up + own, out=offsets[1:])
+    keys = np.empty(offsets[-1], np.int64)
+    at, cur = offsets[:-1] + up - 1, head.copy()  # ancestors, filled from the nearest up
+    while (live := cur >= 0).any():
+        keys[at[live]] = cur[live]
+        at, cur = at - 1, np.where(live, parent[cur.clip(0)], -1)
+    fill = np.repeat(offsets[:-1] + up - starts, own) + np.arange(len(hashes))
+    keys[fill] = key
+    bs = int(part.block_size.iloc[0]) if len(part) else 16
+    n = len(starts)
+    return Trace(timestamp=np.zeros(n), input_length=(up + own) * bs, output_length=np.zeros(n, np.int64),
+                 offsets=offsets, keys=keys, block_size=bs)
+
+
+def _depths(parent: np.ndarray) -> np.ndarray:
+    """How many ancestors each node of a forest has, by pointer doubling: each round adds the count of the
+    node it jumps to and jumps twice as far, so the deepest chain takes log2 of its length in rounds."""
+    depth, jump = (parent >= 0).astype(np.int64), parent.copy()
+    while (live := jump >= 0).any():
+        depth = depth + np.where(live, depth[jump.clip(0)], 0)
+        jump = np.where(live, jump[jump.clip(0)], -1)
+    return depth
 
 
 def compute(store: RunStore, info: RunInfo, policies: Sequence[str] = DEFAULT_POLICIES, points: int = 20,
