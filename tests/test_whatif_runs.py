@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 
 from kvviz.analysis.runs import run_info
-from kvviz.analysis.whatif_runs import _chains, compute, isolation_costs, run_traces
+from kvviz.analysis.whatif_runs import capture_trace, compute, isolation_costs, run_traces
 from kvviz.models import load_model
 from kvviz.runners import live
 from kvviz.store import RunStore
@@ -75,7 +75,7 @@ def test_a_capture_s_events_are_chains_through_their_parents():
     event stores its first block only) serves e1 and e2 their h1."""
     part = pd.DataFrame({"step": [0, 0, 1, 2], "event_index": [0, 0, 0, 0], "block_hash": [11, 12, 13, 14],
                          "parent_hash": [0, 11, 12, 11], "root": [True, False, False, False], "block_size": [16] * 4})
-    trace = _chains(part)
+    trace = capture_trace(part)
     assert trace.lookups == 7 and trace.distinct_blocks == 4 and trace.block_size == 16
     assert [p.hits for p in curve(trace, ["lru"], [1, 4])] == [2, 3]
 
@@ -161,3 +161,19 @@ def test_the_replay_predicts_the_hits_kvviz_s_engine_had(tmp_path):
     assert sum(cached) > 0 and predicted == cached
     for other in (10, 12):  # one block more or less would have served other requests: the test tells them apart
         assert (request_hits(trace, "lru", other) * 4).tolist() != cached
+
+
+@pytest.mark.spark
+def test_a_capture_dataset_replayed_in_spark_gives_the_curve_duckdb_gives(tmp_path, spark):
+    """Each replica a Spark task: the fleet's points equal the ones `whatif RUN` keeps for the same dataset."""
+    from kvviz.analysis.whatif_spark import spark_curve
+
+    folder = tmp_path / "capture"
+    assert kvviz("capture-example", folder, "--events", "3000", "--replicas", "2").returncode == 0
+    store = RunStore.open(tmp_path / "k.duckdb")
+    rid = kvviz("import", folder, "--in-place", "--db", store.path).stdout.strip()
+    with store.read() as con:
+        info = run_info(con, rid)
+    here = compute(store, info, ["lru", "belady"], points=6)
+    there = spark_curve(spark.read.parquet(str(folder)), ["lru", "belady"], sorted({p.capacity for p in here}))
+    assert there == here and sum(p.hits for p in here) > 0

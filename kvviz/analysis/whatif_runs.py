@@ -92,11 +92,11 @@ def _capture_traces(con: duckdb.DuckDBPyConnection, run_id: str) -> RunTraces:
             "WHERE run_id = ? AND replica IS NOT DISTINCT FROM ? AND kind = 'BlockStored' "
             "AND coalesce(medium, 'GPU') = 'GPU' ORDER BY step, event_index, block_index",
             [run_id, replica]).fetchnumpy()
-        traces[str(replica)] = _chains(pd.DataFrame(cols))
+        traces[str(replica)] = capture_trace(pd.DataFrame(cols))
     return RunTraces(traces=traces, own_capacity=None)
 
 
-def _chains(part: pd.DataFrame) -> Trace:
+def capture_trace(part: pd.DataFrame) -> Trace:
     """Each event's lookup: the ancestors of its first block (through parent hashes, to the root), then its
     blocks; in arrays: a block hash names its whole prefix, so the hashes are the keys (made dense)."""
     step, event = part.step.to_numpy(), part.event_index.to_numpy()
@@ -148,7 +148,7 @@ def compute(store: RunStore, info: RunInfo, policies: Sequence[str] = DEFAULT_PO
         return []
     caps = sorted(set(capacity_grid(rt.distinct_blocks, points)) | ({rt.own_capacity} if rt.own_capacity else set()))
     per_cache = [curve(t, policies, caps, progress=progress) for t in rt.traces.values()]
-    summed = [_sum([pts[i] for pts in per_cache]) for i in range(len(per_cache[0]))]
+    summed = [sum_points([pts[i] for pts in per_cache]) for i in range(len(per_cache[0]))]
     table = as_table(summed)
     with store.write() as con:
         con.execute("DELETE FROM whatif_points WHERE run_id = ?", [info.run_id])
@@ -158,7 +158,7 @@ def compute(store: RunStore, info: RunInfo, policies: Sequence[str] = DEFAULT_PO
     return summed
 
 
-def _sum(points: list[CurvePoint]) -> CurvePoint:
+def sum_points(points: list[CurvePoint]) -> CurvePoint:
     """One point of several independent caches (replicas): counts added, the rate re-divided."""
     first = points[0]
     if len(points) == 1:
