@@ -590,3 +590,17 @@ def test_no_title_or_legend_lies_under_plotlys_toolbar(recorded):
     heat = figs["heatmap"]
     assert heat.layout.margin.t >= MODEBAR_PX + 2 * LINE_PX  # two title lines
     assert heat.layout.height - heat.layout.margin.t == min(900, max(380, 260 + 14 * len(view.query_labels))) - 40
+
+
+def test_the_what_if_curve_and_the_isolation_bars_draw_what_they_are_given():
+    from kvviz.figures import whatif
+
+    points = pd.DataFrame({"policy": ["lru", "lru", "belady", "belady"], "capacity": [4, 64, 4, 64],
+                           "hit_rate": [0.1, 0.3, 0.2, 0.3]})
+    fig = whatif.hit_rate_curve(points, own_capacity=32, unbounded=64, block_size=16)
+    assert [t.name for t in fig.data] == ["LRU (vLLM's order)", "Belady (optimal)"]
+    assert list(fig.data[1].y) == [0.2, 0.3] and fig.layout.xaxis.type == "log"
+    assert {a.text for a in fig.layout.annotations} == {"this run's cache", "unbounded"}
+    costs = pd.DataFrame({"tenant": ["a", "b"], "hit rate shared": [0.5, 0.4], "hit rate salted": [0.5, 0.1]})
+    bars = whatif.isolation_cost(costs)
+    assert [list(t.y) for t in bars.data] == [[0.5, 0.4], [0.5, 0.1]] and bars.layout.barmode == "group"

@@ -37,3 +37,18 @@ def hit_rate_curve(points: pd.DataFrame, *, own_capacity: int | None = None, unb
     fig.update_yaxes(title="prompt tokens served from the cache", tickformat=".0%", rangemode="tozero")
     fig.update_layout(height=420, margin={"l": 10, "r": 10, "t": 40, "b": 10}, legend={"orientation": "h", "y": -0.2})
     return clear_of_modebar(fig)
+
+
+def isolation_cost(costs: pd.DataFrame) -> go.Figure:
+    """costs: tenant, hit rate shared, hit rate salted (one row per tenant): what each tenant's salt costs
+    it, as a pair of bars, the gap the hits sharing would have given it."""
+    fig = go.Figure()
+    for column, colour in (("hit rate shared", "#b0bec5"), ("hit rate salted", "#4c78a8")):
+        fig.add_trace(go.Bar(x=costs.tenant, y=costs[column], name=column.replace("hit rate ", "").capitalize()
+                             + (" (every block shared)" if column.endswith("shared") else " (as the run kept them)"),
+                             marker_color=colour, hovertemplate="%{x}: %{y:.2%}<extra>%{fullData.name}</extra>"))
+    fig.update_layout(barmode="group", height=300, margin={"l": 10, "r": 10, "t": 30, "b": 10},
+                      legend={"orientation": "h", "y": -0.25})
+    fig.update_xaxes(title="tenant (salt)", type="category")
+    fig.update_yaxes(title="prompt tokens served", tickformat=".0%", rangemode="tozero")
+    return clear_of_modebar(fig)

@@ -98,7 +98,9 @@ def _isolation(info: RunInfo, capacity: int) -> None:
     table, reads = costs
     st.markdown(f"**What isolation costs** at {capacity:,} blocks (LRU): each tenant's share of prompt tokens "
                 "served with every block shared across tenants, and salted as this run kept them.")
-    st.dataframe(table, hide_index=True, width="stretch", placeholder=EMPTY, column_config={
+    left, right = st.columns([3, 2])
+    left.plotly_chart(fig.isolation_cost(table), width="stretch", key="wi_isolation")
+    right.dataframe(table, hide_index=True, width="stretch", placeholder=EMPTY, column_config={
         c: st.column_config.NumberColumn(format="percent") for c in ("hit rate shared", "hit rate salted", "loss")})
     if reads.empty:
         st.caption("Sharing would have let no tenant read another's blocks: the salts cost nothing here.")
