@@ -130,7 +130,8 @@ def test_bench_whatif_times_each_policy_against_the_exact_lru_peer(tmp_path):
     assert bad.returncode == 2 and "--whatif: no trace" in bad.stderr
 
 
-def test_the_replay_predicts_the_hits_kvviz_s_engine_had(tmp_path):
+@pytest.mark.parametrize("eviction", ["lru", "lfu", "seed"])
+def test_the_replay_predicts_the_hits_kvviz_s_engine_had(tmp_path, eviction):
     """The simulator checked against a real cache: requests one after another (each arrives after the one
     before has ended), multi-turn prefixes over shared system prompts, a pool small enough to evict.
     Each request holds its full prompt blocks and one partial block while it runs, and the partial block
@@ -151,16 +152,18 @@ def test_the_replay_predicts_the_hits_kvviz_s_engine_had(tmp_path):
         requests.append({"id": f"r{i}", "prompt_ids": prompt[:4 * 9 + 1], "max_new_tokens": 3,
                          "arrival_step": 5 * i})
     store = RunStore.open(tmp_path / "k.duckdb")
-    wl = {"requests": requests, "engine": {"block_size": 4, "num_blocks": 12, "compute": "fast"}}
+    wl = {"requests": requests, "engine": {"block_size": 4, "num_blocks": 12, "compute": "fast", "eviction": eviction}}
     rid = live.run(store, tiny(), wl).run_id
     with store.read() as con:
         trace = run_traces(con, run_info(con, rid)).traces[""]
         cached = [c for (c,) in con.execute("SELECT r.cached_tokens FROM requests r JOIN cache_lookups l USING "
                                             "(run_id, request_id) WHERE run_id = ? ORDER BY l.step", [rid]).fetchall()]
-    predicted = (request_hits(trace, "lru", 11) * 4).tolist()
+    predicted = (request_hits(trace, eviction, 11) * 4).tolist()
     assert sum(cached) > 0 and predicted == cached
     for other in (10, 12):  # one block more or less would have served other requests: the test tells them apart
-        assert (request_hits(trace, "lru", other) * 4).tolist() != cached
+        assert (request_hits(trace, eviction, other) * 4).tolist() != cached
+    others = [p for p in ("lru", "lfu", "seed") if p != eviction]  # and so would another policy
+    assert any((request_hits(trace, p, 11) * 4).tolist() != cached for p in others)
 
 
 @pytest.mark.spark
@@ -177,3 +180,14 @@ def test_a_capture_dataset_replayed_in_spark_gives_the_curve_duckdb_gives(tmp_pa
     here = compute(store, info, ["lru", "belady"], points=6)
     there = spark_curve(spark.read.parquet(str(folder)), ["lru", "belady"], sorted({p.capacity for p in here}))
     assert there == here and sum(p.hits for p in here) > 0
+
+
+def test_an_eviction_kvviz_s_pool_has_not_or_on_another_engine_is_one_sentence():
+    from kvviz.engine.workload import Workload
+    from kvviz.errors import WorkloadError
+
+    req = [{"id": "A", "prompt": "hi"}]
+    with pytest.raises(WorkloadError, match=r"^engine.eviction: must be one of lru, lfu, seed, got 'belady'$"):
+        Workload.from_dict({"requests": req, "engine": {"eviction": "belady"}})
+    with pytest.raises(WorkloadError, match=r"^engine.eviction: 'seed' is an order of kvviz's own block pool; llama.cpp"):
+        Workload.from_dict({"requests": req, "engine": {"eviction": "seed", "backend": "llama.cpp"}})

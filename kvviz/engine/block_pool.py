@@ -1,4 +1,4 @@
-"""The physical blocks: refcounts, the LRU free queue and the prefix-cache hash map.
+"""The physical blocks: refcounts, the LRU free queue (or another eviction order) and the prefix-cache map.
 
 Semantics of vLLM's block pool (v1): the blocks a release frees go to the free queue in the order
 given, those holding a cached hash at the tail (kept for reuse, evicted last) and those holding none
@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from .events import BlockEvent, EventKind
+from .eviction import RankedFree
 from .hashing import BlockHash
 
 
@@ -92,14 +93,18 @@ class FreeQueue:
 class BlockPool:
     """A fixed set of blocks shared by every request; reports each change through `emit`."""
 
-    def __init__(self, num_blocks: int, emit: Callable[[BlockEvent], None], owned: range | None = None):
+    def __init__(self, num_blocks: int, emit: Callable[[BlockEvent], None], owned: range | None = None,
+                 eviction: str = "lru"):
         """`owned`: the blocks of the arena this pool allocates from (all by default); the others belong
-        to another instance sharing the arena (disaggregated prefill) and are never touched."""
+        to another instance sharing the arena (disaggregated prefill) and are never touched. `eviction`:
+        the free queue's order, LRU as vLLM's, or another policy (eviction.py)."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.owned = owned if owned is not None else range(num_blocks)
-        self.free = FreeQueue(self.blocks[i] for i in self.owned)
+        blocks = (self.blocks[i] for i in self.owned)
+        self.free = FreeQueue(blocks) if eviction == "lru" else RankedFree(blocks, eviction, FreeQueue)
+        self.ranked = isinstance(self.free, RankedFree)
         self.cached: dict[BlockHash, dict[int, Block]] = {}  # hash -> every block holding it, by id
         self._emit = emit
         self.spill: Callable[[Block, str | None], None] | None = None  # a host tier keeps evicted content
@@ -142,6 +147,8 @@ class BlockPool:
             if not copies:
                 del self.cached[old]
         b.hash = None
+        if self.ranked:
+            self.free.evicted(old)
         self.event("evict", b, request, hash=old)
 
     def acquire(self, blocks: Iterable[Block], request: str, kind: EventKind = "hit") -> None:
@@ -181,6 +188,8 @@ class BlockPool:
                 old, b.hash, b.detail = b.hash, None, None
                 self.event("clear", b, None, hash=old)
         self.cached.clear()
+        if self.ranked:
+            self.free.clear()
         return True
 
     def cache(self, b: Block, h: BlockHash, request: str, **detail) -> None:
@@ -190,4 +199,6 @@ class BlockPool:
             return  # published already (a fault can let two requests fill one block)
         b.hash, b.detail = h, detail
         self.cached.setdefault(h, {})[b.id] = b
+        if self.ranked:
+            self.free.cached(b, detail.get("parent_hash"))
         self.event("cache", b, request, hash=h, **detail)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 
 from ..errors import WorkloadError
+from .eviction import EVICTIONS
 
 ISOLATIONS = ("paged", "masked", "streams")
 STREAMS_OWNER = "llama.cpp"  # one KV stream per sequence: llama.cpp with kv_unified off
@@ -61,7 +62,8 @@ class EngineConfig:
     `llama.cpp` runs llama.cpp through its C API (kvviz.llama_backend); kvviz only observes either.
     runs: `eager_paged` (both) computes and returns its weights; transformers' `sdpa_paged` (torch SDPA)
     and llama.cpp's `flash_attn` return none and are checked against kvviz's recomputation; kvviz's
-    engine has its own (compute).
+    engine has its own (compute). eviction: which free cached block kvviz's pool reuses first: `lru`
+    (vLLM's free queue), `lfu` or `seed` (the seed article's advice: leaves only, long prefixes last).
     """
 
     block_size: int = 16
@@ -74,6 +76,7 @@ class EngineConfig:
     disaggregated: bool = False
     backend: str = "kvviz"
     kernel: str = "eager_paged"
+    eviction: str = "lru"  # which free cached block the pool reuses first (kvviz's engine: eviction.py)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "max_batch_tokens"):
@@ -96,6 +99,11 @@ class EngineConfig:
             owner = [b for b, ks in BACKEND_KERNELS.items() if self.kernel in ks][0]
             raise ConfigError(f"kernel: {self.kernel!r} is a kernel of {KERNEL_OWNERS[self.kernel]}, run with "
                               f"backend {owner!r}; kvviz's engine attends by its compute setting")
+        if self.eviction not in EVICTIONS:
+            raise ConfigError(f"eviction: must be one of {', '.join(EVICTIONS)}, got {self.eviction!r}")
+        if self.eviction != "lru" and self.backend != "kvviz":
+            raise ConfigError(f"eviction: {self.eviction!r} is an order of kvviz's own block pool; {self.backend} "
+                              "evicts as it does")
         for name in ("prefix_caching", "disaggregated"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: must be true or false, got {getattr(self, name)!r}")

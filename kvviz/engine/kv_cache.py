@@ -104,7 +104,7 @@ class InvariantError(AssertionError):
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, host_blocks: int = 0,
-                 owned: range | None = None, provenance: SlotProvenance | None = None):
+                 owned: range | None = None, provenance: SlotProvenance | None = None, eviction: str = "lru"):
         """`owned` and `provenance`: this instance's share of an arena another instance uses too (the
         prefill instance of a disaggregated engine), and the slot facts of the whole arena."""
         if block_size < 1:
@@ -112,7 +112,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.events: list[BlockEvent] = []
-        self.pool = BlockPool(num_blocks, self.events.append, owned)
+        self.pool = BlockPool(num_blocks, self.events.append, owned, eviction)
         self.provenance = provenance or SlotProvenance(num_blocks * block_size)
         self.incoming: list[tuple[int, int]] = []  # (source block, block) K/V copies of received requests
         self.host = HostTier(host_blocks, block_size, self.provenance, self.events.append) if host_blocks else None

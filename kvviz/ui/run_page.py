@@ -19,6 +19,8 @@ from ..store.attention import AttentionSelection
 from .common import (
     ENGINE_HELP,
     ENGINES,
+    EVICTION_HELP,
+    EVICTIONS,
     ISOLATION_HELP,
     ISOLATIONS,
     KERNEL_HELP,
@@ -248,6 +250,9 @@ def _settings(sc, engine0: dict):
             "disaggregated prefill", key=_key("dis", tag, bool(engine0.get("disaggregated", False))),
             help="a prefill instance with a pool of its own computes each prompt, then transfers its K/V here")
         engine["backend"] = c[2].selectbox("engine", list(ENGINES), help=ENGINE_HELP, key="run_be")
+        if not other:
+            engine["eviction"] = c[3].selectbox(
+                "eviction", EVICTIONS, key=_key("evict", tag, engine0.get("eviction", "lru")), help=EVICTION_HELP)
         if other:
             kernels = KERNELS[backend]  # each engine's own kernels, each its own choice
             first = engine0.get("kernel") if engine0.get("kernel") in kernels else kernels[0]
