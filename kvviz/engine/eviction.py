@@ -16,13 +16,17 @@ it, tail first): the lowest rank is evicted first.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Iterator
+from typing import Protocol
 
 from .hashing import BlockHash
 
-if TYPE_CHECKING:
-    from .block_pool import Block, FreeQueue
+
+class Block(Protocol):
+    """What the ranking reads of block_pool's blocks."""
+
+    id: int
+    hash: BlockHash | None
 
 EVICTIONS = ("lru", "lfu", "seed")
 
@@ -30,7 +34,8 @@ EVICTIONS = ("lru", "lfu", "seed")
 class RankedFree:
     """Free blocks: the uncached in a FIFO queue, the cached in a heap by rank (stale entries skipped)."""
 
-    def __init__(self, blocks: Iterable[Block], policy: str, fifo: type[FreeQueue]):
+    def __init__(self, blocks: Iterable[Block], policy: str, fifo: Callable):
+        """fifo: block_pool's FreeQueue, holding the uncached blocks (and raising when nothing is free)."""
         self.policy, self.empty = policy, fifo(blocks)
         self.heap: list[tuple[tuple[int, int], int, Block]] = []
         self.rank: dict[int, tuple[int, int]] = {}  # free cached block id -> its live rank
