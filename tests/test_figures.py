@@ -598,9 +598,10 @@ def test_the_what_if_curve_and_the_isolation_bars_draw_what_they_are_given():
     points = pd.DataFrame({"policy": ["lru", "lru", "belady", "belady"], "capacity": [4, 64, 4, 64],
                            "hit_rate": [0.1, 0.3, 0.2, 0.3]})
     fig = whatif.hit_rate_curve(points, own_capacity=32, unbounded=64, block_size=16)
-    assert [t.name for t in fig.data] == ["LRU (vLLM's order)", "Belady (optimal)"]
+    assert [t.name for t in fig.data] == ["LRU (vLLM's order)", "Belady (optimal)", "this run's cache", "unbounded"]
     assert list(fig.data[1].y) == [0.2, 0.3] and fig.layout.xaxis.type == "log"
-    assert {a.text for a in fig.layout.annotations} == {"this run's cache", "unbounded"}
+    assert [list(t.x) for t in fig.data[2:]] == [[32, 32], [64, 64]]  # in data units: nothing read as 10^64
+    assert not fig.layout.shapes and not fig.layout.annotations
     costs = pd.DataFrame({"tenant": ["a", "b"], "hit rate shared": [0.5, 0.4], "hit rate salted": [0.5, 0.1]})
     bars = whatif.isolation_cost(costs)
     assert [list(t.y) for t in bars.data] == [[0.5, 0.4], [0.5, 0.1]] and bars.layout.barmode == "group"

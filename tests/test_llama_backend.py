@@ -141,6 +141,9 @@ def test_streams_are_llama_cpp_s_and_a_request_must_fit_its_sequence_s_stream():
         Workload.from_dict({"requests": [{"id": "A", "prompt": "hi"}], "engine": {"isolation": "streams"}})
     reqs = [{"id": f"R{i}", "prompt": "hi " * 100, "max_new_tokens": 200} for i in range(2)]
     assert run_checked(tiny(), workload(reqs, num_blocks=32)).findings == []  # 512 cells hold both
+    run = run_checked(tiny(), workload(reqs[:1], num_blocks=20, isolation="streams"))  # 320 cells: 512 made
+    assert run.result.config.num_blocks == 32 and any(
+        "so the run has 32 blocks of 16 cells where 20 were asked" in n for n in run.notes)
     with pytest.raises(WorkloadError, match=r"^requests\[0\]: may reach \d+ tokens but with isolation 'streams' one "
                                             r"sequence's stream holds 256 cells \(2 streams"):
         run_checked(tiny(), workload(reqs, num_blocks=32, isolation="streams"))
@@ -222,7 +225,7 @@ def test_numbering_a_continuation_from_zero_is_refused_by_llama_cpp_and_the_run_
     ({"engine": {"offload": {"cpu_blocks": 4}}}, "engine.offload"),
     ({"engine": {"disaggregated": True}}, "engine.disaggregated"),
     ({"engine": {"block_size": 12}}, "engine.block_size"),
-    ({"engine": {"num_blocks": 1}}, "requests[0]"),
+    ({"requests": [{"id": "A", "prompt": "hi " * 100}], "engine": {"num_blocks": 1}}, "requests[0]"),
 ])
 def test_a_field_llama_cpp_cannot_honour_is_one_sentence_naming_it(change, field):
     reqs = change.get("requests", [{"id": "A", "prompt": "hi " * 20}])

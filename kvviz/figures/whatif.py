@@ -29,10 +29,12 @@ def hit_rate_curve(points: pd.DataFrame, *, own_capacity: int | None = None, unb
             line={"color": colour, "dash": dash}, marker={"size": 5},
             customdata=None if block_size is None else df.capacity * block_size,
             hovertemplate=f"%{{x:,}} blocks{tokens}<br>hit rate %{{y:.2%}}<extra>%{{fullData.name}}</extra>"))
-    for x, text in ((own_capacity, "this run's cache"), (unbounded, "unbounded")):
-        if x:
-            fig.add_vline(x=x, line={"dash": "dot", "color": "#888"}, annotation_text=text,
-                          annotation_position="top left")
+    top = max(float(points.hit_rate.max()) if len(points) else 0.0, 0.01)
+    for x, text, dash in ((own_capacity, "this run's cache", "dash"), (unbounded, "unbounded", "dot")):
+        if x:  # a trace, not a shape: on a log axis a shape's or annotation's x is read as a power of ten
+            fig.add_trace(go.Scatter(x=[x, x], y=[0, top * 1.05], mode="lines", name=text,
+                                     line={"dash": dash, "color": "#888", "width": 1},
+                                     hovertemplate=f"{text}: %{{x:,}} blocks<extra></extra>"))
     fig.update_xaxes(type="log", title="cache capacity (blocks, log scale)")
     fig.update_yaxes(title="prompt tokens served from the cache", tickformat=".0%", rangemode="tozero")
     fig.update_layout(height=420, margin={"l": 10, "r": 10, "t": 40, "b": 10}, legend={"orientation": "h", "y": -0.2})

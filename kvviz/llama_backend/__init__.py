@@ -3,7 +3,17 @@ by kvviz's oracles (engine.backend "llama.cpp"). Only kvviz.llama_backend.adapte
 
 from . import adapter
 from .misuse import MISUSES, Misuse
-from .run import BACKEND, ISOLATIONS, TOLERANCE, LlamaBackend, alone, check_workload, open_backend, stream_room
+from .run import (
+                  BACKEND,
+                  ISOLATIONS,
+                  TOLERANCE,
+                  LlamaBackend,
+                  alone,
+                  check_workload,
+                  open_backend,
+                  pool_blocks,
+                  stream_room,
+)
 
 __all__ = ["BACKEND", "ISOLATIONS", "MISUSES", "TOLERANCE", "LlamaBackend", "Misuse", "adapter", "alone",
-           "check_workload", "open_backend", "stream_room"]
+           "check_workload", "open_backend", "pool_blocks", "stream_room"]

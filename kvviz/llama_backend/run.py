@@ -63,6 +63,10 @@ def check_workload(wl: Workload) -> list[str]:
             raise WorkloadError(f"requests[{i}].adapter: the llama.cpp backend runs the base model only; use "
                                 "engine.backend 'kvviz' for adapters")
     notes = []
+    if (blocks := pool_blocks(wl)) != cfg.num_blocks:
+        notes.append(f"engine.num_blocks: llama.cpp sizes its cache in multiples of {CELL_ROUND} cells"
+                     + (" per sequence's stream" if cfg.isolation == "streams" else "")
+                     + f", so the run has {blocks} blocks of {cfg.block_size} cells where {cfg.num_blocks} were asked")
     salted = sorted({r.cache_salt for r in wl.requests if r.cache_salt is not None})
     if salted:
         notes.append(f"requests[].cache_salt: llama.cpp has no cache salt, so the tenants {', '.join(salted)} share "
@@ -89,6 +93,13 @@ def streams(wl: Workload) -> tuple[int, int]:
         return 1, cells
     n = n_sequences(wl)
     return n, _round(cells // n)
+
+
+def pool_blocks(wl: Workload) -> int:
+    """The blocks of block_size cells llama.cpp's cache really holds (rounded up, a stream per sequence):
+    what the run records as its pool, so that utilisation and the block map count what there was."""
+    n, size = streams(wl)
+    return n * size // wl.engine.block_size
 
 
 def stream_room(wl: Workload) -> tuple[int, str] | None:

@@ -36,6 +36,7 @@ class BackendKind:
     tolerance: float = TOLERANCE  # logit difference from the request run alone that batch variance explains
     # the isolations it can run, the first recorded when the workload asks for another (empty: any, as set)
     isolations: tuple[str, ...] = ()
+    pool: Callable[[Workload], int] | None = None  # the blocks it really makes, where not num_blocks
 
 
 @contextmanager
@@ -77,7 +78,7 @@ BACKENDS: dict[str, BackendKind] = {k.name: k for k in (
                 faults=(), open=_open_transformers, alone=_transformers_alone),
     BackendKind(name=llama_backend.BACKEND, label="llama.cpp", check=_check_llama,
                 faults=tuple(llama_backend.MISUSES), open=_open_llama, alone=llama_backend.alone,
-                tolerance=llama_backend.TOLERANCE, isolations=llama_backend.ISOLATIONS),
+                tolerance=llama_backend.TOLERANCE, isolations=llama_backend.ISOLATIONS, pool=llama_backend.pool_blocks),
 )}
 
 
@@ -86,11 +87,14 @@ def backend_kind(wl: Workload) -> BackendKind:
 
 
 def as_run(wl: Workload) -> Workload:
-    """The workload as its backend runs it, for the run's record: the oracle's compute path (inspect), and
-    the isolation the backend runs (llama.cpp: its mask over one unified cache unless streams are asked for)."""
+    """The workload as its backend runs it, for the run's record: the oracle's compute path (inspect), the
+    isolation the backend runs (llama.cpp: its mask over one unified cache unless streams are asked for)
+    and the pool it really makes (llama.cpp rounds its cells up)."""
     kind, engine = backend_kind(wl), replace(wl.engine, compute="inspect")
     if kind.isolations and engine.isolation not in kind.isolations:
         engine = replace(engine, isolation=kind.isolations[0])
+    if kind.pool is not None:
+        engine = replace(engine, num_blocks=kind.pool(replace(wl, engine=engine)))
     return replace(wl, engine=engine)
 
 

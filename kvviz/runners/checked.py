@@ -73,7 +73,7 @@ def run_checked(model: LoadedModel, workload: Workload, fault: str | None = None
     check_fault(fault, workload)
     wl = as_run(workload)  # the oracle needs the probabilities
     kind = backend_kind(wl)
-    notes = kind.check(model, wl)
+    notes = kind.check(model, workload)  # as asked: what the backend changes of it is a note
     oracle = oracle or ProvenanceOracle(config or OracleConfig())
     with model.queue.turn(on_wait):
         result = run_backend(model, wl, fault=fault, scope=scope, observers=[oracle, *probes], keep_logits=reference,

@@ -31,7 +31,7 @@ def record_run(store: RunStore, model: LoadedModel, wl: Workload, fault: str | N
                on_reference: ReferenceCallback | None = None) -> CheckedRun:
     """Run with both oracles, recording every step; on_step sees each step and the oracle so far. The
     run row is written once the run has its turn on the model (on_wait hears the queue until then)."""
-    wl = as_run(wl)  # what the oracle runs: the record says so
+    asked, wl = wl, as_run(wl)  # what the oracle runs: the record says so (and the run's notes what changed)
     check_fault(fault, wl)  # bad input is refused before a run row exists
     Engine(model, wl.engine).check(wl)
     backend_kind(wl).check(model, wl)
@@ -50,8 +50,8 @@ def record_run(store: RunStore, model: LoadedModel, wl: Workload, fault: str | N
                 on_step(r, oracle)
 
         try:
-            run = run_checked(model, wl, fault, on_step=step, probes=[attention, *probes], run_id=run_id, oracle=oracle,
-                              scope=scope, on_reference=on_reference)
+            run = run_checked(model, asked, fault, on_step=step, probes=[attention, *probes], run_id=run_id,
+                              oracle=oracle, scope=scope, on_reference=on_reference)
         except BaseException as e:
             rec.fail(e)
             raise
