@@ -303,3 +303,21 @@ def test_the_inspector_says_what_an_imported_request_trace_is_and_replays_it(tmp
                            "(SELECT max(capacity) FROM whatif_points WHERE run_id = ?)", [rid, rid]).fetchall()
     assert hits == [(HITS,)]
     assert any("an unbounded cache" in m.value and "this run's cache" not in m.value for m in at.markdown)
+
+
+def test_what_if_on_an_imported_trace_counts_its_prompt_tokens_as_the_file_replay_does(tmp_path):
+    """The capture keeps full blocks only; the share is still of every prompt token, partial blocks too,
+    so `whatif RUN` on the import and `whatif FILE` agree."""
+    from kvviz.analysis.runs import run_info
+    from kvviz.analysis.whatif_runs import compute
+    from kvviz.whatif import curve, read_mooncake
+
+    path = write_trace(tmp_path / "t.jsonl")
+    store = RunStore.open(tmp_path / "k.duckdb")
+    rid = import_file(path, store)
+    with store.read() as con:
+        info = run_info(con, rid)
+    imported = compute(store, info, ["lru"], points=4)
+    direct = curve(read_mooncake(path), ["lru"], [p.capacity for p in imported])
+    assert [(p.hits, p.prompt_tokens, p.hit_rate) for p in imported] == [(p.hits, p.prompt_tokens, p.hit_rate)
+                                                                        for p in direct]

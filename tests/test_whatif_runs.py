@@ -57,6 +57,9 @@ def test_an_engine_run_is_replayed_by_its_requests_blocks_and_salts(engine_run):
         rows = con.execute("SELECT policy, capacity, hits, tokens_saved, prompt_tokens, hit_rate FROM whatif_points "
                            "WHERE run_id = ? AND capacity = 32 ORDER BY policy", [rid]).fetchall()
     assert rows == [("lru", 32, 2, 8, 36, 8 / 36), ("seed", 32, 2, 8, 36, 8 / 36)]  # the run's own pool is a point
+    with store.read() as con:  # replayed salted, as the run kept its blocks, and said so
+        assert con.execute("SELECT DISTINCT keying FROM whatif_points WHERE run_id = ?", [rid]).fetchall() == [
+            ("tenant",)]
     assert len(points) == 2 * len({p.capacity for p in points})
     costs, reads = isolation_costs(traces, 32)  # C's salt: shared, C would have read A's three blocks
     assert costs.set_index("tenant")[["hit rate shared", "hit rate salted"]].to_dict("index") == {

@@ -51,7 +51,13 @@ class RunTraces:
     traces: dict[str, Trace]  # cache (replica) -> its trace
     own_capacity: int | None  # the run's own cache in blocks (per replica), where known
     tenants: list[str | None] = field(default_factory=list)  # an engine run's salts, by the traces' tenant ids
+    prompt_tokens: int | None = None  # a request trace's own count (partial blocks too), where the capture has it
     unsalted: Trace | None = None  # an engine run's trace with every block shared, tenants kept
+
+    @property
+    def keying(self) -> str:
+        """How the traces key their blocks, as the run did: per salt where any request had one."""
+        return "tenant" if any(t is not None for t in self.tenants) else "shared"
 
     @property
     def distinct_blocks(self) -> int:
@@ -93,7 +99,9 @@ def _capture_traces(con: duckdb.DuckDBPyConnection, run_id: str) -> RunTraces:
             "AND coalesce(medium, 'GPU') = 'GPU' ORDER BY step, event_index, block_index",
             [run_id, replica]).fetchnumpy()
         traces[str(replica)] = capture_trace(pd.DataFrame(cols))
-    return RunTraces(traces=traces, own_capacity=None)
+    (said,) = con.execute("SELECT TRY_CAST(workload->>'prompt_tokens' AS BIGINT) FROM runs WHERE run_id = ?",
+                          [run_id]).fetchone()
+    return RunTraces(traces=traces, own_capacity=None, prompt_tokens=said)
 
 
 def capture_trace(part: pd.DataFrame) -> Trace:
@@ -147,8 +155,11 @@ def compute(store: RunStore, info: RunInfo, policies: Sequence[str] = DEFAULT_PO
     if not rt.traces:
         return []
     caps = sorted(set(capacity_grid(rt.distinct_blocks, points)) | ({rt.own_capacity} if rt.own_capacity else set()))
-    per_cache = [curve(t, policies, caps, progress=progress) for t in rt.traces.values()]
+    per_cache = [curve(t, policies, caps, keying=rt.keying, progress=progress) for t in rt.traces.values()]
     summed = [sum_points([pts[i] for pts in per_cache]) for i in range(len(per_cache[0]))]
+    if rt.prompt_tokens:  # an imported request trace: its prompts' partial blocks count, as `whatif FILE` counts them
+        summed = [replace(p, prompt_tokens=rt.prompt_tokens, hit_rate=p.tokens_saved / rt.prompt_tokens)
+                  for p in summed]
     table = as_table(summed)
     with store.write() as con:
         con.execute("DELETE FROM whatif_points WHERE run_id = ?", [info.run_id])
@@ -189,3 +200,9 @@ def isolation_costs(rt: RunTraces, capacity: int) -> tuple[pd.DataFrame, pd.Data
                            "tokens": r.tokens} for r in cross_reads(rt.unsalted, capacity)],
                          columns=["reader", "would read blocks of", "blocks", "tokens"])
     return costs, reads
+
+
+def request_trace(con: duckdb.DuckDBPyConnection, run_id: str) -> bool:
+    """Whether the run is an imported request trace (Mooncake's format), not a KV-event capture."""
+    row = con.execute("SELECT workload->>'format' = 'mooncake' FROM runs WHERE run_id = ?", [run_id]).fetchone()
+    return bool(row and row[0])

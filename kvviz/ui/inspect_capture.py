@@ -13,6 +13,7 @@ import streamlit as st
 from ..analysis import capture_time, captures, cross_reads
 from ..analysis.explained import contradiction_sentence, explain_seconds, explained_in, kept, reasons_per_interval
 from ..analysis.runs import RunInfo
+from ..analysis.whatif_runs import request_trace
 from ..errors import StoreError
 from ..figures import capture_time as time_fig
 from ..figures import captures as tree_fig
@@ -26,8 +27,7 @@ PROGRESS_S = 1.0  # how often the progress of an explanation in the background i
 
 def render(info: RunInfo) -> None:
     with reader() as con:
-        trace = con.execute("SELECT workload->>'format' = 'mooncake' FROM runs WHERE run_id = ?",
-                            [info.run_id]).fetchone()[0]
+        trace = request_trace(con, info.run_id)
         names = captures.replicas(con, info.run_id)
         span = capture_time.span(con, info.run_id) if names else None
     st.info("This run is an imported request trace (Mooncake's format): one lookup per request, its full blocks "

@@ -8,7 +8,15 @@ import pandas as pd
 import streamlit as st
 
 from ..analysis.runs import RunInfo
-from ..analysis.whatif_runs import ALL_POLICIES, DEFAULT_POLICIES, compute, isolation_costs, run_traces, stored_points
+from ..analysis.whatif_runs import (
+    ALL_POLICIES,
+    DEFAULT_POLICIES,
+    compute,
+    isolation_costs,
+    request_trace,
+    run_traces,
+    stored_points,
+)
 from ..figures import whatif as fig
 from .common import EMPTY, reader, store
 
@@ -28,6 +36,7 @@ def render(info: RunInfo) -> None:
                               help="log-spaced from 4 blocks to the unbounded cache, with the run's own")
     with reader() as con:
         kept = stored_points(con, info.run_id)
+        trace = request_trace(con, info.run_id)
     go = right.button("Compute again" if not kept.empty else "Compute", type="primary", key="wi_go",
                       icon=":material/query_stats:", disabled=not policies)
     if go:
@@ -36,17 +45,21 @@ def render(info: RunInfo) -> None:
         st.info("Not computed yet for this run: choose the policies and press Compute (a run of thousands of "
                 "requests takes seconds; Belady and the others replay once per capacity).", icon=":material/info:")
         return
-    shared = kept[kept.keying == "shared"]
+    shared = kept[kept.keying == kept.keying.iloc[0]]  # one keying kept: the run's own (salted where it was)
     own = int(info.engine["num_blocks"]) if not info.has_kv_events and info.engine.get("num_blocks") else None
     unbounded = int(shared.capacity.max())
     st.plotly_chart(fig.hit_rate_curve(shared, own_capacity=own, unbounded=unbounded,
                                        block_size=None if info.has_kv_events else info.block_size),
                     width="stretch", key="wi_curve")
-    st.markdown(_sentence(shared, own))
-    if info.has_kv_events:
+    st.markdown(_sentence(shared, own) + (" Blocks are keyed by each request's salt, as the run kept them."
+                                          if shared.keying.iloc[0] == "tenant" else ""))
+    if info.has_kv_events and not trace:
         st.caption("A capture's capacity is per replica (each replica its own cache; their hits summed). Only full "
                    "blocks are known, and a request that stored nothing (a full hit without kv_cache_report_mode="
                    "\"full\") is not in the events, so the replay sees the requests the events name.")
+    elif trace:
+        st.caption("A request trace: one lookup per request, in the trace's order; the share is of all its prompt "
+                   "tokens, partial blocks too, as `python -m kvviz whatif TRACE.jsonl` counts them.")
     if not info.has_kv_events:
         _isolation(info, own or unbounded)
     with st.expander("The points, and the SQL that reads them"):
