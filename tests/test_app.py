@@ -1214,9 +1214,9 @@ def test_the_run_page_runs_llama_cpp_with_its_kernel_and_misuse_and_says_which_e
     with RunStore.open(empty_db).read() as con:
         row = con.execute("SELECT backend, fault, status, engine->>'kernel', engine->>'isolation' FROM runs").fetchone()
     assert row == ("llama.cpp", "one_sequence", "complete", "flash_attn", "streams")
-    assert any("on llama.cpp) finished" in s.value for s in at.success)
+    assert any("on llama.cpp, streams isolation) finished" in s.value for s in at.success)
     at.button(key="run_open").click().run()
-    assert any("engine: llama.cpp" in m.value for m in at.markdown)
+    assert any("engine: llama.cpp, streams isolation" in m.value for m in at.markdown)
 
 
 @pytest.mark.parametrize("backend", ["transformers", "llama.cpp"])

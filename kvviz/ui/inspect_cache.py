@@ -57,10 +57,12 @@ def render(con, info: RunInfo, step: int) -> None:
         st.caption("No block was evicted in this run, so there are no lifetimes to draw.")
 
 
-@st.cache_data(max_entries=8, show_spinner="Explaining the run's lookups...")
+@st.cache_resource(max_entries=8, show_spinner="Explaining the run's lookups...")
 def _worked_out(_con, db: str, run_id: str, status: str, steps: int) -> list[Explanation]:
     """A run's explanations, worked out once per run and state: moving the step slider redraws the view
-    without explaining the run again (a recording run's key changes with each step it adds)."""
+    without explaining the run again (a recording run's key changes with each step it adds). Kept as
+    objects, not pickled: an edited module reloaded under a running app makes its classes new ones, which
+    a pickled cache cannot give back. Read only."""
     try:
         return explain_run(_con, run_id)
     except StoreError:

@@ -114,14 +114,16 @@ def focus(f: leaks.Focus, view: str | None = None) -> None:
 def _header(row, info: RunInfo, cross_tenant: str | None) -> None:
     # names as text, which wraps (fault and model names are too long for a metric tile), numbers as tiles
     fault = "" if info.has_kv_events else f" · fault `{row.fault or 'none'}`"  # a capture's server had no injected one
-    engine = f" · engine: {ENGINES.get(info.backend, info.backend)}" if info.backend else ""
+    engine = (f" · engine: {ENGINES.get(info.backend, info.backend)}, {info.isolation} isolation" if info.backend
+              else "")
     st.markdown(f"**{row.status}** · model `{row.model}`{engine}{fault}")
     if info.backend == "transformers":
         st.caption("transformers' own continuous batching ran this run (its scheduler, paged cache, block ledger and "
                    "paged attention, unchanged); kvviz observed it: the pool is transformers' blocks (its reserved "
                    "trash blocks last), page tables its block tables, refcounts and hashes its ledger's.")
     if info.backend == "llama.cpp":
-        st.caption(f"llama.cpp ran this run through its C API (its unified KV cache, its masks and attention, "
+        layout = "a buffer of cells per sequence" if info.isolation == "streams" else "its unified KV cache"
+        st.caption(f"llama.cpp ran this run through its C API ({layout}, its masks and attention, "
                    f"unchanged), scheduled as llama-server schedules its slots; kvviz observed it: the pool is the "
                    f"cache's cells in blocks of {info.block_size}, a block's refcount how many running requests hold "
                    "cells in it (they share a cell only where the cell's sequences say so: click a block for what "

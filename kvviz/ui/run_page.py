@@ -279,8 +279,11 @@ def _settings(sc, engine0: dict):
             st.caption("transformers' continuous batching runs as shipped: its own paged isolation, no kvviz fault, "
                        "host tier or disaggregated prefill (choose kvviz's engine for those).")
         elif backend == "llama.cpp":
-            st.caption("llama.cpp runs as shipped, through its C API: one unified cache of cells isolated by its "
-                       "attention mask, prefixes shared by seq_cp as llama-server shares them; no host tier or "
+            layout = ("a buffer of cells per sequence (kv_unified off): requests kept apart by where their cells are, "
+                      "a request reusing only its own slot's cells" if engine["isolation"] == "streams" else
+                      "one unified cache of cells isolated by its attention mask, prefixes shared by seq_cp as "
+                      "llama-server shares them")
+            st.caption(f"llama.cpp runs as shipped, through its C API: {layout}; no host tier or "
                        "disaggregated prefill, and its own API misuses instead of kvviz's faults."
                        + (f" **{fault}**: {misuses[fault].explanation}; it strikes only with "
                           f"{misuses[fault].needs}." if fault != "none" else ""))
@@ -402,5 +405,6 @@ def _run(name, sc, requests, engine, fault, scope_text, selection, seed, limits)
         raise
     st.session_state.pop("run_started", None)
     st.session_state["run_finished"] = {"run_id": out.run_id, "last": final[0], "found": found, "steps": steps,
-                                        "engine": ENGINES[engine["backend"]], "model": name, "notes": out.notes}
+                                        "engine": f"{ENGINES[engine['backend']]}, {engine['isolation']} isolation",
+                                        "model": name, "notes": out.notes}
     st.rerun()  # the finished panel replaces the live one, drawn once with the last step
