@@ -19,7 +19,7 @@ import pyarrow as pa
 
 from ..capture import explain_sql
 from ..capture.events import CaptureError
-from ..capture.import_vllm import CAPTURE_MODEL
+from ..capture.import_vllm import CAPTURE_MODELS
 from ..store import RunStore, StoreError
 from ..store.claims import alive, claimed
 from ..store.schema import dataset_query
@@ -82,7 +82,7 @@ def explained(store: RunStore, run_id: str, watch: Watch | None = None) -> Expla
             return read_kept(con, run_id)
         status, model, error = con.execute("SELECT status, model, error FROM runs WHERE run_id = ?",
                                            [run_id]).fetchone()
-        if status == "failed" and model == CAPTURE_MODEL:  # its dataset has gone: nothing of it can be read
+        if status == "failed" and model in CAPTURE_MODELS:  # its dataset has gone: nothing of it can be read
             raise StoreError(f"capture {run_id} cannot be read: {error}")
         complete = status == "complete"
         source = con.execute("SELECT path FROM capture_sources WHERE run_id = ?", [run_id]).fetchone()

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import duckdb
 import pandas as pd
 
-from ..capture.import_vllm import CAPTURE_MODEL
+from ..capture.import_vllm import CAPTURE_MODELS
 from ..store import RunStore, StoreError
 
 RUNNING = "running"  # runs.status of a run still being recorded (or whose process died before it ended)
@@ -97,7 +97,7 @@ def run_info(con: duckdb.DuckDBPyConnection, run_id: str) -> RunInfo:
     requests = [r[0] for r in con.execute("SELECT request_id FROM requests WHERE run_id = ? ORDER BY request_id",
                                           [run_id]).fetchall()]
     return RunInfo(run_id, row[0], row[1], row[2], row[3], row[4], json.loads(row[5]) if row[5] else {}, steps,
-                   requests, exists("blocks"), exists("attention"), row[2] == CAPTURE_MODEL or exists("kv_events"),
+                   requests, exists("blocks"), exists("attention"), row[2] in CAPTURE_MODELS or exists("kv_events"),
                    json.loads(row[6]) if row[6] else None, row[7], list(row[8] or []))
 
 

@@ -39,6 +39,8 @@ from .events import CaptureError
 from .jsonl_dataset import Progress, write_dataset
 
 CAPTURE_MODEL = "vllm capture"  # what an imported capture's run says its model was
+TRACE_MODEL = "request trace"  # an imported request trace's (Mooncake's format: hashes, no model's events)
+CAPTURE_MODELS = (CAPTURE_MODEL, TRACE_MODEL)
 
 CROSS_TENANT = """
 INSERT INTO findings (run_id, kind, request_id, step, position, source_request)
@@ -166,7 +168,7 @@ def _batches(f: Path, columns: list[str] | None = None, whole: bool = False) -> 
         raise CaptureError(f"{f}: damaged ({str(e).splitlines()[0]})") from None
 
 
-def _begin(store: RunStore, path: Path, workload: dict) -> str:
+def _begin(store: RunStore, path: Path, workload: dict, model: str = CAPTURE_MODEL) -> str:
     """A new capture run, `running` until its import ends. A capture whose bytes (its workload's sha256) another
     run holds, or another process is importing now, is refused: the check and the new run are one write."""
     run_id = new_run_id()
@@ -179,7 +181,7 @@ def _begin(store: RunStore, path: Path, workload: dict) -> str:
                                "that run or import with --again)"))
         con.execute("INSERT INTO runs (run_id, created_at, status, model, scenario, workload, engine, "
                     "kvviz_version) VALUES (?, ?, 'running', ?, ?, ?, '{}', ?)",
-                    [run_id, datetime.now(UTC).replace(tzinfo=None), CAPTURE_MODEL, f"capture {path.name}",
+                    [run_id, datetime.now(UTC).replace(tzinfo=None), model, f"{model.split()[-1]} {path.name}",
                      json.dumps(workload), __version__])
     return run_id
 

@@ -35,7 +35,7 @@ from ..store import RunStore
 from ..whatif import read_mooncake
 from .dataset import FILE_SCHEMA, write_manifest
 from .events import CaptureError
-from .import_vllm import _begin, _discard, _import
+from .import_vllm import TRACE_MODEL, _begin, _discard, _import
 from .jsonl_dataset import Progress
 
 REPLICA = "mooncake"  # the one replica: a trace is one cache's requests (a name, not replica-0, says whose)
@@ -86,7 +86,7 @@ def import_mooncake(path: str | Path, store: RunStore, progress: Progress | None
     ids = _hash_ids(path, trace.requests)
     said = {"capture": path.name, "format": FORMAT, "block_size": BLOCK_SIZE, "requests": trace.requests,
             "blocks": trace.lookups, "prompt_tokens": trace.prompt_tokens} | ({"sha256": sha256} if sha256 else {})
-    run_id = _begin(store, path, said)  # listed as running while its dataset is written
+    run_id = _begin(store, path, said, TRACE_MODEL)  # listed as running while its dataset is written
     folder = store.captures_dir / run_id
     try:
         table = trace_rows(trace.timestamp, trace.input_length, ids)

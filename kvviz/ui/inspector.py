@@ -59,7 +59,7 @@ def _choose_run(listing) -> str:
         st.session_state["insp_gone"] = (asked, current)  # said until the user picks a run
     st.session_state["insp_run"] = current
     labels = {r.run_id: f"{r.run_id} · {r.scenario or 'workload'}"
-              + ("" if r.model == runs.CAPTURE_MODEL else f" · {r.engine} · fault {r.fault or 'none'}")
+              + ("" if r.model in runs.CAPTURE_MODELS else f" · {r.engine} · fault {r.fault or 'none'}")
               + f" · {r.status}" + _when(r.created_at)  # two runs of one scenario differ by when
               for r in listing.itertuples()}
 

@@ -10,14 +10,14 @@ import pandas as pd
 import plotly.express as px
 import streamlit as st
 
-from ..analysis.runs import CAPTURE_MODEL
+from ..analysis.runs import CAPTURE_MODELS
 from ..runners import explain_jobs
 from ..store import SqlError
 from ..store.sql import run_query
 from .common import empty_store_hint, has_db, reader, store
 
 # the run a per-step example looks at: after a scenario replay the newest run is its clean control, which shows nothing
-LEAKING_ENGINE_RUN = (f"WHERE run_id = (SELECT run_id FROM runs WHERE model <> '{CAPTURE_MODEL}'  -- not a capture\n"
+LEAKING_ENGINE_RUN = (f"WHERE run_id = (SELECT run_id FROM runs WHERE model NOT IN {CAPTURE_MODELS}  -- not a capture\n"
                       "                -- the newest run with findings, else the newest\n"
                       "                ORDER BY coalesce(findings, 0) > 0 DESC, created_at DESC LIMIT 1)")
 EXAMPLES = {
