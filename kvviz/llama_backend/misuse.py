@@ -54,7 +54,7 @@ _WHILE = _workload(_req("A", "The passphrase is red orange yellow. Repeat the pa
 _RESTORED = {"requests": [
     _req("A", "The passphrase is red orange yellow.", 4),
     _req("D", "My card number is 4929 1234 5678.", 4, arrival_step=6),
-    {"id": "X", "prompt_ids": [120] * 245, "max_new_tokens": 4, "arrival_step": 12},
+    {"id": "X", "prompt_ids": [45] * 245, "max_new_tokens": 4, "arrival_step": 12},
     _req("C", " Repeat the passphrase:", 6, parent="A", arrival_step=20)],
     "engine": {"backend": "llama.cpp", "block_size": 16, "num_blocks": 16}}
 _TOGETHER = _workload(_req("A", "Passphrase: red orange yellow", 6), _req("B", "Password: green cyan blue", 6))

@@ -169,7 +169,7 @@ def _compare(pair: dict) -> None:
                                              infos[r].block_size, upto=True,
                                              shared_axis=infos[r].isolation == "masked") for r in roles}
     where = (f"{focus.request} up to step {focus.step}, layer {layer} (mean of heads)"
-             + (", the heaviest finding's" if top and focus.layer is not None else ""))
+             + (", where the heaviest finding is" if top and focus.layer is not None else ""))
     weights = [v.weights for v in views.values() if v is not None and np.isfinite(v.weights).any()]
     zmax = max((float(np.nanmax(w)) for w in weights), default=None)  # one colour scale for both panels
     st.subheader("Side by side" if len(roles) == 2 else "Result")
