@@ -100,7 +100,9 @@ def test_a_capture_is_replayed_per_replica_and_the_cli_keeps_the_points(tmp_path
     for capacity, hits, lookups in kept:  # the fleet's point: each replica at that capacity, summed
         each = [curve(t, ["lru"], [capacity])[0] for t in traces.values()]
         assert (hits, lookups) == (sum(p.hits for p in each), sum(p.lookups for p in each))
-    assert kvviz("whatif", "nosuchrun", "--db", store.path).returncode == 2
+    gone = kvviz("whatif", tmp_path / "missing.jsonl", "--db", store.path)
+    assert gone.returncode == 2
+    assert f"missing.jsonl: no such trace file, and no run of that id in {store.path}" in gone.stderr
 
 
 def test_the_inspector_s_what_if_view_computes_with_progress_and_draws_the_curve(engine_run, monkeypatch):
@@ -155,7 +157,8 @@ def test_the_replay_predicts_the_hits_kvviz_s_engine_had(tmp_path, eviction):
         requests.append({"id": f"r{i}", "prompt_ids": prompt[:4 * 9 + 1], "max_new_tokens": 3,
                          "arrival_step": 5 * i})
     store = RunStore.open(tmp_path / "k.duckdb")
-    wl = {"requests": requests, "engine": {"block_size": 4, "num_blocks": 12, "compute": "fast", "eviction": eviction}}
+    engine = {"block_size": 4, "num_blocks": 12, "compute": "fast", "eviction": eviction}
+    wl = {"requests": requests, "engine": engine}
     rid = live.run(store, tiny(), wl).run_id
     with store.read() as con:
         trace = run_traces(con, run_info(con, rid)).traces[""]

@@ -74,6 +74,8 @@ def _run(args: argparse.Namespace, policies: list[str], caps: list[int] | None) 
         raise KvvizError("--capacity applies to a trace file; a run is replayed at --points capacities and its own")
     store = RunStore.open(args.run_db)
     with store.read() as con:
+        if not RunStore.has_run(con, args.trace):
+            raise KvvizError(f"{args.trace}: no such trace file, and no run of that id in {store.path}")
         info = run_info(con, args.trace)
     points = compute(store, info, policies, args.points, progress=_progress())
     if not points:

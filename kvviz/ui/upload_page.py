@@ -44,7 +44,7 @@ def render() -> None:
     elif st.button(f"Import {up.name}", type="primary", key="upload_go", icon=":material/upload:"):
         _import(up.name, save_upload(up.name, up.getvalue(), _folder()))
     run_id = st.session_state.get("upload_run")
-    if run_id and st.button("Open it in the inspector", key="upload_open", icon=":material/grid_view:"):
+    if run_id and st.button(f"Open run {run_id} in the inspector", key="upload_open", icon=":material/grid_view:"):
         open_run(run_id)
 
 
@@ -64,6 +64,7 @@ def _import(name: str, saved: Path) -> None:
                 done / total, text=f"Importing {name}: {done / 2**20:.1f} of {total / 2**20:.1f} MiB"),
                 sha256=before.sha256)
         except KvvizError as e:  # said here, not by the app: with the name the user gave the file
+            st.session_state.pop("upload_run", None)  # an earlier import's button would read as this file's
             refused(saved)
             bar.empty()
             st.error(f"Not imported: {str(e).replace(str(saved), name)}. Nothing was added to the database.",
