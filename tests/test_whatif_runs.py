@@ -195,5 +195,5 @@ def test_an_eviction_kvviz_s_pool_has_not_or_on_another_engine_is_one_sentence()
     req = [{"id": "A", "prompt": "hi"}]
     with pytest.raises(WorkloadError, match=r"^engine.eviction: must be one of lru, lfu, seed, got 'belady'$"):
         Workload.from_dict({"requests": req, "engine": {"eviction": "belady"}})
-    with pytest.raises(WorkloadError, match=r"^engine.eviction: 'seed' is an order of kvviz's own block pool; llama.cpp"):
+    with pytest.raises(WorkloadError, match=r"^engine.eviction: 'seed' is an order of kvviz's own block pool; llama"):
         Workload.from_dict({"requests": req, "engine": {"eviction": "seed", "backend": "llama.cpp"}})
