@@ -155,7 +155,13 @@ def compute(store: RunStore, info: RunInfo, policies: Sequence[str] = DEFAULT_PO
     if not rt.traces:
         return []
     caps = sorted(set(capacity_grid(rt.distinct_blocks, points)) | ({rt.own_capacity} if rt.own_capacity else set()))
-    per_cache = [curve(t, policies, caps, keying=rt.keying, progress=progress) for t in rt.traces.values()]
+    n = len(rt.traces)
+
+    def overall(i: int) -> Progress | None:  # each replica's capacities as a share of the whole run's
+        return None if progress is None else lambda p, done, total: progress(p, i * total + done, n * total)
+
+    per_cache = [curve(t, policies, caps, keying=rt.keying, progress=overall(i))
+                 for i, t in enumerate(rt.traces.values())]
     summed = [sum_points([pts[i] for pts in per_cache]) for i in range(len(per_cache[0]))]
     if rt.prompt_tokens:  # an imported request trace: its prompts' partial blocks count, as `whatif FILE` counts them
         summed = [replace(p, prompt_tokens=rt.prompt_tokens, hit_rate=p.tokens_saved / rt.prompt_tokens)

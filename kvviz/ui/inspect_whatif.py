@@ -64,7 +64,7 @@ def render(info: RunInfo) -> None:
         _isolation(info, own or unbounded)
     with st.expander("The points, and the SQL that reads them"):
         st.dataframe(kept, hide_index=True, width="stretch", placeholder=EMPTY)
-        st.code(f"SELECT policy, capacity, hit_rate FROM whatif_points WHERE run_id = '{info.run_id}' "
+        st.code(f"SELECT * EXCLUDE (run_id) FROM whatif_points WHERE run_id = '{info.run_id}' "
                 "ORDER BY policy, capacity", language="sql")
 
 
@@ -74,7 +74,7 @@ def _compute(info: RunInfo, policies: list[str], points: int) -> pd.DataFrame:
     def progress(policy: str, done: int, total: int) -> None:
         at = policies.index(policy)
         bar.progress((at + done / total) / len(policies), text=f"{fig.POLICY_NAMES.get(policy, policy)}: "
-                                                               f"{done} of {total} capacities")
+                                                               f"{done} of {total} replays (capacities x caches)")
 
     compute(store(), info, policies, points, progress)
     bar.empty()
@@ -90,7 +90,8 @@ def _sentence(points: pd.DataFrame, own: int | None) -> str:
     row = points[points.capacity == at].set_index("policy").hit_rate
     online = row.drop("belady", errors="ignore")
     best = online.idxmax() if not online.empty else None
-    parts = [f"At **{at:,} blocks**" + (" (this run's cache)" if at == own else "")]
+    parts = [f"At **{at:,} blocks**" + (" (this run's cache)" if at == own else
+                                         " (the middle of the range: the run's own cache size is not known)")]
     if "lru" in row:
         parts.append(f"LRU serves {row['lru']:.1%} of prompt tokens")
     if best is not None and best != "lru":
