@@ -1,23 +1,26 @@
 """`kvviz audit-timing`: does an OpenAI-compatible server share its prompt cache across users, seen
 from the outside by time to first token (TTFT)? After the published protocol (Gu et al. 2025, see
-shared/reference/production-debugging.md): a hit is a prompt someone else sent just before, a miss a
-prompt no one sent, and a one-sided two-sample Kolmogorov-Smirnov test asks whether hits come faster.
+shared/reference/production-debugging.md), paired: every round times a same-user hit (a prompt the
+prober itself sent just before: the positive control, does caching show at all?), a cross-user hit (a
+prompt another user, with another API key, sent just before: the test), a miss (a prompt no one sent)
+and a null, and one-sided two-sample Kolmogorov-Smirnov tests ask which come sooner
+(kvviz/audit_timing/verdict.py). A server that salts its cache per user shows its same-user hits and
+not its cross-user ones; a server that caches nothing the audit can see shows neither, and the audit
+says it cannot tell that from isolation. (Until schema version 17 an audit timed one kind of hit, at
+a `level`: global, another user's; per-user, the prober's own. Those audits stay readable.)
 
-`level` says who sends first: `global`, another user with another API key (do tenants share a
-cache?); `per-user`, the same user and key (does caching work at all within a user?). A server that
-salts its cache per user is detected at the per-user level and not at the global one.
-
-The schedule is symmetric, so nothing but the cache can tell hits from misses: every timed request,
-hit or miss, follows an untimed primer of the same token count from the first sender (the same prompt
-for a hit, a fresh one for a miss), which also takes any work the server or this process still had
-from before. Each round times a hit, a miss and a null (a second miss) in one of the six orders in
-turn, then a one-word floor. The null against the misses is the control: when it too "comes faster",
-the measurement is biased and the verdict is inconclusive (kvviz/audit_timing/verdict.py).
+The schedule is symmetric, so nothing but the cache can tell the kinds apart: every timed request
+follows an untimed primer of the same token count and max_tokens (the same prompt for a hit, a fresh
+one for a miss or the null), which also takes any work the server or this process still had from
+before. The primers of cross-user hits and misses are the other user's, those of same-user hits and
+the null the prober's own, so that the null differs from a miss only in who primed it: the control of
+the schedule and of the sender. The four are timed in one of four orders in turn (a balanced Latin
+square: over any four rounds each is timed first, second, third and last once, and right after each
+other once), then a one-word floor.
 """
 
 from __future__ import annotations
 
-import itertools
 import random
 import time
 from collections.abc import Callable
@@ -27,12 +30,15 @@ from datetime import UTC, datetime
 from ..errors import AuditError
 from ..store import RunStore
 from ..util.ids import new_run_id
-from .verdict import Verdict, fewest_samples, judge, smallest_p
+from . import defaults
+from .client import Prober, Reply
+from .telemetry import Telemetry, contradiction, read
+from .verdict import TIMED, Verdict, fewest_samples, judge, smallest_p
 
-LEVELS = ("global", "per-user")
 ENDPOINTS = ("completions", "chat")
-KINDS = ("hit", "miss", "null")  # timed and tested; "floor" is timed and only compared
-ORDERS = tuple(itertools.permutations(KINDS))  # a round's order: each kind first, second and last equally
+# Williams' balanced Latin square for four: row r times the kinds r, r+1, r-1, r+2 (mod 4) in that order.
+ORDERS = tuple(tuple(TIMED[(start + step) % 4] for step in (0, 1, 3, 2)) for start in range(4))
+PRIMED_BY_PROBER = ("same", "null")  # the others' primers are the other user's
 # Common English words, each one token after a space in SmolLM2's tokenizer (and in most BPE
 # vocabularies): a prompt of n of them is about n tokens; the server's usage.prompt_tokens says exactly.
 WORDS = ("time year people way day man thing woman life child world school state family student group country "
@@ -48,29 +54,28 @@ WORDS = ("time year people way day man thing woman life child world school state
 class AuditConfig:
     base_url: str
     model: str
-    level: str = "global"
-    samples: int = 250  # rounds: hits, misses and nulls each
-    prompt_tokens: int = 512  # words of WORDS, a token each
+    samples: int = defaults.ROUNDS  # rounds: same-user hits, cross-user hits, misses and nulls each
+    prompt_tokens: int = defaults.PROMPT_WORDS  # words of WORDS, a token each
+    primer_tokens: int = defaults.PRIMER_TOKENS  # max_tokens of every untimed primer (timed requests ask for 1)
     interval: float = 0.0  # seconds of quiet after each round, before the next one's first primer
-    alpha: float = 1e-8
+    alpha: float = defaults.ALPHA
     endpoint: str = "completions"
-    api_key: str = "kvviz-audit"  # the prober's key (and the first sender's at per-user level; at global
-    # level the first sender's is this with "-other" appended)
+    api_key: str = "kvviz-audit"  # the prober's key; the other user's is this with "-other" appended
     timeout: float = 120.0
     target: str | None = None  # what was audited, in words (a kvviz server the app started: its model and policy)
 
     def __post_init__(self) -> None:
-        if self.level not in LEVELS:
-            raise AuditError(f"level must be one of {', '.join(LEVELS)}, got {self.level!r}")
         if self.endpoint not in ENDPOINTS:
             raise AuditError(f"endpoint must be one of {', '.join(ENDPOINTS)}, got {self.endpoint!r}")
         if self.prompt_tokens < 16:
             raise AuditError(f"prompt length must be >= 16 tokens, got {self.prompt_tokens}")
+        if self.primer_tokens < 1:
+            raise AuditError(f"the primers' max_tokens must be >= 1, got {self.primer_tokens}")
         if self.interval < 0:
             raise AuditError(f"interval must be >= 0 seconds, got {self.interval}")
         if not 0 < self.alpha < 1:
             raise AuditError(f"alpha must be between 0 and 1, got {self.alpha}")
-        if self.samples < 2 or smallest_p(self.samples) >= self.alpha:  # it could never say "detected"
+        if self.samples < 2 or smallest_p(self.samples) >= self.alpha:  # it could never give a verdict
             raise AuditError(f"{self.samples} rounds (samples a side) cannot reach alpha {self.alpha:g}: even every "
                              f"hit faster than every miss gives p = {smallest_p(max(self.samples, 1)):.2g}; use at "
                              f"least {fewest_samples(self.alpha)} rounds (or a larger alpha)")
@@ -81,7 +86,7 @@ class AuditConfig:
 
 @dataclass(frozen=True)
 class Sample:
-    kind: str  # hit | miss | null | floor
+    kind: str  # same | cross | miss | null | floor
     index: int  # the round
     ttft_ms: float
     cached_tokens: int | None  # what the server reported for the timed request, when it does
@@ -99,77 +104,16 @@ class AuditResult:
         return [s.ttft_ms for s in self.samples if s.kind == kind]
 
     def judge(self) -> Verdict:
+        """The timing channel's verdict."""
         tokens = {k: [s.prompt_tokens for s in self.samples if s.kind == k and s.prompt_tokens is not None]
-                  for k in KINDS}
-        cached = [s.cached_tokens for s in self.samples if s.kind == "hit" and s.cached_tokens is not None]
-        return judge({k: self.times(k) for k in (*KINDS, "floor")}, tokens, self.config.alpha, self.stopped, cached)
+                  for k in TIMED}
+        return judge({k: self.times(k) for k in (*TIMED, "floor")}, tokens, self.config.alpha,
+                     self.config.primer_tokens, self.stopped)
 
-
-@dataclass(frozen=True)
-class Reply:
-    ttft_ms: float
-    cached_tokens: int | None
-    prompt_tokens: int | None
-
-
-class _Prober:
-    """Sends prompts as one user and times the first token of a streamed reply."""
-
-    def __init__(self, cfg: AuditConfig, key: str, user: str):
-        import openai
-
-        self.cfg, self.user = cfg, user
-        self.client = openai.OpenAI(base_url=cfg.base_url, api_key=key, max_retries=0, timeout=cfg.timeout)
-
-    def send(self, prompt: str) -> Reply:
-        """Milliseconds to the first chunk that carries the reply (text or its end), and the cached and
-        prompt tokens the server reported, if it did."""
-        import openai
-
-        c, first, cached, counted = self.cfg, None, None, None
-        t0 = time.perf_counter()
-        try:
-            if c.endpoint == "chat":
-                stream = self.client.chat.completions.create(
-                    model=c.model, messages=[{"role": "user", "content": prompt}], max_tokens=1, temperature=0,
-                    stream=True, stream_options={"include_usage": True}, user=self.user)
-            else:
-                stream = self.client.completions.create(model=c.model, prompt=prompt, max_tokens=1, temperature=0,
-                                                        stream=True, stream_options={"include_usage": True},
-                                                        user=self.user)
-            for chunk in stream:
-                if first is None and chunk.choices and _carries_reply(chunk.choices[0], c.endpoint):
-                    first = time.perf_counter()
-                if chunk.usage is not None:
-                    counted = chunk.usage.prompt_tokens
-                    details = chunk.usage.prompt_tokens_details
-                    if details is not None and details.cached_tokens is not None:
-                        cached = details.cached_tokens
-        except openai.APIConnectionError as e:
-            raise AuditError(f"cannot reach {c.base_url}: {e}") from None
-        except openai.APIStatusError as e:
-            raise AuditError(f"{c.base_url} refused a request with HTTP {e.status_code}: {_said(e)}") from None
-        except (openai.APIError, ValueError) as e:  # a stream cut short, or not JSON
-            raise AuditError(f"{c.base_url} broke off a reply: {e}") from None
-        if first is None:
-            raise AuditError(f"{c.base_url} streamed no reply to a request")
-        return Reply(1000 * (first - t0), cached, counted)
-
-
-def _said(e) -> str:
-    """What the server said, without the client's "Error code: N - " and the body's wrapping; a 404
-    that is not about the model is most likely a base URL without its /v1."""
-    body = e.body
-    said = str(((body.get("message") or body.get("detail")) if isinstance(body, dict) else body) or e.message)
-    if e.status_code == 404 and "model" not in said.lower():
-        said += " (is the base URL right? an OpenAI-compatible API's usually ends in /v1)"
-    return said
-
-
-def _carries_reply(choice, endpoint: str) -> bool:
-    if choice.finish_reason is not None:
-        return True
-    return bool(choice.delta.content) if endpoint == "chat" else choice.text is not None
+    def telemetry(self) -> Telemetry:
+        """The cached-tokens channel's reading."""
+        return read({k: [s.cached_tokens for s in self.samples if s.kind == k] for k in TIMED},
+                    any(s.prompt_tokens is not None for s in self.samples))
 
 
 def _prompt(rng: random.Random, words: int) -> str:
@@ -185,14 +129,16 @@ def run_audit(cfg: AuditConfig, progress: Callable[[Sample], None] | None = None
     round's first primer, so work it does (drawing) never overlaps a timed request. A server that
     fails after the first sample ends the audit with the timings so far and `stopped` saying why."""
     rng = random.Random(seed)
-    prober = _Prober(cfg, cfg.api_key, "kvviz-audit")
-    first = prober if cfg.level == "per-user" else _Prober(cfg, cfg.api_key + "-other", "kvviz-audit-other")
-    out = AuditResult(cfg)
+    prober = Prober(cfg.base_url, cfg.model, cfg.endpoint, cfg.api_key, "kvviz-audit", cfg.timeout)
+    other = Prober(cfg.base_url, cfg.model, cfg.endpoint, cfg.api_key + "-other", "kvviz-audit-other", cfg.timeout)
+    out = AuditResult(config=cfg)
     try:
         for i in range(cfg.samples):
             for kind in ORDERS[i % len(ORDERS)]:
                 prompt = _prompt(rng, cfg.prompt_tokens)
-                primer = first.send(prompt if kind == "hit" else _prompt(rng, cfg.prompt_tokens))
+                first = prober if kind in PRIMED_BY_PROBER else other
+                primer = first.send(prompt if kind in ("same", "cross") else _prompt(rng, cfg.prompt_tokens),
+                                    cfg.primer_tokens)
                 _add(out, kind, i, prober.send(prompt), primer, progress)
             _add(out, "floor", i, prober.send(rng.choice(WORDS)), None, progress)
             if between is not None:
@@ -207,29 +153,41 @@ def run_audit(cfg: AuditConfig, progress: Callable[[Sample], None] | None = None
 
 def _add(out: AuditResult, kind: str, i: int, r: Reply, primer: Reply | None,
          progress: Callable[[Sample], None] | None) -> None:
-    out.samples.append(Sample(kind, i, r.ttft_ms, r.cached_tokens, r.prompt_tokens,
-                              primer.prompt_tokens if primer else None))
+    out.samples.append(Sample(kind=kind, index=i, ttft_ms=r.ttft_ms, cached_tokens=r.cached_tokens,
+                              prompt_tokens=r.prompt_tokens, primer_tokens=primer.prompt_tokens if primer else None))
     if progress is not None:
         progress(out.samples[-1])
 
 
-def record(store: RunStore, result: AuditResult, verdict: Verdict | None = None) -> str:
-    """The audit, its verdict and its raw timings (partial ones too) into the run store, in one
-    transaction; its id."""
+def record(store: RunStore, result: AuditResult, verdict: Verdict | None = None,
+           telemetry: Telemetry | None = None) -> str:
+    """The audit, its verdict, the cached-tokens channel's reading, any contradiction between them and
+    the raw timings (partial ones too) into the run store, in one transaction; its id."""
     from ..store.schema import arrow_table
 
-    audit_id, cfg, v = new_run_id(), result.config, verdict or result.judge()
-    hit, miss = result.times("hit"), result.times("miss")
+    audit_id, cfg = new_run_id(), result.config
+    v, t = verdict or result.judge(), telemetry or result.telemetry()
+    cross, miss, m = result.times("cross"), result.times("miss"), v.medians_ms
     head = {"audit_id": [audit_id], "created_at": [datetime.now(UTC).replace(tzinfo=None)],
-            "base_url": [cfg.base_url], "target": [cfg.target], "model": [cfg.model], "level": [cfg.level],
+            "base_url": [cfg.base_url], "target": [cfg.target], "model": [cfg.model], "level": ["paired"],
             "endpoint": [cfg.endpoint], "samples": [v.samples], "prompt_tokens": [cfg.prompt_tokens],
-            "alpha": [cfg.alpha], "ks_statistic": [v.ks_statistic], "p_value": [v.p_value],
-            "median_hit_ms": [v.median_hit_ms], "median_miss_ms": [v.median_miss_ms],
-            "hit_faster_than_all_misses": [bool(hit and miss) and max(hit) < min(miss)],
-            "detected": [v.detected], "verdict": [v.verdict], "reason": [v.reason or None],
-            "null_ks_statistic": [v.null_ks_statistic], "null_p_value": [v.null_p_value],
-            "median_null_ms": [v.median_null_ms], "median_floor_ms": [v.median_floor_ms],
-            "counted_prompt_tokens": [v.prompt_tokens], "reported_cached_hits": [v.reported_hits]}
+            "primer_tokens": [cfg.primer_tokens], "alpha": [cfg.alpha],
+            "ks_statistic": [v.cross.ks_statistic], "p_value": [v.cross.p_value],
+            "median_hit_ms": [m["cross"]], "median_miss_ms": [m["miss"]],
+            "hit_faster_than_all_misses": [bool(cross and miss) and max(cross) < min(miss)],
+            "detected": [v.verdict == "shared across users"], "verdict": [v.verdict], "reason": [v.reason or None],
+            "same_ks_statistic": [v.same.ks_statistic], "same_p_value": [v.same.p_value],
+            "median_same_ms": [m["same"]], "apart_ks_statistic": [v.apart.ks_statistic],
+            "apart_p_value": [v.apart.p_value],
+            "null_ks_statistic": [v.null.ks_statistic], "null_p_value": [v.null.p_value],
+            "median_null_ms": [m["null"]], "median_floor_ms": [m["floor"]],
+            "counted_prompt_tokens": [v.prompt_tokens],
+            "reported_cached_hits": [t.cross_cached if t.reading else None],
+            "reported_hits_of": [t.cross_of if t.reading else None],
+            "reported_cached_same": [t.same_cached if t.reading else None],
+            "reported_same_of": [t.same_of if t.reading else None],
+            "telemetry": [t.reading], "telemetry_note": [t.note or None],
+            "contradiction": [contradiction(v, t) or None]}
     s = result.samples
     rows = {"audit_id": [audit_id] * len(s), "kind": [x.kind for x in s], "sample": [x.index for x in s],
             "ttft_ms": [x.ttft_ms for x in s], "cached_tokens": [x.cached_tokens for x in s],

@@ -21,22 +21,30 @@ LOCAL_ENGINE = EngineConfig(block_size=16, num_blocks=1024, max_batch_tokens=204
 
 def list_audits(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
     """Newest first. Audits from before version 11 have no null control: their verdict is read from
-    `detected`. The prompt length asked is in words (a token each on SmolLM2 only); beside it, the timed
-    prompt as the server counted it, where it said."""
+    `detected`; those from before version 17 timed one kind of hit at their level (global: cross-user,
+    per-user: same-user), shown in the column of that kind. The prompt length asked is in words (a token
+    each on SmolLM2 only); beside it, the timed prompt as the server counted it, where it said."""
     return con.execute("SELECT audit_id, created_at, coalesce(target, base_url) AS target, model, level, "
                        "coalesce(verdict, CASE WHEN detected THEN 'detected' ELSE 'not detected' END) AS verdict, "
-                       "samples, prompt_tokens AS prompt_words, counted_prompt_tokens AS server_prompt_tokens, alpha, "
-                       "round(median_hit_ms, 1) AS median_hit_ms, round(median_miss_ms, 1) AS median_miss_ms, "
-                       "round(median_null_ms, 1) AS median_null_ms, "
-                       "round(ks_statistic, 3) AS ks_statistic, p_value, null_p_value, reason FROM timing_audits "
-                       "ORDER BY created_at DESC").df()
+                       "samples, prompt_tokens AS prompt_words, counted_prompt_tokens AS server_prompt_tokens, "
+                       "primer_tokens, alpha, "
+                       "round(CASE WHEN level = 'per-user' THEN median_hit_ms ELSE median_same_ms END, 1) "
+                       "AS median_same_ms, "
+                       "round(CASE WHEN level = 'per-user' THEN NULL ELSE median_hit_ms END, 1) AS median_cross_ms, "
+                       "round(median_miss_ms, 1) AS median_miss_ms, round(median_null_ms, 1) AS median_null_ms, "
+                       "round(ks_statistic, 3) AS ks_statistic, p_value, same_p_value, null_p_value, telemetry, "
+                       "contradiction, reason FROM timing_audits ORDER BY created_at DESC").df()
+
+
+KINDS = ("same", "cross", "hit", "miss", "null", "floor")  # hit: an audit's from before version 17
 
 
 def timings(con: duckdb.DuckDBPyConnection, audit_id: str) -> dict[str, list[float]]:
-    """An audit's times to first token (ms) by kind: hit, miss, null, floor (empty where it has none)."""
+    """An audit's times to first token (ms) by kind: same, cross, miss, null, floor (hit, not same and
+    cross, in an audit from before version 17); only the kinds it has."""
     rows = con.execute("SELECT kind, ttft_ms FROM timing_samples WHERE audit_id = ? ORDER BY sample",
                        [audit_id]).fetchall()
-    return {k: [t for kind, t in rows if kind == k] for k in ("hit", "miss", "null", "floor")}
+    return {k: got for k in KINDS if (got := [t for kind, t in rows if kind == k])}
 
 
 def audit_url(store: RunStore, cfg: AuditConfig, progress: Callable[[Sample], None] | None = None,

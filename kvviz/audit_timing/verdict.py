@@ -1,11 +1,15 @@
-"""What a timing audit's samples say: the one-sided KS test of hits against misses, the same test of
-the null control (misses against misses), and the verdict with its reason.
+"""What a paired timing audit's times say: one-sided KS tests of same-user hits, cross-user hits and
+the null control against the misses (and of same-user against cross-user hits), and the verdict with
+its one-sentence reason.
 
-Four verdicts, each with an exit status for CI: `detected` (1), `not detected` (0), `inconclusive`
-(3: the null control rejects too, so the measurement itself is biased and a difference between hits
-and misses means nothing), `no verdict` (2: too few samples to ever reach alpha, prompts of unequal
-length, or a server that answers a long prompt as fast as a one-word one, so a cached prefix cannot
-show in time).
+Five verdicts, each with an exit status for CI: `isolated` (0: the same-user control is detected,
+cross-user hits are not, and come later than same-user ones), `shared across users` (1: cross-user
+hits come sooner), `no verdict` (2: too few samples to ever reach alpha, prompts of unequal length,
+or a server that answers a long prompt as fast as a one-word one), `inconclusive` (3: the null
+control rejects too, so the measurement is biased; or cross-user hits sit between same-user hits and
+misses, too few rounds to say which), `no caching seen` (4: even same-user hits come no sooner, so the
+audit cannot tell isolation from no cache). Audits stored before version 17 keep their own verdicts,
+`detected` and `not detected` of one level.
 """
 
 from __future__ import annotations
@@ -14,7 +18,13 @@ import math
 import statistics
 from dataclasses import dataclass
 
-VERDICTS = {"not detected": 0, "detected": 1, "no verdict": 2, "inconclusive": 3}  # and their exit statuses
+from .defaults import PRIMER_TOKENS
+
+VERDICTS = {"isolated": 0, "shared across users": 1, "no verdict": 2, "inconclusive": 3,
+            "no caching seen": 4}  # and their exit statuses
+HEADLINES = {"isolated": "Isolated", "shared across users": "Shared across users", "no verdict": "No verdict",
+             "inconclusive": "Inconclusive", "no caching seen": "No caching seen"}
+TIMED = ("same", "cross", "miss", "null")  # the kinds timed and tested; "floor" is timed and only compared
 
 
 def smallest_p(n: int) -> float:
@@ -55,108 +65,91 @@ def ks_test(fast: list[float], slow: list[float]) -> tuple[float, float]:
 
 
 @dataclass(frozen=True)
-class Verdict:
-    verdict: str  # a key of VERDICTS
-    reason: str  # one sentence: why (empty for a plain detected / not detected)
-    samples: int  # the fewest of hit, miss and null
+class Versus:
+    """One one-sided KS test: do the first kind's times come sooner than the second's? (None: a side
+    has no times.)"""
     ks_statistic: float | None
     p_value: float | None
-    null_ks_statistic: float | None
-    null_p_value: float | None
-    median_hit_ms: float | None
-    median_miss_ms: float | None
-    median_null_ms: float | None
-    median_floor_ms: float | None
-    prompt_tokens: int | None  # the median the server counted for timed prompts, when it reports usage
-    reported_hits: int | None = None  # hits the server said it served partly from its cache (cached_tokens > 0)
-    reported_of: int = 0  # hits whose reply said how many tokens were cached
 
-    @property
-    def detected(self) -> bool:
-        return self.verdict == "detected"
+    def said(self) -> str:
+        return "" if self.p_value is None else f"D = {self.ks_statistic:.2f}, p = {self.p_value:.2g}"
+
+
+def versus(fast: list[float], slow: list[float]) -> Versus:
+    if not (fast and slow):
+        return Versus(ks_statistic=None, p_value=None)
+    d, p = ks_test(fast, slow)
+    return Versus(ks_statistic=d, p_value=p)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    verdict: str  # a key of VERDICTS
+    reason: str  # one sentence: what it says of the server and why (and why the audit stopped early)
+    samples: int  # the fewest of same, cross, miss and null
+    cross: Versus  # cross-user hits against misses: the test
+    same: Versus  # same-user hits against misses: the positive control
+    apart: Versus  # same-user hits against cross-user hits: what isolation must show
+    null: Versus  # the null control against misses: must not reject
+    medians_ms: dict[str, float | None]  # by kind: same, cross, miss, null, floor
+    prompt_tokens: int | None  # the median the server counted for timed prompts, when it reports usage
 
     @property
     def exit_status(self) -> int:
         return VERDICTS[self.verdict]
 
 
-def in_words(verdict: str, level: str) -> str:
-    """What a detected or not detected verdict says about the server (the CLI and the app say the
-    same); empty for the other two, whose reason says it."""
-    where = "across users" if level == "global" else "within a user"
-    return {"detected": f"hits reach their first token sooner, so this server shares its prompt cache {where}",
-            "not detected": f"hits reach their first token no sooner than misses, so this audit found no sign that "
-                            f"the server shares its prompt cache {where}"}.get(verdict, "")
-
-
 def _median(x: list[float]) -> float | None:
     return round(statistics.median(x), 3) if x else None
 
 
-def judge(times: dict[str, list[float]], tokens: dict[str, list[int]], alpha: float, stopped: str = "",
-          hits_cached: list[int] | None = None) -> Verdict:
-    """The verdict on timings by kind (hit, miss, null, floor) and the server's prompt token counts by
-    kind (hit, miss, null; empty where it reports none). `stopped` says why the audit ended early;
-    `hits_cached` is what the server reported as cached for each hit, where it did: not part of the
-    verdict (which is what timing shows an outsider), said beside it."""
-    hit, miss, null, floor = (times.get(k, []) for k in ("hit", "miss", "null", "floor"))
-    d, p = ks_test(hit, miss) if hit and miss else (None, None)
-    nd, np_ = ks_test(null, miss) if null and miss else (None, None)
-    n, need = min(len(hit), len(miss), len(null)), fewest_samples(alpha)
+def judge(times: dict[str, list[float]], tokens: dict[str, list[int]], alpha: float,
+          primer_tokens: int = PRIMER_TOKENS, stopped: str = "") -> Verdict:
+    """The verdict on times by kind (same, cross, miss, null, floor) and the server's prompt token
+    counts by kind (same, cross, miss, null; empty where it reports none). `primer_tokens` is what the
+    primers asked for (said where no caching was seen); `stopped` says why the audit ended early."""
+    got = {k: times.get(k, []) for k in (*TIMED, "floor")}
+    miss, floor = got["miss"], got["floor"]
+    cross, same, apart, null = (versus(got["cross"], miss), versus(got["same"], miss),
+                                versus(got["same"], got["cross"]), versus(got["null"], miss))
+    n, need = min(len(got[k]) for k in TIMED), fewest_samples(alpha)
     counted = {k: statistics.median(v) for k, v in tokens.items() if v}
     lengths = sorted(counted.values())
-    tail = f" ({stopped})" if stopped else ""
     if n < need:
-        verdict, reason = "no verdict", (f"{n} samples a side: at alpha {alpha:g} the test needs at least {need} "
-                                         f"(even complete separation of {n} gives p = {smallest_p(max(n, 1)):.2g})"
-                                         f"{tail}")
+        verdict, why = "no verdict", (f"{n} samples a side: at alpha {alpha:g} the test needs at least {need} "
+                                      f"(even complete separation of {n} gives p = {smallest_p(max(n, 1)):.2g})")
     elif lengths and lengths[-1] - lengths[0] > max(1.0, 0.02 * lengths[-1]):
-        verdict, reason = "no verdict", ("the server counted prompts of unequal length ("
-                                         + ", ".join(f"{k} {v:g}" for k, v in counted.items())
-                                         + " tokens), so their times do not compare" + tail)
+        verdict, why = "no verdict", ("the server counted prompts of unequal length ("
+                                      + ", ".join(f"{k} {v:g}" for k, v in counted.items())
+                                      + " tokens), so their times do not compare")
     elif floor and (slower := ks_test(floor, miss)[1]) >= alpha:  # the same test: is a prompt's work seen?
-        verdict, reason = "no verdict", (f"the server answers a full prompt about as fast as a one-word one "
-                                         f"({statistics.median(miss):.2f} against {statistics.median(floor):.2f} "
-                                         f"ms, p = {slower:.2g}), so a cached prefix cannot show in time: use "
-                                         f"longer prompts{tail}")
-    elif np_ < alpha:
-        verdict, reason = "inconclusive", (f"the null control (a miss against a miss, same schedule) rejects too "
-                                           f"(D = {nd:.2f}, p = {np_:.2g}): the measurement is biased{tail}")
+        verdict, why = "no verdict", (f"the server answers a full prompt about as fast as a one-word one "
+                                      f"({statistics.median(miss):.2f} against {statistics.median(floor):.2f} ms, "
+                                      f"p = {slower:.2g}), so a cached prefix cannot show in time: use longer prompts")
+    elif null.p_value < alpha:
+        verdict, why = "inconclusive", (f"the null control (a miss primed by the prober itself, against a miss "
+                                        f"primed by the other user) rejects too ({null.said()}): the measurement "
+                                        f"is biased")
+    elif cross.p_value < alpha:
+        verdict, why = "shared across users", (f"cross-user hits reach their first token sooner than misses "
+                                               f"({cross.said()}): this server answers one user's prompt from what "
+                                               f"another user's request left in its cache")
+    elif same.p_value >= alpha:
+        verdict, why = "no caching seen", (f"even same-user hits come no sooner than misses at alpha {alpha:g} "
+                                           f"({same.said()}), so this audit cannot tell a server that isolates users "
+                                           f"from one whose cache it cannot see: try longer prompts (--prompt-tokens), "
+                                           f"primers that generate more than {primer_tokens} tokens "
+                                           f"(--primer-tokens), more rounds, or the server's prefix cache turned on")
+    elif apart.p_value < alpha:
+        verdict, why = "isolated", (f"same-user hits come sooner than misses ({same.said()}) and than cross-user "
+                                    f"hits ({apart.said()}), cross-user hits no sooner than misses at alpha {alpha:g} "
+                                    f"({cross.said()}): this server caches prompts per user and shares none across "
+                                    f"users that timing can see")
     else:
-        verdict, reason = ("detected" if p < alpha else "not detected"), stopped
-    return Verdict(verdict, reason, n, d, p, nd, np_, _median(hit), _median(miss), _median(null), _median(floor),
-                   round(statistics.median([t for v in tokens.values() for t in v])) if lengths else None,
-                   sum(c > 0 for c in hits_cached) if hits_cached else None, len(hits_cached or []))
-
-
-HEADLINES = {"detected": "Detected", "not detected": "Not detected", "inconclusive": "Inconclusive",
-             "no verdict": "No verdict"}
-
-
-def server_says(v: Verdict) -> str:
-    """What the server itself reported of the hits (usage.prompt_tokens_details.cached_tokens), in
-    words, led by "but" where it contradicts a timing that found nothing; empty where it reported
-    nothing."""
-    if v.reported_hits is None:
-        return ""
-    if v.reported_hits == 0:
-        return f"the server reported no cached tokens for any of {v.reported_of} hits"
-    said = f"the server itself reported serving {v.reported_hits} of {v.reported_of} hits partly from its cache"
-    return f"but {said}: timing could not see it (more rounds, or a quieter machine)" if contradicted(v) else said
-
-
-def contradicted(v: Verdict) -> bool:
-    """Timing found nothing while the server says the hits hit its cache: too few rounds or too noisy
-    a machine to see what is there, not a server that shares nothing."""
-    return v.verdict == "not detected" and bool(v.reported_hits)
-
-
-def tone(v: Verdict, level: str) -> str:
-    """How the app colours a verdict: sharing across users is an error, sharing within a user (caching
-    that works) information, nothing found success, and a measurement that cannot tell (inconclusive,
-    no verdict, or timing contradicted by the server's own report) a warning."""
-    if v.verdict in ("inconclusive", "no verdict") or contradicted(v):
-        return "warning"
-    if v.detected:
-        return "error" if level == "global" else "info"
-    return "success"
+        verdict, why = "inconclusive", (f"same-user hits come sooner than misses ({same.said()}), but cross-user "
+                                        f"hits are neither sooner than misses ({cross.said()}) nor later than "
+                                        f"same-user hits ({apart.said()}) at alpha {alpha:g}: more rounds can tell "
+                                        f"isolation from sharing")
+    return Verdict(verdict=verdict, reason=why + (f" ({stopped})" if stopped else ""), samples=n, cross=cross,
+                   same=same, apart=apart, null=null, medians_ms={k: _median(v) for k, v in got.items()},
+                   prompt_tokens=round(statistics.median([t for v in tokens.values() for t in v])) if lengths else None)

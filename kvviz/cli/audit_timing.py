@@ -1,6 +1,6 @@
-"""`kvviz audit-timing`: the cross-tenant timing audit against any OpenAI-compatible server; a CI
-gate for a deployment: exit 1 when its prompt cache is shared at the level asked, 0 when not, 3 when
-the null control says the measurement is biased, 2 when there is no verdict (or an error)."""
+"""`kvviz audit-timing`: the paired timing audit against any OpenAI-compatible server; a CI gate for a
+deployment, its exit status the timing verdict's: 0 isolated, 1 shared across users, 2 no verdict (or
+an error), 3 inconclusive, 4 no caching seen."""
 
 from __future__ import annotations
 
@@ -10,50 +10,101 @@ import sys
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
-from .common import Subcommands, add_db
+from .common import Subcommands, add_db, fail
 
 if TYPE_CHECKING:
     from ..audit_timing.probe import AuditConfig
+    from ..audit_timing.telemetry import Telemetry
     from ..audit_timing.verdict import Verdict
+
+SCHEDULE = """Each round times four requests, each right after an untimed primer of the same length that asks
+for --primer-tokens tokens, in one of four balanced orders: a same-user hit (the prober sent the
+same prompt just before: the positive control), a cross-user hit (another user with another API key
+did: the test), a miss (a fresh prompt, primed by the other user) and a null (a fresh prompt, primed
+by the prober: the control); then the floor, a one-word prompt timed alone (a server whose full
+prompt comes no later than the floor is too fast to time). One-sided KS tests at --alpha ask which
+come sooner than the misses. Where replies carry usage.prompt_tokens_details.cached_tokens, the
+server's own counts are read beside the timing (the cached-tokens channel), and a disagreement
+between the two is reported as a contradiction."""
+# One line each, in the order of the exit statuses.
+VERDICT_HELP = {"isolated": "same-user hits come sooner than misses and than cross-user hits, cross-user hits "
+                            "no sooner than misses",
+                "shared across users": "cross-user hits come sooner than misses",
+                "no verdict": "too few rounds to reach alpha, prompts of unequal length, a server too fast to "
+                              "time, or one that failed before enough rounds (also any error)",
+                "inconclusive": "the null control rejects too (a biased measurement), or cross-user hits sit "
+                                "between same-user hits and misses (more rounds)",
+                "no caching seen": "even same-user hits come no sooner: isolation cannot be told from no cache "
+                                   "(try longer prompts, more primer tokens, more rounds, the server's prefix "
+                                   "cache on)"}
+LEVEL_GONE = ("--level is gone: every audit is now paired, timing same-user hits (what --level per-user timed) and "
+              "cross-user hits (what --level global timed) in one schedule")
+
+
+def _epilog() -> str:
+    """The schedule, each verdict with its exit status, and what became of --level, wrapped as the
+    options above are not (argparse leaves an epilog as written)."""
+    import textwrap
+
+    from ..audit_timing.verdict import VERDICTS
+
+    lines = [textwrap.fill(f"  {code}  {verdict:<20} {VERDICT_HELP[verdict]}", 100, subsequent_indent=" " * 26,
+                           break_on_hyphens=False)
+             for verdict, code in sorted(VERDICTS.items(), key=lambda kv: kv[1])]
+    return (SCHEDULE + "\n\nverdicts and exit statuses (the timing verdict's; the cached-tokens channel is said "
+            "beside it):\n" + "\n".join(lines) + "\n\n"
+            + textwrap.fill(f"{LEVEL_GONE}; audits stored with a level stay readable.", 100))
 
 
 def cmd_audit_timing(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from ..audit_timing.probe import AuditConfig, record, run_audit
+    from ..audit_timing.probe import TIMED, AuditConfig, record, run_audit
+    from ..audit_timing.telemetry import contradiction
 
-    cfg = AuditConfig(args.base_url.rstrip("/"), args.model, args.level, args.samples, args.prompt_tokens,
-                      args.interval, args.alpha, args.endpoint, args.api_key)
+    if args.level is not None:
+        return fail(f"{LEVEL_GONE}; drop --level", args.command)
+    cfg = AuditConfig(base_url=args.base_url.rstrip("/"), model=args.model, samples=args.samples,
+                      prompt_tokens=args.prompt_tokens, primer_tokens=args.primer_tokens, interval=args.interval,
+                      alpha=args.alpha, endpoint=args.endpoint, api_key=args.api_key)
     store = args.store
-    with tqdm(total=7 * cfg.samples, unit="request", desc=f"auditing ({cfg.level})", file=sys.stderr,
-              disable=args.quiet) as bar:  # a round: three primers, hit, miss, null and the floor
-        result = run_audit(cfg, progress=lambda s: bar.update(2 if s.kind in ("hit", "miss", "null") else 1))
-    v = result.judge()
-    audit_id = record(store, result, v)
+    per_round = 2 * len(TIMED) + 1  # a primer and a timed request of each kind, and the floor
+    with tqdm(total=per_round * cfg.samples, unit="request", desc="auditing", file=sys.stderr,
+              disable=args.quiet) as bar:
+        result = run_audit(cfg, progress=lambda s: bar.update(1 if s.kind == "floor" else 2))
+    v, t = result.judge(), result.telemetry()
+    audit_id = record(store, result, v, t)
     if args.json:
-        print(json.dumps({"audit_id": audit_id, "level": cfg.level, **asdict(v), "detected": v.detected}))
+        print(json.dumps({"audit_id": audit_id, **asdict(v), "exit_status": v.exit_status,
+                          "primer_tokens": cfg.primer_tokens, "telemetry": asdict(t),
+                          "contradiction": contradiction(v, t) or None}))
     else:
-        _say(audit_id, cfg, v)
+        _say(audit_id, cfg, v, t)
     return v.exit_status
 
 
-def _say(audit_id: str, cfg: AuditConfig, v: Verdict) -> None:
-    from ..audit_timing.verdict import HEADLINES, in_words, server_says
+def _say(audit_id: str, cfg: AuditConfig, v: Verdict, t: Telemetry) -> None:
+    from ..audit_timing.telemetry import contradiction, said
+    from ..audit_timing.verdict import HEADLINES
 
-    print(f"timing audit {audit_id} of {cfg.base_url} ({cfg.model}), level {cfg.level}, {v.samples} rounds of a "
-          f"hit, a miss and a null of {v.prompt_tokens or cfg.prompt_tokens} tokens"
-          + ("" if v.prompt_tokens else " (words; the server reports no usage)"))
-    print(f"  median TTFT      hit {_ms(v.median_hit_ms)}   miss {_ms(v.median_miss_ms)}   null "
-          f"{_ms(v.median_null_ms)}   floor (one word) {_ms(v.median_floor_ms)}")
-    if v.p_value is not None:
-        print(f"  hit vs miss      KS D {v.ks_statistic:.3f}   p-value {v.p_value:.3g} (alpha {cfg.alpha:g})")
-    if v.null_p_value is not None:
-        print(f"  null vs miss     KS D {v.null_ks_statistic:.3f}   p-value {v.null_p_value:.3g} (the control: "
-              f"must not reject)")
-    says = HEADLINES[v.verdict] if v.verdict == "not detected" else HEADLINES[v.verdict].upper()
-    print(f"  {says}: " + "; ".join(x for x in (in_words(v.verdict, cfg.level), v.reason) if x))
-    if server_says(v):
-        print(f"  {server_says(v)}")
+    m = v.medians_ms
+    print(f"timing audit {audit_id} of {cfg.base_url} ({cfg.model}), {v.samples} rounds of a same-user hit, a "
+          f"cross-user hit, a miss and a null of {v.prompt_tokens or cfg.prompt_tokens} tokens"
+          + ("" if v.prompt_tokens else " (words; the server reports no usage)")
+          + f", each after a primer of max_tokens {cfg.primer_tokens}")
+    print(f"  median TTFT        same-user hit {_ms(m['same'])}   cross-user hit {_ms(m['cross'])}   miss "
+          f"{_ms(m['miss'])}   null {_ms(m['null'])}   floor (one word) {_ms(m['floor'])}")
+    for name, test, note in (("cross-user vs miss", v.cross, "the test"),
+                             ("same-user vs miss", v.same, "the positive control"),
+                             ("same vs cross-user", v.apart, "isolation must reject"),
+                             ("null vs miss", v.null, "the control: must not reject")):
+        if test.p_value is not None:
+            print(f"  {name:<18} KS D {test.ks_statistic:.3f}   p-value {test.p_value:.3g} ({note}; alpha "
+                  f"{cfg.alpha:g})")
+    print(f"  {HEADLINES[v.verdict].upper()} (exit {v.exit_status}): {v.reason}")
+    print(f"  cached tokens: {said(t)}")
+    if found := contradiction(v, t):
+        print(f"  CONTRADICTION: {found}")
 
 
 def _ms(x: float | None) -> str:
@@ -61,21 +112,32 @@ def _ms(x: float | None) -> str:
 
 
 def add_audit_timing(sub: Subcommands) -> None:
-    p = sub.add_parser("audit-timing", help="does a server share its prompt cache across users? a TTFT timing audit")
+    from ..audit_timing import defaults as d
+
+    p = sub.add_parser("audit-timing", help="does a server share its prompt cache across users? a paired TTFT "
+                       "timing audit", description="Does an OpenAI-compatible server share its prompt cache across "
+                       "users? A paired timing audit by time to first token, after Gu et al. 2025.",
+                       epilog=_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base-url", required=True, help="the server's OpenAI API, e.g. http://127.0.0.1:8000/v1")
     p.add_argument("--model", required=True, help="the model name the server serves")
-    p.add_argument("--level", default="global", help="global: the hit's prompt is sent first by another user and "
-                   "API key; per-user: by the same one (default global)")
-    p.add_argument("--samples", type=int, default=250, help="rounds, each timing a hit, a miss and a null "
-                   "control (default 250)")
-    p.add_argument("--prompt-tokens", type=int, default=512, help="length of each prompt, in words "
-                   "of one token each (default 512)")
+    p.add_argument("--samples", type=int, default=d.ROUNDS, help="rounds, each timing a same-user hit, a "
+                   f"cross-user hit, a miss, a null and the floor (default {d.ROUNDS}; the published protocol "
+                   "uses 250)")
+    p.add_argument("--prompt-tokens", type=int, default=d.PROMPT_WORDS, help="length of each prompt, in words "
+                   f"of one token each on SmolLM2 (default {d.PROMPT_WORDS}: a hit shows only in the cache pages "
+                   "its prompt fills)")
+    p.add_argument("--primer-tokens", type=int, default=d.PRIMER_TOKENS, help="max_tokens of each untimed "
+                   f"primer (default {d.PRIMER_TOKENS}: a server may cache nothing of a request that ends in its "
+                   "prefill step); timed requests ask for 1")
     p.add_argument("--interval", type=float, default=0.0, help="seconds of quiet between rounds (default 0)")
-    p.add_argument("--alpha", type=float, default=1e-8, help="significance level of the KS test (default 1e-8)")
+    p.add_argument("--alpha", type=float, default=d.ALPHA, help=f"significance level of each KS test (default "
+                   f"{d.ALPHA:g})")
     p.add_argument("--endpoint", default="completions", help="completions (default) or chat")
-    p.add_argument("--api-key", default="kvviz-audit", help="the prober's API key; at the global level the other "
-                   "user's is this with -other appended")
-    p.add_argument("--json", action="store_true", help="print the verdict as one JSON line")
+    p.add_argument("--api-key", default="kvviz-audit", help="the prober's API key; the other user's is this with "
+                   "-other appended")
+    p.add_argument("--level", help=argparse.SUPPRESS)  # refused, saying why: see LEVEL_GONE
+    p.add_argument("--json", action="store_true", help="print the verdict, its tests and the cached-tokens "
+                   "channel as one JSON line")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_db(p, "run store to record the audit into")
     p.set_defaults(func=cmd_audit_timing)

@@ -1,13 +1,18 @@
-"""A timing audit drawn: the empirical distribution functions of hit, miss and null (the control: a
-second miss) times to first token, the KS distance marked where the hits' curve lies furthest above
-the misses', and the floor (a one-word prompt's median time) as a line: a server can save no more."""
+"""A timing audit drawn: the empirical distribution functions of the times to first token of each
+kind it timed (same-user hits, cross-user hits, misses, the null control dashed; an audit from before
+the paired one has plain hits), the KS distance of each kind of hit from the misses marked where its
+curve lies furthest above theirs, and the floor (a one-word prompt's median time) as a line: a server
+can save no more."""
 
 from __future__ import annotations
 
 import numpy as np
 import plotly.graph_objects as go
 
-HIT, MISS, NULL = "#2ca02c", "#d62728", "#7f7f7f"
+# Drawn in this order: name in the legend, colour, dash.
+CURVES = {"same": ("same-user hit", "#1f77b4", None), "cross": ("cross-user hit", "#2ca02c", None),
+          "hit": ("hit", "#2ca02c", None), "miss": ("miss", "#d62728", None), "null": ("null", "#7f7f7f", "dash")}
+HITS = ("same", "cross", "hit")
 
 
 def _ecdf(x: list[float]) -> tuple[np.ndarray, np.ndarray]:
@@ -17,30 +22,36 @@ def _ecdf(x: list[float]) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate([xs[:1], xs]), np.arange(len(xs) + 1) / len(xs)
 
 
-def ttft_ecdf(hit: list[float], miss: list[float], title: str = "", null: list[float] | None = None,
-              floor: list[float] | None = None, x_max: float | None = None) -> go.Figure:
-    """Step curves (hit, miss, null dashed grey); a black segment at the largest F_hit - F_miss,
-    labelled D; a dotted vertical line at the floor's median. `x_max` ends the time axis there, so
-    that audits drawn side by side share one scale."""
+def _distance(fig: go.Figure, name: str, hit: list[float], miss: list[float], colour: str) -> None:
+    """A segment at the largest F_hit - F_miss, labelled D, in the hit curve's colour."""
+    grid = np.sort(np.concatenate([hit, miss]))
+    f_hit = np.searchsorted(np.sort(hit), grid, side="right") / len(hit)
+    f_miss = np.searchsorted(np.sort(miss), grid, side="right") / len(miss)
+    i = int(np.argmax(f_hit - f_miss))
+    d = float(f_hit[i] - f_miss[i])
+    fig.add_trace(go.Scatter(x=[grid[i], grid[i]], y=[f_miss[i], f_hit[i]], mode="lines+markers",
+                             line={"color": colour, "width": 3}, marker={"color": "black"},
+                             name=f"{name} KS distance D = {d:.2f}",
+                             hovertemplate=f"{name}: D = {d:.3f} at %{{x:.1f}} ms<extra></extra>"))
+
+
+def ttft_ecdf(times: dict[str, list[float]], title: str = "", x_max: float | None = None) -> go.Figure:
+    """Step curves of the kinds in `times` (same, cross, hit, miss, null; floor is the line), a
+    segment for each kind of hit's distance from the misses, a dotted vertical line at the floor's
+    median. `x_max` ends the time axis there, so that audits drawn side by side share one scale."""
     fig = go.Figure()
-    for name, values, colour, dash in (("hit", hit, HIT, None), ("miss", miss, MISS, None),
-                                       ("null", null or [], NULL, "dash")):
-        if values:
+    for kind, (name, colour, dash) in CURVES.items():
+        if values := times.get(kind):
             xs, ys = _ecdf(values)
             fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", line={"shape": "hv", "color": colour, "dash": dash},
                                      name=f"{name} ({len(values)})",
                                      hovertemplate=f"{name}: %{{y:.0%}} within %{{x:.1f}} ms<extra></extra>"))
-    if hit and miss:
-        grid = np.sort(np.concatenate([hit, miss]))
-        f_hit = np.searchsorted(np.sort(hit), grid, side="right") / len(hit)
-        f_miss = np.searchsorted(np.sort(miss), grid, side="right") / len(miss)
-        i = int(np.argmax(f_hit - f_miss))
-        d = float(f_hit[i] - f_miss[i])
-        fig.add_trace(go.Scatter(x=[grid[i], grid[i]], y=[f_miss[i], f_hit[i]], mode="lines+markers",
-                                 line={"color": "black", "width": 2}, name=f"KS distance D = {d:.2f}",
-                                 hovertemplate=f"D = {d:.3f} at %{{x:.1f}} ms<extra></extra>"))
-    if floor:  # labelled at the top: the curves start at the bottom, next to it
-        fig.add_vline(x=float(np.median(floor)), line={"color": NULL, "dash": "dot"},
+    miss = times.get("miss")
+    for kind in HITS:
+        if miss and times.get(kind):
+            _distance(fig, CURVES[kind][0], times[kind], miss, CURVES[kind][1])
+    if floor := times.get("floor"):  # labelled at the top: the curves start at the bottom, next to it
+        fig.add_vline(x=float(np.median(floor)), line={"color": CURVES["null"][1], "dash": "dot"},
                       annotation_text=f"floor {np.median(floor):.1f} ms", annotation_position="top right")
     fig.update_layout(title=title or None, height=340, margin={"l": 10, "r": 10, "t": 40 if title else 10, "b": 10},
                       xaxis={"title": "time to first token (ms)", "rangemode": "tozero",

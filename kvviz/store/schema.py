@@ -17,8 +17,9 @@ block_lifetimes per block of an engine run (two blocks can hold one hash) ended 
 (attention_keys) instead of in each of its rows (attention_rows; `attention` is the view that joins
 them back), version 14 attention rows a recorder writes as Parquet parts beside the store
 (attention_parts: the `attention` view reads them where they lie), version 15 what a run's engine said of it
-(runs.notes), version 16 its replays under other caches (whatif_points); older files are upgraded in place by
-the idempotent DDL.
+(runs.notes), version 16 its replays under other caches (whatif_points), version 17 the paired timing audit (same-user
+and cross-user hits in one schedule: the control's test, the primers' max_tokens, the server's own cached-token
+counts and any contradiction between them and timing); older files are upgraded in place by the idempotent DDL.
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 
-SCHEMA_VERSION = "16"
+SCHEMA_VERSION = "17"
 # Versions whose files the idempotent DDL brings up to date.
-UPGRADABLE = {"1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12", "13", "14", "15"}
+UPGRADABLE = {"1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12", "13", "14", "15", "16"}
 
 _ARROW = {"VARCHAR": pa.string(), "JSON": pa.string(), "TIMESTAMP": pa.timestamp("us"), "BIGINT": pa.int64(),
           "INTEGER": pa.int32(), "DOUBLE": pa.float64(), "FLOAT": pa.float32(), "BOOLEAN": pa.bool_(),
@@ -261,35 +262,59 @@ TABLES: dict[str, Table] = {t.name: t for t in (
               Column("prompt_tokens", "BIGINT"), Column("hit_rate", "DOUBLE", "tokens_saved / prompt_tokens")),
           in_trace=False),
     Table("timing_audits", "Timing audits of a server's prompt cache (kvviz audit-timing), one row per audit: "
-          "a one-sided KS test that hits reach their first token sooner than misses.", (
+          "one-sided KS tests that hits reach their first token sooner than misses. The hit columns are the tested "
+          "hits: cross-user ones in a paired audit (level paired), the level's before version 17.", (
               Column("audit_id", "VARCHAR"), Column("created_at", "TIMESTAMP"), Column("base_url", "VARCHAR"),
               Column("target", "VARCHAR", "what was audited, in words (a server the app started: model, policy)",
                      added_in="4"),  # files from before it was added to version 4 lack it too
               Column("model", "VARCHAR"),
-              Column("level", "VARCHAR", "who sent a hit's prompt first: global (another user and key) | per-user"),
+              Column("level", "VARCHAR", "paired (same-user and cross-user hits each round, version 17 on) | global "
+                     "(another user and key sent each hit's prompt first) | per-user (the prober itself did)"),
               Column("endpoint", "VARCHAR", "completions | chat"), Column("samples", "INTEGER", "per side"),
               Column("prompt_tokens", "INTEGER"), Column("alpha", "DOUBLE"), Column("ks_statistic", "DOUBLE"),
               Column("p_value", "DOUBLE"), Column("median_hit_ms", "DOUBLE"), Column("median_miss_ms", "DOUBLE"),
               Column("hit_faster_than_all_misses", "BOOLEAN"),
-              Column("detected", "BOOLEAN", "verdict = 'detected': the server shares its cache at this level"),
-              Column("verdict", "VARCHAR", "detected | not detected | inconclusive (the null control rejects too: "
-                     "the measurement is biased) | no verdict (too few samples, unequal prompts, too fast to time); "
-                     "null before version 11", added_in="11"),
-              Column("reason", "VARCHAR", "why the verdict, or why the audit stopped early, in one sentence",
-                     added_in="11"),
-              Column("null_ks_statistic", "DOUBLE", "the null control: misses against misses, the same test",
-                     added_in="11"),
+              Column("detected", "BOOLEAN", "the tested hits came sooner: the server shares its cache across users "
+                     "(paired, global) or within a user (per-user)"),
+              Column("verdict", "VARCHAR", "paired: isolated | shared across users | no caching seen | inconclusive "
+                     "(the null control rejects, or cross-user hits sit between same-user hits and misses) | no "
+                     "verdict (too few samples, unequal prompts, too fast to time); before version 17 detected | not "
+                     "detected | inconclusive | no verdict; null before version 11", added_in="11"),
+              Column("reason", "VARCHAR", "the verdict in one sentence (before version 17: why, when not plain), and "
+                     "why the audit stopped early", added_in="11"),
+              Column("null_ks_statistic", "DOUBLE", "the null control against misses, the same test (paired: a miss "
+                     "primed by the prober itself; before: a second miss)", added_in="11"),
               Column("null_p_value", "DOUBLE", added_in="11"), Column("median_null_ms", "DOUBLE", added_in="11"),
               Column("median_floor_ms", "DOUBLE", "a one-word prompt's: the server's time for no prompt work",
                      added_in="11"),
               Column("counted_prompt_tokens", "INTEGER", "the median timed prompt as the server counted it "
                      "(usage.prompt_tokens), when it reports usage", added_in="11"),
-              Column("reported_cached_hits", "INTEGER", "hits the server itself reported serving partly from its "
-                     "cache (cached_tokens > 0), when it reports them: said beside the verdict", added_in="11")),
+              Column("reported_cached_hits", "INTEGER", "tested hits the server itself reported serving from its "
+                     "cache (more cached_tokens than a miss), when it reports them", added_in="11"),
+              Column("primer_tokens", "INTEGER", "max_tokens of each untimed primer (timed requests ask for 1); null "
+                     "before version 17 (1)", added_in="17"),
+              Column("same_ks_statistic", "DOUBLE", "same-user hits against misses: the positive control",
+                     added_in="17"),
+              Column("same_p_value", "DOUBLE", added_in="17"), Column("median_same_ms", "DOUBLE", added_in="17"),
+              Column("apart_ks_statistic", "DOUBLE", "same-user hits against cross-user hits: what isolation must "
+                     "show", added_in="17"),
+              Column("apart_p_value", "DOUBLE", added_in="17"),
+              Column("reported_hits_of", "INTEGER", "tested hits whose reply said how many tokens were cached",
+                     added_in="17"),
+              Column("reported_cached_same", "INTEGER", "same-user hits the server reported serving from its cache",
+                     added_in="17"),
+              Column("reported_same_of", "INTEGER", added_in="17"),
+              Column("telemetry", "VARCHAR", "what the server's own cached-token counts say, in the verdicts' words; "
+                     "null where the channel could not be used", added_in="17"),
+              Column("telemetry_note", "VARCHAR", "why the cached-tokens channel could not be used, or which replies "
+                     "said nothing", added_in="17"),
+              Column("contradiction", "VARCHAR", "where timing and the server's counts disagree, the finding in one "
+                     "sentence", added_in="17")),
           in_trace=False, key="audit_id"),
     Table("timing_samples", "Each timed request of a timing audit: time to first token in milliseconds.", (
         *_cols("audit_id VARCHAR"),
-        Column("kind", "VARCHAR", "hit | miss | null (a second miss: the control) | floor (a one-word prompt)"),
+        Column("kind", "VARCHAR", "same (a same-user hit) | cross (a cross-user hit) | miss | null (the control) | "
+               "floor (a one-word prompt); hit in audits before version 17"),
         Column("sample", "INTEGER", "the round"), *_cols("ttft_ms DOUBLE, cached_tokens INTEGER"),
         Column("prompt_tokens", "INTEGER", "the timed prompt as the server counted it", added_in="11"),
         Column("primer_tokens", "INTEGER", "the prompt sent just before it, as the server counted it",
