@@ -66,11 +66,12 @@ def test_an_import_split_over_processes_writes_the_rows_of_one(tmp_path):
 
 
 def bad_payload() -> bytes:
-    return msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": [1, 2], "token_ids": [1], "block_size": 1}], 0])
+    """A hash no decoder reads (a wrong token count is no longer bad: it imports as a breach, tests/test_lint.py)."""
+    return msgpack.packb([1.0, [{"type": "BlockRemoved", "block_hashes": [1.5]}], 0])
 
 
 def capture_with_bad(path: Path, bad: dict[int, str]) -> Path:
-    """Two replicas taking turns; the messages numbered in `bad` (line = number + 2) carry a wrong token count."""
+    """Two replicas taking turns; the messages numbered in `bad` (line = number + 2) carry a float hash."""
     w = CaptureWriter(path, {"replica-0": "tcp://a", "replica-1": "tcp://b"})
     for i, m in enumerate(fleet_messages(3000, replicas=2)):
         assert m.replica == f"replica-{i % 2}"
@@ -85,7 +86,7 @@ def capture_with_bad(path: Path, bad: dict[int, str]) -> Path:
 def test_a_split_import_names_the_earliest_bad_line_whichever_process_finds_it(tmp_path, bad):
     store, good = store_with_one_run(tmp_path)
     first = min(bad)
-    with pytest.raises(CaptureError, match=rf"line {first + 2} \(seq {first // 2}\) event 0: token_ids must hold"):
+    with pytest.raises(CaptureError, match=rf"line {first + 2} \(seq {first // 2}\) event 0: a block hash must be"):
         import_capture(capture_with_bad(tmp_path / "c.jsonl", bad), store, workers=2)
     assert_only(store, good)
 

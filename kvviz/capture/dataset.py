@@ -24,13 +24,13 @@ import pyarrow.parquet as pq
 from ..errors import CaptureError
 from .capture_file import Message
 from .events import Batch
-from .rows import LIFE_FIELDS, ROW_SCHEMA, TENANT_FIELDS, EventRows
+from .rows import CONTRACT_FIELDS, LIFE_FIELDS, ROW_SCHEMA, TENANT_FIELDS, EventRows
 
 FILE_SCHEMA = ROW_SCHEMA.remove(ROW_SCHEMA.get_field_index("replica"))
 MANIFEST = "_kvviz_capture.json"
-FORMAT, VERSION = "kvviz-capture-dataset", 4
-LATER = {name: typ for name, typ in (*LIFE_FIELDS, *TENANT_FIELDS)}  # columns versions 2 and 3 added: an older
-# part reads them as null
+FORMAT, VERSION = "kvviz-capture-dataset", 5
+LATER = {name: typ for name, typ in (*LIFE_FIELDS, *TENANT_FIELDS, *CONTRACT_FIELDS)}  # columns versions 2, 3 and 5
+# added: an older part reads them as null
 NAME = re.compile(r"[A-Za-z][A-Za-z0-9._-]{0,63}")  # a replica name: a path part every engine reads as text
 
 

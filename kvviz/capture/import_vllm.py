@@ -8,7 +8,9 @@ database) that the run reads in place, as `import --in-place` reads a dataset fo
 imported without --in-place is copied in, a chunk at a time, each chunk committed, so memory is
 bounded by the chunk whatever its length, and the writer is given up every second, so the app's
 other users read while a long capture imports. The run says `running` until the end, and a bad
-message anywhere leaves nothing of it (nothing half-imported, no files).
+message anywhere leaves nothing of it (nothing half-imported, no files). A message that decodes but
+breaks the KV-event contract is no bad message: the linter (lint.py) counts it in capture_breaches,
+and the run's workload says how many kinds of breach it found (`breaches`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from .capture_file import DEFAULT_REPLICA
 from .dataset import LATER, MANIFEST, check_files, dataset_files
 from .events import CaptureError
 from .jsonl_dataset import Progress, write_dataset
+from .lint import Source, keep, lint_run
 
 CAPTURE_MODEL = "vllm capture"  # what an imported capture's run says its model was
 TRACE_MODEL = "request trace"  # an imported request trace's (Mooncake's format: hashes, no model's events)
@@ -79,8 +82,9 @@ def import_capture(path: str | Path, store: RunStore, progress: Progress | None 
         written = write_dataset(path, folder, progress, workers)
         if not written.messages:
             raise CaptureError(f"{path}: the capture holds no messages")
-        return _import(path, store, (), said | {"files": len(dataset_files(folder))}, steps=written.messages,
-                       source=str(folder.resolve()), run_id=run_id)
+        files = dataset_files(folder)
+        return _import(path, store, (), said | {"files": len(files)}, steps=written.messages,
+                       source=str(folder.resolve()), run_id=run_id, lint=Source.of(files, hive=True))
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
         with store.write() as con:
@@ -117,7 +121,8 @@ def import_dataset(path: str | Path, store: RunStore, progress: Progress | None 
                 yield (table.set_column(table.schema.get_field_index("step"), "step", dense)
                        .append_column("replica", pa.array([replica] * table.num_rows, pa.string())))
 
-    return _import(path, store, chunks(), {"capture": path.name, "files": len(files)})
+    return _import(path, store, chunks(), {"capture": path.name, "files": len(files)},
+                   lint=Source.of(files, all(hive), renumber=True))
 
 
 def _register(path: Path, store: RunStore, files: list[Path], hive: bool, steps: np.ndarray,
@@ -139,7 +144,7 @@ def _register(path: Path, store: RunStore, files: list[Path], hive: bool, steps:
         for _ in _batches(f):
             pass
     return _import(path.resolve(), store, (), {"capture": path.name, "files": len(files), "in_place": True},
-                   steps=len(steps), source=str(path.resolve()))
+                   steps=len(steps), source=str(path.resolve()), lint=Source.of(files, hive))
 
 
 def _each(files: list[Path], progress: Progress | None) -> Iterator[Path]:
@@ -188,9 +193,10 @@ def _begin(store: RunStore, path: Path, workload: dict, model: str = CAPTURE_MOD
 
 def _import(path: Path, store: RunStore, chunks: Iterable[pa.Table], workload: dict,
             steps: int | None = None, source: str | None = None, hold_s: float = TURN_S,
-            run_id: str | None = None) -> str:
-    """Insert every chunk, then the steps (given, or up to the last chunk's), the findings and totals,
-    into `run_id` (begun by the caller) or a new run. Each chunk commits on its own, so memory stays
+            run_id: str | None = None, lint: Source | None = None) -> str:
+    """Insert every chunk, then the steps (given, or up to the last chunk's), the findings, the
+    contract's breaches (where `lint` says where the messages are) and totals, into `run_id` (begun by
+    the caller) or a new run. Each chunk commits on its own, so memory stays
     bounded (DuckDB keeps a transaction's rows in memory until it commits); the run says `running`
     until the end, and a failure deletes everything of it: a bad line anywhere imports nothing."""
     run_id = run_id or _begin(store, path, workload)
@@ -210,6 +216,10 @@ def _import(path: Path, store: RunStore, chunks: Iterable[pa.Table], workload: d
             con.execute("BEGIN TRANSACTION")
             con.execute("INSERT INTO steps (run_id, step, seconds) SELECT ?, range, 0.0 FROM range(?)", [run_id, steps])
             con.execute(CROSS_TENANT, {"run": run_id})
+            if lint is not None:
+                breaches = lint_run(con, run_id, lint)
+                keep(con, run_id, breaches)
+                workload = workload | {"breaches": len(breaches)}
             con.execute("UPDATE runs SET status = 'complete', steps = $steps, workload = $workload, findings = "
                         "(SELECT count(*) FROM findings WHERE run_id = $run) WHERE run_id = $run",
                         {"steps": steps, "workload": json.dumps(workload), "run": run_id})
@@ -235,7 +245,7 @@ def _discard(store: RunStore, con: duckdb.DuckDBPyConnection, run_id: str) -> No
     except duckdb.Error:
         pass  # no transaction was open
     con.execute("BEGIN TRANSACTION")
-    for table in ("kv_event_rows", "capture_sources", "steps", "findings", "runs"):
+    for table in ("kv_event_rows", "capture_sources", "steps", "findings", "capture_breaches", "runs"):
         con.execute(f"DELETE FROM {table} WHERE run_id = ?", [run_id])
     store.refresh_file_views(con)
     con.execute("COMMIT")

@@ -21,6 +21,13 @@ that leaves the salt out of its hashes lets another tenant continue the chain). 
 measured on the publisher's clock (ts) as it ends or is used: a removal's `lifetime_s` (since the
 store that cached it) and `idle_s` (since its last use),
 a hit's `reuse_gap_s` (since the block's previous use), so the distributions are plain scans.
+
+Two columns are the evidence the KV-event contract linter (lint.py) reads, so it stays a few scans
+of columns at any size: `tokens_given`, on every row of a store whose token_ids do not hold
+block_size tokens per block (how many it gave; its rows get no token_ids, and the rest of the
+capture imports), and `parent_cached`, on the first block an event stores new, whether the block
+before it (the event's parent, or a hit reported ahead of it) was cached on its replica, KV group and
+medium at that moment.
 """
 
 from __future__ import annotations
@@ -47,8 +54,9 @@ BLOCK_FIELDS = (("block_index", pa.int32()), ("block_hash", pa.uint64()), ("pare
                 ("salt", pa.string()), ("repeat", pa.bool_()))
 LIFE_FIELDS = (("lifetime_s", pa.float64()), ("idle_s", pa.float64()), ("reuse_gap_s", pa.float64()))
 TENANT_FIELDS = (("salt_named", pa.bool_()),)
+CONTRACT_FIELDS = (("tokens_given", pa.int32()), ("parent_cached", pa.bool_()))
 ROW_SCHEMA = pa.schema([*MESSAGE_FIELDS, *EVENT_FIELDS[:2], *BLOCK_FIELDS, ("token_ids", INT_LIST),
-                        *EVENT_FIELDS[2:], *LIFE_FIELDS, *TENANT_FIELDS])
+                        *EVENT_FIELDS[2:], *LIFE_FIELDS, *TENANT_FIELDS, *CONTRACT_FIELDS])
 
 
 _GONE = object()
@@ -122,6 +130,9 @@ class EventRows:
         self._event_msg: list[int] = []  # the message of each event
         self._event_rows: list[int] = []  # the rows of each event
         self._named_from: list[int] = []  # the first block each event names a salt for (_UNNAMED: none)
+        self._first_new: list[int] = []  # the first block each event stores new (_UNNAMED: none)
+        self._parent_cached: list[int] = []  # per event, that block's parent was cached: 1, 0; -1 no parent
+        self._given: list[tuple[int, int]] = []  # (event, tokens it gave): stores whose tokens do not fit
         self._hashes: list[int | None] = []  # one per row (so are the four after it)
         self._repeats: list[bool | None] = []
         self._salts: list[str | None] = []
@@ -156,6 +167,8 @@ class EventRows:
             self._event_index.append(0)
             self._event_msg.append(m)
             self._named_from.append(_UNNAMED)
+            self._first_new.append(_UNNAMED)
+            self._parent_cached.append(-1)
             event_rows.append(1)
             hashes_out.append(None)
             for column in (self._repeats, self._salts, self._lifetimes, self._idles, self._gaps):
@@ -167,6 +180,7 @@ class EventRows:
         self._event_msg.extend(repeat(m, len(events)))
         repeats, salts, lifetimes, idles, gaps = self._repeats, self._salts, self._lifetimes, self._idles, self._gaps
         named_from, removed_named, rows, ts = self._named_from, self._removed_named, 0, batch.ts
+        first_new, parent_cached = self._first_new, self._parent_cached
         live, group, medium = None, None, None  # the cache of the last event's KV group and medium
         for e in events:
             hashes, kind = e.block_hashes, e.kind
@@ -175,6 +189,8 @@ class EventRows:
             rows += n
             if kind != "BlockStored" or not hashes:
                 named_from.append(_UNNAMED)
+                first_new.append(_UNNAMED)
+                parent_cached.append(-1)
             if not hashes:
                 hashes_out.append(None)
                 for column in (repeats, salts, lifetimes, idles, gaps):
@@ -210,9 +226,12 @@ class EventRows:
                 first_named = _first_named(given)
                 named_from.append(first_named)
                 named = _salts(given, n, None if parent is None else parent[0])
+                new = -1
                 for j, (h, salt) in enumerate(zip(hashes, named, strict=True)):
                     life = live.get(h)
                     if life is None:  # its tenant, when it was cached and last used, whether its store named it
+                        if new < 0:
+                            new = j
                         live[h] = [salt, ts, ts, int(j >= first_named)]
                         repeats.append(False)
                         gaps.append(None)
@@ -224,7 +243,13 @@ class EventRows:
                         salts.append(life[0] if salt is None else salt)
                 lifetimes.extend(repeat(None, n))
                 idles.extend(repeat(None, n))
-                self._tokens.extend(e.token_ids)
+                first_new.append(_UNNAMED if new < 0 else new)  # after hits, its parent is a hit: cached
+                parent_cached.append(1 if new > 0 or parent is not None else -1 if e.parent_hash is None else 0)
+                tokens, size = e.token_ids, e.block_size
+                if size is not None and len(tokens) == size * n:
+                    self._tokens.extend(tokens)
+                else:  # a breach of the contract: the blocks are kept, without tokens
+                    self._given.append((len(event_rows) - 1, len(tokens)))
             else:
                 for column in (repeats, salts, lifetimes, idles, gaps):
                     column.extend(repeat(None, n))
@@ -268,27 +293,40 @@ class EventRows:
                                   ("lifetime_s", pa.float64(), self._lifetimes), ("idle_s", pa.float64(), self._idles),
                                   ("reuse_gap_s", pa.float64(), self._gaps)):
             cols[name] = pa.array(values, type=typ)
-        cols["token_ids"] = self._token_column(stored, cols["block_size"], event_cols)
+        given = np.full(len(counts), -1, dtype=np.int64)
+        for e, n in self._given:
+            given[e] = n
+        given_rows = given[event_of_row]
+        unfit = given_rows >= 0
+        cols["tokens_given"] = pa.array(given_rows.astype(np.int32), mask=~unfit)
+        first_new = block_index == np.asarray(self._first_new, dtype=np.int64)[event_of_row]
+        cached = np.asarray(self._parent_cached, dtype=np.int8)[event_of_row]
+        cols["parent_cached"] = pa.array(cached == 1, mask=~first_new | (cached < 0))
+        cols["token_ids"] = self._token_column(stored, cols["block_size"], event_cols, unfit)
         table = pa.table({name: cols[name] for name in ROW_SCHEMA.names}, schema=ROW_SCHEMA)
         self._clear()
         return table
 
-    def _token_column(self, stored: pa.Array, block_size: pa.Array, event_cols: dict[str, pa.Array]) -> pa.Array:
-        lengths = pc.if_else(stored, block_size, 0).to_numpy(zero_copy_only=False).astype(np.int32)
+    def _token_column(self, stored: pa.Array, block_size: pa.Array, event_cols: dict[str, pa.Array],
+                      unfit: np.ndarray) -> pa.Array:
+        """Each stored row's block of tokens; null where a store's tokens do not fit its blocks (`unfit`)."""
+        lengths = pc.fill_null(pc.if_else(stored, block_size, 0), 0).to_numpy(zero_copy_only=False).astype(np.int32)
+        lengths[unfit] = 0
         offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
         np.cumsum(lengths, out=offsets[1:])
         try:
             values = pa.array(self._tokens, type=pa.int32())
         except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError):
             raise CaptureError(self._bad_tokens(event_cols)) from None
-        return pa.ListArray.from_arrays(pa.array(offsets), values, mask=pc.invert(stored))
+        return pa.ListArray.from_arrays(pa.array(offsets), values, mask=pa.array(~stored.to_numpy(zero_copy_only=False)
+                                                                                   | unfit))
 
     def _bad_tokens(self, event_cols: dict[str, pa.Array]) -> str:
         """Where the first token that is not a 32-bit int is (only on the error path, so it may be slow)."""
-        start = 0
+        start, unfit = 0, {e for e, _ in self._given}
         kinds, sizes = event_cols["kind"].to_pylist(), event_cols["block_size"].to_pylist()
         for e, (kind, size, rows) in enumerate(zip(kinds, sizes, self._event_rows, strict=True)):
-            if kind != "BlockStored":
+            if kind != "BlockStored" or e in unfit:
                 continue
             chunk = self._tokens[start:start + size * rows]
             start += size * rows

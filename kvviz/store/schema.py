@@ -19,7 +19,9 @@ them back), version 14 attention rows a recorder writes as Parquet parts beside 
 (attention_parts: the `attention` view reads them where they lie), version 15 what a run's engine said of it
 (runs.notes), version 16 its replays under other caches (whatif_points), version 17 the paired timing audit (same-user
 and cross-user hits in one schedule: the control's test, the primers' max_tokens, the server's own cached-token
-counts and any contradiction between them and timing); older files are upgraded in place by the idempotent DDL.
+counts and any contradiction between them and timing), version 18 the KV-event contract's breaches of each capture
+(capture_breaches) and the evidence the linter reads in its rows (kv_event_rows.tokens_given, parent_cached); older
+files are upgraded in place by the idempotent DDL.
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 
-SCHEMA_VERSION = "17"
+SCHEMA_VERSION = "18"
 # Versions whose files the idempotent DDL brings up to date.
-UPGRADABLE = {"1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12", "13", "14", "15", "16"}
+UPGRADABLE = {"1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12", "13", "14", "15", "16", "17"}
 
 _ARROW = {"VARCHAR": pa.string(), "JSON": pa.string(), "TIMESTAMP": pa.timestamp("us"), "BIGINT": pa.int64(),
           "INTEGER": pa.int32(), "DOUBLE": pa.float64(), "FLOAT": pa.float32(), "BOOLEAN": pa.bool_(),
@@ -220,7 +222,29 @@ TABLES: dict[str, Table] = {t.name: t for t in (
                      "or hit", added_in="6"),
               Column("salt_named", "BOOLEAN", "a store's: its own event names its salt (false: the salt is the "
                      "chain's it continues, or the cached block's it hits; vLLM names it in a chain's first block "
-                     "only, so which tenant stored the block cannot be told)", added_in="10")), in_trace=False),
+                     "only, so which tenant stored the block cannot be told)", added_in="10"),
+              Column("tokens_given", "INTEGER", "a store whose token_ids do not hold block_size tokens per block (a "
+                     "breach of the KV-event contract): how many it gave, on each of its rows (their token_ids are "
+                     "null); null otherwise", added_in="18"),
+              Column("parent_cached", "BOOLEAN", "the first block an event stores new: whether the block before it "
+                     "(the event's parent_hash, or a hit reported ahead of it) was cached on this replica, KV group "
+                     "and medium then; null on other rows and for a chain's first block", added_in="18")),
+          in_trace=False),
+    Table("capture_breaches", "What a capture's KV-event stream contradicts of the contract a consumer (llm-d's "
+          "indexer, Dynamo's router, kvviz's own views) trusts, found on import (`kvviz lint`): one row per kind "
+          "and replica, docs/capture-format.md says what each distorts.", (
+              Column("run_id", "VARCHAR"),
+              Column("kind", "VARCHAR", "token_count | remove_unstored | stored_twice | parent_after_child | "
+                     "seq_gap | seq_back | never_removes | salt_mixed | medium_removed_only"),
+              Column("replica", "VARCHAR"),
+              Column("count", "BIGINT", "how many: events (token_count), blocks (remove_unstored, stored_twice, "
+                     "parent_after_child, medium_removed_only), messages lost (seq_gap) or gone back (seq_back), "
+                     "stored blocks (never_removes), chains begun without a salt (salt_mixed)"),
+              Column("first_step", "INTEGER", "the message of the first occurrence (the capture's arrival order)"),
+              Column("first_seq", "BIGINT", "that message's sequence number"),
+              Column("first_ts", "DOUBLE", "that message's time on the publisher's clock"),
+              Column("detail", "VARCHAR", "the first occurrence in words: the block, the sequence numbers, the "
+                     "medium")), in_trace=False),
     Table("capture_sources", "Capture datasets registered in place (import --in-place): the view kv_events reads "
           "their Parquet files where they lie.", _cols(RUN_ID + "path VARCHAR, files INTEGER"), in_trace=False),
     Table("findings", "What the oracles found: the worst query of one kind of anomaly per request, step and "
