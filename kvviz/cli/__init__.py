@@ -12,6 +12,7 @@ from .audit_timing import add_audit_timing
 from .capture import add_capture_example, add_capture_vllm
 from .catalogue import add_audit, add_scenarios
 from .common import fail
+from .lint import add_lint
 from .models import add_bench, add_fetch_model
 from .run import add_run
 from .serve import add_serve
@@ -19,7 +20,7 @@ from .store import add_explain, add_export, add_import, add_replay, add_runs, ad
 from .whatif import add_whatif
 
 COMMANDS = (add_fetch_model, add_run, add_runs, add_sql, add_replay, add_export, add_capture_vllm, add_capture_example,
-            add_import, add_explain, add_whatif, add_scenarios, add_audit, add_bench, add_serve,
+            add_import, add_lint, add_explain, add_whatif, add_scenarios, add_audit, add_bench, add_serve,
             add_audit_timing)  # --help's order
 
 
