@@ -18,7 +18,7 @@ from ..errors import StoreError
 from ..figures import capture_time as time_fig
 from ..figures import captures as tree_fig
 from ..runners import explain_jobs
-from . import inspect_whatif
+from . import capture_breaches, inspect_whatif
 from .common import db_path, lookups_table, reader, store
 
 VIEWS = ("Activity", "Occupancy", "Lifetimes", "Shared prefixes", "Prefix tree", "Cross-tenant", "What if")
@@ -30,6 +30,7 @@ def render(info: RunInfo) -> None:
         trace = request_trace(con, info.run_id)
         names = captures.replicas(con, info.run_id)
         span = capture_time.span(con, info.run_id) if names else None
+        found = capture_breaches.read(con, info.run_id)
     st.info("This run is an imported request trace (Mooncake's format): one lookup per request, its full blocks "
             "stored after it as an unbounded cache would, hashes without tokens, times from the trace's start. No "
             "block ids, evictions or attention: the block map and heatmaps are not available, and its own capacity "
@@ -40,11 +41,13 @@ def render(info: RunInfo) -> None:
         st.info("None of this capture's events can be read: it stored nothing, or (see above) its dataset is "
                 "no longer where it was registered.", icon=":material/info:")
         return
+    capture_breaches.table(found)
     above = st.container()  # the explanation's progress, said here once the views have drawn
     a, b = _time_range(info.run_id, span, trace)
     if st.session_state.get("insp_view") not in VIEWS:
         st.session_state["insp_view"] = VIEWS[0]
     view = st.segmented_control("View", VIEWS, key="insp_view", label_visibility="collapsed") or VIEWS[0]
+    capture_breaches.warn(found, view)
     if view == "Activity":  # its own readers
         _activity(info, span, a, b)
     elif view == "What if":  # the whole capture, not the range: it writes what it computes

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import streamlit as st
 
+from ..analysis.breaches import breaches, linted
 from ..errors import KvvizError
 from ..runners.uploads import EXAMPLE, earlier_import, example_capture, import_file, refused, save_upload
-from .common import db_path, open_run, store
+from .common import db_path, open_run, reader, store
 
 
 def render() -> None:
@@ -73,6 +74,13 @@ def _import(name: str, saved: Path) -> None:
         bar.empty()
     st.session_state["upload_run"] = run_id
     st.success(f"Imported {name} as run {run_id}.", icon=":material/check_circle:")
+    with reader() as con:
+        found = breaches(con, run_id) if linted(con, run_id) else None
+    if found is not None and len(found):
+        kinds = ", ".join(dict.fromkeys(found.what))
+        st.warning(f"Its KV-event stream breaks the contract its consumers trust ({kinds}): imported all the same, "
+                   "each breach counted; the inspector lists them and says which figures they distort.",
+                   icon=":material/report:")
 
 
 def _folder() -> Path:
