@@ -108,6 +108,21 @@ with store.read() as con:
             out[f"{name}, {how}"] = time.perf_counter() - t
 print(json.dumps(out))
 """
+LINT_CHILD = """
+import json, sys, time
+from pathlib import Path
+from kvviz.capture.dataset import dataset_files
+from kvviz.capture.lint import Source, lint_run
+from kvviz.store import RunStore
+store = RunStore.open(sys.argv[1])
+with store.write() as con:  # a copied run's source dataset is no file a sandboxed reader may open
+    run = con.execute("SELECT run_id FROM runs").fetchone()[0]
+    path = con.execute("SELECT path FROM capture_sources WHERE run_id = ?", [run]).fetchone()
+    files = dataset_files(Path(path[0] if path else sys.argv[2]))
+    t = time.perf_counter()
+    found = lint_run(con, run, Source.of(files, hive=files[0].parent.name.startswith("replica="), renumber=not path))
+    print(json.dumps({"seconds": time.perf_counter() - t, "breaches": len(found)}))
+"""
 EXPLAIN_UP_TO = 1_000_000  # larger captures' explain is timed on its own (--capture-explain)
 
 
@@ -122,6 +137,7 @@ class ImportResult:
     explain_s: float | None = None  # `explain` over the imported capture, in another fresh process
     explain_mb: float | None = None  # that process's peak RSS
     views_s: dict[str, float] | None = None  # the dataset's: registering it in place, and each view's query
+    lint_s: float | None = None  # the KV-event contract linter alone (part of the import), in another fresh process
 
 
 def _child(script: str, *args: str, what: str) -> dict:
@@ -188,6 +204,8 @@ def run_capture_bench(sizes: list[int], progress: Callable[[str], None] = lambda
                 rate = len(msgs) / (time.perf_counter() - t)
                 progress(f"importing {n:,} events from the {form} ({len(msgs):,} messages)")
                 got = _child(CHILD, str(path), str(Path(tmp) / f"{n}-{form}.duckdb"), what=f"importing the {form}")
+                progress(f"timing the linter on the {form}'s run alone")
+                linted = _child(LINT_CHILD, str(Path(tmp) / f"{n}-{form}.duckdb"), str(path), what="linting")
                 explained = {}
                 if n <= EXPLAIN_UP_TO:
                     progress(f"explaining the {form}'s lookups")
@@ -199,18 +217,19 @@ def run_capture_bench(sizes: list[int], progress: Callable[[str], None] = lambda
                     views = _child(VIEWS_CHILD, str(Path(tmp) / f"{n}-{form}.duckdb"), str(path),
                                    what="timing the views")
                 out.append(ImportResult(n, len(msgs), form, got["seconds"], got["peak_mb"], rate,
-                                        explained.get("seconds"), explained.get("peak_mb"), views))
+                                        explained.get("seconds"), explained.get("peak_mb"), views, linted["seconds"]))
             del msgs
     return out
 
 
 def capture_report(results: list[ImportResult]) -> str:
     lines = ["| block events | messages | from | import s | events/s | peak RSS MB | written msgs/s | explain s "
-             "| explain peak MB |", "|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+             "| explain peak MB | of which lint s |", "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         explained = "- | -" if r.explain_s is None else f"{r.explain_s:.1f} | {r.explain_mb:,.0f}"
+        lint = "-" if r.lint_s is None else f"{r.lint_s:.2f}"
         lines.append(f"| {r.events:,} | {r.messages:,} | {r.form} | {r.seconds:.1f} | {r.events / r.seconds:,.0f} "
-                     f"| {r.peak_mb:,.0f} | {r.written_per_s:,.0f} | {explained} |")
+                     f"| {r.peak_mb:,.0f} | {r.written_per_s:,.0f} | {explained} | {lint} |")
     for r in results:
         if r.views_s:
             lines += ["", f"Seconds on the {r.events:,}-event dataset (server side):", "",
