@@ -8,7 +8,9 @@ when the request asks for at least `cache_after` tokens (transformers serve cach
 request that ends in its prefill step: 2). `tail` keeps it busy for that long after each reply (a
 server finishing the last step, a client redrawing), so the next request waits: the leftover work an
 asymmetric schedule puts on misses only. `usage` is what its replies report: full (cached tokens
-too), zero (cached tokens always 0, whatever it served), counts (no prompt_tokens_details) or none.
+too), zero (cached tokens always 0, whatever it served), counts (no prompt_tokens_details), timings
+(counts, with the cached tokens said only as llama-server says them, `timings.cache_n` on the last
+chunk) or none.
 `max_tokens` refuses (HTTP 400) a request asking for more. `fail_after` answers every request after
 that many with `fail`: an HTTP status ("429", "500"), "break" (the stream breaks off mid-reply),
 "silent" (a stream that ends with nothing in it) or "close" (the connection closed unanswered).
@@ -29,7 +31,7 @@ class Behaviour:
     per_token: float = 0.0  # seconds of prefill per uncached prompt token
     tail: float = 0.0  # seconds of leftover work after each reply
     cache_after: int = 1  # a request's prompt is cached only when it asks for at least this many tokens
-    usage: str = "full"  # full | zero | counts | none
+    usage: str = "full"  # full | zero | counts | timings | none
     max_tokens: int | None = None  # refuse requests asking for more
     fail_after: int | None = None
     fail: str = "429"  # an HTTP status | break | silent | close
@@ -91,10 +93,13 @@ class FakeOpenAI:
                 h.wfile.flush()
                 h.close_connection = True
                 return
-            h.wfile.write(_event({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}))
+            last = {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}
+            if b.usage == "timings":
+                last["timings"] = {"cache_n": cached, "prompt_n": len(words) - cached, "predicted_n": 1}
+            h.wfile.write(_event(last))
             if b.usage != "none":
                 counts = {"prompt_tokens": len(words), "completion_tokens": 1, "total_tokens": len(words) + 1}
-                if b.usage != "counts":
+                if b.usage not in ("counts", "timings"):
                     counts["prompt_tokens_details"] = {"cached_tokens": cached if b.usage == "full" else 0}
                 h.wfile.write(_event({"choices": [], "usage": counts}))
             h.wfile.write(b"data: [DONE]\n\n")

@@ -108,6 +108,34 @@ def test_a_server_without_usage_gets_a_timing_verdict_and_no_reading_from_its_co
     assert [r[:3] for r in rows] == [(None, None, None)] * 2 and "could not be used" in rows[0][3]
 
 
+def test_llama_cpps_own_count_is_read_where_usage_lacks_cached_tokens(tmp_path):
+    """A server that says what it served from its cache only as llama-server does, in the last chunk's
+    timings.cache_n: the channel reads it (per-key: every same-user hit cached, no cross-user one), and
+    a stored audit keeps each probe's count; where usage has prompt_tokens_details too, usage wins."""
+    db = tmp_path / "k.duckdb"
+    with FakeOpenAI(Behaviour("per-key", per_token=2e-4, usage="timings")) as server:
+        p = kvviz("audit-timing", "--base-url", server.url, "--model", "fake", *FAST, "--json", "--db", db)
+    v = json.loads(p.stdout)
+    assert p.returncode == 0 and v["verdict"] == "isolated", p.stdout + p.stderr
+    t = v["telemetry"]
+    assert (t["reading"], t["same_cached"], t["same_of"], t["cross_cached"], t["cross_of"]) == ("isolated", 10, 10,
+                                                                                               0, 10), t
+    with RunStore.open(db).read() as con:
+        cached = dict(con.execute("SELECT kind, max(cached_tokens) FROM timing_samples WHERE kind <> 'floor' "
+                                  "GROUP BY kind").fetchall())
+    assert cached == {"same": 64, "cross": 0, "miss": 0, "null": 0}
+
+    from kvviz.audit_timing.client import Prober
+
+    with FakeOpenAI(Behaviour("global", usage="zero")) as server:  # usage says 0; a cache_n beside it is not read
+        prober = Prober(server.url, "fake", "completions", "k", "u", 10)
+        prober.send("one two three", 2)
+        server.behaviour.usage = "timings"
+        assert prober.send("one two three").cached_tokens == 3  # what timings.cache_n said
+        server.behaviour.usage = "zero"
+        assert prober.send("one two three").cached_tokens == 0
+
+
 def test_a_primer_max_tokens_the_server_refuses_is_said_with_what_to_try(tmp_path):
     db = tmp_path / "k.duckdb"
     with FakeOpenAI(Behaviour("global", per_token=2e-4, max_tokens=1)) as server:

@@ -1,6 +1,7 @@
 """One user of an OpenAI-compatible server, as the timing audit sends its requests: a streamed
-completion timed to its first token, with the usage the server reported, and every way a server can
-fail the audit said in one sentence that names what could not be measured."""
+completion timed to its first token, with the usage the server reported (and llama.cpp's own count of
+cached tokens where usage lacks one), and every way a server can fail the audit said in one sentence
+that names what could not be measured."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from ..errors import AuditError
 @dataclass(frozen=True)
 class Reply:
     ttft_ms: float
-    cached_tokens: int | None  # usage.prompt_tokens_details.cached_tokens, when the server reported it
+    # usage.prompt_tokens_details.cached_tokens, when the server reported it; else llama.cpp's own count
+    # (llama-server's timings.cache_n: the prompt tokens its slot reused), when the stream carried that
+    cached_tokens: int | None
     prompt_tokens: int | None  # usage.prompt_tokens, when the server reported usage at all
 
 
@@ -30,10 +33,10 @@ class Prober:
 
     def send(self, prompt: str, max_tokens: int = 1) -> Reply:
         """Milliseconds to the first chunk that carries the reply (text or its end), and the cached and
-        prompt tokens the server reported, if it did."""
+        prompt tokens the server reported, if it did (cached: its usage's, else llama.cpp's timings)."""
         import openai
 
-        first, cached, counted = None, None, None
+        first, cached, counted, own = None, None, None, None
         common = dict(model=self.model, max_tokens=max_tokens, temperature=0, stream=True,
                       stream_options={"include_usage": True}, user=self.user)
         t0 = time.perf_counter()
@@ -50,6 +53,7 @@ class Prober:
                     details = chunk.usage.prompt_tokens_details
                     if details is not None and details.cached_tokens is not None:
                         cached = details.cached_tokens
+                own = n if (n := _cache_n(chunk)) is not None else own  # the last chunk's: the whole prompt's
         except openai.APIConnectionError as e:
             if self.answered:
                 raise AuditError(f"{self.base_url} closed the connection after {self.answered} replies to this "
@@ -67,7 +71,18 @@ class Prober:
             raise AuditError(f"{self.base_url} streamed no reply to a request (asked with stream: true), so there "
                              f"is no time to first token to measure")
         self.answered += 1
-        return Reply(ttft_ms=1000 * (first - t0), cached_tokens=cached, prompt_tokens=counted)
+        return Reply(ttft_ms=1000 * (first - t0), cached_tokens=cached if cached is not None else own,
+                     prompt_tokens=counted)
+
+
+def _cache_n(chunk) -> int | None:
+    """llama.cpp's own count of the prompt tokens served from its cache, `timings.cache_n`, which
+    llama-server puts on its last streamed chunk (on every chunk with timings_per_token) beside
+    usage.prompt_tokens_details; read where a server sends it without that. None where the chunk
+    carries no such field."""
+    timings = (chunk.model_extra or {}).get("timings")
+    n = timings.get("cache_n") if isinstance(timings, dict) else None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else None
 
 
 def _said(e) -> str:

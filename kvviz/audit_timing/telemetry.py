@@ -1,5 +1,6 @@
 """The cached-tokens channel: what the server itself reports of each probe
-(usage.prompt_tokens_details.cached_tokens, as vLLM, SGLang and kvviz serve give it), read beside the
+(usage.prompt_tokens_details.cached_tokens, as vLLM, SGLang, llama-server and kvviz serve give it; else
+llama.cpp's timings.cache_n, kvviz/audit_timing/client.py), read beside the
 timing verdict. It needs no clock, so it speaks where timing is too noisy to; it is the server's own
 account, so it can also be wrong, and the audit says so when the two channels disagree (a
 contradiction). A server that reports no usage gets no reading from it, only the reason."""
@@ -41,7 +42,8 @@ def read(cached: dict[str, list[int | None]], any_usage: bool) -> Telemetry:
     if not probes:
         reading, note = None, "the cached-tokens channel could not be used: no probe was answered"
     elif not same_of + cross_of:
-        why = ("the replies carry usage but no prompt_tokens_details.cached_tokens" if any_usage else
+        why = ("the replies carry usage but no prompt_tokens_details.cached_tokens (nor llama.cpp's timings.cache_n)"
+               if any_usage else
                "the server returned no usage with its streamed replies (asked for with stream_options include_usage)")
         reading, note = None, f"the cached-tokens channel could not be used: {why}"
     else:
