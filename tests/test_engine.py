@@ -240,3 +240,29 @@ def test_a_reset_of_the_prefix_cache_waits_for_an_idle_loop_and_goes_out_with_th
     n = next(i for i, e in enumerate(events) if e.kind != "clear")
     assert n > 0 and {e.hash for e in events[:n]} == cached
     assert not any(e.kind == "clear" for r in records[1:] for e in r.events)
+
+
+@pytest.mark.parametrize("schedule", ["fcfs", "lpm"])
+def test_longest_prefix_first_admits_a_cached_prompt_ahead_of_the_queue_and_first_come_first_served_does_not(
+        schedule):
+    """SGLang's lpm: a prompt whose prefix is cached jumps the waiting queue (the order the audit's order
+    channel reads); fcfs admits in arrival order whatever the cache holds."""
+    system = list(range(10, 42))  # 8 full blocks of 4
+    fresh = [[100 + 40 * i + j for j in range(32)] for i in range(4)]
+    reqs = [{"id": "primer", "prompt_ids": system + [7], "max_new_tokens": 1},
+            *({"id": f"d{i}", "prompt_ids": p + [7], "max_new_tokens": 1, "arrival_step": 2}
+              for i, p in enumerate(fresh)),
+            {"id": "probe", "prompt_ids": system + [8], "max_new_tokens": 1, "arrival_step": 2}]
+    engine = {"block_size": 4, "num_blocks": 128, "max_batch_tokens": 33, "schedule": schedule}
+    result, records = run({"requests": reqs, "engine": engine})
+    admitted = [sid for rec in records for sid in rec.admitted]
+    probe = next(r for r in result.requests if r.id == "probe")
+    assert probe.cached_tokens == 32 and admitted[0] == "primer"
+    if schedule == "lpm":
+        assert admitted[1] == "probe"  # ahead of four fresh prompts that arrived before it
+    else:
+        assert admitted[1:] == ["d0", "d1", "d2", "d3", "probe"]
+    with pytest.raises(WorkloadError, match="schedule: 'lpm' is an order of kvviz's own scheduler"):
+        Workload.from_dict({"requests": reqs, "engine": {**engine, "schedule": "lpm", "backend": "transformers"}})
+    with pytest.raises(WorkloadError, match="schedule: must be one of fcfs, lpm"):
+        Workload.from_dict({"requests": reqs, "engine": {**engine, "schedule": "sjf"}})

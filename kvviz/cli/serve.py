@@ -40,7 +40,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         config = EngineConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                               max_batch_tokens=args.max_batch_tokens, isolation=isolation,
-                              compute="inspect" if oracle else "fast", prefix_caching=args.cache_sharing != "off")
+                              compute="inspect" if oracle else "fast", prefix_caching=args.cache_sharing != "off",
+                              schedule=args.schedule)
     except ConfigError as e:  # "num_blocks: must be ..." said as the flag that set it
         field, _, why = str(e).partition(":")
         return fail(f"--{field.replace('_', '-')}:{why}")
@@ -79,6 +80,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         file=sys.stderr, flush=True))
     print(f"kvviz: serving {options.model_name} on http://{args.host}:{args.port}/v1 (cache sharing "
           f"{args.cache_sharing}, {config.num_blocks} blocks of {config.block_size}"
+          + (f", schedule {args.schedule}" if args.schedule != "fcfs" else "")
           + (f", fault {args.fault} injected" if args.fault else "") + (", leak oracle on" if oracle else "") + ")"
           + (f"; recording into {args.store.path} as run {worker.recording.run_id}" if worker.recording else "")
           + (f"; KV events on {args.kv_events}" + (f", replay on {args.kv_replay}" if args.kv_replay else "")
@@ -110,6 +112,9 @@ def add_serve(sub: Subcommands) -> None:
     p.add_argument("--num-blocks", type=int, default=2048, help="KV blocks in the pool (default 2048)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
     p.add_argument("--max-batch-tokens", type=int, default=2048, help="token budget per step (default 2048)")
+    p.add_argument("--schedule", choices=["fcfs", "lpm"], default="fcfs",
+                   help="the order waiting requests are admitted in: fcfs, first come first served (default); lpm, "
+                        "longest cached prefix first, as SGLang's policy (which the audit's order channel can see)")
     p.add_argument("--max-in-flight", type=int, default=256,
                    help="requests queued or running at once; more get HTTP 429 (default 256)")
     p.add_argument("--isolation", choices=["paged", "masked"],

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, fields
 
 from ..errors import WorkloadError
 from .eviction import EVICTIONS
+from .scheduler import SCHEDULES
 
 ISOLATIONS = ("paged", "masked", "streams")
 STREAMS_OWNER = "llama.cpp"  # one KV stream per sequence: llama.cpp with kv_unified off
@@ -64,6 +65,8 @@ class EngineConfig:
     and llama.cpp's `flash_attn` return none and are checked against kvviz's recomputation; kvviz's
     engine has its own (compute). eviction: which free cached block kvviz's pool reuses first: `lru`
     (vLLM's free queue), `lfu` or `seed` (the seed article's advice: leaves only, long prefixes last).
+    schedule: the order kvviz's engine admits waiting requests in: `fcfs` (arrival) or `lpm` (longest
+    cached prefix first, as SGLang).
     """
 
     block_size: int = 16
@@ -77,6 +80,7 @@ class EngineConfig:
     backend: str = "kvviz"
     kernel: str = "eager_paged"
     eviction: str = "lru"  # which free cached block the pool reuses first (kvviz's engine: eviction.py)
+    schedule: str = "fcfs"  # the order waiting requests are admitted in (kvviz's engine: scheduler.py)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "max_batch_tokens"):
@@ -104,6 +108,11 @@ class EngineConfig:
         if self.eviction != "lru" and self.backend != "kvviz":
             raise ConfigError(f"eviction: {self.eviction!r} is an order of kvviz's own block pool; {self.backend} "
                               "evicts as it does")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"schedule: must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.schedule != "fcfs" and self.backend != "kvviz":
+            raise ConfigError(f"schedule: {self.schedule!r} is an order of kvviz's own scheduler; {self.backend} "
+                              "schedules as it does")
         for name in ("prefix_caching", "disaggregated"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: must be true or false, got {getattr(self, name)!r}")

@@ -67,13 +67,13 @@ class EngineLoop:
         host = cfg.offload.cpu_blocks if cfg.offload else 0  # on the instance that looks prefixes up
         self.kv = KVCacheManager(arena, cfg.block_size, cfg.prefix_caching, 0 if cfg.disaggregated else host,
                                  owned=range(N), eviction=cfg.eviction)
-        self.sched = Scheduler(self.kv, cfg.max_batch_tokens)
+        self.sched = Scheduler(self.kv, cfg.max_batch_tokens, cfg.schedule)
         self.decode = Instance(self.kv, self.sched)  # the only instance, unless disaggregated
         self.prefill: Instance | None = None
         if cfg.disaggregated:  # blocks N..2N-1 of the arena are the prefill instance's pool
             pkv = KVCacheManager(arena, cfg.block_size, cfg.prefix_caching, host, owned=range(N, arena),
                                  provenance=self.kv.provenance, eviction=cfg.eviction)
-            self.prefill = Instance(pkv, Scheduler(pkv, cfg.max_batch_tokens))
+            self.prefill = Instance(pkv, Scheduler(pkv, cfg.max_batch_tokens, cfg.schedule))
         self.handoff: list[str] = []  # prefilled, waiting for room in the decode pool
         for inst in self.instances:
             defences.pool_patches.apply(inst.kv)
