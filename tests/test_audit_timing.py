@@ -119,7 +119,7 @@ def test_a_server_with_leftover_work_and_no_cache_is_not_accused():
     (Behaviour("global", cache_after=2), 1, "no caching seen"), (Behaviour("global", cache_after=2), 2,
                                                                  "shared across users")])
 def test_the_paired_schedule_tells_shared_isolated_and_uncached_servers_apart(behaviour, primer, verdict):
-    behaviour.per_token = 2e-4
+    behaviour.per_token = 6e-4  # a miss's 38 ms of prefill stands clear of the floor on a loaded machine
     with FakeOpenAI(behaviour) as server:
         r = run_audit(AuditConfig(server.url, "fake", primer_tokens=primer, **FAST), seed=1)
     v = r.judge()

@@ -27,7 +27,7 @@ class Prober:
     def __init__(self, base_url: str, model: str, endpoint: str, key: str, user: str, timeout: float):
         import openai
 
-        self.base_url, self.model, self.endpoint, self.user = base_url, model, endpoint, user
+        self.base_url, self.model, self.endpoint, self.user, self.timeout = base_url, model, endpoint, user, timeout
         self.client = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=timeout)
         self.answered = 0  # replies so far: a connection lost after one is the server's doing, not the URL's
 
@@ -54,6 +54,10 @@ class Prober:
                     if details is not None and details.cached_tokens is not None:
                         cached = details.cached_tokens
                 own = n if (n := _cache_n(chunk)) is not None else own  # the last chunk's: the whole prompt's
+        except openai.APITimeoutError:
+            raise AuditError(f"{self.base_url} did not answer a request within {self.timeout:g} s (after "
+                             f"{self.answered} replies to this user): a server this slow, or this busy, cannot be "
+                             f"audited") from None
         except openai.APIConnectionError as e:
             if self.answered:
                 raise AuditError(f"{self.base_url} closed the connection after {self.answered} replies to this "

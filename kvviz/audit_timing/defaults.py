@@ -10,3 +10,6 @@ PROMPT_WORDS = 512
 # step (transformers serve does not), which a primer of 1 token is.
 PRIMER_TOKENS = 2
 ALPHA = 1e-8
+CHANNELS = ("time", "order")  # what the audit reads: time to first token, or the order replies finish in
+DUMMIES = 8  # order channel: fresh prompts sent just before each probe, so that the server queues
+STAGGER = 0.05  # order channel: seconds between the dummies and the probe, so that it arrives last

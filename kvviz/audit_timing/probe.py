@@ -24,6 +24,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -32,6 +33,7 @@ from ..store import RunStore
 from ..util.ids import new_run_id
 from . import defaults
 from .client import Prober, Reply
+from .order import KINDS, judge_order, order_round
 from .telemetry import Telemetry, contradiction, read
 from .verdict import TIMED, Verdict, fewest_samples, judge, smallest_p
 
@@ -63,8 +65,17 @@ class AuditConfig:
     api_key: str = "kvviz-audit"  # the prober's key; the other user's is this with "-other" appended
     timeout: float = 120.0
     target: str | None = None  # what was audited, in words (a kvviz server the app started: its model and policy)
+    channel: str = "time"  # time: TTFT; order: the probe's finishing rank among dummies (order.py)
+    dummies: int = defaults.DUMMIES  # order channel: fresh prompts sent just before each probe
+    stagger: float = defaults.STAGGER  # order channel: seconds between the dummies and the probe
 
     def __post_init__(self) -> None:
+        if self.channel not in defaults.CHANNELS:
+            raise AuditError(f"channel must be one of {', '.join(defaults.CHANNELS)}, got {self.channel!r}")
+        if self.dummies < 2:
+            raise AuditError(f"the order channel needs at least 2 dummies a round, got {self.dummies}")
+        if not 0 <= self.stagger <= 10:
+            raise AuditError(f"stagger must be between 0 and 10 seconds, got {self.stagger}")
         if self.endpoint not in ENDPOINTS:
             raise AuditError(f"endpoint must be one of {', '.join(ENDPOINTS)}, got {self.endpoint!r}")
         if self.prompt_tokens < 16:
@@ -92,6 +103,7 @@ class Sample:
     cached_tokens: int | None  # what the server reported for the timed request, when it does
     prompt_tokens: int | None = None  # the timed prompt's length as the server counted it, when it does
     primer_tokens: int | None = None  # the same of the primer sent just before it
+    rank: int | None = None  # order channel: how many of the round's dummies finished before the probe
 
 
 @dataclass
@@ -104,9 +116,13 @@ class AuditResult:
         return [s.ttft_ms for s in self.samples if s.kind == kind]
 
     def judge(self) -> Verdict:
-        """The timing channel's verdict."""
+        """The channel's verdict."""
         tokens = {k: [s.prompt_tokens for s in self.samples if s.kind == k and s.prompt_tokens is not None]
                   for k in TIMED}
+        if self.config.channel == "order":
+            ranks = {k: [s.rank for s in self.samples if s.kind == k] for k in KINDS}
+            return judge_order(ranks, {k: self.times(k) for k in KINDS}, tokens, self.config.dummies,
+                               self.config.alpha, self.stopped)
         return judge({k: self.times(k) for k in (*TIMED, "floor")}, tokens, self.config.alpha,
                      self.config.primer_tokens, self.stopped)
 
@@ -132,15 +148,16 @@ def run_audit(cfg: AuditConfig, progress: Callable[[Sample], None] | None = None
     prober = Prober(cfg.base_url, cfg.model, cfg.endpoint, cfg.api_key, "kvviz-audit", cfg.timeout)
     other = Prober(cfg.base_url, cfg.model, cfg.endpoint, cfg.api_key + "-other", "kvviz-audit-other", cfg.timeout)
     out = AuditResult(config=cfg)
+    pool = ThreadPoolExecutor(cfg.dummies, thread_name_prefix="kvviz-audit") if cfg.channel == "order" else None
     try:
         for i in range(cfg.samples):
-            for kind in ORDERS[i % len(ORDERS)]:
-                prompt = _prompt(rng, cfg.prompt_tokens)
-                first = prober if kind in PRIMED_BY_PROBER else other
-                primer = first.send(prompt if kind in ("same", "cross") else _prompt(rng, cfg.prompt_tokens),
-                                    cfg.primer_tokens)
-                _add(out, kind, i, prober.send(prompt), primer, progress)
-            _add(out, "floor", i, prober.send(rng.choice(WORDS)), None, progress)
+            if pool is not None:
+                fresh = lambda: _prompt(rng, cfg.prompt_tokens)  # noqa: E731
+                for kind, rank, reply, primer in order_round(i, prober, other, fresh, cfg.dummies, cfg.stagger,
+                                                             cfg.primer_tokens, pool):
+                    _add(out, kind, i, reply, primer, progress, rank)
+            else:
+                _time_round(i, rng, cfg, prober, other, out, progress)
             if between is not None:
                 between(out)
             time.sleep(cfg.interval)
@@ -148,13 +165,29 @@ def run_audit(cfg: AuditConfig, progress: Callable[[Sample], None] | None = None
         if not out.samples:
             raise
         out.stopped = f"stopped in round {i + 1} of {cfg.samples}: {e}"
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True)
     return out
 
 
+def _time_round(i: int, rng: random.Random, cfg: AuditConfig, prober: Prober, other: Prober, out: AuditResult,
+                progress: Callable[[Sample], None] | None) -> None:
+    """The timing channel's round i: each kind after its primer, in this round's order, then the floor."""
+    for kind in ORDERS[i % len(ORDERS)]:
+        prompt = _prompt(rng, cfg.prompt_tokens)
+        first = prober if kind in PRIMED_BY_PROBER else other
+        primer = first.send(prompt if kind in ("same", "cross") else _prompt(rng, cfg.prompt_tokens),
+                            cfg.primer_tokens)
+        _add(out, kind, i, prober.send(prompt), primer, progress)
+    _add(out, "floor", i, prober.send(rng.choice(WORDS)), None, progress)
+
+
 def _add(out: AuditResult, kind: str, i: int, r: Reply, primer: Reply | None,
-         progress: Callable[[Sample], None] | None) -> None:
+         progress: Callable[[Sample], None] | None, rank: int | None = None) -> None:
     out.samples.append(Sample(kind=kind, index=i, ttft_ms=r.ttft_ms, cached_tokens=r.cached_tokens,
-                              prompt_tokens=r.prompt_tokens, primer_tokens=primer.prompt_tokens if primer else None))
+                              prompt_tokens=r.prompt_tokens, primer_tokens=primer.prompt_tokens if primer else None,
+                              rank=rank))
     if progress is not None:
         progress(out.samples[-1])
 
@@ -167,7 +200,7 @@ def record(store: RunStore, result: AuditResult, verdict: Verdict | None = None,
 
     audit_id, cfg = new_run_id(), result.config
     v, t = verdict or result.judge(), telemetry or result.telemetry()
-    cross, miss, m = result.times("cross"), result.times("miss"), v.medians_ms
+    cross, miss, m = result.times("cross"), result.times("miss"), dict.fromkeys((*TIMED, "floor")) | v.medians_ms
     head = {"audit_id": [audit_id], "created_at": [datetime.now(UTC).replace(tzinfo=None)],
             "base_url": [cfg.base_url], "target": [cfg.target], "model": [cfg.model], "level": ["paired"],
             "endpoint": [cfg.endpoint], "samples": [v.samples], "prompt_tokens": [cfg.prompt_tokens],
@@ -187,11 +220,13 @@ def record(store: RunStore, result: AuditResult, verdict: Verdict | None = None,
             "reported_cached_same": [t.same_cached if t.reading else None],
             "reported_same_of": [t.same_of if t.reading else None],
             "telemetry": [t.reading], "telemetry_note": [t.note or None],
-            "contradiction": [contradiction(v, t) or None]}
+            "contradiction": [contradiction(v, t) or None], "channel": [cfg.channel],
+            "dummies": [cfg.dummies if cfg.channel == "order" else None]}
     s = result.samples
     rows = {"audit_id": [audit_id] * len(s), "kind": [x.kind for x in s], "sample": [x.index for x in s],
             "ttft_ms": [x.ttft_ms for x in s], "cached_tokens": [x.cached_tokens for x in s],
-            "prompt_tokens": [x.prompt_tokens for x in s], "primer_tokens": [x.primer_tokens for x in s]}
+            "prompt_tokens": [x.prompt_tokens for x in s], "primer_tokens": [x.primer_tokens for x in s],
+            "rank": [x.rank for x in s]}
     with store.write() as con:
         con.execute("BEGIN TRANSACTION")
         store.insert(con, "timing_audits", arrow_table("timing_audits", head))

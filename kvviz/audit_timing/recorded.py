@@ -25,6 +25,7 @@ def list_audits(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
     per-user: same-user), shown in the column of that kind. The prompt length asked is in words (a token
     each on SmolLM2 only); beside it, the timed prompt as the server counted it, where it said."""
     return con.execute("SELECT audit_id, created_at, coalesce(target, base_url) AS target, model, level, "
+                       "coalesce(channel, 'time') AS channel, dummies, "
                        "coalesce(verdict, CASE WHEN detected THEN 'detected' ELSE 'not detected' END) AS verdict, "
                        "samples, prompt_tokens AS prompt_words, counted_prompt_tokens AS server_prompt_tokens, "
                        "primer_tokens, alpha, "
@@ -45,6 +46,13 @@ def timings(con: duckdb.DuckDBPyConnection, audit_id: str) -> dict[str, list[flo
     rows = con.execute("SELECT kind, ttft_ms FROM timing_samples WHERE audit_id = ? ORDER BY sample",
                        [audit_id]).fetchall()
     return {k: got for k in KINDS if (got := [t for kind, t in rows if kind == k])}
+
+
+def ranks(con: duckdb.DuckDBPyConnection, audit_id: str) -> dict[str, list[int]]:
+    """An order audit's probe ranks (dummies finished before each probe) by kind: same, cross, null."""
+    rows = con.execute("SELECT kind, rank FROM timing_samples WHERE audit_id = ? AND rank IS NOT NULL ORDER BY sample",
+                       [audit_id]).fetchall()
+    return {k: got for k in ("same", "cross", "null") if (got := [r for kind, r in rows if kind == k])}
 
 
 def audit_url(store: RunStore, cfg: AuditConfig, progress: Callable[[Sample], None] | None = None,

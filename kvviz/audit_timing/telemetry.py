@@ -68,11 +68,16 @@ def contradiction(v: Verdict, t: Telemetry) -> str:
     if t.reading is None or v.verdict not in SEEN or v.verdict == t.reading:
         return ""
     counts = f"{t.cross_cached} of {t.cross_of} cross-user and {t.same_cached} of {t.same_of} same-user hits"
+    order = v.ranks is not None
+    channel = "the finishing order" if order else "timing"
     if SEEN[v.verdict] < SEEN[t.reading]:
-        return (f"timing says {v.verdict}, but the server itself reported serving {counts} from its cache "
-                f"({t.reading}): timing could not see it (more rounds, longer prompts or a quieter machine)")
-    return (f"timing says {v.verdict}, but the server itself reported serving only {counts} from its cache "
-            f"({t.reading}): its count leaves out what made those hits faster")
+        why = ("the server's queue does not reorder by its cache (first come first served), or the dummies did not "
+               "make it queue" if order else "timing could not see it (more rounds, longer prompts or a quieter "
+               "machine)")
+        return (f"{channel} says {v.verdict}, but the server itself reported serving {counts} from its cache "
+                f"({t.reading}): {why}")
+    return (f"{channel} says {v.verdict}, but the server itself reported serving only {counts} from its cache "
+            f"({t.reading}): its count leaves out what made those {'probes finish ahead' if order else 'hits faster'}")
 
 
 def tone(v: Verdict, t: Telemetry) -> str:

@@ -68,11 +68,12 @@ def ks_test(fast: list[float], slow: list[float]) -> tuple[float, float]:
 class Versus:
     """One one-sided KS test: do the first kind's times come sooner than the second's? (None: a side
     has no times.)"""
-    ks_statistic: float | None
+    ks_statistic: float | None  # the test's statistic: KS D, or the order channel's shift
     p_value: float | None
+    name: str = "D"  # the statistic's, as said
 
     def said(self) -> str:
-        return "" if self.p_value is None else f"D = {self.ks_statistic:.2f}, p = {self.p_value:.2g}"
+        return "" if self.p_value is None else f"{self.name} = {self.ks_statistic:.2f}, p = {self.p_value:.2g}"
 
 
 def versus(fast: list[float], slow: list[float]) -> Versus:
@@ -93,10 +94,41 @@ class Verdict:
     null: Versus  # the null control against misses: must not reject
     medians_ms: dict[str, float | None]  # by kind: same, cross, miss, null, floor
     prompt_tokens: int | None  # the median the server counted for timed prompts, when it reports usage
+    ranks: dict[str, float] | None = None  # order channel: each kind's median rank among its dummies (None: timing)
 
     @property
     def exit_status(self) -> int:
         return VERDICTS[self.verdict]
+
+
+def decide(cross: Versus, same: Versus, apart: Versus, alpha: float) -> str:
+    """The paired verdict from its three tests once the measurement is sound, one rule for every
+    channel: the cross-user test first, then the same-user control, then the two hits apart."""
+    if cross.p_value < alpha:
+        return "shared across users"
+    if same.p_value >= alpha:
+        return "no caching seen"
+    return "isolated" if apart.p_value < alpha else "inconclusive"
+
+
+def unsound_sample(n: int, alpha: float, tokens: dict[str, list[int]]) -> str:
+    """Why n samples a side with these prompt lengths (as the server counted them, by kind) can give no
+    verdict, in words; empty when they can."""
+    if n < (need := fewest_samples(alpha)):
+        return (f"{n} samples a side: at alpha {alpha:g} the test needs at least {need} (even complete separation "
+                f"of {n} gives p = {smallest_p(max(n, 1)):.2g})")
+    counted = {k: statistics.median(v) for k, v in tokens.items() if v}
+    lengths = sorted(counted.values())
+    if lengths and lengths[-1] - lengths[0] > max(1.0, 0.02 * lengths[-1]):
+        return ("the server counted prompts of unequal length (" + ", ".join(f"{k} {v:g}" for k, v in counted.items())
+                + " tokens), so their times do not compare")
+    return ""
+
+
+def counted_median(tokens: dict[str, list[int]]) -> int | None:
+    """The median timed prompt as the server counted it, where it did."""
+    every = [t for v in tokens.values() for t in v]
+    return round(statistics.median(every)) if every else None
 
 
 def _median(x: list[float]) -> float | None:
@@ -112,16 +144,9 @@ def judge(times: dict[str, list[float]], tokens: dict[str, list[int]], alpha: fl
     miss, floor = got["miss"], got["floor"]
     cross, same, apart, null = (versus(got["cross"], miss), versus(got["same"], miss),
                                 versus(got["same"], got["cross"]), versus(got["null"], miss))
-    n, need = min(len(got[k]) for k in TIMED), fewest_samples(alpha)
-    counted = {k: statistics.median(v) for k, v in tokens.items() if v}
-    lengths = sorted(counted.values())
-    if n < need:
-        verdict, why = "no verdict", (f"{n} samples a side: at alpha {alpha:g} the test needs at least {need} "
-                                      f"(even complete separation of {n} gives p = {smallest_p(max(n, 1)):.2g})")
-    elif lengths and lengths[-1] - lengths[0] > max(1.0, 0.02 * lengths[-1]):
-        verdict, why = "no verdict", ("the server counted prompts of unequal length ("
-                                      + ", ".join(f"{k} {v:g}" for k, v in counted.items())
-                                      + " tokens), so their times do not compare")
+    n = min(len(got[k]) for k in TIMED)
+    if unsound := unsound_sample(n, alpha, tokens):
+        verdict, why = "no verdict", unsound
     elif floor and (slower := ks_test(floor, miss)[1]) >= alpha:  # the same test: is a prompt's work seen?
         verdict, why = "no verdict", (f"the server answers a full prompt about as fast as a one-word one "
                                       f"({statistics.median(miss):.2f} against {statistics.median(floor):.2f} ms, "
@@ -130,26 +155,24 @@ def judge(times: dict[str, list[float]], tokens: dict[str, list[int]], alpha: fl
         verdict, why = "inconclusive", (f"the null control (a miss primed by the prober itself, against a miss "
                                         f"primed by the other user) rejects too ({null.said()}): the measurement "
                                         f"is biased")
-    elif cross.p_value < alpha:
-        verdict, why = "shared across users", (f"cross-user hits reach their first token sooner than misses "
-                                               f"({cross.said()}): this server answers one user's prompt from what "
-                                               f"another user's request left in its cache")
-    elif same.p_value >= alpha:
-        verdict, why = "no caching seen", (f"even same-user hits come no sooner than misses at alpha {alpha:g} "
-                                           f"({same.said()}), so this audit cannot tell a server that isolates users "
-                                           f"from one whose cache it cannot see: try longer prompts (--prompt-tokens), "
-                                           f"primers that generate more than {primer_tokens} tokens "
-                                           f"(--primer-tokens), more rounds, or the server's prefix cache turned on")
-    elif apart.p_value < alpha:
-        verdict, why = "isolated", (f"same-user hits come sooner than misses ({same.said()}) and than cross-user "
-                                    f"hits ({apart.said()}), cross-user hits no sooner than misses at alpha {alpha:g} "
-                                    f"({cross.said()}): this server caches prompts per user and shares none across "
-                                    f"users that timing can see")
     else:
-        verdict, why = "inconclusive", (f"same-user hits come sooner than misses ({same.said()}), but cross-user "
-                                        f"hits are neither sooner than misses ({cross.said()}) nor later than "
-                                        f"same-user hits ({apart.said()}) at alpha {alpha:g}: more rounds can tell "
-                                        f"isolation from sharing")
+        verdict = decide(cross, same, apart, alpha)
+        why = {"shared across users": f"cross-user hits reach their first token sooner than misses ({cross.said()}): "
+                                      f"this server answers one user's prompt from what another user's request left "
+                                      f"in its cache",
+               "no caching seen": f"even same-user hits come no sooner than misses at alpha {alpha:g} ({same.said()}), "
+                                  f"so this audit cannot tell a server that isolates users from one whose cache it "
+                                  f"cannot see: try longer prompts (--prompt-tokens), primers that generate more than "
+                                  f"{primer_tokens} tokens (--primer-tokens), more rounds, or the server's prefix "
+                                  f"cache turned on",
+               "isolated": f"same-user hits come sooner than misses ({same.said()}) and than cross-user hits "
+                           f"({apart.said()}), cross-user hits no sooner than misses at alpha {alpha:g} "
+                           f"({cross.said()}): this server caches prompts per user and shares none across users that "
+                           f"timing can see",
+               "inconclusive": f"same-user hits come sooner than misses ({same.said()}), but cross-user hits are "
+                               f"neither sooner than misses ({cross.said()}) nor later than same-user hits "
+                               f"({apart.said()}) at alpha {alpha:g}: more rounds can tell isolation from sharing",
+               }[verdict]
     return Verdict(verdict=verdict, reason=why + (f" ({stopped})" if stopped else ""), samples=n, cross=cross,
                    same=same, apart=apart, null=null, medians_ms={k: _median(v) for k, v in got.items()},
-                   prompt_tokens=round(statistics.median([t for v in tokens.values() for t in v])) if lengths else None)
+                   prompt_tokens=counted_median(tokens))

@@ -25,7 +25,14 @@ by the prober: the control); then the floor, a one-word prompt timed alone (a se
 prompt comes no later than the floor is too fast to time). One-sided KS tests at --alpha ask which
 come sooner than the misses. Where replies carry usage.prompt_tokens_details.cached_tokens, the
 server's own counts are read beside the timing (the cached-tokens channel), and a disagreement
-between the two is reported as a contradiction."""
+between the two is reported as a contradiction.
+
+--channel order reads the order replies finish in instead, as PromptPeek (NDSS 2025) does: each
+round sends, per kind, the primer, then --dummies fresh prompts at once and the probe just after
+(a same-user hit, a cross-user hit, or a fresh prompt: the null); a server that admits its queue by
+longest cached prefix (SGLang's lpm; kvviz serve --schedule lpm) lets a cached probe finish ahead of
+the dummies, one that serves first come first served does not. Exact permutation tests of the mean
+rank at --alpha ask which kinds finish ahead of which, and the same verdicts follow."""
 # One line each, in the order of the exit statuses.
 VERDICT_HELP = {"isolated": "same-user hits come sooner than misses and than cross-user hits, cross-user hits "
                             "no sooner than misses",
@@ -59,6 +66,7 @@ def _epilog() -> str:
 def cmd_audit_timing(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    from ..audit_timing.order import KINDS
     from ..audit_timing.probe import TIMED, AuditConfig, record, run_audit
     from ..audit_timing.telemetry import contradiction
 
@@ -66,12 +74,16 @@ def cmd_audit_timing(args: argparse.Namespace) -> int:
         return fail(f"{LEVEL_GONE}; drop --level", args.command)
     cfg = AuditConfig(base_url=args.base_url.rstrip("/"), model=args.model, samples=args.samples,
                       prompt_tokens=args.prompt_tokens, primer_tokens=args.primer_tokens, interval=args.interval,
-                      alpha=args.alpha, endpoint=args.endpoint, api_key=args.api_key)
+                      alpha=args.alpha, endpoint=args.endpoint, api_key=args.api_key, channel=args.channel,
+                      dummies=args.dummies, stagger=args.stagger)
     store = args.store
-    per_round = 2 * len(TIMED) + 1  # a primer and a timed request of each kind, and the floor
+    if cfg.channel == "order":  # per kind a primer, the dummies and the probe
+        per_round, done = len(KINDS) * (cfg.dummies + 2), lambda s: cfg.dummies + 2
+    else:  # a primer and a timed request of each kind, and the floor
+        per_round, done = 2 * len(TIMED) + 1, lambda s: 1 if s.kind == "floor" else 2
     with tqdm(total=per_round * cfg.samples, unit="request", desc="auditing", file=sys.stderr,
               disable=args.quiet) as bar:
-        result = run_audit(cfg, progress=lambda s: bar.update(1 if s.kind == "floor" else 2))
+        result = run_audit(cfg, progress=lambda s: bar.update(done(s)))
     v, t = result.judge(), result.telemetry()
     audit_id = record(store, result, v, t)
     if args.json:
@@ -79,13 +91,11 @@ def cmd_audit_timing(args: argparse.Namespace) -> int:
                           "primer_tokens": cfg.primer_tokens, "telemetry": asdict(t),
                           "contradiction": contradiction(v, t) or None}))
     else:
-        _say(audit_id, cfg, v, t)
+        (_say_order if cfg.channel == "order" else _say)(audit_id, cfg, v, t)
     return v.exit_status
 
 
 def _say(audit_id: str, cfg: AuditConfig, v: Verdict, t: Telemetry) -> None:
-    from ..audit_timing.telemetry import contradiction, said
-    from ..audit_timing.verdict import HEADLINES
 
     m = v.medians_ms
     print(f"timing audit {audit_id} of {cfg.base_url} ({cfg.model}), {v.samples} rounds of a same-user hit, a "
@@ -94,17 +104,40 @@ def _say(audit_id: str, cfg: AuditConfig, v: Verdict, t: Telemetry) -> None:
           + f", each after a primer of max_tokens {cfg.primer_tokens}")
     print(f"  median TTFT        same-user hit {_ms(m['same'])}   cross-user hit {_ms(m['cross'])}   miss "
           f"{_ms(m['miss'])}   null {_ms(m['null'])}   floor (one word) {_ms(m['floor'])}")
-    for name, test, note in (("cross-user vs miss", v.cross, "the test"),
-                             ("same-user vs miss", v.same, "the positive control"),
-                             ("same vs cross-user", v.apart, "isolation must reject"),
-                             ("null vs miss", v.null, "the control: must not reject")):
+    _tests((("cross-user vs miss", v.cross, "the test"), ("same-user vs miss", v.same, "the positive control"),
+            ("same vs cross-user", v.apart, "isolation must reject"),
+            ("null vs miss", v.null, "the control: must not reject")), lambda x: f"KS D {x:.3f}", cfg.alpha)
+    _verdict_lines(v, t)
+
+
+def _tests(tests, statistic, alpha: float) -> None:
+    """A line per test that ran: its name, statistic (as `statistic` says it), p-value and role."""
+    for name, test, note in tests:
         if test.p_value is not None:
-            print(f"  {name:<18} KS D {test.ks_statistic:.3f}   p-value {test.p_value:.3g} ({note}; alpha "
-                  f"{cfg.alpha:g})")
+            print(f"  {name:<18} {statistic(test.ks_statistic)}   p-value {test.p_value:.3g} ({note}; alpha {alpha:g})")
+
+
+def _verdict_lines(v: Verdict, t: Telemetry) -> None:
+    from ..audit_timing.telemetry import contradiction, said
+    from ..audit_timing.verdict import HEADLINES
+
     print(f"  {HEADLINES[v.verdict].upper()} (exit {v.exit_status}): {v.reason}")
     print(f"  cached tokens: {said(t)}")
     if found := contradiction(v, t):
         print(f"  CONTRADICTION: {found}")
+
+
+def _say_order(audit_id: str, cfg: AuditConfig, v: Verdict, t: Telemetry) -> None:
+    ranks = v.ranks or {}
+    print(f"order audit {audit_id} of {cfg.base_url} ({cfg.model}), {v.samples} rounds of a same-user hit, a "
+          f"cross-user hit and a fresh prompt (the null) of {v.prompt_tokens or cfg.prompt_tokens} tokens, each sent "
+          f"{cfg.stagger:g} s after {cfg.dummies} fresh prompts, after a primer of max_tokens {cfg.primer_tokens}")
+    print(f"  median rank (dummies finished before it, of {cfg.dummies})   " + "   ".join(
+        f"{name} {ranks[k]:g}" for k, name in (("same", "same-user hit"), ("cross", "cross-user hit"), ("null", "null"))
+        if k in ranks))
+    _tests((("cross-user vs null", v.cross, "the test"), ("same-user vs null", v.same, "the positive control"),
+            ("same vs cross-user", v.apart, "isolation must reject")), lambda x: f"mean-rank shift {x:+.2f}", cfg.alpha)
+    _verdict_lines(v, t)
 
 
 def _ms(x: float | None) -> str:
@@ -136,6 +169,12 @@ def add_audit_timing(sub: Subcommands) -> None:
     p.add_argument("--api-key", default="kvviz-audit", help="the prober's API key; the other user's is this with "
                    "-other appended")
     p.add_argument("--level", help=argparse.SUPPRESS)  # refused, saying why: see LEVEL_GONE
+    p.add_argument("--channel", choices=d.CHANNELS, default="time", help="time: time to first token (default); "
+                   "order: the probe's finishing rank among fresh prompts sent just before it")
+    p.add_argument("--dummies", type=int, default=d.DUMMIES, help=f"order channel: fresh prompts sent just before "
+                   f"each probe, to make the server queue (default {d.DUMMIES})")
+    p.add_argument("--stagger", type=float, default=d.STAGGER, help=f"order channel: seconds between the dummies "
+                   f"and the probe (default {d.STAGGER:g})")
     p.add_argument("--json", action="store_true", help="print the verdict, its tests and the cached-tokens "
                    "channel as one JSON line")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

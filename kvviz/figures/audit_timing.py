@@ -2,7 +2,8 @@
 kind it timed (same-user hits, cross-user hits, misses, the null control dashed; an audit from before
 the paired one has plain hits), the KS distance of each kind of hit from the misses marked where its
 curve lies furthest above theirs, and the floor (a one-word prompt's median time) as a line: a server
-can save no more."""
+can save no more. An order audit drawn: how often each kind of probe finished after each number of
+the dummies sent before it."""
 
 from __future__ import annotations
 
@@ -57,5 +58,25 @@ def ttft_ecdf(times: dict[str, list[float]], title: str = "", x_max: float | Non
                       xaxis={"title": "time to first token (ms)", "rangemode": "tozero",
                              **({"range": [0, 1.02 * x_max]} if x_max else {})},
                       yaxis={"title": "share of requests", "tickformat": ".0%", "range": [0, 1.02]},
+                      legend={"orientation": "h", "y": -0.25})
+    return fig
+
+
+def rank_bars(ranks: dict[str, list[int]], dummies: int, title: str = "") -> go.Figure:
+    """Grouped bars, one group per rank (0: the probe finished before every dummy; `dummies`: after all
+    of them), a bar per kind (same, cross, null) at the share of its rounds that finished there: a
+    cached probe that jumps the queue piles up on the left, a fresh one on the right."""
+    fig = go.Figure()
+    for kind in ("same", "cross", "null"):
+        if values := ranks.get(kind):
+            name, colour, _ = CURVES[kind]
+            share = np.bincount(values, minlength=dummies + 1)[: dummies + 1] / len(values)
+            fig.add_trace(go.Bar(x=list(range(dummies + 1)), y=share, name=f"{name} ({len(values)})",
+                                 marker_color=colour,
+                                 hovertemplate=f"{name}: %{{y:.0%}} after %{{x}} dummies<extra></extra>"))
+    fig.update_layout(title=title or None, height=340, barmode="group",
+                      margin={"l": 10, "r": 10, "t": 40 if title else 10, "b": 10},
+                      xaxis={"title": f"dummies finished before the probe (of {dummies})", "dtick": 1},
+                      yaxis={"title": "share of rounds", "tickformat": ".0%", "range": [0, 1.02]},
                       legend={"orientation": "h", "y": -0.25})
     return fig

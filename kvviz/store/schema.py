@@ -20,7 +20,8 @@ them back), version 14 attention rows a recorder writes as Parquet parts beside 
 (runs.notes), version 16 its replays under other caches (whatif_points), version 17 the paired timing audit (same-user
 and cross-user hits in one schedule: the control's test, the primers' max_tokens, the server's own cached-token
 counts and any contradiction between them and timing), version 18 the KV-event contract's breaches of each capture
-(capture_breaches) and the evidence the linter reads in its rows (kv_event_rows.tokens_given, parent_cached); older
+(capture_breaches) and the evidence the linter reads in its rows (kv_event_rows.tokens_given, parent_cached), and
+the timing audit's order channel (timing_audits.channel and dummies, timing_samples.rank); older
 files are upgraded in place by the idempotent DDL.
 """
 
@@ -333,7 +334,12 @@ TABLES: dict[str, Table] = {t.name: t for t in (
               Column("telemetry_note", "VARCHAR", "why the cached-tokens channel could not be used, or which replies "
                      "said nothing", added_in="17"),
               Column("contradiction", "VARCHAR", "where timing and the server's counts disagree, the finding in one "
-                     "sentence", added_in="17")),
+                     "sentence", added_in="17"),
+              Column("channel", "VARCHAR", "what the audit read: time (time to first token; null before version 18) | "
+                     "order (each probe's finishing rank among dummies sent just before it: the p-values are exact "
+                     "permutation tests of the mean rank, the KS columns its shift as a share of the dummies)",
+                     added_in="18"),
+              Column("dummies", "INTEGER", "order channel: fresh prompts sent just before each probe", added_in="18")),
           in_trace=False, key="audit_id"),
     Table("timing_samples", "Each timed request of a timing audit: time to first token in milliseconds.", (
         *_cols("audit_id VARCHAR"),
@@ -342,7 +348,9 @@ TABLES: dict[str, Table] = {t.name: t for t in (
         Column("sample", "INTEGER", "the round"), *_cols("ttft_ms DOUBLE, cached_tokens INTEGER"),
         Column("prompt_tokens", "INTEGER", "the timed prompt as the server counted it", added_in="11"),
         Column("primer_tokens", "INTEGER", "the prompt sent just before it, as the server counted it",
-               added_in="11")), in_trace=False),
+               added_in="11"),
+        Column("rank", "INTEGER", "order channel: how many of the round's dummies finished before the probe (then "
+               "kind is same, cross or null: a fresh probe)", added_in="18")), in_trace=False),
     Table("divergence", "Each request against itself run alone (the reference oracle).", _cols(
         RUN_ID + "request_id VARCHAR, first_divergent_step INTEGER, max_logit_diff DOUBLE, max_kl DOUBLE, "
         "classification VARCHAR")),

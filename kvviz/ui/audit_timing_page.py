@@ -13,7 +13,7 @@ from ..audit_timing.probe import TIMED, AuditConfig, AuditResult
 from ..audit_timing.telemetry import Telemetry, contradiction, said, tone
 from ..audit_timing.verdict import HEADLINES, Verdict, fewest_samples
 from ..errors import KvvizError
-from ..figures.audit_timing import ttft_ecdf
+from ..figures.audit_timing import rank_bars, ttft_ecdf
 from ..serve import SHARING
 from .common import MODELS, has_db, load_model_or_error, reader, store
 
@@ -134,16 +134,20 @@ def _past() -> None:
     rows = listing.set_index("audit_id")
     st.session_state.setdefault("audit_show", list(rows.index[:1]))  # the newest, or the one just run
     picked = st.multiselect("Side by side", list(rows.index), max_selections=3, key="audit_show",
-                            format_func=lambda a: f"{a}: {rows.level[a]}, {rows.target[a]} ({rows.verdict[a]})")
+                            format_func=lambda a: f"{a}: {rows.level[a]} {rows.channel[a]}, {rows.target[a]} "
+                                                  f"({rows.verdict[a]})")
     if not picked:
         return
+    order = {a for a in picked if rows.channel[a] == "order"}
     with reader() as con:
-        drawn = {a: audits.timings(con, a) for a in picked}
-    x_max = max((x for t in drawn.values() for kind, xs in t.items() if kind != "floor" for x in xs), default=None)
+        drawn = {a: audits.ranks(con, a) if a in order else audits.timings(con, a) for a in picked}
+    x_max = max((x for a, t in drawn.items() if a not in order for kind, xs in t.items() if kind != "floor"
+                 for x in xs), default=None)
     for col, (audit_id, t) in zip(st.columns(len(picked)), drawn.items(), strict=True):
         row = rows.loc[audit_id]
-        col.plotly_chart(ttft_ecdf(t, f"{audit_id}: {row.level}, {row.verdict}", x_max=x_max),
-                         key=f"audit_past_{audit_id}")
+        title = f"{audit_id}: {row.level} {row.channel}, {row.verdict}"
+        col.plotly_chart(rank_bars(t, int(row.dummies), title) if audit_id in order else
+                         ttft_ecdf(t, title, x_max=x_max), key=f"audit_past_{audit_id}")
         col.caption(" · ".join(x for x in (row.target, row.model, *_tests(row), f"alpha {row.alpha:g}",
                                            _text(row.contradiction), _text(row.reason)) if x))
 
@@ -151,7 +155,8 @@ def _past() -> None:
 def _tests(row: pd.Series) -> list[str]:
     """The tests' figures as a past audit's caption says them (a paired audit's hit is cross-user)."""
     hit = "cross-user " if row.level == "paired" else ""
-    said = [] if pd.isna(row.p_value) else [f"{hit}D = {row.ks_statistic:.2f}", f"p = {row.p_value:.2g}"]
+    statistic = "mean-rank shift" if row.channel == "order" else "D"
+    said = [] if pd.isna(row.p_value) else [f"{hit}{statistic} = {row.ks_statistic:.2f}", f"p = {row.p_value:.2g}"]
     if not pd.isna(row.same_p_value):
         said.append(f"same-user p = {row.same_p_value:.2g}")
     if not pd.isna(row.null_p_value):
