@@ -139,8 +139,8 @@ def test_streams_keep_each_sequence_s_cells_in_its_own_buffer_and_a_misuse_withi
 def test_streams_are_llama_cpp_s_and_a_request_must_fit_its_sequence_s_stream():
     with pytest.raises(WorkloadError, match=r"^engine.isolation: 'streams' .* is llama.cpp's cache with kv_unified"):
         Workload.from_dict({"requests": [{"id": "A", "prompt": "hi"}], "engine": {"isolation": "streams"}})
-    reqs = [{"id": f"R{i}", "prompt": "hi " * 100, "max_new_tokens": 200} for i in range(2)]
-    assert run_checked(tiny(), workload(reqs, num_blocks=32)).findings == []  # 512 cells hold both
+    reqs = [{"id": f"R{i}", "prompt": "hi " * 90, "max_new_tokens": 2} for i in range(2)]  # 272 tokens, cheaply
+    assert run_checked(tiny(), workload(reqs, num_blocks=40)).findings == []  # 640 unified cells hold both
     run = run_checked(tiny(), workload(reqs[:1], num_blocks=20, isolation="streams"))  # 320 cells: 512 made
     assert run.result.config.num_blocks == 32 and any(
         "so the run has 32 blocks of 16 cells where 20 were asked" in n for n in run.notes)
