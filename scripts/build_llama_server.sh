@@ -4,7 +4,8 @@
 # its path and builds nothing. CPU only, Release, the llama-server target alone, llama.cpp's libraries linked in;
 # no web UI (neither npm nor a download: the server answers its API without one) and no HTTPS, so it
 # builds offline once the source is here. 10 minutes on 2 busy shared cores, 7 minutes of CPU
-# (docs/engines.md); CI does not run it, so tests/test_audit_servers.py skips llama-server there.
+# (docs/engines.md); .ci/run runs it before the tests, and tests/test_audit_servers.py skips llama-server
+# where it is not built.
 #
 #   scripts/build_llama_server.sh            build if needed; print the binary's path last
 #   LLAMA_SERVER_SRC=DIR scripts/...         build from an unpacked sdist already here (no pip download)
