@@ -48,7 +48,9 @@ def warning(found: pd.DataFrame, view: str) -> str | None:
     said = []
     for kind, rows in hit.groupby("kind", sort=False):
         where = ", ".join(f"{r.replica} {r['count']:,}" for _, r in rows.iterrows())
-        said.append(f"{KINDS[kind]} ({where}; the first at message {int(rows.first_step.min())}): "
-                    f"{DISTORTS[kind]}")
+        first = rows.sort_values("first_step").iloc[0]
+        at = (f"seq {int(first.first_seq)}, the capture's message {int(first.first_step)}"
+              if pd.notna(first.first_seq) else f"the capture's message {int(first.first_step)}")
+        said.append(f"{KINDS[kind]} ({where}; the first at {at}): {DISTORTS[kind]}")
     return ("This capture's stream breaks the KV-event contract in ways that distort this view. "
             + "; ".join(said) + ".")

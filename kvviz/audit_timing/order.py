@@ -58,7 +58,7 @@ def shift_test(a: list[int], b: list[int], dummies: int) -> Versus:
     difference in mean rank (Fisher-Pitman): of every way to split the pooled ranks into groups of
     these sizes, the share whose first group sums to no more than `a` does. Ranks are small integers,
     so the count is a short dynamic program, exact with any number of ties. The statistic is the
-    shift: how much earlier the first kind finished on average, as a share of the dummies."""
+    shift: how many places earlier the first kind finished on average."""
     if not (a and b):
         return Versus(ks_statistic=None, p_value=None, name="shift")
     counts = np.bincount(np.asarray(a + b), minlength=dummies + 1)
@@ -69,7 +69,7 @@ def shift_test(a: list[int], b: list[int], dummies: int) -> Versus:
         for j in range(1, min(c, len(a)) + 1):
             ways[j:, value * j:] += before[:-j, : ways.shape[1] - value * j] * math.comb(int(c), j)
     p = float(ways[len(a), : sum(a) + 1].sum() / math.comb(len(a) + len(b), len(a)))
-    return Versus(ks_statistic=float(np.mean(b) - np.mean(a)) / dummies, p_value=min(p, 1.0), name="shift")
+    return Versus(ks_statistic=float(np.mean(b) - np.mean(a)), p_value=min(p, 1.0), name="shift")
 
 
 def judge_order(ranks: dict[str, list[int]], times: dict[str, list[float]], tokens: dict[str, list[int]],

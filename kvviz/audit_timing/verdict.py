@@ -121,7 +121,8 @@ def unsound_sample(n: int, alpha: float, tokens: dict[str, list[int]]) -> str:
     lengths = sorted(counted.values())
     if lengths and lengths[-1] - lengths[0] > max(1.0, 0.02 * lengths[-1]):
         return ("the server counted prompts of unequal length (" + ", ".join(f"{k} {v:g}" for k, v in counted.items())
-                + " tokens), so their times do not compare")
+                + " tokens), so the kinds do not compare (the audit's words are a token each in SmolLM2's tokenizer; "
+                "one that splits them unevenly makes prompts of unequal length)")
     return ""
 
 
@@ -148,9 +149,10 @@ def judge(times: dict[str, list[float]], tokens: dict[str, list[int]], alpha: fl
     if unsound := unsound_sample(n, alpha, tokens):
         verdict, why = "no verdict", unsound
     elif floor and (slower := ks_test(floor, miss)[1]) >= alpha:  # the same test: is a prompt's work seen?
-        verdict, why = "no verdict", (f"the server answers a full prompt about as fast as a one-word one "
-                                      f"({statistics.median(miss):.2f} against {statistics.median(floor):.2f} ms, "
-                                      f"p = {slower:.2g}), so a cached prefix cannot show in time: use longer prompts")
+        verdict, why = "no verdict", (f"a full prompt came no measurably later than a one-word one "
+                                      f"(medians {statistics.median(miss):.2f} against {statistics.median(floor):.2f} "
+                                      f"ms, p = {slower:.2g} at alpha {alpha:g}), so a cached prefix cannot show in "
+                                      f"time: use longer prompts, or more rounds where the times are noisy")
     elif null.p_value < alpha:
         verdict, why = "inconclusive", (f"the null control (a miss primed by the prober itself, against a miss "
                                         f"primed by the other user) rejects too ({null.said()}): the measurement "

@@ -136,7 +136,8 @@ def _say_order(audit_id: str, cfg: AuditConfig, v: Verdict, t: Telemetry) -> Non
         f"{name} {ranks[k]:g}" for k, name in (("same", "same-user hit"), ("cross", "cross-user hit"), ("null", "null"))
         if k in ranks))
     _tests((("cross-user vs null", v.cross, "the test"), ("same-user vs null", v.same, "the positive control"),
-            ("same vs cross-user", v.apart, "isolation must reject")), lambda x: f"mean-rank shift {x:+.2f}", cfg.alpha)
+            ("same vs cross-user", v.apart, "isolation must reject")),
+           lambda x: f"mean-rank shift {x:+.2f} places", cfg.alpha)
     _verdict_lines(v, t)
 
 

@@ -337,7 +337,7 @@ TABLES: dict[str, Table] = {t.name: t for t in (
                      "sentence", added_in="17"),
               Column("channel", "VARCHAR", "what the audit read: time (time to first token; null before version 18) | "
                      "order (each probe's finishing rank among dummies sent just before it: the p-values are exact "
-                     "permutation tests of the mean rank, the KS columns its shift as a share of the dummies)",
+                     "permutation tests of the mean rank, the KS columns its shift in places)",
                      added_in="18"),
               Column("dummies", "INTEGER", "order channel: fresh prompts sent just before each probe", added_in="18")),
           in_trace=False, key="audit_id"),

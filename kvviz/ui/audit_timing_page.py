@@ -106,7 +106,10 @@ def _verdict(v: Verdict, t: Telemetry, what: str, alpha: float, primer: int) -> 
         figures += (f"; cross-user hits against misses {v.cross.said()}, same-user {v.same.said()}, null "
                     f"{v.null.said()} (alpha {alpha:g})")
     channel = said(t)
-    say = (f"**{HEADLINES[v.verdict]}** on {what}: {v.reason}. {figures}. Cached tokens: {channel}."
+    reason = v.reason  # the advice names the command line's flags: here, the form's fields
+    for flag, field in (("--prompt-tokens", "Prompt words"), ("--primer-tokens", "Primer max_tokens")):
+        reason = reason.replace(f"({flag})", f"(*{field}*)")
+    say = (f"**{HEADLINES[v.verdict]}** on {what}: {reason}. {figures}. Cached tokens: {channel}."
            + (f" **Contradiction**: {found}." if (found := contradiction(v, t)) else ""))
     getattr(st, tone(v, t))(say)
 
@@ -155,7 +158,7 @@ def _past() -> None:
 def _tests(row: pd.Series) -> list[str]:
     """The tests' figures as a past audit's caption says them (a paired audit's hit is cross-user)."""
     hit = "cross-user " if row.level == "paired" else ""
-    statistic = "mean-rank shift" if row.channel == "order" else "D"
+    statistic = "mean-rank shift (places)" if row.channel == "order" else "D"
     said = [] if pd.isna(row.p_value) else [f"{hit}{statistic} = {row.ks_statistic:.2f}", f"p = {row.p_value:.2g}"]
     if not pd.isna(row.same_p_value):
         said.append(f"same-user p = {row.same_p_value:.2g}")
