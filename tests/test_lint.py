@@ -177,6 +177,9 @@ def test_lint_exit_statuses_clean_breached_and_unreadable(tmp_path):
     table = kvviz("lint", broken)
     assert table.returncode == 1 and table.stdout.splitlines()[0].split() == [
         "kind", "replica", "count", "first_step", "first_seq", "detail"]
+    short = kvviz("lint", capture(tmp_path / "short.jsonl", CLEAN[:3]))  # stored, nothing removed yet
+    assert short.returncode == 0 and "never_removes" in short.stdout, short.stderr
+    assert "1 advisory (never_removes: a healthy short capture shows it too, so it fails no check)" in short.stderr
     junk = tmp_path / "junk.jsonl"
     junk.write_text("not a capture\n")
     for unreadable in (junk, tmp_path / "missing.jsonl"):

@@ -9,7 +9,9 @@ import json
 import duckdb
 import pandas as pd
 
-from ..capture.lint import DISTORTS, KINDS, ORDER
+from ..capture.lint import ADVISORY, DISTORTS, KINDS, ORDER
+
+__all__ = ["ADVISORY", "breaches", "linted", "warning"]  # ADVISORY: for the UI, which reads no capture module
 
 # view -> the kinds that distort what it draws (capture/lint.py's DISTORTS says how)
 VIEW_KINDS = {

@@ -32,6 +32,9 @@ KINDS = {
     "salt_mixed": "salts on some chains and not on others",
     "medium_removed_only": "a medium named only on removals",
 }
+# Kinds that a healthy stream can show too (a short capture of a server whose cache has not filled removes
+# nothing): reported, but they fail no check (`kvviz lint` exits 0 on them alone) and raise no alarm.
+ADVISORY = frozenset({"never_removes"})
 # kind -> the figures it distorts (the views say it beside them)
 DISTORTS = {
     "token_count": "these blocks have no tokens: their text, the explained misses (diverged) and token counts",

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import streamlit as st
 
-from ..analysis.breaches import breaches, linted
+from ..analysis.breaches import ADVISORY, breaches, linted
 from ..errors import KvvizError
 from ..runners.uploads import EXAMPLE, earlier_import, example_capture, import_file, refused, save_upload
 from .common import db_path, open_run, reader, store
@@ -76,7 +76,7 @@ def _import(name: str, saved: Path) -> None:
     st.success(f"Imported {name} as run {run_id}.", icon=":material/check_circle:")
     with reader() as con:
         found = breaches(con, run_id) if linted(con, run_id) else None
-    if found is not None and len(found):
+    if found is not None and len(found := found[~found.kind.isin(ADVISORY)]):  # advisory ones: the inspector
         kinds = ", ".join(dict.fromkeys(found.what))
         st.warning(f"Its KV-event stream breaks the contract its consumers trust ({kinds}): imported all the same, "
                    "each breach counted; the inspector lists them and says which figures they distort.",
