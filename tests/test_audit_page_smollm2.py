@@ -15,7 +15,7 @@ from kvviz.store import RunStore
 from tests.test_audit_smollm2 import ALPHA, EXPECTED, WORDS
 
 
-def page_audit(sharing: str, rounds: int, alpha: float, db: Path, words: int = WORDS) -> tuple[AuditResult, int]:
+def page_audit(sharing: str, rounds: int, alpha: float, db: Path) -> tuple[AuditResult, int]:
     """What the page runs: audit_local, drawing the figure between rounds; and how many it drew."""
     from kvviz.audit_timing.recorded import audit_local
     from kvviz.figures.audit_timing import ttft_ecdf
@@ -25,7 +25,7 @@ def page_audit(sharing: str, rounds: int, alpha: float, db: Path, words: int = W
     def between(r: AuditResult) -> None:
         drawn.append(ttft_ecdf({k: r.times(k) for k in (*TIMED, "floor")}).to_json())
 
-    cfg = AuditConfig(base_url="http://127.0.0.1/v1", model="local", samples=rounds, prompt_tokens=words,
+    cfg = AuditConfig(base_url="http://127.0.0.1/v1", model="local", samples=rounds, prompt_tokens=WORDS,
                       interval=0.1, alpha=alpha)
     _, result = audit_local(RunStore.open(db), load_model("smollm2"), sharing, cfg, between=between)
     return result, len(drawn)
@@ -34,9 +34,9 @@ def page_audit(sharing: str, rounds: int, alpha: float, db: Path, words: int = W
 @pytest.mark.slow
 def test_the_pages_code_path_with_its_drawing_says_no_caching_seen_of_a_server_without_a_cache(tmp_path):
     # Nothing is to be separated here but a full prompt from the floor, so the fewest rounds that can
-    # give a verdict, of half-length prompts (every request is a miss: the slowest audit of the three).
+    # give a verdict (every request is a miss: the slowest audit of the three).
     rounds = fewest_samples(ALPHA)
-    result, drawn = page_audit("off", rounds, ALPHA, tmp_path / "k.duckdb", words=WORDS // 2)
+    result, drawn = page_audit("off", rounds, ALPHA, tmp_path / "k.duckdb")
     v, t = result.judge(), result.telemetry()
     assert v.verdict == "no caching seen" and v.null.p_value >= ALPHA and drawn == rounds, v
     assert "cannot tell a server that isolates users from one whose cache it cannot see" in v.reason

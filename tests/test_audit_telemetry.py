@@ -9,6 +9,7 @@ import random
 
 import duckdb
 import pandas as pd
+import pytest
 
 from kvviz.audit_timing.recorded import list_audits, timings
 from kvviz.audit_timing.telemetry import contradiction, read, said, tone
@@ -79,6 +80,7 @@ def test_a_contradiction_is_found_where_timing_and_the_servers_counts_disagree()
         "success", "error", "error", "warning", "success")
 
 
+@pytest.mark.slow
 def test_the_cli_reports_and_stores_a_contradiction(tmp_path):
     """A server that shares its cache across users and reports 0 cached tokens for every request."""
     with FakeOpenAI(Behaviour("global", per_token=2e-4, usage="zero")) as server:
@@ -92,6 +94,7 @@ def test_the_cli_reports_and_stores_a_contradiction(tmp_path):
     assert row[:3] == ("shared across users", "no caching seen", 0) and row[3].startswith("timing says shared")
 
 
+@pytest.mark.slow
 def test_a_server_without_usage_gets_a_timing_verdict_and_no_reading_from_its_counts(tmp_path):
     db = tmp_path / "k.duckdb"
     for usage, why in (("none", "the server returned no usage with its streamed replies"),
@@ -108,6 +111,7 @@ def test_a_server_without_usage_gets_a_timing_verdict_and_no_reading_from_its_co
     assert [r[:3] for r in rows] == [(None, None, None)] * 2 and "could not be used" in rows[0][3]
 
 
+@pytest.mark.slow
 def test_llama_cpps_own_count_is_read_where_usage_lacks_cached_tokens(tmp_path):
     """A server that says what it served from its cache only as llama-server does, in the last chunk's
     timings.cache_n: the channel reads it (per-key: every same-user hit cached, no cross-user one), and
@@ -136,6 +140,7 @@ def test_llama_cpps_own_count_is_read_where_usage_lacks_cached_tokens(tmp_path):
         assert prober.send("one two three").cached_tokens == 0
 
 
+@pytest.mark.slow
 def test_a_primer_max_tokens_the_server_refuses_is_said_with_what_to_try(tmp_path):
     db = tmp_path / "k.duckdb"
     with FakeOpenAI(Behaviour("global", per_token=2e-4, max_tokens=1)) as server:

@@ -102,6 +102,7 @@ def test_the_smallest_sample_that_separates_is_the_fewest_at_which_the_distance_
 FAST = dict(samples=10, prompt_tokens=64, alpha=1e-3)  # 10 rounds reach 1e-3 (complete separation: 5.4e-6)
 
 
+@pytest.mark.slow
 def test_a_server_with_leftover_work_and_no_cache_is_not_accused():
     """The reported false accusation: work left from the previous request landed on misses only. With
     a primer before every timed request, the tail lands on primers, and the null control agrees."""
@@ -118,6 +119,7 @@ def test_a_server_with_leftover_work_and_no_cache_is_not_accused():
     # a server that caches nothing of a request ending in its prefill step, as transformers serve:
     (Behaviour("global", cache_after=2), 1, "no caching seen"), (Behaviour("global", cache_after=2), 2,
                                                                  "shared across users")])
+@pytest.mark.slow
 def test_the_paired_schedule_tells_shared_isolated_and_uncached_servers_apart(behaviour, primer, verdict):
     behaviour.per_token = 6e-4  # a miss's 38 ms of prefill stands clear of the floor on a loaded machine
     with FakeOpenAI(behaviour) as server:
@@ -130,6 +132,7 @@ def test_the_paired_schedule_tells_shared_isolated_and_uncached_servers_apart(be
     assert cached["cross"] == ({64} if verdict == "shared across users" else {0})
 
 
+@pytest.mark.slow
 def test_every_timed_request_follows_a_primer_of_its_length_in_balanced_orders():
     with FakeOpenAI(Behaviour("global", per_token=1e-5)) as server:
         r = run_audit(AuditConfig(server.url, "fake", **FAST), seed=2)
@@ -150,6 +153,7 @@ def test_every_timed_request_follows_a_primer_of_its_length_in_balanced_orders()
         assert (primer_key, primer == prompt, primer_max, key, max_tokens) == (*senders[s.kind], 2, "kvviz-audit", 1)
 
 
+@pytest.mark.slow
 def test_the_cli_says_the_verdict_and_what_the_server_reported(tmp_path):
     with FakeOpenAI(Behaviour("global", per_token=2e-4)) as server:
         p = kvviz("audit-timing", "--base-url", server.url, "--model", "fake", "--samples", 10, "--prompt-tokens", 64,
@@ -167,6 +171,7 @@ def test_the_cli_says_the_verdict_and_what_the_server_reported(tmp_path):
     assert kinds == [("cross",), ("floor",), ("miss",), ("null",), ("same",)]
 
 
+@pytest.mark.slow
 def test_a_server_too_fast_to_time_gets_no_verdict(tmp_path):
     with FakeOpenAI(Behaviour("global")) as server:
         p = kvviz("audit-timing", "--base-url", server.url, "--model", "fake", "--samples", 10, "--prompt-tokens", 64,
@@ -180,6 +185,7 @@ def test_a_server_too_fast_to_time_gets_no_verdict(tmp_path):
     ("429", "HTTP 429"), ("500", "HTTP 500"), ("break", "broke off a reply"),
     ("silent", "streamed no reply to a request (asked with stream: true), so there is no time to first token"),
     ("close", "closed the connection after")])
+@pytest.mark.slow
 def test_a_server_failing_part_way_keeps_its_timings_and_gives_no_verdict(tmp_path, fail, says):
     db = tmp_path / "k.duckdb"
     with FakeOpenAI(Behaviour("global", per_token=2e-4, fail_after=30, fail=fail)) as server:
