@@ -14,6 +14,9 @@ import duckdb
 import numpy as np
 import pandas as pd
 
+from ..capture.measures import HIT_TOKENS, MISS_TOKENS, UNTOLD_SEGMENT
+from ..capture.measures import hit_ratio as hit_ratio  # the views' hit rate from churn's sums, as the monitor's
+
 MAX_INTERVALS = 300
 BINS_PER_DECADE = 10  # duration histograms: durations span milliseconds to hours, so bins are logarithmic
 NICE_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800,
@@ -73,8 +76,7 @@ def churn(con: duckdb.DuckDBPyConnection, run_id: str, start: float, end: float,
         f"count(*) FILTER (kind = 'BlockStored' AND {_NEW}) AS stored, "
         "count(*) FILTER (kind = 'BlockStored' AND repeat) AS hits, "
         f"count(*) FILTER (kind = 'BlockRemoved' AND {_NEW}) AS evicted, "
-        "coalesce(sum(block_size) FILTER (kind = 'BlockStored' AND repeat), 0) AS hit_tokens, "
-        f"coalesce(sum(block_size) FILTER (kind = 'BlockStored' AND {_NEW}), 0) AS miss_tokens "
+        f"{HIT_TOKENS} AS hit_tokens, {MISS_TOKENS} AS miss_tokens "
         "FROM kv_events WHERE run_id = $run AND kind IN ('BlockStored', 'BlockRemoved') AND ts BETWEEN $a AND $b "
         "GROUP BY ALL ORDER BY interval_start, replica",
         {"run": run_id, "w": width, "a": start, "b": end}).df()
@@ -205,8 +207,7 @@ def untold_segments(con: duckdb.DuckDBPyConnection, run_id: str, start: float, e
     tell which tenant stored them (explain says so of each: continues_chain_of, tenant unknown)."""
     return dict(con.execute(
         "SELECT coalesce(salt, '(no salt)') AS chain, count(*) FROM kv_events WHERE run_id = $run AND "
-        "kind = 'BlockStored' AND NOT coalesce(repeat, false) AND block_index = 0 AND parent_hash IS NOT NULL "
-        "AND salt_named = false AND ts BETWEEN $a AND $b "
+        f"{UNTOLD_SEGMENT} AND ts BETWEEN $a AND $b "
         "AND EXISTS (SELECT 1 FROM kv_events WHERE run_id = $run AND salt IS NOT NULL) GROUP BY chain ORDER BY chain",
         {"run": run_id, "a": start, "b": end}).fetchall())
 

@@ -8,8 +8,8 @@ empty delimiter and then (topic, seq, payload) from vLLM 0.33 or (seq, payload) 
 older vLLM, ending with seq -1 in the same place.
 
 Per replica the capture counts messages, restarts, gaps (sequence numbers never received, shrunk
-when a replay fills them) and messages that are not KV-event batches (reported, not written). A
-publisher that cannot be reached is reported and the others go on.
+when a replay fills them) and messages that are not KV-event batches (wrong frames or payloads:
+reported, not written). A publisher that cannot be reached is reported and the others go on.
 """
 
 from __future__ import annotations
@@ -197,6 +197,9 @@ class FleetCapture:
             except zmq.Again:
                 return
             if len(frames) != 3 or len(frames[1]) != 8:
+                st.invalid += 1
+                self.say(f"{st.source.name}: a message of {len(frames)} frames is not a KV-event batch (topic, "
+                         "8-byte seq, payload); not written")
                 continue
             seq = int.from_bytes(frames[1], "big", signed=True)
             if seq in st.replayed:  # published while the replay ran: already written once

@@ -14,13 +14,14 @@ from .catalogue import add_audit, add_scenarios
 from .common import fail
 from .lint import add_lint
 from .models import add_bench, add_fetch_model
+from .monitor import add_monitor
 from .run import add_run
 from .serve import add_serve
 from .store import add_explain, add_export, add_import, add_replay, add_runs, add_sql
 from .whatif import add_whatif
 
 COMMANDS = (add_fetch_model, add_run, add_runs, add_sql, add_replay, add_export, add_capture_vllm, add_capture_example,
-            add_import, add_lint, add_explain, add_whatif, add_scenarios, add_audit, add_bench, add_serve,
+            add_monitor, add_import, add_lint, add_explain, add_whatif, add_scenarios, add_audit, add_bench, add_serve,
             add_audit_timing)  # --help's order
 
 

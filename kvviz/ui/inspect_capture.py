@@ -107,11 +107,11 @@ def _activity(info: RunInfo, span: capture_time.Span, a: float, b: float) -> Non
     total = churn.sum(numeric_only=True)
     c = st.columns(4)
     c[0].metric("new blocks", f"{int(total.stored):,}")
-    tokens = total.hit_tokens + total.miss_tokens
+    rate = capture_time.hit_ratio(total.hit_tokens, total.miss_tokens)
     if hits_reported:
         c[1].metric("hits", f"{int(total.hits):,}", help="stores of a block already cached: vLLM reports them with "
                     "kv_cache_report_mode=\"full\" (otherwise a capture sees no hits)")
-        c[2].metric("hit rate (tokens)", f"{total.hit_tokens / tokens:.0%}" if tokens else "-")
+        c[2].metric("hit rate (tokens)", "-" if rate is None else f"{rate:.0%}")
     else:  # a 0 would say nothing was served from the cache, which the capture cannot tell
         unreported = ("This capture holds no repeated store of a cached block: its server did not report hits "
                       "(vLLM: kv_cache_report_mode=\"full\"), so the events cannot tell what the cache served.")
