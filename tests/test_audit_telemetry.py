@@ -174,6 +174,6 @@ def test_audits_stored_before_the_paired_one_are_upgraded_in_place_and_still_rea
         version = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0]
         row = list_audits(con).iloc[0]
         drawn = timings(con, "old")
-    assert version == SCHEMA_VERSION == "18"
+    assert version == SCHEMA_VERSION == "19"
     assert (row.level, row.verdict, row.median_cross_ms) == ("global", "detected", 5.0) and pd.isna(row.primer_tokens)
     assert drawn == {"hit": [5.0, 5.5], "miss": [9.0, 9.5], "floor": [1.0]}  # drawn as it was timed: plain hits

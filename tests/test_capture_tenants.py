@@ -60,7 +60,8 @@ def test_a_block_stored_again_is_the_tenant_its_event_names_for_that_life(tmp_pa
                                     (4, 4, four, True), (4, 5, four, True)]
         found = con.execute("SELECT request_id, source_request, step FROM findings WHERE run_id = ? AND "
                             "kind = 'cross_tenant' ORDER BY step, position", [run]).fetchall()
-        n, events = capture_time.cross_tenant(con, run, 0, 10)
+        shared = capture_time.cross_tenant(con, run, 0, 10)
+        n, events = shared.named, shared.events
         untold = capture_time.untold_restores(con, run, 0, 10)
         said = {e.request: e for e in agreed(con, run)}
     assert untold == 0, "every store names its tenant"
@@ -313,3 +314,57 @@ def test_a_dataset_written_before_salt_named_imports_with_it_unknown(tmp_path):
             untold = capture_time.untold_restores(con, run, 0, 10)
         assert (stored, named, untold) == (4, 0, 0)
         assert (said.hit_tokens, said.evidence) == (4, {"stored_at": 0, "removed_at": 1, "before": 1})
+
+
+@pytest.mark.parametrize("named", [False, True], ids=["restored-naming-no-salt", "control-naming-its-salt"])
+def test_a_cross_tenant_finding_needs_two_tenants_the_stream_names(tmp_path, monkeypatch, named):
+    """Issue 46's example in small: tenant-a caches prompt 1-2, tenant-c re-reports it whole under its own
+    salt (1 and 2 hit: two tenants named on one cache entry) and stores its turn 3 after it. 3 is
+    evicted, then stored again continuing 1-2 by an event naming no salt: the import gives it the
+    chain's salt, tenant-a's (the cached 2's), which is a guess, not a second tenant. By construction:
+    2 named blocks (1, 2: two findings, c after a), and 3 shared only by inference; the control stores
+    3 again naming tenant-c, so nothing is inferred."""
+    from tests.test_app import charts, page
+
+    db = tmp_path / "kvviz.duckdb"
+    monkeypatch.setenv("KVVIZ_DB", str(db))
+    again = sglang([3], 2, [5, 6], "tenant-c") if named else stored_map([3], 2, [5, 6])
+    store = RunStore.open(db)
+    run = import_capture(write_capture(tmp_path / "c.jsonl", [
+        batch(stored_map([1, 2], None, [1, 2, 3, 4], salt="tenant-a"), ts=1.0),
+        batch(stored_map([1, 2, 3], None, [1, 2, 3, 4, 5, 6], salt="tenant-c"), ts=2.0),
+        batch(REMOVED | {"block_hashes": [3]}, ts=3.0),
+        batch(again, ts=4.0)]), store)
+    with store.read() as con:
+        assert stores(con, run)[-1] == (3, 3, "tenant-c" if named else "tenant-a", named)
+        found = con.execute("SELECT request_id, source_request, step, position FROM findings WHERE run_id = ? "
+                            "ORDER BY step, position", [run]).fetchall()
+        listed = captures_findings(con, run)
+        shared = capture_time.cross_tenant(con, run, 0, 10)
+        both = capture_time.cross_tenant(con, run, 0, 10, inferred=True)
+    assert found == [("tenant-c", "tenant-a", 1, 0), ("tenant-c", "tenant-a", 1, 1)], "1 and 2, not 3"
+    assert listed == [(f"{1:016x}", "tenant-c", "tenant-a"), (f"{2:016x}", "tenant-c", "tenant-a")]
+    assert (shared.named, shared.inferred) == (2, 0 if named else 1)
+    assert set(shared.events.block_hash) == {1, 2} and shared.events.told.all()
+    if named:
+        assert both.events.equals(shared.events)
+    else:
+        three = both.events[both.events.block_hash == 3]
+        assert list(zip(three.salt, three.told, three.chain.fillna("-"), strict=True)) == [
+            ("tenant-c", True, "-"), (capture_time.UNKNOWN, False, "tenant-a")], \
+            "named where the event names it; the guess shown as a guess, with the chain it continues"
+    at = page("inspector", run_id=run)
+    at.segmented_control(key="insp_view").set_value("Cross-tenant").run()
+    said = next(m.value for m in at.markdown if "served more than one tenant" in m.value)
+    assert not at.exception and said.startswith(
+        f"**2** blocks of this range served more than one tenant the stream names; **{0 if named else 1}** more")
+    at.toggle(key="insp_inferred").set_value(True).run()
+    names = {t["name"] for t in charts(at)["insp_cross_tenant"]["data"]}
+    assert ("tenant unknown: stored" in names) is not named
+
+
+def captures_findings(con, run: str) -> list[tuple]:
+    from kvviz.analysis.captures import cross_tenant_findings
+
+    df = cross_tenant_findings(con, run)
+    return list(zip(df.block_hash, df.tenant, df.stored_first_by, strict=True))

@@ -218,8 +218,8 @@ def test_every_sql_page_example_runs_on_a_store_with_a_capture(run):
 def test_cross_tenant_blocks_are_those_one_replica_stored_under_two_salts(run, tmp_path):
     store, run_id = run
     with store.read() as con:  # 1 is a's on pod-a and b's on pod-b: two replicas, two blocks, no sharing
-        n, events = capture_time.cross_tenant(con, run_id, 1000.0, 1010.0)
-        assert n == 0 and events.empty
+        shared = capture_time.cross_tenant(con, run_id, 1000.0, 1010.0)
+        assert shared.named == shared.inferred == 0 and shared.events.empty
     path = tmp_path / "shared.jsonl"
     w = CaptureWriter(path, {"pod-a": "tcp://a:1"})
     for seq, (ts, events) in enumerate([(0.0, [stored_map([1, 2], None, [1, 1, 2, 2], salt="a")]),
@@ -230,11 +230,12 @@ def test_cross_tenant_blocks_are_those_one_replica_stored_under_two_salts(run, t
     w.close()
     shared_id = import_capture(path, store)
     with store.read() as con:
-        n, events = capture_time.cross_tenant(con, shared_id, 1000.0, 1010.0)
-        assert n == 1 and set(events.block_hash) == {1}
+        shared = capture_time.cross_tenant(con, shared_id, 1000.0, 1010.0)
+        events = shared.events
+        assert (shared.named, shared.inferred) == (1, 0) and set(events.block_hash) == {1}
         assert list(zip(events.ts - 1000.0, events.salt, events.repeat, strict=True)) == [
             (0.0, "a", False), (1.0, "b", True), (3.0, "a", True)]
-        assert capture_time.cross_tenant(con, shared_id, 1000.0, 1000.5)[0] == 0  # only a's store in range
+        assert capture_time.cross_tenant(con, shared_id, 1000.0, 1000.5).named == 0  # only a's store in range
     from kvviz.figures import capture_time as drawn
 
     figure = drawn.cross_tenant(events, 1000.0)  # the block named as the findings table names it, 16 digits

@@ -406,6 +406,11 @@ def test_capture_activity_is_per_second_and_a_horizontal_brush():
     assert list(by_name["stored (new)"].x) == [0.0, 2.0] and list(by_name["stored (new)"].y) == [3.0, 0.0]
     assert list(by_name["evicted"].y) == [-1.0, -3.0], "summed over replicas, per second, downwards"
     assert list(by_name["tokens computed (misses)"].y) == [96, 0]
+    served, hits = by_name["tokens served from the cache"], by_name["hit (stored again)"]
+    assert list(served.y) == [32, 32] and served.marker.color == hits.marker.color
+    assert served.showlegend is not False and served.legendgroup != hits.legendgroup, \
+        "the green bars below have a legend entry of their own, not the hits' above"
+    assert {t.legendgrouptitle.text for t in fig.data} == {"blocks", "tokens"}
     assert fig.layout.dragmode == "select" and fig.layout.selectdirection == "h"
     reasons = pd.DataFrame({"interval_start": [100.0, 102.0], "reason": ["cold", "evicted"], "lookups": [3, 1]})
     names = [t.name for t in time_fig.activity(churn, 100.0, 2.0, reasons).data]

@@ -11,7 +11,8 @@ import pandas as pd
 
 from ..capture.lint import ADVISORY, DISTORTS, KINDS, ORDER
 
-__all__ = ["ADVISORY", "breaches", "linted", "warning"]  # ADVISORY: for the UI, which reads no capture module
+# ADVISORY: for the UI, which reads no capture module
+__all__ = ["ADVISORY", "beside", "breaches", "linted", "warning"]
 
 # view -> the kinds that distort what it draws (capture/lint.py's DISTORTS says how)
 VIEW_KINDS = {
@@ -24,6 +25,13 @@ VIEW_KINDS = {
     "What if": ("seq_gap", "seq_back", "stored_twice", "remove_unstored"),
 }
 COLUMNS = ["kind", "what", "replica", "count", "first_step", "first_seq", "first_ts", "detail"]
+# a figure's number -> the kinds that make it wrong (said beside the number, not only above the view)
+FIGURES = {
+    "hit rate": ("seq_gap", "seq_back", "stored_twice"),
+    "occupancy": ("seq_gap", "seq_back", "remove_unstored", "stored_twice", "never_removes", "medium_removed_only"),
+    "lifetimes": ("seq_gap", "seq_back", "remove_unstored", "never_removes"),
+    "tenant counts": ("seq_gap", "seq_back", "salt_mixed"),
+}
 
 
 def linted(con: duckdb.DuckDBPyConnection, run_id: str) -> bool:
@@ -56,3 +64,16 @@ def warning(found: pd.DataFrame, view: str) -> str | None:
         said.append(f"{KINDS[kind]} ({where}; the first at {at}): {DISTORTS[kind]}")
     return ("This capture's stream breaks the KV-event contract in ways that distort this view. "
             + "; ".join(said) + ".")
+
+
+def beside(found: pd.DataFrame | None, figure: str) -> str | None:
+    """One line for beside a figure's number (a key of FIGURES): the breaches that make it wrong, each with
+    its count per replica, or None when none do (or the capture was not linted)."""
+    if found is None:
+        return None
+    hit = found[found.kind.isin(FIGURES[figure])]
+    if hit.empty:
+        return None
+    said = "; ".join(f"{KINDS[kind]} ({', '.join(f'{r.replica} {r.count:,}' for r in rows.itertuples())})"
+                     for kind, rows in hit.groupby("kind", sort=False))
+    return f"This {figure} is from a stream that breaks the KV-event contract: {said}."

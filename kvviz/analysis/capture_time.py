@@ -16,6 +16,7 @@ import pandas as pd
 
 from ..capture.measures import HIT_TOKENS, MISS_TOKENS, UNTOLD_SEGMENT
 from ..capture.measures import hit_ratio as hit_ratio  # the views' hit rate from churn's sums, as the monitor's
+from ..capture.tenants import TOLD
 
 MAX_INTERVALS = 300
 BINS_PER_DECADE = 10  # duration histograms: durations span milliseconds to hours, so bins are logarithmic
@@ -164,25 +165,45 @@ def shared_prefixes(con: duckdb.DuckDBPyConnection, run_id: str, start: float, e
         {"run": run_id, "a": start, "b": end, "top": top}).df()
 
 
-def cross_tenant(con: duckdb.DuckDBPyConnection, run_id: str, start: float, end: float,
-                 top: int = 40) -> tuple[int, pd.DataFrame]:
-    """Blocks stored or hit under more than one salt in the range (one cache entry serving two tenants):
-    how many, and each store and hit of the `top` most used of them: replica, block_hash, ts, salt,
-    repeat, uses. Two salts is a min that differs from the max: no distinct count over every block."""
+@dataclass(frozen=True)
+class SharedBlocks:
+    """Blocks of a range stored or hit under more than one salt (a store without one names no tenant: the
+    linter's salt_mixed and cross_tier_salt speak of those): `named`, shared by two tenants the
+    stream itself names (what a cross_tenant finding needs); `inferred`, the more that look shared only
+    through a salt the import inferred from the chain a store continues (its own tenant unknown); and
+    `events`, each store and hit of the most used of those drawn: replica, block_hash, ts, salt (the
+    tenant named, else UNKNOWN, or NO_SALT), chain (an inferred row's chain salt), told, repeat, uses."""
+    named: int
+    inferred: int
+    events: pd.DataFrame
+
+
+UNKNOWN = "tenant unknown"  # a store or hit of a shared block whose event names no salt
+NO_SALT = "(no salt)"
+
+
+def cross_tenant(con: duckdb.DuckDBPyConnection, run_id: str, start: float, end: float, top: int = 40,
+                 inferred: bool = False) -> SharedBlocks:
+    """The blocks of the range used under more than one salt (one cache entry serving two tenants), named
+    and inferred apart, and the stores and hits of the `top` most used of the named ones (with
+    `inferred`, of both). Two salts is a min that differs from the max: no distinct count over every block."""
     shared = (
-        "WITH ev AS (SELECT coalesce(replica, 'replica-0') AS replica, group_idx, block_hash, ts, "
-        "coalesce(salt, '(no salt)') AS salt, coalesce(repeat, false) AS repeat FROM kv_events WHERE run_id = $run "
-        "AND kind = 'BlockStored' AND ts BETWEEN $a AND $b), "
-        "shared AS (SELECT replica, group_idx, block_hash, count(*) AS uses FROM ev GROUP BY ALL "
-        "HAVING min(salt) <> max(salt)) ")
+        f"WITH {TOLD}, ev AS (SELECT replica, grp, block_hash, ts, salt, tenant, repeat FROM stores "
+        "WHERE ts BETWEEN $a AND $b), "
+        "shared AS (SELECT replica, grp, block_hash, count(*) AS uses, "
+        "coalesce(min(tenant) <> max(tenant), false) AS named FROM ev GROUP BY ALL "
+        "HAVING min(salt) <> max(salt)) ")  # a store without a salt names no tenant
     args = {"run": run_id, "a": start, "b": end}
-    n = con.execute(shared + "SELECT count(*) FROM shared", args).fetchone()[0]
+    named, guessed = con.execute(shared + "SELECT count(*) FILTER (named), count(*) FILTER (NOT named) FROM shared",
+                                 args).fetchone()
     events = con.execute(
-        shared + "SELECT e.replica, e.block_hash, e.ts, e.salt, e.repeat, s.uses FROM ev e JOIN "
-        "(SELECT * FROM shared ORDER BY uses DESC, block_hash LIMIT $top) s ON s.replica = e.replica AND "
-        "s.block_hash = e.block_hash AND s.group_idx IS NOT DISTINCT FROM e.group_idx "
-        "ORDER BY s.uses DESC, e.block_hash, e.ts", {**args, "top": top}).df()
-    return int(n), events
+        shared + "SELECT e.replica, e.block_hash, e.ts, CASE WHEN e.tenant IS NOT NULL THEN e.tenant WHEN e.salt IS "
+        "NULL THEN $none ELSE $unknown END AS salt, CASE WHEN e.tenant IS NULL THEN e.salt END AS chain, "
+        "e.tenant IS NOT NULL AS told, e.repeat, s.uses FROM ev e JOIN "
+        "(SELECT * FROM shared WHERE named OR $inferred ORDER BY uses DESC, block_hash LIMIT $top) s "
+        "USING (replica, grp, block_hash) ORDER BY s.uses DESC, e.block_hash, e.ts",
+        {**args, "top": top, "unknown": UNKNOWN, "none": NO_SALT, "inferred": inferred}).df()
+    return SharedBlocks(int(named), int(guessed), events)
 
 
 def untold_restores(con: duckdb.DuckDBPyConnection, run_id: str, start: float, end: float) -> int:

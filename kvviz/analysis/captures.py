@@ -153,3 +153,19 @@ def cross_tenant_findings(con: duckdb.DuckDBPyConnection, run_id: str, limit: in
         SELECT f.tenant, f.stored_first_by, c.replica, printf('%016x', c.block_hash) AS block_hash, f.step AS message
         FROM f JOIN candidates c USING (tenant, stored_first_by, step, position, k)
         ORDER BY message, replica, block_hash""", {"run": run_id, "limit": limit}).df()
+
+
+SHOWN_HASHES = 5  # block hashes listed per cross_tier_salt finding (the table keeps them all)
+
+
+def tier_salts(con: duckdb.DuckDBPyConnection, run_id: str) -> pd.DataFrame:
+    """A capture's cross_tier_salt findings (found on import; none in a capture imported before kvviz looked
+    for them): replica, group_idx, salted_medium, unsalted_medium, salt, blocks, first_blocks (the first
+    SHOWN_HASHES as hex), hits, served (the tenants those hits named) and others (those of them that are
+    not the salt's: another tenant served a block kept without its salt)."""
+    df = con.execute(
+        "SELECT replica, group_idx, salted_medium, unsalted_medium, salt, blocks, "
+        "list_transform(block_hashes[1:$n], lambda h: printf('%016x', h)) AS first_blocks, hits, served, first_step "
+        "FROM cross_tier_salts WHERE run_id = $run ORDER BY replica, group_idx, salted_medium, unsalted_medium, salt",
+        {"run": run_id, "n": SHOWN_HASHES}).df()
+    return df.assign(others=[[t for t in served if t != salt] for served, salt in zip(df.served, df.salt, strict=True)])

@@ -50,21 +50,24 @@ FROM (
 ORDER BY replica, interval_start
 """
 
-# cross_tenant_reuse: block hashes stored under more than one salt (tenant) on the same replica and
-# KV group: the cross-tenant sharing that per-tenant cache salts exist to prevent. A block without a
-# salt counts as the salt '(no salt)'; first_ts is when the hash was first stored.
+# cross_tenant_reuse: block hashes stored or hit under more than one salt (tenant) on the same replica
+# and KV group: the cross-tenant sharing that per-tenant cache salts exist to prevent. Only salts the
+# stream names count (salt_named; datasets before it take every salt at its word): a store continuing a
+# chain carries the chain's salt, a tenant inferred, not named, and a block without a salt names no
+# tenant. first_ts is when a named tenant first stored or hit the hash.
 CROSS_TENANT_REUSE = """
 SELECT replica,
        COALESCE(group_idx, 0) AS group_idx,
        block_hash,
-       COUNT(DISTINCT COALESCE(salt, '(no salt)')) AS salts,
-       MIN(COALESCE(salt, '(no salt)')) AS min_salt,
-       MAX(COALESCE(salt, '(no salt)')) AS max_salt,
+       COUNT(DISTINCT salt) AS salts,
+       MIN(salt) AS min_salt,
+       MAX(salt) AS max_salt,
        MIN(ts) AS first_ts
 FROM capture_events
-WHERE kind = 'BlockStored' AND block_hash IS NOT NULL
+WHERE kind = 'BlockStored' AND block_hash IS NOT NULL AND salt IS NOT NULL
+  AND (salt_named IS NULL OR salt_named = true)
 GROUP BY replica, COALESCE(group_idx, 0), block_hash
-HAVING COUNT(DISTINCT COALESCE(salt, '(no salt)')) > 1
+HAVING COUNT(DISTINCT salt) > 1
 ORDER BY replica, group_idx, first_ts, block_hash
 """
 

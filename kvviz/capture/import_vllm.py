@@ -1,6 +1,8 @@
 """A vLLM/SGLang KV-event capture becomes a run: the prefix tree (hash chains with their tokens,
-salts and LoRA names), blocks stored and evicted per step, cache occupancy over time, and a
-cross-tenant finding wherever one block hash is stored under two salts on one replica and KV group.
+salts and LoRA names), blocks stored and evicted per step, cache occupancy over time, a
+cross-tenant finding wherever one block hash is stored under two salts the stream names on one
+replica and KV group, and a cross-tier salt finding wherever one is kept salted in one tier and
+unsalted in another (tenants.py).
 The events carry no physical block ids and no attention weights, so the run has neither.
 
 A JSONL capture is decoded once into a capture dataset of the store's own (Parquet, beside the
@@ -40,29 +42,11 @@ from .dataset import LATER, MANIFEST, check_files, dataset_files
 from .events import CaptureError
 from .jsonl_dataset import Progress, write_dataset
 from .lint import Source, keep, lint_run
+from .tenants import CROSS_TENANT, CROSS_TIER_SALT
 
 CAPTURE_MODEL = "vllm capture"  # what an imported capture's run says its model was
 TRACE_MODEL = "request trace"  # an imported request trace's (Mooncake's format: hashes, no model's events)
 CAPTURE_MODELS = (CAPTURE_MODEL, TRACE_MODEL)
-
-CROSS_TENANT = """
-INSERT INTO findings (run_id, kind, request_id, step, position, source_request)
-WITH stored AS NOT MATERIALIZED (
-    SELECT coalesce(replica, '') AS replica, coalesce(group_idx, -1) AS grp, block_hash,
-           coalesce(salt, '(no salt)') AS salt, step, event_index, block_index
-    FROM kv_events WHERE run_id = $run AND kind = 'BlockStored'),
-shared AS (  -- the few hashes stored under two salts: the rest need no ordering
-    SELECT replica, grp, block_hash FROM stored GROUP BY ALL HAVING min(salt) <> max(salt)),
-firsts AS (
-    SELECT replica, grp, block_hash, salt, min([step, event_index, block_index]) AS first_at
-    FROM stored SEMI JOIN shared USING (replica, grp, block_hash) GROUP BY ALL),
-ordered AS (
-    SELECT *, min(salt) OVER (PARTITION BY replica, grp, block_hash ORDER BY first_at
-                              ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS earlier
-    FROM firsts)
-SELECT $run, 'cross_tenant', salt, first_at[1], first_at[3], earlier FROM ordered WHERE earlier IS NOT NULL
-ORDER BY first_at
-"""
 
 
 def import_capture(path: str | Path, store: RunStore, progress: Progress | None = None,
@@ -216,12 +200,14 @@ def _import(path: Path, store: RunStore, chunks: Iterable[pa.Table], workload: d
             con.execute("BEGIN TRANSACTION")
             con.execute("INSERT INTO steps (run_id, step, seconds) SELECT ?, range, 0.0 FROM range(?)", [run_id, steps])
             con.execute(CROSS_TENANT, {"run": run_id})
+            con.execute(CROSS_TIER_SALT, {"run": run_id})
             if lint is not None:
                 breaches = lint_run(con, run_id, lint)
                 keep(con, run_id, breaches)
                 workload = workload | {"breaches": len(breaches)}
             con.execute("UPDATE runs SET status = 'complete', steps = $steps, workload = $workload, findings = "
-                        "(SELECT count(*) FROM findings WHERE run_id = $run) WHERE run_id = $run",
+                        "(SELECT count(*) FROM findings WHERE run_id = $run) + "
+                        "(SELECT count(*) FROM cross_tier_salts WHERE run_id = $run) WHERE run_id = $run",
                         {"steps": steps, "workload": json.dumps(workload), "run": run_id})
             con.execute("COMMIT")
     except BaseException:
@@ -245,7 +231,8 @@ def _discard(store: RunStore, con: duckdb.DuckDBPyConnection, run_id: str) -> No
     except duckdb.Error:
         pass  # no transaction was open
     con.execute("BEGIN TRANSACTION")
-    for table in ("kv_event_rows", "capture_sources", "steps", "findings", "capture_breaches", "runs"):
+    for table in ("kv_event_rows", "capture_sources", "steps", "findings", "capture_breaches", "cross_tier_salts",
+                  "runs"):
         con.execute(f"DELETE FROM {table} WHERE run_id = ?", [run_id])
     store.refresh_file_views(con)
     con.execute("COMMIT")

@@ -251,11 +251,13 @@ def _replica(con: duckdb.DuckDBPyConnection, run_id: str, replica: str, media, e
     if total.stored and not total.removed and not total.cleared:
         out.append(_breach("never_removes", replica, total.stored, first("stored"),
                            f"{int(total.stored):,} blocks stored, none removed"))
-    if total.salted and total.unsalted:
-        at = first("unsalted")
-        out.append(_breach("salt_mixed", replica, total.unsalted, at,
-                           f"{int(total.unsalted):,} of {int(total.salted + total.unsalted):,} chains begun without "
-                           f"a salt (the first: block {int(at['hash']):016x})"))
+    mixed = media[(media.salted > 0) & (media.unsalted > 0)]  # per medium: a tier without salts is cross_tier_salt
+    if len(mixed):
+        at = min((_first_row(con, run_id, "unsalted", replica, m) for m in mixed.medium), key=lambda a: a["step"])
+        unsalted, chains = int(mixed.unsalted.sum()), int((mixed.salted + mixed.unsalted).sum())
+        out.append(_breach("salt_mixed", replica, unsalted, at,
+                           f"{unsalted:,} of {chains:,} chains begun without a salt on "
+                           f"{', '.join(mixed.medium)} (the first: block {int(at['hash']):016x})"))
     if total.stored:
         stored = ", ".join(media.medium[media.stored > 0])
         for medium, removed in zip(*media[(media.removed > 0) & (media.stored == 0)][["medium", "removed"]].T.values,

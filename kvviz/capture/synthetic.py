@@ -6,13 +6,21 @@ It says only what a server could: a request's prefix is looked up along its hash
 to its first block not cached on that replica and stores the rest of the chain after it (a parent is
 always stored before its child); the salt is named on a chain's first block only; a block is cached
 once per replica and removed once, least recently used first; and some stores re-report the chain's
-cached blocks with the new ones (vLLM's kv_cache_report_mode="full"), which are hits, not new blocks."""
+cached blocks with the new ones (vLLM's kv_cache_report_mode="full"), which are hits, not new blocks.
+
+One replica may offload (`offload`): a block evicted from its GPU is kept on a CPU tier (medium CPU)
+that keys it alone and without the salt, and a chain that misses on the GPU is served from there
+first (a hit on the CPU tier, named for the request's tenant) and stored on the GPU again. That tier
+is the bug docs/faults.md calls "salt kept in one tier, dropped in another": its blocks are the
+capture's cross_tier_salt findings. No server was measured to make it; it shows what the finding
+looks like."""
 
 from __future__ import annotations
 
 import random
 from collections import OrderedDict
 from collections.abc import Iterator
+from itertools import takewhile
 from pathlib import Path
 
 import msgpack
@@ -25,12 +33,13 @@ BLOCK = 16
 
 
 def fleet_messages(events: int, replicas: int = 2, tenants: int = 8, capacity: int = 4096, seed: int = 0,
-                   turns: float = 0.0, unsalted: float = 0.0) -> Iterator[Message]:
+                   turns: float = 0.0, unsalted: float = 0.0, offload: int | None = None) -> Iterator[Message]:
     """Messages until about `events` block events (rows) have been produced, round-robin over replicas.
     `turns`: the share of requests that continue an earlier conversation (its whole chain), on whichever
     replica takes them, some after their blocks were evicted; `unsalted`: the share that use one prompt
     hashed alike for every tenant (a server that leaves the salt out of that prompt's hashes), so one
-    hash is cached under several salts. With both 0 (the benchmarks' fleet) neither draws a number."""
+    hash is cached under several salts. With both 0 (the benchmarks' fleet) neither draws a number.
+    `offload`: the replica (its index) with an unsalted CPU tier of `capacity` blocks (it draws none)."""
     rng = random.Random(seed)
     cached: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(replicas)]  # least recently used first
     seq = [0] * replicas
@@ -40,6 +49,7 @@ def fleet_messages(events: int, replicas: int = 2, tenants: int = 8, capacity: i
     apart = random.Random(~seed)  # the unsalted prompt, drawn apart so the benchmarks' fleet stays the same
     common = ([apart.getrandbits(63) for _ in range(4)], [apart.randrange(49152) for _ in range(BLOCK * 4)])
     talks: list[tuple[int, list[int], list[int]]] = []  # (tenant, chain, tokens) of conversations to go on with
+    host = _HostTier(capacity)  # the offloading replica's CPU tier
     made, ts = 0, 1.7e9
     while made < events:
         r = seq.index(min(seq))
@@ -56,7 +66,8 @@ def fleet_messages(events: int, replicas: int = 2, tenants: int = 8, capacity: i
         hit = next((i for i, h in enumerate(prefix) if h not in cache), len(prefix))  # the chain's cached blocks
         start = 0 if rng.random() < 0.3 else hit  # reported again with the new ones, or not
         hashes = prefix[start:] + own
-        events_out: list[dict] = [{
+        events_out: list[dict] = host.restore(prefix[hit:], prefix_tokens[hit * BLOCK:], tenant) if r == offload else []
+        events_out += [{
             "type": "BlockStored", "block_hashes": hashes, "parent_block_hash": prefix[start - 1] if start else None,
             "token_ids": prefix_tokens[start * BLOCK:] + tokens, "block_size": BLOCK,
             "lora_id": None, "medium": "GPU", "lora_name": None,
@@ -66,7 +77,6 @@ def fleet_messages(events: int, replicas: int = 2, tenants: int = 8, capacity: i
                 cache.move_to_end(h)  # used again
             elif h in hashes:
                 cache[h] = None
-        made += len(hashes)
         if turns and len(prefix) + len(own) <= 64:  # a conversation goes on, until it is 64 blocks long
             talk = (tenant, prefix + own, prefix_tokens + tokens)
             if len(talks) < capacity:
@@ -75,10 +85,54 @@ def fleet_messages(events: int, replicas: int = 2, tenants: int = 8, capacity: i
                 talks[rng.randrange(capacity)] = talk
         gone = [cache.popitem(last=False)[0] for _ in range(len(cache) - capacity)]
         events_out += [{"type": "BlockRemoved", "block_hashes": [h], "medium": "GPU"} for h in gone]
-        made += len(gone)
+        if r == offload:
+            host.learn(hashes, prefix_tokens[start * BLOCK:] + tokens)
+            events_out += host.offload(gone)
+        made += sum(len(e["block_hashes"]) for e in events_out)
         ts += 0.005
         yield Message(f"replica-{r}", 0, seq[r], "kv-events", msgpack.packb([ts, events_out, 0]), ts)
         seq[r] += 1
+
+
+class _HostTier:
+    """An offloading replica's CPU tier that keys each block alone, without its salt: what it keeps
+    (least recently used first) and the events it publishes."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.kept: OrderedDict[int, None] = OrderedDict()
+        self.tokens: dict[int, list[int]] = {}  # of the blocks on the GPU, to offload them with their tokens
+
+    def learn(self, hashes: list[int], tokens: list[int]) -> None:
+        for i, h in enumerate(hashes):
+            self.tokens[h] = tokens[i * BLOCK:(i + 1) * BLOCK]
+
+    def restore(self, chain: list[int], tokens: list[int], tenant: int) -> list[dict]:
+        """The chain's blocks the GPU missed that this tier keeps, from the first on: a hit here."""
+        served = list(takewhile(self.kept.__contains__, chain))
+        for h in served:
+            self.kept.move_to_end(h)
+        return [_event(served, tokens[:BLOCK * len(served)], "CPU", f"tenant-{tenant}")] if served else []
+
+    def offload(self, evicted: list[int]) -> list[dict]:
+        """Blocks evicted from the GPU, stored here each on its own and unsalted; the oldest leave."""
+        out = []
+        for h in evicted:
+            tokens = self.tokens.pop(h)
+            if h in self.kept:
+                self.kept.move_to_end(h)
+                continue
+            self.kept[h] = None
+            out.append(_event([h], tokens, "CPU", None))
+        while len(self.kept) > self.capacity:
+            out.append({"type": "BlockRemoved", "block_hashes": [self.kept.popitem(last=False)[0]], "medium": "CPU"})
+        return out
+
+
+def _event(hashes: list[int], tokens: list[int], medium: str, salt: str | None) -> dict:
+    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": None, "token_ids": tokens,
+            "block_size": BLOCK, "lora_id": None, "medium": medium, "lora_name": None,
+            "extra_keys": [[salt] if salt else None] + [None] * (len(hashes) - 1)}
 
 
 def step_batches(count: int, seed: int = 0) -> list[bytes]:
@@ -98,16 +152,19 @@ def step_batches(count: int, seed: int = 0) -> list[bytes]:
     return out
 
 
-def write_example(path: str | Path, events: int = 200_000, replicas: int = 2, seed: int = 0) -> int:
+def write_example(path: str | Path, events: int = 200_000, replicas: int = 3, seed: int = 0) -> int:
     """A synthetic fleet's capture (not from any server) as a JSONL file or, for a path without .jsonl,
     a capture dataset folder: what `capture-vllm --out` writes, for trying kvviz without a fleet. Its
-    conversations come back and one prompt is cached without its tenant's salt, so every capture view
-    (evicted misses, reuse, cross-tenant blocks) has something to show. Returns the number of messages."""
+    conversations come back, one prompt is cached without its tenant's salt, and the last replica of
+    two or more offloads to a CPU tier that drops the salt, so every capture view (evicted misses,
+    reuse, tiers, cross-tenant and cross-tier blocks) has something to show. Returns the number of
+    messages."""
     names = {f"replica-{i}": "synthetic" for i in range(replicas)}
     jsonl = str(path).lower().endswith(".jsonl")
     sink = CaptureWriter(path, names) if jsonl else DatasetWriter(path, names, given_as="")
     try:
-        for m in fleet_messages(events, replicas=replicas, seed=seed, turns=0.3, unsalted=0.05):
+        for m in fleet_messages(events, replicas=replicas, seed=seed, turns=0.3, unsalted=0.05,
+                                offload=replicas - 1 if replicas > 1 else None):
             sink.add(m, None if jsonl else decode_batch(m.payload, f"{m.replica} {m.seq}"))
     finally:
         sink.close()

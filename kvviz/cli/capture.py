@@ -184,6 +184,7 @@ def add_capture_example(sub: Subcommands) -> None:
     ex.add_argument("out", metavar="OUT", help="FILE.jsonl (as capture-vllm writes it), or a new folder for a Parquet "
                     "dataset")
     ex.add_argument("--events", type=int, default=200_000, help="block events to write, about (default 200,000)")
-    ex.add_argument("--replicas", type=int, default=2, help="replicas in the fleet (default 2)")
+    ex.add_argument("--replicas", type=int, default=3, help="replicas in the fleet (default 3); the last of two or "
+                    "more offloads to a CPU tier that drops the salt (a cross_tier_salt finding)")
     ex.add_argument("--seed", type=int, default=0, help="the same seed writes the same capture (default 0)")
     ex.set_defaults(func=cmd_capture_example)

@@ -103,13 +103,17 @@ def cmd_import(args: argparse.Namespace) -> int:
     if tty:
         print("", file=sys.stderr)
     with args.store.read() as con:
-        events, messages, replicas, findings, breaches = con.execute(
+        events, messages, replicas, crossed, tiers, breaches = con.execute(
             "SELECT (SELECT count(*) FROM kv_events WHERE run_id = $r), steps, (SELECT count(DISTINCT replica) "
-            "FROM kv_events WHERE run_id = $r), findings, (SELECT count(*) FROM capture_breaches WHERE run_id = $r) "
-            "FROM runs WHERE run_id = $r", {"r": run_id}).fetchone()
+            "FROM kv_events WHERE run_id = $r), (SELECT count(*) FROM findings WHERE run_id = $r), "
+            "(SELECT count(*) FROM cross_tier_salts WHERE run_id = $r), "
+            "(SELECT count(*) FROM capture_breaches WHERE run_id = $r) FROM runs WHERE run_id = $r",
+            {"r": run_id}).fetchone()
     if events:
         print(f"kvviz: imported {events:,} block events from {messages:,} messages of {replicas} "
-              f"replica{'' if replicas == 1 else 's'}; {findings or 0} cross-tenant findings" + (
+              f"replica{'' if replicas == 1 else 's'}; {crossed} cross-tenant findings (between salts the events "
+              "name)" + (f"; {tiers} cross-tier salt finding{'s' if tiers > 1 else ''} (blocks kept salted in one "
+                         "tier, unsalted in another)" if tiers else "") + (
                   f"; {breaches} breach{'es' if breaches > 1 else ''} of the KV-event contract (python -m kvviz "
                   f"lint {run_id})" if breaches else ""), file=sys.stderr)
     print(run_id)

@@ -1,7 +1,7 @@
 """A capture's cache on its time axis (seconds since the capture began): churn and hits per interval
 (drag across it to choose a time range: the chart is the brush), occupancy split by replica, tier or
 tenant, the distributions of lifetimes, idle times and reuse gaps on a log scale, and the evidence
-of blocks shared across tenants."""
+of blocks shared across tenants and of blocks kept without their salt in another tier."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from .cache import HIT, MISS
 from .palette import clear_of_modebar, request_colours
 
 STORED, EVICTED = "#4c78a8", "#e45756"
+UNTOLD = "#8c8c8c"  # a store whose event names no salt: its own tenant unknown
 REASONS = {"cold": "#bab0ac", "evicted": "#ff9da6", "capacity": "#9c2b2b", "namespace": "#b279a2",
            "diverged": "#f58518", "partial_block": "#72b7b2", "preempted": "#eeca3b", "unexplained": "#9d755d",
            "reset": "#d4a6c8"}
@@ -34,20 +35,21 @@ def activity(churn: pd.DataFrame, origin: float, width: float, reasons: pd.DataF
     span = {"width": width, "offset": 0}
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.1, row_heights=[0.5, 0.5],
                         subplot_titles=("blocks per second: stored, hit, evicted (down)", below))
+    # each chart's bars under their own legend title: the tokens served share the hits' colour, not their entry
+    blocks = {"legendgroup": "blocks", "legendgrouptitle_text": "blocks"}
     for name, y, colour in (("stored (new)", df.stored, STORED), ("hit (stored again)", df.hits, HIT),
                             ("evicted", -df.evicted, EVICTED)):
-        fig.add_trace(go.Bar(x=x, y=y / width, name=name, marker_color=colour, legendgroup="churn", **span),
-                      row=1, col=1)
+        fig.add_trace(go.Bar(x=x, y=y / width, name=name, marker_color=colour, **blocks, **span), row=1, col=1)
     if reasons is None:
-        fig.add_trace(go.Bar(x=x, y=df.hit_tokens, name="tokens served (hits)", marker_color=HIT, showlegend=False,
-                             **span),
-                      row=2, col=1)
-        fig.add_trace(go.Bar(x=x, y=df.miss_tokens, name="tokens computed (misses)", marker_color=MISS, **span),
-                      row=2, col=1)
+        tokens = {"legendgroup": "tokens", "legendgrouptitle_text": "tokens"}
+        for name, y, colour in (("tokens served from the cache", df.hit_tokens, HIT),
+                                ("tokens computed (misses)", df.miss_tokens, MISS)):
+            fig.add_trace(go.Bar(x=x, y=y, name=name, marker_color=colour, **tokens, **span), row=2, col=1)
     else:
+        misses = {"legendgroup": "misses", "legendgrouptitle_text": "misses"}
         for reason, part in reasons.groupby("reason", sort=True):
             fig.add_trace(go.Bar(x=part.interval_start - origin, y=part.lookups, name=f"miss: {reason}",
-                                 marker_color=REASONS.get(reason, "#888"), **span), row=2, col=1)
+                                 marker_color=REASONS.get(reason, "#888"), **misses, **span), row=2, col=1)
     fig.update_layout(barmode="relative", height=460, margin=MARGIN, legend={"orientation": "h", "y": -0.22},
                       dragmode="select", selectdirection="h")
     fig.update_xaxes(title="seconds since the capture began (drag across the chart to choose a range)", row=2, col=1)
@@ -101,24 +103,48 @@ def durations(df: pd.DataFrame, bins_per_decade: int) -> go.Figure:
 
 
 def cross_tenant(events: pd.DataFrame, origin: float) -> go.Figure:
-    """events: replica, block_hash, ts, salt, repeat: one row per block used by two tenants or more (the
-    most used at the top), a mark at each store (circle: the block was new) and hit (diamond) in the
-    colour of the salt that made it: the evidence that tenants shared a cache entry, and when."""
+    """events: replica, block_hash, ts, salt, told, chain, repeat: one row per block used by two tenants or
+    more (the most used at the top), a mark at each store (circle: the block was new) and hit (diamond) in
+    the colour of the tenant its event names: the evidence that tenants shared a cache entry, and when. A
+    row whose event names no salt (`told` false) is hollow and grey, named by `salt` (its own tenant
+    unknown) with the chain it continues (`chain`) in its hover."""
     label = events.block_hash.map("{:016x}".format) + (" on " + events.replica if events.replica.nunique() > 1 else "")
-    df = events.assign(block=label, x=events.ts - origin)
-    colours = request_colours(df.salt)
+    df = events.assign(block=label, x=events.ts - origin, chain=events.chain.fillna("no salt"))
+    colours = request_colours(df.salt[df.told])
     fig = go.Figure()
-    for (salt, repeat), part in df.groupby(["salt", "repeat"], sort=True):
+    for (salt, told, repeat), part in df.groupby(["salt", "told", "repeat"], sort=True):
+        what = "hit" if repeat else "stored"
+        said = f"{salt} ({what})" if told else f"{salt} ({what}; continues %{{customdata}}'s chain)"
         fig.add_trace(go.Scatter(
-            x=part.x, y=part.block, mode="markers", name=f"{salt}: {'hit' if repeat else 'stored'}",
-            legendgroup=str(salt), marker={"color": colours[salt], "size": 9,
-                                           "symbol": "diamond" if repeat else "circle",
-                                           "line": {"color": "white", "width": 1}},
-            hovertemplate="block %{y}<br>%{x:.3f} s<br>" + f"{salt} ({'hit' if repeat else 'stored'})<extra></extra>"))
+            x=part.x, y=part.block, mode="markers", name=f"{salt}: {what}", legendgroup=str(salt),
+            customdata=part.chain,
+            marker={"color": colours[salt] if told else UNTOLD, "size": 9,
+                    "symbol": ("diamond" if repeat else "circle") + ("" if told else "-open"),
+                    "line": {"color": "white" if told else UNTOLD, "width": 1 if told else 2}},
+            hovertemplate="block %{y}<br>%{x:.3f} s<br>" + said + "<extra></extra>"))
     rows = df.block.nunique()
     fig.update_layout(height=max(220, 26 * rows + 120), margin=MARGIN, legend={"orientation": "h", "y": -0.15},
-                      title="blocks used by more than one tenant: each store and hit, by salt")
+                      title="blocks used by more than one tenant: each store and hit, by the tenant its event names")
     fig.update_xaxes(title="seconds since the capture began")
     fig.update_yaxes(title="block hash", type="category", categoryorder="array",
                      categoryarray=list(dict.fromkeys(df.block))[::-1])  # the most used at the top
+    return clear_of_modebar(fig)
+
+
+def tier_salts(found: pd.DataFrame) -> go.Figure:
+    """found: replica, salted_medium, unsalted_medium, salt, blocks, hits (cross_tier_salts): the blocks kept
+    without their salt in another tier (left) and the hits that tier served from them (right), stacked by
+    the salt of the salted copy, a row per replica and pair of media."""
+    df = found.assign(where=found.replica + ": " + found.salted_medium + " salted, " + found.unsalted_medium
+                      + " not")
+    colours = request_colours(df.salt)
+    fig = make_subplots(rows=1, cols=2, shared_yaxes=True, horizontal_spacing=0.04,
+                        subplot_titles=("blocks kept without their salt", "hits served from those copies"))
+    for salt, part in df.groupby("salt", sort=True):
+        for col, measure in ((1, "blocks"), (2, "hits")):
+            fig.add_trace(go.Bar(y=part["where"], x=part[measure], orientation="h", name=str(salt),
+                                 legendgroup=str(salt), showlegend=col == 1, marker_color=colours[salt],
+                                 hovertemplate=f"{salt}<br>%{{y}}<br>%{{x}} {measure}<extra></extra>"), row=1, col=col)
+    fig.update_layout(barmode="stack", height=max(200, 40 * df["where"].nunique() + 140), margin=MARGIN,
+                      legend={"title": {"text": "salt of the salted copy"}})
     return clear_of_modebar(fig)

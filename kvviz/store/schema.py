@@ -21,8 +21,9 @@ them back), version 14 attention rows a recorder writes as Parquet parts beside 
 and cross-user hits in one schedule: the control's test, the primers' max_tokens, the server's own cached-token
 counts and any contradiction between them and timing), version 18 the KV-event contract's breaches of each capture
 (capture_breaches) and the evidence the linter reads in its rows (kv_event_rows.tokens_given, parent_cached), and
-the timing audit's order channel (timing_audits.channel and dummies, timing_samples.rank); older
-files are upgraded in place by the idempotent DDL.
+the timing audit's order channel (timing_audits.channel and dummies, timing_samples.rank), version 19 the blocks
+a capture keeps salted in one tier and unsalted in another (cross_tier_salts); older files are upgraded in place
+by the idempotent DDL.
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 
-SCHEMA_VERSION = "18"
+SCHEMA_VERSION = "19"
 # Versions whose files the idempotent DDL brings up to date.
-UPGRADABLE = {"1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12", "13", "14", "15", "16", "17"}
+UPGRADABLE = {"1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12", "13", "14", "15", "16", "17", "18"}
 
 _ARROW = {"VARCHAR": pa.string(), "JSON": pa.string(), "TIMESTAMP": pa.timestamp("us"), "BIGINT": pa.int64(),
           "INTEGER": pa.int32(), "DOUBLE": pa.float64(), "FLOAT": pa.float32(), "BOOLEAN": pa.bool_(),
@@ -246,6 +247,20 @@ TABLES: dict[str, Table] = {t.name: t for t in (
               Column("first_ts", "DOUBLE", "that message's time on the publisher's clock"),
               Column("detail", "VARCHAR", "the first occurrence in words: the block, the sequence numbers, the "
                      "medium")), in_trace=False),
+    Table("cross_tier_salts", "cross_tier_salt findings of a capture, found on import: block hashes one replica "
+          "stored salted in one medium (tier) and unsalted in another, so that tier serves them to any tenant; one "
+          "row per replica, KV group, pair of media and salt (docs/capture-format.md).", (
+              Column("run_id", "VARCHAR"),
+              Column("replica", "VARCHAR"),
+              Column("group_idx", "INTEGER", "the KV-cache group (null: the capture names none)"),
+              Column("salted_medium", "VARCHAR", "the medium whose copies carry the salt (GPU, ...)"),
+              Column("unsalted_medium", "VARCHAR", "the medium whose copies of the same hashes carry none"),
+              Column("salt", "VARCHAR", "the salt the salted copies carry (their chain's)"),
+              Column("blocks", "BIGINT", "how many block hashes"),
+              Column("block_hashes", "UBIGINT[]", "the block hashes, in the order both copies first existed"),
+              Column("hits", "BIGINT", "hits (repeated stores) of the unsalted copies"),
+              Column("served", "VARCHAR[]", "the tenants those hits' events name (a hit naming none is in hits only)"),
+              Column("first_step", "INTEGER", "the message where a hash first had both copies")), in_trace=False),
     Table("capture_sources", "Capture datasets registered in place (import --in-place): the view kv_events reads "
           "their Parquet files where they lie.", _cols(RUN_ID + "path VARCHAR, files INTEGER"), in_trace=False),
     Table("findings", "What the oracles found: the worst query of one kind of anomaly per request, step and "

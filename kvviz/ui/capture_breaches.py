@@ -1,6 +1,6 @@
 """The capture inspector's word on the KV-event contract: the breaches its import found, in a short
-table at the top, and above each view the ones that distort what it draws (a hit rate computed from
-a stream with lost messages says so)."""
+table at the top, above each view the ones that distort what it draws, and beside a figure's number
+those that make it wrong (a hit rate computed from a stream with lost messages says so)."""
 
 from __future__ import annotations
 
@@ -37,3 +37,10 @@ def warn(found: pd.DataFrame | None, view: str) -> None:
     said = None if found is None else breaches.warning(found, view)
     if said:
         st.warning(said, icon=":material/report:")
+
+
+def caption(found: pd.DataFrame | None, figure: str) -> None:
+    """Say under a figure the breaches that make its number wrong (analysis.breaches.FIGURES)."""
+    said = breaches.beside(found, figure)
+    if said:
+        st.caption(f":orange[:material/report: {said}]")

@@ -11,6 +11,7 @@ import pandas as pd
 import streamlit as st
 
 from ..analysis import capture_time, captures, cross_reads
+from ..analysis.breaches import beside
 from ..analysis.explained import contradiction_sentence, explain_seconds, explained_in, kept, reasons_per_interval
 from ..analysis.runs import RunInfo
 from ..analysis.whatif_runs import request_trace
@@ -49,21 +50,22 @@ def render(info: RunInfo) -> None:
     view = st.segmented_control("View", VIEWS, key="insp_view", label_visibility="collapsed") or VIEWS[0]
     capture_breaches.warn(found, view)
     if view == "Activity":  # its own readers
-        _activity(info, span, a, b)
+        _activity(info, span, a, b, found)
     elif view == "What if":  # the whole capture, not the range: it writes what it computes
         inspect_whatif.render(info)
     else:
         with reader() as con:
             if view == "Occupancy":
-                _occupancy(con, info, span, a, b)
+                _occupancy(con, info, span, a, b, found)
             elif view == "Lifetimes":
-                _lifetimes(con, info, a, b)
+                _lifetimes(con, info, a, b, found)
             elif view == "Shared prefixes":
                 _shared(con, info, span, a, b)
             elif view == "Prefix tree":
                 _tree(con, info, names, a, b)
             else:
-                _cross_tenant(con, info, span, a, b)
+                _cross_tenant(con, info, span, a, b, found)
+                _tier_salts(con, info)
     with above:  # started after the views' queries: the first view does not wait behind it
         _explanation(info)
 
@@ -94,7 +96,7 @@ def _clock(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
 
 
-def _activity(info: RunInfo, span: capture_time.Span, a: float, b: float) -> None:
+def _activity(info: RunInfo, span: capture_time.Span, a: float, b: float, found: pd.DataFrame | None) -> None:
     width = capture_time.interval_s(a, b)
     with reader() as con:
         churn = capture_time.churn(con, info.run_id, a, b, width)
@@ -111,13 +113,17 @@ def _activity(info: RunInfo, span: capture_time.Span, a: float, b: float) -> Non
     if hits_reported:
         c[1].metric("hits", f"{int(total.hits):,}", help="stores of a block already cached: vLLM reports them with "
                     "kv_cache_report_mode=\"full\" (otherwise a capture sees no hits)")
-        c[2].metric("hit rate (tokens)", "-" if rate is None else f"{rate:.0%}")
+        distorted = beside(found, "hit rate")
+        c[2].metric("hit rate (tokens)" + (" :material/report:" if distorted else ""),
+                    "-" if rate is None else f"{rate:.0%}", help=distorted)
     else:  # a 0 would say nothing was served from the cache, which the capture cannot tell
         unreported = ("This capture holds no repeated store of a cached block: its server did not report hits "
                       "(vLLM: kv_cache_report_mode=\"full\"), so the events cannot tell what the cache served.")
         c[1].metric("hits", "not reported", help=unreported)
         c[2].metric("hit rate (tokens)", "not reported", help=unreported)
     c[3].metric("evicted", f"{int(total.evicted):,}")
+    if hits_reported:
+        capture_breaches.caption(found, "hit rate")
     reasons = _reasons(info, a, b, width) if _explain_wanted(info, events, is_kept) and is_kept else None
     event = st.plotly_chart(time_fig.activity(churn, span.start, width, reasons), width="stretch",
                             key="insp_activity", on_select="rerun", selection_mode="box")
@@ -220,7 +226,7 @@ def _contradictions_of(db: str, run_id: str) -> str | None:
         return None  # its dataset has gone since: the page says so above
 
 
-def _occupancy(con, info: RunInfo, span: capture_time.Span, a: float, b: float) -> None:
+def _occupancy(con, info: RunInfo, span: capture_time.Span, a: float, b: float, found: pd.DataFrame | None) -> None:
     split = st.radio("Split by", list(capture_time.SPLITS), horizontal=True, key="insp_split",
                      format_func={"replica": "replica", "tier": "tier (medium)", "tenant": "tenant (cache salt)"}.get)
     if split == "tenant" and not capture_time.measured(con, info.run_id):
@@ -236,9 +242,12 @@ def _occupancy(con, info: RunInfo, span: capture_time.Span, a: float, b: float) 
                "a block moved to another tier counts on the new one." +
                (" A block whose store event named no salt (vLLM names it in a chain's first block only) counts as "
                 "its chain's, own tenant unknown." if split == "tenant" else ""))
+    capture_breaches.caption(found, "occupancy")
+    if split == "tenant":
+        capture_breaches.caption(found, "tenant counts")
 
 
-def _lifetimes(con, info: RunInfo, a: float, b: float) -> None:
+def _lifetimes(con, info: RunInfo, a: float, b: float, found: pd.DataFrame | None) -> None:
     if not capture_time.measured(con, info.run_id):
         st.warning("This capture was imported before kvviz measured lifetimes: import it again to see them.",
                    icon=":material/history:")
@@ -252,6 +261,7 @@ def _lifetimes(con, info: RunInfo, a: float, b: float) -> None:
                "eviction (short idle times under pressure mean thrashing); reuse gap: from a use to the next hit "
                "(only with kv_cache_report_mode=\"full\"). Evictions and hits in the range, on the publishers' "
                "clocks; bins are tenths of a decade.")
+    capture_breaches.caption(found, "lifetimes")
 
 
 def _shared(con, info: RunInfo, span: capture_time.Span, a: float, b: float) -> None:
@@ -320,18 +330,26 @@ def _tree(con, info: RunInfo, names: list[str], a: float, b: float) -> None:
                "tenant is unknown.")
 
 
-def _cross_tenant(con, info: RunInfo, span: capture_time.Span, a: float, b: float) -> None:
-    """Blocks one tenant stored and another stored or hit: the chart in the range, the findings of the
-    whole capture below."""
-    n, events = capture_time.cross_tenant(con, info.run_id, a, b)
-    if n:
-        st.plotly_chart(time_fig.cross_tenant(events, span.start), width="stretch", key="insp_cross_tenant")
-        shown = events.block_hash.nunique()
-        st.caption(f"{n:,} block{'s' if n > 1 else ''} of this range served more than one tenant"
-                   + (f" (the {shown} most used drawn)" if shown < n else "") + ". A salt is meant to keep tenants' "
+def _cross_tenant(con, info: RunInfo, span: capture_time.Span, a: float, b: float,
+                  found: pd.DataFrame | None) -> None:
+    """Blocks one tenant stored and another stored or hit: the chart in the range (the tenants the stream
+    names; those only inferred on demand), the findings of the whole capture below."""
+    inferred = st.toggle("Also the blocks shared only through a tenant inferred from its chain", key="insp_inferred",
+                         help="vLLM names the salt in a chain's first block only: a store continuing a chain is given "
+                         "the chain's salt by the import, but its own tenant is unknown. Such blocks are no finding.")
+    shared = capture_time.cross_tenant(con, info.run_id, a, b, inferred=inferred)
+    st.markdown(f"**{shared.named:,}** block{'' if shared.named == 1 else 's'} of this range served more than one "
+                f"tenant the stream names; **{shared.inferred:,}** more carry a second salt only by inference (a "
+                "store whose event names no salt, given the salt of the chain it continues: its own tenant unknown).")
+    capture_breaches.caption(found, "tenant counts")
+    if not shared.events.empty:
+        st.plotly_chart(time_fig.cross_tenant(shared.events, span.start), width="stretch", key="insp_cross_tenant")
+        drawn, total = shared.events.block_hash.nunique(), shared.named + (shared.inferred if inferred else 0)
+        st.caption((f"The {drawn} most used drawn. " if drawn < total else "") + "A salt is meant to keep tenants' "
                    "blocks apart (vLLM's cache_salt): one hash stored under two salts means one cache entry served "
                    "both, which is what a timing side channel reads. Circles: stored new; diamonds: hits reported "
-                   "again (kv_cache_report_mode=\"full\").")
+                   "again (kv_cache_report_mode=\"full\"); hollow grey: the event named no salt (tenant unknown; "
+                   "the hover names the chain it continues).")
     segments = capture_time.untold_segments(con, info.run_id, a, b)
     untold = capture_time.untold_restores(con, info.run_id, a, b)
     if segments:
@@ -342,18 +360,44 @@ def _cross_tenant(con, info: RunInfo, span: capture_time.Span, a: float, b: floa
                    "continues; on a server that leaves the salt out of its hashes, another tenant's request may have "
                    "stored it. `python -m kvviz explain` (or *Explain the misses* in the Activity view) says, per "
                    "stored segment, whose chain it continues.", icon=":material/help:")
-    found = captures.cross_tenant_findings(con, info.run_id)
-    if found.empty:
-        st.info("No block hash was stored under two salts. A capture shows only the blocks a server "
-                "stored: one tenant reusing another's cached blocks stores nothing (unless the server "
+    findings = captures.cross_tenant_findings(con, info.run_id)
+    if findings.empty:
+        st.info("No block hash was stored under two salts the stream names. A capture shows only the blocks a "
+                "server stored: one tenant reusing another's cached blocks stores nothing (unless the server "
                 "reports hits, kv_cache_report_mode=\"full\"), so this is not proof of isolation; "
                 "`python -m kvviz audit-timing` tests a server from outside.", icon=":material/info:")
     else:
-        st.caption("Findings of the whole capture: each block hash stored under a second salt on one replica, "
-                   "the message where it was, and the salt that stored it first.")
-        st.dataframe(found, hide_index=True, width="stretch", key="insp_capture_findings",
+        st.caption("Findings of the whole capture: each block hash stored or hit under a second salt its event "
+                   "names, on one replica, the message where it was, and the salt that stored it first.")
+        st.dataframe(findings, hide_index=True, width="stretch", key="insp_capture_findings",
                      column_config={"tenant": "tenant (salt)", "stored_first_by": "stored first by",
                                     "block_hash": "block hash"})
+
+
+def _tier_salts(con, info: RunInfo) -> None:
+    """The capture's cross_tier_salt findings: blocks kept salted in one tier and unsalted in another."""
+    st.subheader("Salts across tiers")
+    found = captures.tier_salts(con, info.run_id)
+    if found.empty:
+        st.caption("No block hash is kept with its salt in one tier (medium) and without it in another (a capture "
+                   "naming one medium has nothing to compare).")
+        return
+    blocks, crossed = int(found.blocks.sum()), found[found.others.map(len) > 0]
+    st.error(f"**cross_tier_salt**: {blocks:,} block hash{'es' if blocks > 1 else ''} kept with a salt in one tier "
+             "and without it in another, on " + ", ".join(sorted(set(found.replica))) + ": that tier keys them "
+             "without the salt, so any tenant whose prompt reaches them is served another's block."
+             + (" Hits there were named for tenants other than the salt's: "
+                + ", ".join(sorted({t for ts in crossed.others for t in ts})) + "." if len(crossed) else ""),
+             icon=":material/layers_clear:")
+    st.plotly_chart(time_fig.tier_salts(found), width="stretch", key="insp_tier_salts")
+    st.dataframe(found.drop(columns=["others", "group_idx"] if found.group_idx.isna().all() else ["others"]),
+                 hide_index=True, width="stretch", key="insp_tier_salt_findings",
+                 column_config={"salted_medium": "salted in", "unsalted_medium": "unsalted in",
+                                "first_blocks": "first blocks", "served": "hits named",
+                                "first_step": "first at message"})
+    st.caption("One row per replica, pair of tiers and salt (SQL: cross_tier_salts holds every block hash). A copy "
+               "is unsalted where the stream says so: its store names no salt and begins a chain, or continues one "
+               "cached without a salt in that tier. Hits named: the tenants whose hits that tier served.")
 
 
 def _untold(segments: dict[str, int]) -> str:
