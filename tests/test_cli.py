@@ -338,6 +338,7 @@ def test_runs_lists_the_newest_first_and_refuses_a_bad_limit(tmp_path):
     listed = json.loads(p.stdout)
     assert [r["scenario"] for r in listed] == ["capture third.jsonl", "capture second.jsonl"]
     assert [r["engine"] for r in listed] == [None, None]  # a capture's server is not an engine kvviz ran
+    assert [r["breaches"] for r in listed] == [0, 0], "linted: each stores and never removes, which is advisory"
     assert "the newest 2 of 3" in p.stderr
     table = kvviz("runs", "--db", db).stdout.splitlines()
     assert table[0].split()[:3] == ["run_id", "created_at", "status"] and len(table) == 4

@@ -216,3 +216,32 @@ def test_a_breach_laden_upload_still_imports_through_the_upload_page(tmp_path, m
     at.switch_page("kvviz/ui/pages/inspector.py").run()
     assert not at.exception
     assert any("lost messages" in w.value and "hit rate" in w.value for w in at.warning), "beside the hit rate"
+
+
+@pytest.mark.parametrize("lost", [True, False], ids=["messages-lost", "control-clean"])
+def test_the_figures_a_breach_distorts_say_so_beside_their_numbers_and_the_run_lists_mark_it(tmp_path, monkeypatch,
+                                                                                            lost):
+    """A stream that lost 5 messages: its hit rate (and occupancy) say so where they are drawn, and Home and
+    Runs list the capture with its breach; the same stream numbered without a gap says nothing of it."""
+    from .test_app import page
+
+    db = tmp_path / "kvviz.duckdb"
+    monkeypatch.setenv("KVVIZ_DB", str(db))
+    stream = [*CLEAN, batch(stored_map([31, 32], None, [7, 8, 9, 10], salt="b"))]  # 31 again: a hit
+    run_id = import_capture(capture(tmp_path / "c.jsonl", stream, seqs=[0, 1, 2, 3, 9] if lost else None),
+                            RunStore.open(db))
+    at = page("inspector", run_id=run_id)
+    [rate] = [m for m in at.metric if m.label.startswith("hit rate")]
+    said = [c.value for c in at.caption if "breaks the KV-event contract" in c.value]
+    at.segmented_control(key="insp_view").set_value("Occupancy").run()
+    occupancy = [c.value for c in at.caption if "breaks the KV-event contract" in c.value]
+    listed = {name: page(name).dataframe[0].value.set_index("run_id").breaches[run_id] for name in ("home", "runs")}
+    if lost:
+        assert rate.label == "hit rate (tokens) :material/report:" and "lost messages" in rate.proto.help
+        assert said == [":orange[:material/report: This hit rate is from a stream that breaks the KV-event "
+                        "contract: sequence numbers skip (lost messages) (replica-0 5).]"]
+        assert len(occupancy) == 1 and "This occupancy is from a stream" in occupancy[0]
+        assert listed == {"home": 1, "runs": 1}
+    else:
+        assert rate.label == "hit rate (tokens)" and not rate.proto.help and said == occupancy == []
+        assert listed == {"home": 0, "runs": 0}, "linted and clean: not a blank that reads as unknown"

@@ -10,6 +10,7 @@ import duckdb
 import pandas as pd
 
 from ..capture.import_vllm import CAPTURE_MODELS
+from ..capture.lint import ADVISORY
 from ..store import RunStore, StoreError
 
 RUNNING = "running"  # runs.status of a run still being recorded (or whose process died before it ended)
@@ -54,15 +55,19 @@ def list_runs(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
     """Newest first, with the leak summary the runs table shows and the engine that ran each (a transformers
     run of a fault's scenario runs no fault, which must not read as a fault that never fired), its
     kernel (another engine's: kvviz's own attends by its compute path) and isolation; a run still
-    recording (or killed) counts the steps stored so far. Missing values are None, not NaN."""
+    recording (or killed) counts the steps stored so far; `breaches`, a capture's kinds of breach of the
+    KV-event contract on each replica (advisory ones aside; 0: clean; None: no capture linted on import),
+    so a capture whose figures they distort does not list like a clean one. Missing values are None, not NaN."""
     df = con.execute(
         "SELECT run_id, created_at, status, model, backend AS engine, "
         "CASE WHEN backend <> 'kvviz' THEN engine->>'kernel' END AS kernel, engine->>'isolation' AS isolation, "
         "scenario, fault, fault_scope, "
         "coalesce(r.steps, (SELECT count(*) FROM steps s WHERE s.run_id = r.run_id)) AS steps, "
         "generated_tokens AS tokens, round(leak_rate, 6) AS leak_rate, round(max_foreign_mass, 4) AS "
-        "max_foreign_mass, findings, round(seconds, 2) AS seconds, error FROM runs r "
-        "ORDER BY created_at DESC, run_id").df()
+        "max_foreign_mass, findings, CASE WHEN workload->>'breaches' IS NOT NULL THEN (SELECT count(*) FROM "
+        "capture_breaches b WHERE b.run_id = r.run_id AND b.kind NOT IN (SELECT unnest($advisory))) END AS breaches, "
+        "round(seconds, 2) AS seconds, error FROM runs r ORDER BY created_at DESC, run_id",
+        {"advisory": sorted(ADVISORY)}).df()
     df["fault_scope"] = [scope_text(json.loads(s)) if isinstance(s, str) else None for s in df.fault_scope]
     return df.astype(object).where(df.notna(), None)
 

@@ -34,7 +34,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
     with args.store.read() as con:
         df = list_runs(con)
     shown = df.head(args.limit)[["run_id", "created_at", "status", "model", "engine", "kernel", "isolation", "scenario",
-                                 "fault", "steps", "findings", "max_foreign_mass"]]
+                                 "fault", "steps", "findings", "breaches", "max_foreign_mass"]]
     print_rows(list(shown.columns), [tuple(r) for r in shown.itertuples(index=False)], args.format)
     if len(df) > args.limit:
         print(f"kvviz: runs: the newest {args.limit} of {len(df)} (--limit)", file=sys.stderr)

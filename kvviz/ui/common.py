@@ -139,6 +139,12 @@ def open_run(run_id: str) -> None:
     st.switch_page(PAGES["inspector"].path)
 
 
+BREACHES = st.column_config.NumberColumn(
+    "breaches", help="A capture's breaches of the KV-event contract found on import (kinds per replica; advisory "
+    "ones aside): its hit rate, occupancy or tenant counts are distorted by them (the inspector says which). 0: "
+    "clean; empty: not a capture linted on import.")
+
+
 def runs_or_hint():
     """The runs table, newest first, or None after saying how to make a first run."""
     if has_db():

@@ -4,7 +4,7 @@ import streamlit as st
 
 from kvviz import __version__
 
-from .common import EMPTY, PAGES, db_path, runs_or_hint
+from .common import BREACHES, EMPTY, PAGES, db_path, runs_or_hint
 
 
 def render() -> None:
@@ -36,5 +36,6 @@ leak patterns and the metrics it says to watch are all reproduced here.
         return
     st.subheader("Recent runs")
     shown = ["run_id", "created_at", "status", "model", "engine", "kernel", "isolation", "scenario", "fault",
-             "findings", "max_foreign_mass"]
-    st.dataframe(listing.head(10)[shown], hide_index=True, width="stretch", placeholder=EMPTY)
+             "findings", "breaches", "max_foreign_mass"]
+    st.dataframe(listing.head(10)[shown], hide_index=True, width="stretch", placeholder=EMPTY,
+                 column_config={"breaches": BREACHES})

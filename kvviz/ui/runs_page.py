@@ -12,7 +12,7 @@ from ..analysis import leaks, runs
 from ..figures import timeline
 from ..store.chrome import export_chrome
 from ..store.trace import export_run
-from .common import EMPTY, db_path, open_run, reader, runs_or_hint, store
+from .common import BREACHES, EMPTY, db_path, open_run, reader, runs_or_hint, store
 
 
 def render() -> None:
@@ -24,7 +24,8 @@ def render() -> None:
     gen = st.session_state.get("runs_gen", 0)  # a new table (no selection) after every delete
     event = st.dataframe(listing, hide_index=True, width="stretch", on_select="rerun", selection_mode="multi-row",
                          key=f"runs_table_{gen}", placeholder=EMPTY,
-                         column_config={"created_at": st.column_config.DatetimeColumn("created")})
+                         column_config={"created_at": st.column_config.DatetimeColumn("created"),
+                                        "breaches": BREACHES})
     picked = [listing.run_id.iloc[i] for i in event.selection.rows] if event else []
     if not picked:
         picked_text = st.text_input("Or paste run ids (comma-separated, as the CLI prints them)", key="runs_ids")
