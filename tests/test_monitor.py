@@ -77,13 +77,12 @@ def test_hit_tokens_stores_and_blocks_held_agree_with_the_capture_views(fleet):
 
 def test_cross_tenant_blocks_show_where_the_stream_has_them_and_only_there(fleet):
     unsalted, samples, store, run = fleet
-    with store.read() as con:  # the capture views' definition: two salts on one replica and KV group
-        shared = con.execute("SELECT count(*) FROM (SELECT replica, group_idx, block_hash FROM kv_events WHERE "
-                             "run_id = ? AND kind = 'BlockStored' GROUP BY ALL HAVING min(salt) <> max(salt))",
-                             [run]).fetchone()[0]
-    live = total(samples, "kvviz_kv_cross_tenant_blocks_total")
-    assert live == shared
-    assert (live > 0) == (unsalted > 0)
+    with store.read() as con:
+        span = capture_time.span(con, run)
+        shared = capture_time.cross_tenant(con, run, span.start, span.end)
+    named = total(samples, "kvviz_kv_cross_tenant_blocks_total")
+    assert (named, total(samples, "kvviz_kv_salt_shared_blocks_total")) == (shared.named, shared.named + shared.inferred)
+    assert (named > 0) == (unsalted > 0)
     assert total(samples, "kvviz_kv_blocks_salted_total") > 0
 
 

@@ -33,8 +33,12 @@ REPLICA = (("kv_event_messages", "KV-event batches received and decoded.", "mess
            ("kv_event_publisher_restarts", "Times the publisher's sequence numbers went back (a restart).",
             "restarts"),
            ("kv_cache_clears", "AllBlocksCleared events (a reset of the prefix cache).", "clears"),
-           ("kv_cross_tenant_blocks", "Block hashes stored or hit under a second tenant (salt, or none) on one "
-            "replica and KV group: one cache entry serving two tenants.", "cross_tenant_blocks"),
+           ("kv_cross_tenant_blocks", "Block hashes stored or hit by a second tenant the stream names, on one "
+            "replica and KV group: one cache entry serving two tenants (the capture views' cross-tenant findings).",
+            "cross_tenant_blocks"),
+           ("kv_salt_shared_blocks", "Block hashes stored or hit under a second salt, named or only inferred from "
+            "the chain a store continues (the capture views' named and inferred shared blocks).",
+            "salt_shared_blocks"),
            ("kv_untold_segments", "Stored segments continuing a salted chain whose event names no salt: the "
             "chain's tenant is known, the storing tenant is not.", "untold_segments"),
            ("kv_blocks_salted", "New blocks stored under a tenant salt (salts in use when it grows).",

@@ -20,16 +20,16 @@ from dataclasses import dataclass, field
 
 import duckdb
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from ..capture import events as capture_events
 from ..capture.capture_file import Message
 from ..capture.lint import ADVISORY, Source, lint_run
 from ..capture.measures import HIT_TOKENS, MISS_TOKENS, UNTOLD_SEGMENT
 from ..capture.rows import EventRows
+from ..capture.tenants import TOLD
 from ..capture.zmq_capture import ReplicaState, Sink
 from ..errors import CaptureError
-from .cross_tenant import FirstTenants
+from .cross_tenant import NAMED, SALTS, FirstTenants
 from .stream import Lag, Losses
 from .tenants import TenantBook
 
@@ -73,7 +73,8 @@ class ReplicaFigures:
     lag_last_s: float | None
     last_ts: float | None  # the publisher's clock on its latest batch
     clears: int
-    cross_tenant_blocks: int
+    cross_tenant_blocks: int  # block hashes two named tenants stored or hit (the capture views' findings)
+    salt_shared_blocks: int  # block hashes stored or hit under two salts, named or inferred
     untold_segments: int
     salted_stores: int
     capacity_blocks: int | None
@@ -104,6 +105,7 @@ class _Replica:
     last_ts: float | None = None
     clears: int = 0
     cross_tenant: int = 0
+    salt_shared: int = 0
     untold: int = 0
     salted: int = 0
 
@@ -214,7 +216,7 @@ class MonitorState:
         for replica, medium, _, delta in held:
             if medium != NO_MEDIUM or delta:
                 self.media[(replica, medium)][0] += int(delta)
-        self._cross_tenant(table)
+        self._cross_tenant(con)
         for b in lint_run(con, "live", Source(files=(), hive=False)):
             if b.kind not in ADVISORY:
                 self.breaches[(b.replica, b.kind)] += b.count
@@ -225,13 +227,15 @@ class MonitorState:
             if replica in replicas:
                 values[0] = 0
 
-    def _cross_tenant(self, table: pa.Table) -> None:
-        stores = table.filter(pc.fill_null(pc.equal(table["kind"], "BlockStored"), False))
+    def _cross_tenant(self, con: duckdb.DuckDBPyConnection) -> None:
         see = self.first.see
-        for replica, group, block_hash, salt in zip(*(stores[c].to_pylist() for c in (
-                "replica", "group_idx", "block_hash", "salt")), strict=True):
-            if see(replica, group, block_hash, salt) is not None:
-                self.replica[replica].cross_tenant += 1
+        for replica, group, block_hash, salt, tenant in con.execute(
+                f"WITH {TOLD} SELECT replica, grp, block_hash, salt, tenant FROM stores WHERE salt IS NOT NULL "
+                "ORDER BY step, event_index, block_index", {"run": "live"}).fetchall():
+            if found := see(replica, group, block_hash, salt, tenant):
+                r = self.replica[replica]
+                r.salt_shared += bool(found & SALTS)
+                r.cross_tenant += bool(found & NAMED)
 
     def _snap(self) -> Snapshot:
         replicas = {}
@@ -243,7 +247,8 @@ class MonitorState:
                 messages=st.count if st else 0, invalid=st.invalid if st else 0, lost=r.losses.counted,
                 restarts=st.restarts if st else 0, connected=bool(st and st.connected), lag_count=r.lag.count,
                 lag_sum_s=r.lag.total, lag_last_s=r.lag.last, last_ts=r.last_ts, clears=r.clears,
-                cross_tenant_blocks=r.cross_tenant, untold_segments=r.untold, salted_stores=r.salted,
+                cross_tenant_blocks=r.cross_tenant, salt_shared_blocks=r.salt_shared,
+                untold_segments=r.untold, salted_stores=r.salted,
                 capacity_blocks=self.capacity.get(name, self.capacity.get("*")))
         return Snapshot(taken=time.time(), replicas=replicas, media={k: tuple(v) for k, v in self.media.items()},
                         breaches=dict(self.breaches), tenants=self.tenants.series(),
