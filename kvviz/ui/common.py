@@ -68,6 +68,7 @@ PAGES = {p.url: p for p in (
     PageSpec("upload", "Upload", ":material/upload:"),
     PageSpec("sql", "SQL", ":material/database:"),
     PageSpec("audit", "Audit", ":material/timer:"),
+    PageSpec("live", "Live", ":material/monitor_heart:"),
 )}
 
 

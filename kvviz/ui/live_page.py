@@ -1,0 +1,118 @@
+"""The Live page: a fleet's KV events as they come, from one monitor that every session of the app
+shares (started on publishers the user gives, or on a capture replayed at a chosen speed): the hit
+rate and block utilisation against the alert thresholds of the shipped Prometheus rules, crossings
+marked, and the counts that should stay at zero."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pandas as pd
+import streamlit as st
+
+from ..errors import CaptureError
+from ..figures import live as live_fig
+from ..monitor.course import SharedMonitor
+from ..monitor.service import Feed, example_capture, publishers
+from ..monitor.thresholds import thresholds
+
+ZEROS = (("cross_tenant_blocks", "cross-tenant blocks", "block hashes two named tenants stored or hit"),
+         ("breaches", "contract breaches", "kvviz lint's kinds, as the stream arrives"),
+         ("lost", "lost messages", "sequence numbers no replay filled"),
+         ("invalid", "invalid messages", "messages that did not decode"))
+
+
+@st.cache_resource
+def shared() -> SharedMonitor:
+    """The one monitor of this app, for every session."""
+    return SharedMonitor()
+
+
+def render() -> None:
+    st.title("Live")
+    st.caption("A fleet's KV-cache events as they come: `kvviz monitor` inside the app, one for every user of it "
+               "(docs/monitoring.md). The alert thresholds are those of the Prometheus rules kvviz ships.")
+    live = shared()
+    _controls(live)
+    _figures()
+
+
+def _controls(live: SharedMonitor) -> None:
+    with st.expander("What to follow", expanded=not live.running()):
+        source = st.radio("Source", ["A capture replayed", "Publishers"], horizontal=True, key="live_source")
+        if source == "Publishers":
+            endpoints = st.text_area("Endpoints, one a line: [NAME=]tcp://HOST:5557", key="live_endpoints")
+            replays = st.text_area("Replay endpoints (optional), one a line: [NAME=]tcp://HOST:5558",
+                                   key="live_replays")
+        else:
+            path = st.text_input("A capture-vllm JSONL capture (empty: the synthetic example fleet)", key="live_path")
+            speed = st.number_input("Speed (times as fast as published; 0: as fast as it goes)", min_value=0.0,
+                                    value=1.0, key="live_speed")
+        capacity = st.number_input("KV blocks per replica (for utilisation; 0: not known)", min_value=0, value=0,
+                                   key="live_capacity")
+        go, stop = st.columns(2)
+        if go.button("Start", key="live_go", type="primary"):
+            try:
+                feed = (publishers(_lines(endpoints), _lines(replays)) if source == "Publishers" else
+                        Feed(capture=_capture(path), speed=speed))
+            except CaptureError as e:
+                st.error(str(e))
+                return
+            live.start(feed, {"*": int(capacity)} if capacity else None)
+        if stop.button("Stop", key="live_stop", disabled=not live.running()):
+            live.stop()
+
+
+def _lines(text: str) -> list[str]:
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+def _capture(path: str) -> Path:
+    if not path.strip():
+        return example_capture(Path(tempfile.gettempdir()) / "kvviz-live-example.jsonl")
+    if not Path(path).is_file():
+        raise CaptureError(f"{path}: no such file")
+    return Path(path)
+
+
+@st.fragment(run_every=1.0)
+def _figures() -> None:
+    live = shared()
+    if live.feed is None:
+        st.info("Nothing followed yet: give publishers or a capture above and press Start.")
+        return
+    feed = live.feed
+    following = (f"{len(feed.sources)} publisher{'s' if len(feed.sources) != 1 else ''}" if feed.sources else
+                 f"{feed.capture.name} at {'full speed' if not feed.speed else f'{feed.speed:g}x'}")
+    state = "following" if live.running() else "stopped following"
+    error = live.monitor.error if live.monitor is not None else None
+    st.write(f"The app's monitor {state} {following}." + (f" Its feed stopped: {error}" if error else ""))
+    course = pd.DataFrame(list(live.course))
+    if course.empty:
+        st.info("The first figures come within a second.")
+        return
+    limits = {t.figure: (t.above, t.value) for t in thresholds()}
+    last = course.iloc[-1]
+    cols = st.columns(2 + len(ZEROS))
+    for col, (field, name) in zip(cols, (("hit_ratio", "hit rate"), ("utilisation", "block utilisation")),
+                                  strict=False):
+        value = last[field]
+        above, limit = limits[field]
+        past = value is not None and not pd.isna(value) and bool(live_fig.crossed(pd.Series([value]), above,
+                                                                                    limit).iloc[0])
+        col.metric(name, "-" if value is None or pd.isna(value) else f"{value:.0%}",
+                   delta=f"past the alert threshold ({'over' if above else 'under'} {limit:.0%})" if past else None,
+                   delta_color="inverse" if past else "off",
+                   help=f"The alert fires {'over' if above else 'under'} {limit:.0%} (kvviz/monitor/rules.yml)")
+    for col, (field, name, what) in zip(cols[2:], ZEROS, strict=True):
+        n = int(last[field])
+        col.metric(name, f"{n:,}", delta="should be 0" if n else None, delta_color="inverse" if n else "off",
+                   help=what)
+    st.plotly_chart(live_fig.course(course, limits), width="stretch", key="live_course")
+    figures = live.monitor.snapshot().replicas if live.monitor is not None else {}
+    st.dataframe(pd.DataFrame([{"replica": name, "messages": f.messages, "lost": f.lost, "invalid": f.invalid,
+                                "restarts": f.restarts, "connected": f.connected,
+                                "cross-tenant blocks": f.cross_tenant_blocks,
+                                "mean lag s": f.lag_sum_s / f.lag_count if f.lag_count else None}
+                               for name, f in figures.items()]), hide_index=True, key="live_replicas")

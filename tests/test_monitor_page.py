@@ -1,0 +1,89 @@
+"""The app's Live page: one monitor for every session, started from the page on a replayed capture;
+the figures as they come, the thresholds of the shipped rules shown and the crossings marked, and a
+clean stream's counts left unmarked."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from kvviz.capture.capture_file import CaptureWriter
+from kvviz.capture.synthetic import fleet_messages
+from kvviz.ui.live_page import shared
+
+from .apptest import AppTest
+
+APP = str(Path(__file__).resolve().parent.parent / "app.py")
+
+
+def live_page() -> AppTest:
+    at = AppTest.from_file(APP, default_timeout=60)
+    at.run()
+    at.switch_page("kvviz/ui/pages/live.py").run()
+    assert not at.exception, at.exception[0].value
+    return at
+
+
+def capture(path: Path, unsalted: float) -> Path:
+    writer = CaptureWriter(path, {"replica-0": "synthetic", "replica-1": "synthetic"})
+    for m in fleet_messages(20_000, replicas=2, unsalted=unsalted, capacity=256):
+        writer.add(m)
+    writer.close()
+    return path
+
+
+@pytest.fixture
+def stopped(tmp_path, monkeypatch):
+    """The app's shared monitor, stopped after the test; the run store an empty one of its own."""
+    monkeypatch.setenv("KVVIZ_DB", str(tmp_path / "kvviz.duckdb"))
+    yield shared()
+    shared().stop()
+
+
+def test_the_page_waits_for_something_to_follow(stopped):
+    stopped.stop()
+    stopped.feed = None
+    at = live_page()
+    assert any("Nothing followed yet" in i.value for i in at.info)
+
+
+def replayed(path: Path, capacity: int) -> AppTest:
+    at = live_page()
+    at.text_input(key="live_path").set_value(str(path))
+    at.number_input(key="live_speed").set_value(0.0)
+    at.number_input(key="live_capacity").set_value(capacity)
+    at.button(key="live_go").click().run()
+    live = shared()
+    end = time.monotonic() + 60
+    while live.running() or len(live.course) < 2:  # the replay ends; a point after it
+        assert time.monotonic() < end, "the replay did not end"
+        time.sleep(0.2)
+    return at.run()
+
+
+@pytest.mark.slow
+def test_a_replayed_stream_with_cross_tenant_blocks_is_marked_and_every_session_sees_it(stopped, tmp_path):
+    at = replayed(capture(tmp_path / "cross.jsonl", unsalted=0.05), capacity=100)
+    assert not at.exception, at.exception[0].value
+    metrics = {m.label: m for m in at.metric}
+    assert int(metrics["cross-tenant blocks"].value.replace(",", "")) > 0
+    assert metrics["cross-tenant blocks"].proto.delta == "should be 0"
+    assert metrics["block utilisation"].proto.delta.startswith("past the alert threshold (over 95%")
+    spec = json.loads(at.get("plotly_chart")[0].proto.spec)
+    assert any("block utilisation alert: over 95%" in a.get("text", "") for a in spec["layout"]["annotations"])
+    assert any(t.get("name") == "block utilisation past its threshold" and t["x"] for t in spec["data"])
+    other = live_page()  # another session: the same monitor
+    assert any("The app's monitor stopped following cross.jsonl" in m.value for m in other.markdown)
+
+
+@pytest.mark.slow
+def test_a_clean_stream_leaves_the_zero_counts_and_utilisation_unmarked(stopped, tmp_path):
+    at = replayed(capture(tmp_path / "clean.jsonl", unsalted=0.0), capacity=100_000)
+    metrics = {m.label: m for m in at.metric}
+    assert metrics["cross-tenant blocks"].value == "0" and not metrics["cross-tenant blocks"].proto.delta
+    assert not metrics["block utilisation"].proto.delta
+    spec = json.loads(at.get("plotly_chart")[0].proto.spec)
+    assert not any(t.get("name") == "block utilisation past its threshold" and t["x"] for t in spec["data"])
