@@ -81,7 +81,8 @@ def test_cross_tenant_blocks_show_where_the_stream_has_them_and_only_there(fleet
         span = capture_time.span(con, run)
         shared = capture_time.cross_tenant(con, run, span.start, span.end)
     named = total(samples, "kvviz_kv_cross_tenant_blocks_total")
-    assert (named, total(samples, "kvviz_kv_salt_shared_blocks_total")) == (shared.named, shared.named + shared.inferred)
+    salts = total(samples, "kvviz_kv_salt_shared_blocks_total")
+    assert (named, salts) == (shared.named, shared.named + shared.inferred)
     assert (named > 0) == (unsalted > 0)
     assert total(samples, "kvviz_kv_blocks_salted_total") > 0
 
@@ -179,3 +180,19 @@ def test_the_command_replays_a_capture_and_refuses_bad_flags_in_one_sentence(tmp
                        (["--from-capture", str(tmp_path / "none.jsonl")], "no such file")):
         p = kvviz("monitor", *args)
         assert p.returncode == 2 and said in p.stderr, p.stderr
+
+
+def test_tenants_past_the_table_go_to_other_counted_and_said_once(caplog):
+    state = MonitorState(tenants=2, tracked_tenants=3)
+    messages = [message("a", seq, stored_map([seq], None, [1, 2], salt=f"tenant-{seq}")) for seq in range(6)]
+    with caplog.at_level("INFO", logger="kvviz.monitor"):
+        feed(state, messages)
+        feed(state, [message("a", 6, stored_map([6], None, [1, 2], salt="tenant-6"))])
+    samples = scrape(state)
+    assert total(samples, "kvviz_tenants_seen") == 3
+    assert total(samples, "kvviz_tenant_untracked_blocks_total") == 4
+    assert total(samples, "kvviz_kv_tenant_blocks_stored_total") == 7
+    labels = {dict(ls)["tenant"] for (n, ls), _ in samples.items() if n == "kvviz_kv_tenant_blocks_stored_total"}
+    assert len(labels) == 3 and "other" in labels
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("later ones are counted" in m for m in said) == 1 and sum("busiest have" in m for m in said) == 1

@@ -129,6 +129,7 @@ class MonitorState:
         self.steps, self.pending, self.dropped, self.folds = 0, 0, 0, 0
         self.restart_of: dict[str, int] = {}
         self.reset: set[str] = set()  # replicas whose publisher restarted: their cache is empty
+        self.said_full = self.said_labels = False  # the tenant table's bounds, said once each
         self.last_fold = time.monotonic()
         self._lock = threading.Lock()  # folds happen on the capture's thread or on flush() from another
         self.snapshot = self._snap()
@@ -209,8 +210,15 @@ class MonitorState:
                 for i, v in enumerate((stored, hits, hit_t, miss_t)):
                     tally[i] += int(v)
         for salt, tally in seen.items():
-            self.tenants.add(salt, tuple(tally))
+            if not self.tenants.add(salt, tuple(tally)) and not self.said_full:
+                self.said_full = True
+                log.warning("more than %d tenants: later ones are counted in tenant=\"other\" only "
+                            "(kvviz_tenant_untracked_blocks_total)", self.tenants.tracked)
         self.tenants.refresh()
+        if len(self.tenants.tallies) > self.tenants.labelled and not self.said_labels:
+            self.said_labels = True
+            log.info("more than %d tenants: the busiest have a tenant label, the rest are counted as \"other\"",
+                     self.tenants.labelled)
         held = con.execute(HELD).fetchall()
         self._empty({replica for replica, _, cleared, _ in held if cleared})
         for replica, medium, _, delta in held:
