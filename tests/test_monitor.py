@@ -165,16 +165,18 @@ def test_a_thousand_tenants_give_a_bounded_label_set_counters_that_only_grow_and
 
 
 def test_the_command_replays_a_capture_and_refuses_bad_flags_in_one_sentence(tmp_path):
-    from kvviz.capture.capture_file import CaptureWriter
+    from kvviz.capture.capture_file import CaptureWriter, read_capture
 
     path = tmp_path / "c.jsonl"
     writer = CaptureWriter(path, {"replica-0": "x"})
     for m in fleet_messages(2_000, replicas=1):
         writer.add(m)
     writer.close()
-    p = kvviz("monitor", "--from-capture", str(path), "--speed", "0", "--port", "0")
+    again = tmp_path / "again.jsonl"
+    p = kvviz("monitor", "--from-capture", str(path), "--speed", "0", "--port", "0", "--out", str(again))
     assert p.returncode == 0, p.stderr
     assert "serving metrics on http://127.0.0.1:" in p.stderr and "kvviz: replica-0:" in p.stderr
+    assert [m.payload for _, m in read_capture(again)] == [m.payload for _, m in read_capture(path)]  # recorded
     for args, said in ((["--port", "0"], "give --endpoint"),
                        (["--endpoint", "tcp://127.0.0.1:1", "--capacity", "x=4"], "no replica is named 'x'"),
                        (["--from-capture", str(tmp_path / "none.jsonl")], "no such file")):
