@@ -342,6 +342,10 @@ def test_a_cross_tenant_finding_needs_two_tenants_the_stream_names(tmp_path, mon
         listed = captures_findings(con, run)
         shared = capture_time.cross_tenant(con, run, 0, 10)
         both = capture_time.cross_tenant(con, run, 0, 10, inferred=True)
+        top = capture_time.shared_prefixes(con, run, 0, 10)
+    reused = {r.block_hash: (r.tenants, r.salts) for r in top.itertuples()}
+    assert reused[1] == (2, "tenant-a, tenant-c") and reused[3] == (
+        1, "tenant-c" if named else "tenant-a (inferred), tenant-c"), "the Shared prefixes table counts as findings do"
     assert found == [("tenant-c", "tenant-a", 1, 0), ("tenant-c", "tenant-a", 1, 1)], "1 and 2, not 3"
     assert listed == [(f"{1:016x}", "tenant-c", "tenant-a"), (f"{2:016x}", "tenant-c", "tenant-a")]
     assert (shared.named, shared.inferred) == (2, 0 if named else 1)

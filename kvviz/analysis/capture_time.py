@@ -16,7 +16,7 @@ import pandas as pd
 
 from ..capture.measures import HIT_TOKENS, MISS_TOKENS, UNTOLD_SEGMENT
 from ..capture.measures import hit_ratio as hit_ratio  # the views' hit rate from churn's sums, as the monitor's
-from ..capture.tenants import TOLD
+from ..capture.tenants import NO_SALT, SALT_LABEL, TENANT, TOLD
 
 MAX_INTERVALS = 300
 BINS_PER_DECADE = 10  # duration histograms: durations span milliseconds to hours, so bins are logarithmic
@@ -149,17 +149,19 @@ def distributions(con: duckdb.DuckDBPyConnection, run_id: str, start: float, end
 def shared_prefixes(con: duckdb.DuckDBPyConnection, run_id: str, start: float, end: float,
                     top: int = 20) -> pd.DataFrame:
     """The blocks most reused in the range: replica, group_idx, block_hash, uses (stores and hits), hits,
-    first_ts, tenants (distinct salts that stored or hit it), salts, sessions; most hits first. Counted
-    in one pass, the tenants and sessions of the chosen few in a second (a distinct count over every
-    block of ten million events would be the slow part)."""
+    first_ts, tenants (distinct salts the stores' and hits' own events name), salts (those, and the salts
+    only inferred from a chain marked so), sessions; most hits first. Counted in one pass, the tenants
+    and sessions of the chosen few in a second (a distinct count over every block of ten million events
+    would be the slow part)."""
     return con.execute(
-        "WITH ev AS (SELECT coalesce(replica, 'replica-0') AS replica, group_idx, block_hash, repeat, ts, salt, "
-        "session_id FROM kv_events WHERE run_id = $run AND kind = 'BlockStored' AND ts BETWEEN $a AND $b), "
+        "WITH ev AS (SELECT coalesce(replica, 'replica-0') AS replica, group_idx, block_hash, repeat, ts, "
+        f"{TENANT} AS tenant, {SALT_LABEL} AS salt, session_id FROM kv_events WHERE run_id = $run AND "
+        "kind = 'BlockStored' AND ts BETWEEN $a AND $b), "
         "top AS (SELECT replica, group_idx, block_hash, count(*) AS uses, count(*) FILTER (repeat) AS hits, "
         "min(ts) AS first_ts FROM ev GROUP BY ALL HAVING count(*) > 1 ORDER BY hits DESC, uses DESC, block_hash "
         "LIMIT $top) "
-        "SELECT t.replica, t.group_idx, t.block_hash, t.uses, t.hits, count(DISTINCT coalesce(e.salt, '')) AS tenants, "
-        "string_agg(DISTINCT coalesce(e.salt, '(no salt)'), ', ') AS salts, count(DISTINCT e.session_id) AS sessions, "
+        "SELECT t.replica, t.group_idx, t.block_hash, t.uses, t.hits, count(DISTINCT e.tenant) AS tenants, "
+        "string_agg(DISTINCT e.salt, ', ' ORDER BY e.salt) AS salts, count(DISTINCT e.session_id) AS sessions, "
         "t.first_ts FROM top t JOIN ev e ON e.replica = t.replica AND e.block_hash = t.block_hash AND "
         "e.group_idx IS NOT DISTINCT FROM t.group_idx GROUP BY ALL ORDER BY t.hits DESC, t.uses DESC, t.block_hash",
         {"run": run_id, "a": start, "b": end, "top": top}).df()
@@ -179,7 +181,6 @@ class SharedBlocks:
 
 
 UNKNOWN = "tenant unknown"  # a store or hit of a shared block whose event names no salt
-NO_SALT = "(no salt)"
 
 
 def cross_tenant(con: duckdb.DuckDBPyConnection, run_id: str, start: float, end: float, top: int = 40,

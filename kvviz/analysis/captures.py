@@ -6,6 +6,8 @@ from __future__ import annotations
 import duckdb
 import pandas as pd
 
+from ..capture.tenants import INFERRED, NO_SALT, SALT_LABEL, TENANT
+
 
 def replicas(con: duckdb.DuckDBPyConnection, run_id: str) -> list[str]:
     return [r for (r,) in con.execute("SELECT DISTINCT coalesce(replica, 'replica-0') AS r FROM kv_events "
@@ -22,12 +24,12 @@ def groups(con: duckdb.DuckDBPyConnection, run_id: str, replica: str | None = No
 
 def prefix_tree(con: duckdb.DuckDBPyConnection, run_id: str, max_nodes: int = 3000,
                 replica: str | None = None, group: int | None = None, since: int = 0) -> pd.DataFrame:
-    """One row per stored block hash (of one replica and KV group, or all): its parent, its salts
-    (more than one: shared across tenants), LoRA, the tiers (media) it was stored on, when it was first
-    stored and when it left the cache for good (its BlockRemoved or an AllBlocksCleared at or after its
-    last store; null while it is still cached at the end), and its tokens, and untold: every store of
-    it named no salt (its salt is the chain's, its own tenant unknown); the first `max_nodes` stored
-    from message `since` on.
+    """One row per stored block hash (of one replica and KV group, or all): its parent, its salts as
+    stored, how many tenants its events name (salts; more than one: shared across tenants), LoRA, the
+    tiers (media) it was stored on, when it was first stored and when it left the cache for good (its
+    BlockRemoved or an AllBlocksCleared at or after its last store; null while it is still cached at the
+    end), and its tokens, and untold: every store of it named no salt (its salt is the chain's, its own
+    tenant unknown); the first `max_nodes` stored from message `since` on.
 
     The first blocks are found among the earliest stores (a top-N over the capture, not a grouping of
     all of it: 0.4 s rather than 2 s on 10 million events), widening the search when repeats crowd
@@ -45,7 +47,7 @@ def prefix_tree(con: duckdb.DuckDBPyConnection, run_id: str, max_nodes: int = 30
             "LIMIT $max), "
             "stored AS (SELECT block_hash, any_value(parent_hash) AS parent_hash, min(step) AS stored_step, "
             "max(step) AS last_stored, string_agg(DISTINCT coalesce(salt, '(no salt)'), ', ' ORDER BY "
-            "coalesce(salt, '(no salt)')) AS salt, count(DISTINCT coalesce(salt, '')) AS salts, "
+            f"coalesce(salt, '(no salt)')) AS salt, count(DISTINCT {TENANT}) AS salts, "
             "bool_and(NOT coalesce(salt_named, true) AND salt IS NOT NULL) AS untold, "
             "any_value(lora_name) AS lora_name, string_agg(DISTINCT medium, ', ' ORDER BY medium) AS media, "
             "any_value(token_ids) AS token_ids FROM ev "
@@ -88,11 +90,12 @@ def reuse_tree(con: duckdb.DuckDBPyConnection, run_id: str, start: float, end: f
     into one row. One row per segment: id (its last block's hash, hex), parent (the segment above, ""
     at the top), first (its first block's hash), blocks, tokens (a block stored without its tokens, as a
     hash-only trace's are, counts its block size), uses and hits of its first block,
-    tenants (distinct salts), salts, and folded (how many children a folded row stands for, else 0)."""
+    tenants (distinct salts the events name), salts (those, and the ones inferred from a chain marked so),
+    and folded (how many children a folded row stands for, else 0)."""
     top = con.execute(
         "SELECT block_hash, any_value(parent_hash) AS parent_hash, count(*) AS uses, count(*) FILTER (repeat) AS hits, "
-        "count(DISTINCT coalesce(salt, '')) AS tenants, string_agg(DISTINCT coalesce(salt, '(no salt)'), ', ' "
-        "ORDER BY coalesce(salt, '(no salt)')) AS salts, any_value(coalesce(len(token_ids), block_size)) AS tokens "
+        f"count(DISTINCT {TENANT}) AS tenants, string_agg(DISTINCT {SALT_LABEL}, ', ' ORDER BY {SALT_LABEL}) AS salts, "
+        "any_value(coalesce(len(token_ids), block_size)) AS tokens "
         "FROM kv_events "
         "WHERE run_id = $run AND kind = 'BlockStored' AND ts BETWEEN $a AND $b AND "
         "($replica IS NULL OR coalesce(replica, 'replica-0') = $replica) AND ($group IS NULL OR group_idx = $group) "
@@ -121,8 +124,9 @@ def reuse_tree(con: duckdb.DuckDBPyConnection, run_id: str, start: float, end: f
         stack.extend((k, segment) for k in kids[:fanout])
         if rest := kids[fanout:]:
             salts_of = sorted({s for k in rest for s in info[k][4].split(", ")})
+            named = [s for s in salts_of if s != NO_SALT and not s.endswith(INFERRED)]
             rows.append((f"{segment}+{len(rest)}", segment, "", len(rest), sum(info[k][5] for k in rest),
-                         sum(info[k][1] for k in rest), sum(info[k][2] for k in rest), len(salts_of),
+                         sum(info[k][1] for k in rest), sum(info[k][2] for k in rest), len(named),
                          ", ".join(salts_of), len(rest)))
     return pd.DataFrame(rows, columns=["id", "parent", "first", "blocks", "tokens", "uses", "hits", "tenants",
                                        "salts", "folded"])

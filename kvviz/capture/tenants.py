@@ -13,15 +13,21 @@ replica mixes them with salted ones).
 
 from __future__ import annotations
 
+NO_SALT = "(no salt)"
+INFERRED = " (inferred)"  # after a salt the import gave a row from its chain: no tenant the stream named
+TENANT = "CASE WHEN salt_named IS DISTINCT FROM false THEN salt END"  # a row's tenant as its own event names it
+SALT_LABEL = (f"CASE WHEN salt IS NULL THEN '{NO_SALT}' WHEN salt_named IS DISTINCT FROM false THEN salt "
+              f"ELSE salt || '{INFERRED}' END")  # a row's salt as a reader should take it
+
 # kv_events' stores and hits of run $run with `tenant`: the salt the stream names for the row (its own
 # event names it), or NULL where it is only inferred from the chain the row continues or the cached block
 # a hit names none for. A row without a salt names no tenant. Captures imported before kvviz kept
 # salt_named (null) are taken at their word, as the views take them.
-TOLD = """
+TOLD = f"""
 stores AS NOT MATERIALIZED (
     SELECT coalesce(replica, 'replica-0') AS replica, coalesce(group_idx, -1) AS grp, block_hash, salt, step,
            event_index, block_index, ts, coalesce(repeat, false) AS repeat,
-           CASE WHEN salt_named IS DISTINCT FROM false THEN salt END AS tenant
+           {TENANT} AS tenant
     FROM kv_events WHERE run_id = $run AND kind = 'BlockStored')
 """
 
@@ -56,17 +62,20 @@ WITH copies AS NOT MATERIALIZED (
            coalesce(medium, '(no medium)') AS medium, block_hash, salt, salt_named, step,
            coalesce(repeat, false) AS repeat, parent_cached
     FROM kv_events WHERE run_id = $run AND kind = 'BlockStored'),
+tiered AS (  -- replicas that store on two media or more: the rest (most captures) need no more
+    SELECT replica FROM copies GROUP BY replica HAVING min(medium) <> max(medium)),
+mixed AS (  -- the few hashes with a salted copy and an unsalted one on two media
+    SELECT replica, grp, block_hash FROM copies SEMI JOIN tiered USING (replica) WHERE NOT repeat GROUP BY ALL
+    HAVING count(salt) > 0 AND count(*) FILTER (salt IS NULL AND coalesce(parent_cached, true)) > 0
+       AND min(medium) <> max(medium)),
 keys AS (
-    SELECT replica, grp, medium, block_hash, salt, min(step) AS first FROM copies
+    SELECT replica, grp, medium, block_hash, salt, min(step) AS first
+    FROM copies SEMI JOIN mixed USING (replica, grp, block_hash)
     WHERE NOT repeat AND (salt IS NOT NULL OR coalesce(parent_cached, true)) GROUP BY ALL),
-mixed AS (  -- the few hashes with both kinds of copy on two media: the rest need no pairing
-    SELECT replica, grp, block_hash FROM keys GROUP BY ALL
-    HAVING count(salt) > 0 AND count(salt) < count(*) AND min(medium) <> max(medium)),
 pairs AS (
     SELECT s.replica, s.grp, s.block_hash, s.medium AS salted_medium, u.medium AS unsalted_medium, s.salt,
            greatest(s.first, u.first) AS at
-    FROM (SELECT * FROM keys SEMI JOIN mixed USING (replica, grp, block_hash)) s
-    JOIN keys u ON u.replica = s.replica AND u.grp = s.grp AND u.block_hash = s.block_hash
+    FROM keys s JOIN keys u ON u.replica = s.replica AND u.grp = s.grp AND u.block_hash = s.block_hash
         AND u.salt IS NULL AND u.medium <> s.medium
     WHERE s.salt IS NOT NULL),
 served AS (

@@ -274,9 +274,10 @@ def _shared(con, info: RunInfo, span: capture_time.Span, a: float, b: float) -> 
         columns={"first_ts": "first seen (s)", "group_idx": "KV group"})
     table = table.drop(columns=[c for c, empty in (("KV group", top.group_idx.isna().all()),
                                                    ("sessions", not top.sessions.any())) if empty])
-    st.caption("The blocks most reused in the range (hits first). Tenants counts the salts that stored or hit "
-               "it: more than one is reuse across tenants. A shared prefix of several blocks shows as several rows. "
-               "Pick a row for its chain and token ids.")
+    st.caption("The blocks most reused in the range (hits first). Tenants counts the salts the events that stored "
+               "or hit it name: more than one is reuse across tenants; a salt marked (inferred) is the chain's, given "
+               "to a store whose event named none (its own tenant unknown). A shared prefix of several blocks shows "
+               "as several rows. Pick a row for its chain and token ids.")
     picked = st.dataframe(table, hide_index=True, width="stretch", key="insp_shared", on_select="rerun",
                           selection_mode="single-row")
     rows = picked.selection.rows if picked else []
