@@ -271,14 +271,12 @@ class LiveResult:
     capture_cpu_s: float  # the capture process's CPU time while it ran
 
 
-def run_live_bench(replicas: int = 2, rate: int = 10_000, duration: float = 60.0,
-                   progress: Callable[[str], None] = lambda s: None) -> LiveResult:
-    """Publishers in their own processes at `rate` batches a second each, one FleetCapture writing a
-    dataset in this process: does it keep up, with no gaps?"""
-    import os
+def start_publishers(replicas: int, rate: int, duration: float) -> tuple[list, list[subprocess.Popen]]:
+    """Publishers in their own processes, each sending `rate` step batches a second for `duration`
+    seconds after a second's wait; their endpoints, and the processes (sent_by reads how many they sent)."""
     import socket
 
-    from ..capture.zmq_capture import Endpoint, FleetCapture
+    from ..capture.zmq_capture import Endpoint
 
     def port() -> int:
         with socket.socket() as s:
@@ -287,8 +285,24 @@ def run_live_bench(replicas: int = 2, rate: int = 10_000, duration: float = 60.0
 
     root = str(Path(__file__).parents[2])
     sources = [Endpoint(f"replica-{i}", f"tcp://127.0.0.1:{port()}") for i in range(replicas)]
-    pubs = [subprocess.Popen([sys.executable, "-c", PUBLISHER, s.endpoint.replace("127.0.0.1", "*"), str(rate),
-                              str(duration), root], stdout=subprocess.PIPE, text=True) for s in sources]
+    return sources, [subprocess.Popen([sys.executable, "-c", PUBLISHER, s.endpoint.replace("127.0.0.1", "*"),
+                                       str(rate), str(duration), root], stdout=subprocess.PIPE, text=True)
+                     for s in sources]
+
+
+def sent_by(pubs: list[subprocess.Popen]) -> int:
+    return sum(int(p.communicate(timeout=30)[0].split()[0]) for p in pubs)
+
+
+def run_live_bench(replicas: int = 2, rate: int = 10_000, duration: float = 60.0,
+                   progress: Callable[[str], None] = lambda s: None) -> LiveResult:
+    """Publishers in their own processes at `rate` batches a second each, one FleetCapture writing a
+    dataset in this process: does it keep up, with no gaps?"""
+    import os
+
+    from ..capture.zmq_capture import FleetCapture
+
+    sources, pubs = start_publishers(replicas, rate, duration)
     with tempfile.TemporaryDirectory(prefix="kvviz-bench-live-") as tmp:
         fleet = FleetCapture(sources)
         sink = DatasetWriter(Path(tmp) / "ds", {s.name: s.endpoint for s in sources})
@@ -300,7 +314,7 @@ def run_live_bench(replicas: int = 2, rate: int = 10_000, duration: float = 60.0
             fleet.close()
             sink.close()
         used = (os.times().user - cpu.user) + (os.times().system - cpu.system)
-    sent = sum(int(p.communicate(timeout=30)[0].split()[0]) for p in pubs)
+    sent = sent_by(pubs)
     states = fleet.states.values()
     return LiveResult(replicas, rate, duration, sent, sum(s.count for s in states), sum(s.lost for s in states), used)
 

@@ -37,6 +37,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return fail(f"--new-tokens must be >= 1, got {args.new_tokens}")
     if args.out and not Path(args.out).parent.is_dir():  # say so now, not after the whole benchmark
         return fail(f"--out {args.out}: no folder {Path(args.out).parent}")
+    if args.monitor:
+        from ..bench import monitor as bench_monitor
+
+        cases = set((args.cases or "live,memory,scrape").split(","))
+        if unknown := cases - {"live", "memory", "scrape"}:
+            return fail(f"--cases: {sorted(unknown)[0]!r} is no monitor case; they are live, memory, scrape")
+        events = _positive_ints(args.sizes or "10000000", "--sizes")
+        if events is None:
+            return 2
+        live = bench_monitor.run_live(duration=args.duration, say=say) if "live" in cases else None
+        memory = bench_monitor.run_memory(events[0], say=say) if "memory" in cases else None
+        scrapes = bench_monitor.run_scrape(say=say) if "scrape" in cases else []
+        return _write(bench_monitor.report(live, memory, scrapes), args.out)
     if args.repeat < 1:
         return fail(f"--repeat must be >= 1, got {args.repeat}")
     if args.sessions is not None and args.sessions < 1:
@@ -169,6 +182,10 @@ def add_bench(sub: Subcommands) -> None:
     what.add_argument("--capture-live", action="store_true",
                       help="instead: can one capture-vllm process keep up with two publishers at 10,000 batches/s "
                            "each (for --duration seconds)?")
+    what.add_argument("--monitor", action="store_true",
+                      help="instead: kvviz monitor against its targets (--cases live,memory,scrape): two publishers at "
+                           "10,000 batches/s each for --duration s, a capture of --sizes block events (default "
+                           "10,000,000) replayed at full speed, and a scrape after 1,000 tenants")
     what.add_argument("--whatif", nargs="*", metavar="TRACE.jsonl",
                       help="replaying Mooncake traces under other caches: the one-pass LRU curve, each policy's "
                            "exact replays (default traces: ../shared/traces/*.jsonl)")
