@@ -198,3 +198,16 @@ def test_tenants_past_the_table_go_to_other_counted_and_said_once(caplog):
     assert len(labels) == 3 and "other" in labels
     said = [r.getMessage() for r in caplog.records]
     assert sum("later ones are counted" in m for m in said) == 1 and sum("busiest have" in m for m in said) == 1
+
+
+def test_the_live_course_says_no_hit_rate_where_no_hit_was_ever_published():
+    from kvviz.monitor.course import point
+
+    state = feed(MonitorState(capacity={"*": 4}), [message("a", 0, stored_map([1, 2], None, [1, 2, 3, 4]))])
+    first = point(state.snapshot, None, 1.0, 1.0)
+    assert (first.hit_ratio, first.hits_reported, first.utilisation) == (None, False, 0.5)  # not a silent 0%
+    before = state.snapshot
+    feed(state, [message("a", 1, stored_map([1, 3], None, [1, 2, 5, 6]))])  # block 1 again: a hit
+    second = point(state.snapshot, before, 2.0, 1.0)  # over the interval: 2 tokens hit, 2 computed
+    assert (second.hit_ratio, second.hits_reported, second.blocks_cached) == (0.5, True, 3)
+    assert point(state.snapshot, None, 2.0, 1.0).hit_ratio == 0.25  # since the start: 2 of 8

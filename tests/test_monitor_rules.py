@@ -31,10 +31,12 @@ CASES = {
          {f"kvviz_kv_cross_tenant_blocks_total{{{A}}}": "0 0 1 1 1", f"kvviz_kv_blocks_salted_total{{{A}}}": "0x4"}]),
     "KvvizPrefixCacheHitRateLow": (
         {f"kvviz_prefix_cache_hit_tokens_total{{{A}}}": "0+10x20",
-         f"kvviz_prefix_cache_miss_tokens_total{{{A}}}": "0+200x20"},
+         f"kvviz_prefix_cache_miss_tokens_total{{{A}}}": "0+200x20", f"kvviz_kv_block_hits_total{{{A}}}": "0+1x20"},
         "20m", {"severity": "warning"},
         [{f"kvviz_prefix_cache_hit_tokens_total{{{A}}}": "0+100x20",
-          f"kvviz_prefix_cache_miss_tokens_total{{{A}}}": "0+100x20"}]),
+          f"kvviz_prefix_cache_miss_tokens_total{{{A}}}": "0+100x20", f"kvviz_kv_block_hits_total{{{A}}}": "0+6x20"},
+         {f"kvviz_prefix_cache_hit_tokens_total{{{A}}}": "0x20",  # hits never reported (vLLM's default mode)
+          f"kvviz_prefix_cache_miss_tokens_total{{{A}}}": "0+100x20", f"kvviz_kv_block_hits_total{{{A}}}": "0x20"}]),
     "KvvizPrefixCacheHitRateZero": (
         {f"kvviz_kv_block_hits_total{{{A}}}": "0+1x4 5x40",
          f"kvviz_prefix_cache_hit_tokens_total{{{A}}}": "0+16x4 80x40",
@@ -148,3 +150,12 @@ def test_the_dashboard_asks_only_for_metrics_the_monitor_serves_or_the_rules_rec
     names |= {r["record"] for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"] if "record" in r}
     assert asked and asked <= names, asked - names
     assert len(dashboard["panels"]) == len({p["id"] for p in dashboard["panels"]})
+
+
+def test_the_live_page_reads_the_thresholds_the_rules_alert_on():
+    from kvviz.monitor.thresholds import thresholds
+
+    found = {t.alert: (t.figure, t.above, t.value, t.for_s) for t in thresholds()}
+    assert found == {"KvvizPrefixCacheHitRateLow": ("hit_ratio", False, 0.1, 600.0),
+                     "KvvizKvCacheUtilisationHigh": ("utilisation", True, 0.95, 600.0)}
+

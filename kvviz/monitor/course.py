@@ -19,7 +19,9 @@ HISTORY = 3600
 class Point:
     """The fleet's figures at one moment; rates and the hit ratio over the second before it."""
     t: float
-    hit_ratio: float | None  # hit tokens of stored tokens in the interval (None: nothing stored)
+    hit_ratio: float | None  # hit tokens of stored tokens in the interval (None: nothing stored, or no hit
+    # ever reported: vLLM reports hits only under kv_cache_report_mode="full")
+    hits_reported: bool  # has any hit been published so far
     utilisation: float | None  # GPU blocks cached of the capacity given (None: no capacity)
     messages_per_s: float
     blocks_cached: int
@@ -39,7 +41,8 @@ def point(now: Snapshot, before: Snapshot | None, t: float, dt: float) -> Point:
     capacity = sum(r.capacity_blocks or 0 for r in now.replicas.values())
     messages = sum(r.messages for r in now.replicas.values())
     messages_before = sum(r.messages for r in before.replicas.values()) if before else 0
-    return Point(t=t, hit_ratio=hit / (hit + miss) if hit + miss else None,
+    reported = media(now, "hits") > 0  # no hit ever: the server does not report them, and 0 would say nothing
+    return Point(t=t, hit_ratio=hit / (hit + miss) if reported and hit + miss else None, hits_reported=reported,
                  utilisation=media(now, "held", gpu=True) / capacity if capacity else None,
                  messages_per_s=(messages - messages_before) / dt if dt > 0 else 0.0,
                  blocks_cached=media(now, "held"),

@@ -26,12 +26,12 @@ class Threshold:
 
 @cache
 def thresholds() -> tuple[Threshold, ...]:
-    """The alerts of rules.yml whose expression compares one figure with a number."""
+    """The alerts of rules.yml whose expression begins by comparing one figure with a number."""
     out = []
     for group in yaml.safe_load(RULES.read_text())["groups"]:
         for rule in group["rules"]:
             figure = FIGURES.get(rule.get("alert"))
-            found = re.fullmatch(r"\s*\S+\s*([<>])\s*([0-9.]+)\s*", rule.get("expr", ""))
+            found = re.match(r"\s*\S+\s*([<>])\s*([0-9.]+)\s", rule.get("expr", "") + "\n")
             if figure and found:
                 out.append(Threshold(rule["alert"], figure, found[1] == ">", float(found[2]),
                                      _seconds(rule.get("for", "0s"))))

@@ -101,10 +101,13 @@ def _figures() -> None:
         above, limit = limits[field]
         past = value is not None and not pd.isna(value) and bool(live_fig.crossed(pd.Series([value]), above,
                                                                                     limit).iloc[0])
-        col.metric(name, "-" if value is None or pd.isna(value) else f"{value:.0%}",
+        unknown = "not reported" if field == "hit_ratio" and not last.hits_reported else "-"
+        col.metric(name, unknown if value is None or pd.isna(value) else f"{value:.0%}",
                    delta=f"past the alert threshold ({'over' if above else 'under'} {limit:.0%})" if past else None,
                    delta_color="inverse" if past else "off",
-                   help=f"The alert fires {'over' if above else 'under'} {limit:.0%} (kvviz/monitor/rules.yml)")
+                   help=f"The alert fires {'over' if above else 'under'} {limit:.0%} (kvviz/monitor/rules.yml)"
+                   + (". No hit has been published: vLLM reports hits only with kv_cache_report_mode=\"full\", so "
+                      "the events cannot tell what the cache served" if unknown != "-" else ""))
     for col, (field, name, what) in zip(cols[2:], ZEROS, strict=True):
         n = int(last[field])
         col.metric(name, f"{n:,}", delta="should be 0" if n else None, delta_color="inverse" if n else "off",
