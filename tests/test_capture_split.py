@@ -1,4 +1,4 @@
-"""A JSONL capture decoded by several processes, each taking whole replicas: the same rows as one
+"""A JSONL capture decoded by several processes, each taking chunks of lines in turn: the same rows as one
 process, the same error (the earliest bad line, whichever process finds it), nothing left behind
 when anything fails, and callable from a user's script without a main guard."""
 
@@ -160,15 +160,16 @@ def test_the_payloads_stay_whole_on_each_message_s_first_row(tmp_path):
     assert [k[0] for k in kept] == sent and most == 1, "each message's payload once, on its first row"
 
 
-def test_a_large_capture_of_several_replicas_is_split_without_being_asked(tmp_path, monkeypatch):
+def test_a_large_capture_is_split_without_being_asked_of_one_replica_too(tmp_path, monkeypatch):
     from kvviz.capture import jsonl_dataset
 
-    started, real = [], jsonl_dataset._Child.__init__
+    started, real = [], jsonl_dataset._Helper.__init__
     monkeypatch.setattr(jsonl_dataset, "SPLIT_FROM_BYTES", 0)  # every capture counts as large
-    monkeypatch.setattr(jsonl_dataset._Child, "__init__", lambda self, *a: (started.append(a[-1]), real(self, *a))[1])
+    monkeypatch.setattr(jsonl_dataset._Helper, "__init__", lambda self, *a: (started.append(a[-2]), real(self, *a))[1])
     store = RunStore.open(tmp_path / "k.duckdb")
+    cores = len(os.sched_getaffinity(0))
     import_capture(capture_with_bad(tmp_path / "c.jsonl", {}), store)
-    assert started == list(range(1, min(2, len(os.sched_getaffinity(0))))), "one process per core, up to a replica each"
+    assert started == (list(range(cores)) if cores > 1 else []), "a helper per core"
     started.clear()
     path = tmp_path / "one.jsonl"
     w = CaptureWriter(path, {"replica-0": "tcp://a"})
@@ -176,4 +177,4 @@ def test_a_large_capture_of_several_replicas_is_split_without_being_asked(tmp_pa
         w.add(m)
     w.close()
     import_capture(path, store)
-    assert started == [], "a capture of one replica is not split"
+    assert started == (list(range(cores)) if cores > 1 else []), "a capture of one replica is split as well"

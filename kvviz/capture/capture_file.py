@@ -12,7 +12,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, BinaryIO
@@ -59,13 +59,11 @@ class CaptureWriter:
 
 class CaptureReader:
     """(where, message) per line, `where` naming the file and line; CaptureError names a line that is
-    wrong. Read as bytes line by line, so another encoding or an endless line is a refusal. With
-    `mine`, a message of a replica it refuses is read no further than its replica's name and comes
-    as (where, None): another process takes it (a line that does not parse is read in full, so every
-    reader says what is wrong with it). `bytes_read` says how far it has got."""
+    wrong. Read as bytes line by line, so another encoding or an endless line is a refusal.
+    `bytes_read` says how far it has got; `body` is where the line after the header starts."""
 
-    def __init__(self, path: str | Path, mine: Callable[[str], bool] | None = None):
-        self.path, self.mine, self.bytes_read = Path(path), mine, 0
+    def __init__(self, path: str | Path):
+        self.path, self.bytes_read, self.body = Path(path), 0, 0
         self.replicas = self._header()
 
     def _open(self) -> BinaryIO:
@@ -82,6 +80,7 @@ class CaptureReader:
         with self._open() as f:
             header = parse_json(next(self._lines(f), (1, b"null"))[1], f"{path}: line 1", CaptureError,
                                 one_line=True)
+            self.body = f.tell()
         if not isinstance(header, dict) or header.get("format") != FORMAT:
             raise CaptureError(f"{path}: not a kvviz vLLM capture (line 1 must name format {FORMAT!r})")
         if header.get("version") not in READABLE:
@@ -89,44 +88,79 @@ class CaptureReader:
         named = header.get("replicas")
         return {str(k): str(v) for k, v in named.items()} if isinstance(named, dict) else {}
 
-    def __iter__(self) -> Iterator[tuple[str, Message | None]]:
-        path, mine = self.path, self.mine
+    def __iter__(self) -> Iterator[tuple[str, Message]]:
+        return self.between(self.body, None)
+
+    def between(self, start: int, end: int | None) -> Iterator[tuple[str, Message]]:
+        """The messages of the lines from byte `start` (a line's first, past the header) to `end` (None: the
+        file's end). From the middle of a file, each `where` counts the lines before `start` only when it
+        is said, and a line that does not say its publisher's restarts (counted from the lines before) is
+        Unsplittable."""
         last: dict[str, tuple[int, int]] = {}  # replica -> (restart, seq), for files that do not say restarts
-        self.bytes_read = 0  # from the file's start again (reading the header counted its line)
+        self.bytes_read = start
+        counted = _LinesBefore(self.path, start)
+        lazy = start > self.body
+        skipped = 0 if lazy else counted.count()  # the header's lines: a few bytes to count
         with self._open() as f:
-            lines = self._lines(f)
-            next(lines, None)
-            for n, line in lines:
-                where = f"{path}: line {n}"
-                if mine is not None:
-                    try:
-                        replica = _HEAD.decode(line).replica
-                    except msgspec.MsgspecError:
-                        replica = None
-                    if replica is not None and not mine(replica):
-                        yield where, None
-                        continue
+            f.seek(start)
+            for n, line in self._lines(f, None if end is None else end - start):
+                where = _LineOf(counted, n) if lazy else f"{self.path}: line {n + skipped}"
                 try:
                     rec = _LINE.decode(line)
                 except msgspec.MsgspecError:  # parsed again to say what is wrong
                     rec = _line(line, where)
                 restart = rec.restart
                 if restart is None:
+                    if lazy:
+                        raise Unsplittable(where)
                     before = last.get(rec.replica)
                     restart = 0 if before is None else before[0] + (rec.seq < before[1])
                 last[rec.replica] = (restart, rec.seq)
                 yield where, Message(rec.replica, restart, rec.seq, rec.topic, rec.payload, rec.received)
 
-    def _lines(self, f: BinaryIO) -> Iterator[tuple[int, bytes]]:
-        """Numbered non-blank lines, each at most MAX_LINE bytes."""
+    def _lines(self, f: BinaryIO, size: int | None = None) -> Iterator[tuple[int, bytes]]:
+        """Numbered non-blank lines, each at most MAX_LINE bytes, up to `size` bytes (None: all)."""
         n = 0
-        while line := f.readline(MAX_LINE + 1):
+        left = -1 if size is None else size
+        while left and (line := f.readline(MAX_LINE + 1)):
             n += 1
+            left -= len(line)
             self.bytes_read += len(line)
             if len(line) > MAX_LINE:
                 raise CaptureError(f"{self.path}: line {n} is longer than {MAX_LINE >> 20} MiB")
             if line.strip():
                 yield n, line
+
+
+class Unsplittable(Exception):  # noqa: N818 (no error: the import reads the file in one process instead)
+    """A line read from the middle of a file that leaves its restarts to be counted from the lines before."""
+
+
+class _LinesBefore:
+    """How many lines precede byte `start`, counted once, when a line after it is named."""
+
+    def __init__(self, path: Path, start: int):
+        self.path, self.start, self._count = path, start, None
+
+    def count(self) -> int:
+        if self._count is None:
+            self._count, left = 0, self.start
+            with open(self.path, "rb") as f:
+                while left > 0 and (block := f.read(min(left, 1 << 24))):
+                    self._count += block.count(b"\n")
+                    left -= len(block)
+        return self._count
+
+
+class _LineOf:
+    """'PATH: line N' for the n-th line after a _LinesBefore, said as text only when an error names it."""
+    __slots__ = ("before", "n")
+
+    def __init__(self, before: _LinesBefore, n: int):
+        self.before, self.n = before, n
+
+    def __str__(self) -> str:
+        return f"{self.before.path}: line {self.before.count() + self.n}"
 
 
 def read_capture(path: str | Path) -> CaptureReader:

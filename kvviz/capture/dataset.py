@@ -77,9 +77,7 @@ class _ReplicaParts:
 
 class DatasetWriter:
     """A capture sink writing the dataset from messages and their decoded batches. A `share` writer
-    is one of several processes writing one dataset, each its own replicas' folders: it counts the
-    others' messages (`skip`) so steps stay the capture's, and leaves the manifest to whoever
-    started them (`write_manifest`)."""
+    writes into a folder its caller made and leaves the manifest to it (`write_manifest`)."""
 
     def __init__(self, folder: str | Path, replicas: dict[str, str], rotate_rows: int = 1_000_000,
                  group_rows: int = 100_000, share: bool = False, given_as: str = "--out "):
@@ -94,10 +92,6 @@ class DatasetWriter:
         self.first: dict[str, int] = {}  # replica -> the step of its first message
         self.count = 0
         self._manifest(complete=False)
-
-    def skip(self) -> None:
-        """A message another process writes: it still takes a step."""
-        self.count += 1
 
     def add(self, m: Message, batch: Batch, where: str | None = None) -> None:
         """Buffer one message's rows; `where` is how an error in it names the message (by default its

@@ -1,213 +1,285 @@
-"""A JSONL capture written as a capture dataset by one process per core, each taking whole replicas.
+"""A JSONL capture written as a capture dataset, its decoding split over one process per core.
 
-A replica's rows depend only on its own earlier messages (rows.py keeps the cache state per replica)
-and the dataset keeps each replica in its own folder, so the work splits by replica with nothing to
-merge: every process reads every line, counts every message (a step is the capture's message
-count), and decodes and writes only its own replicas' messages. Errors stay those of a one-process
-import: each process stops at its first bad message, and the earliest in the file is the capture's;
-whichever process finds one tells the others not to read past it.
+The file is cut into chunks of whole lines. Helper processes decode them in turn (chunk i by helper
+i mod n) into rows without what the cache state decides (rows.py's `stateless`) and stream them here
+as Arrow IPC; this process fills that state in, chunk by chunk in file order (cache_state.py: a few
+array operations a chunk), numbers the steps and writes the dataset. So one replica's stream splits
+as well as a fleet's, the rows are those one process writes, and the error is one process's: chunks
+are taken in file order and each helper stops at its first bad line, so the first error met is the
+earliest.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import select
+import shutil
 import subprocess
 import sys
 import tempfile
-import zlib
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
 from ..util.gcpause import paused_gc
-from .capture_file import CaptureReader
-from .dataset import DatasetWriter, check_name, write_manifest
-from .events import CaptureError, decode_batch
+from .cache_state import REPLAYED, STATE_SCHEMA, CacheState, fill
+from .capture_file import CaptureReader, Message, Unsplittable
+from .dataset import FILE_SCHEMA, DatasetWriter, check_name, write_manifest
+from .events import Batch, CaptureError, decode_batch
+from .rows import STATELESS_SCHEMA, EventRows
 
 Progress = Callable[[int, int], None]  # (bytes read, bytes in all)
 SPLIT_FROM_BYTES = 32 << 20  # a smaller capture is written faster than a second process starts
-CHECK_EVERY = 1024  # messages between looks at whether another process found an earlier error
+CHUNK_BYTES = 16 << 20  # a helper's turn (a quarter of its share, in a smaller capture)
+MIN_CHUNK_BYTES = 64 << 10
+CHUNK_ROWS = 250_000  # rows a helper sends at once, at most (its memory)
+CHECK_EVERY = 1024  # messages between reports of progress
+GROUP_ROWS = 100_000  # a Parquet row group's, at most
+REPLIES = "_state"  # the folder (skipped as the dataset is read) where each chunk's state comes back
 
 
 @dataclass(frozen=True)
 class Written:
-    """What one process wrote: the capture's message count and, per replica, its first step."""
+    """What was written: the capture's message count and, per replica, its first step."""
     messages: int
     first: dict[str, int]
-
-
-@dataclass(frozen=True)
-class Failed:
-    """A process's first bad message: its place among the capture's messages, and what is wrong."""
-    at: int
-    message: str
-
-
-@dataclass(frozen=True)
-class Plan:
-    """Which process writes which replica: the header's replicas in turn, any other by its name's hash."""
-    workers: int
-    named: dict[str, int]
-
-    def owner(self, replica: str) -> int:
-        owner = self.named.get(replica)
-        return zlib.crc32(replica.encode()) % self.workers if owner is None else owner
 
 
 def write_dataset(path: Path, folder: Path, progress: Progress | None = None, workers: int | None = None) -> Written:
     """Decode the capture at `path` into a dataset at `folder` (which the caller removes on failure);
     CaptureError names the first bad line, as a one-process import would."""
-    replicas = CaptureReader(path).replicas
-    n = workers or _workers(path, len(replicas))
-    plan = Plan(n, {name: i % n for i, name in enumerate(replicas)})
-    if n == 1:
-        got = _write_share(path, folder, plan, 0, progress)
-    else:
-        got = _write_shares(path, folder, plan, progress)
+    reader = CaptureReader(path)
+    n = workers or _workers(path)
+    size = path.stat().st_size
+    chunks = _chunks(path, reader.body, max(MIN_CHUNK_BYTES, min(CHUNK_BYTES, size // (4 * n)))) if n > 1 else []
+    got = None
+    if len(chunks) > 1:
+        try:
+            got = _write_split(path, folder, chunks, n, progress)
+        except Unsplittable:  # a line leaves its restarts to the lines before it: read in one process
+            for part in folder.iterdir():
+                shutil.rmtree(part)
+    if got is None:
+        got = _write_one(reader, folder, progress)
     write_manifest(folder, {name: "" for name in sorted(got.first, key=got.first.get)}, got.messages, complete=True)
     return got
 
 
-def _workers(path: Path, replicas: int) -> int:
-    """One process per core this process may use, up to one per replica the header names; one for a
-    small capture, and off Linux (the children are told to stop through a pipe that select watches)."""
-    if replicas < 2 or path.stat().st_size < SPLIT_FROM_BYTES or not hasattr(os, "sched_getaffinity"):
+def _workers(path: Path) -> int:
+    """One helper per core this process may use; none for a small capture, and off Linux."""
+    if path.stat().st_size < SPLIT_FROM_BYTES or not hasattr(os, "sched_getaffinity"):
         return 1
-    return max(1, min(replicas, len(os.sched_getaffinity(0))))
+    return len(os.sched_getaffinity(0))
 
 
-def _write_shares(path: Path, folder: Path, plan: Plan, progress: Progress | None) -> Written:
-    """This process writes share 0 while child processes write the rest."""
-    children = [_Child(path, folder, plan, index) for index in range(1, plan.workers)]
-    try:
-        results = [_outcome(lambda: _write_share(path, folder, plan, 0, progress, lambda: _earliest(children)))]
-        for child in children:
-            if isinstance(results[0], Failed):
-                child.tell(results[0].at)
-            results.append(child.result())
-    finally:
-        for child in children:
-            child.close()
-    failed = [r for r in results if isinstance(r, Failed)]
-    if failed:
-        raise CaptureError(min(failed, key=lambda f: f.at).message)
-    first = {name: step for r in results for name, step in r.first.items()}
-    return Written(max(r.messages for r in results), first)
+def _chunks(path: Path, body: int, size: int) -> list[tuple[int, int]]:
+    """(start, end) byte ranges of whole lines from `body` to the file's end, about `size` bytes each."""
+    end, out = path.stat().st_size, []
+    with open(path, "rb") as f:
+        start = body
+        while start < end:
+            f.seek(min(start + size, end))
+            f.readline()  # on to the next line's start
+            stop = min(max(f.tell(), start + 1), end)
+            out.append((start, stop))
+            start = stop
+    return out
 
 
-class _Child:
-    """A share written by `python -m` this module. Not multiprocessing: spawning runs the caller's own
-    script again in the child (a user's script without a main guard would import twice), and forking
-    is unsafe from the app's threads."""
+class _Said:
+    """A message's `where` with its seq, made text only when an error says it."""
+    __slots__ = ("seq", "where")
 
-    def __init__(self, path: Path, folder: Path, plan: Plan, index: int):
-        root = str(Path(__file__).parents[2])
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))}
-        self.index, self.errors, self._got = index, tempfile.TemporaryFile(), None
-        self.proc = subprocess.Popen([sys.executable, "-m", __spec__.name, str(path), str(folder),
-                                      json.dumps(asdict(plan)), str(index)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.errors, env=env)
+    def __init__(self, where: object, seq: int):
+        self.where, self.seq = where, seq
 
-    def done(self) -> bool:
-        return self.proc.poll() is not None
-
-    def tell(self, at: int) -> None:
-        """It need not read past `at`: an earlier message is bad."""
-        if not self.done():
-            try:
-                self.proc.stdin.write(f"{at}\n".encode())
-                self.proc.stdin.flush()
-            except BrokenPipeError:
-                pass  # it has just finished
-
-    def result(self) -> Written | Failed:
-        if self._got is None:
-            out, _ = self.proc.communicate()
-            if self.proc.returncode:
-                self.errors.seek(0)
-                said = self.errors.read().decode(errors="replace").strip()[-2000:]
-                raise RuntimeError(f"the import's process {self.index} failed (exit code {self.proc.returncode}): "
-                                   f"{said}")
-            got = json.loads(out)
-            self._got = Failed(**got) if "at" in got else Written(**got)
-        return self._got
-
-    def close(self) -> None:
-        if not self.done():
-            self.proc.kill()
-        self.proc.wait()
-        self.errors.close()
+    def __str__(self) -> str:
+        return f"{self.where} (seq {self.seq})"
 
 
-def _earliest(children: list[_Child]) -> int | None:
-    """The place of the earliest bad message a finished child found, if any."""
-    return min((r.at for r in (c.result() for c in children if c.done()) if isinstance(r, Failed)), default=None)
+def _messages(reader: CaptureReader, start: int, end: int | None,
+              named: set[str]) -> Iterator[tuple[_Said, Message, Batch]]:
+    """The messages of a byte range with their decoded batches; a bad one is CaptureError. `named`: the
+    replica names checked already (naming a line in the middle of a file counts the lines before it)."""
+    for where, m in reader.between(start, end):
+        if m.replica not in named:
+            check_name(m.replica, f"{where}:")
+            named.add(m.replica)
+        said = _Said(where, m.seq)
+        yield said, m, decode_batch(m.payload, said)
 
 
-def _outcome(write: Callable[[], Written]) -> Written | Failed:
-    try:
-        return write()
-    except _Bad as e:
-        return Failed(e.at, e.message)
-
-
-class _Bad(Exception):
-    def __init__(self, at: int, message: str):
-        super().__init__(message)
-        self.at, self.message = at, message
-
-
-def _write_share(path: Path, folder: Path, plan: Plan, index: int, progress: Progress | None,
-                 stop: Callable[[], int | None] | None = None) -> Written:
-    """Write this process's replicas. A bad message is CaptureError (one process) or _Bad with its
-    place (several); `stop` says where another process found one, and no further is read then."""
-    reader = CaptureReader(path, None if plan.workers == 1 else lambda r: plan.owner(r) == index)
+def _write_one(reader: CaptureReader, folder: Path, progress: Progress | None) -> Written:
+    """The whole capture in this process."""
     writer = DatasetWriter(folder, {}, share=True)
-    total, limit = max(path.stat().st_size, 1), None
-    try:
-        with paused_gc():
-            for where, m in reader:
-                at = writer.count
-                if at % CHECK_EVERY == 0:
-                    if progress is not None:
-                        progress(min(reader.bytes_read, total), total)
-                    if stop is not None and limit is None:
-                        limit = stop()
-                if limit is not None and at >= limit:
-                    return Written(at, writer.first)
-                if m is None:
-                    writer.skip()
-                    continue
-                check_name(m.replica, f"{where}:")
-                where = f"{where} (seq {m.seq})"
-                writer.add(m, decode_batch(m.payload, where), where)
+    total = max(reader.path.stat().st_size, 1)
+    with paused_gc():
+        for where, m, batch in _messages(reader, reader.body, None, set()):
+            if progress is not None and writer.count % CHECK_EVERY == 0:
+                progress(min(reader.bytes_read, total), total)
+            writer.add(m, batch, where)
         writer.close()
-    except CaptureError as e:
-        if plan.workers == 1:
-            raise
-        raise _Bad(writer.count, str(e)) from None
     if progress is not None:
         progress(total, total)
     return Written(writer.count, writer.first)
 
 
-def _told() -> int | None:
-    """In a child: the place of an earlier bad message, once the parent has said one."""
-    if select.select([sys.stdin], [], [], 0)[0]:
-        line = sys.stdin.readline()
-        return int(line) if line.strip() else None
-    return None
+def _write_split(path: Path, folder: Path, chunks: list[tuple[int, int]], n: int,
+                 progress: Progress | None) -> Written:
+    """Helpers decode the chunks in turn and send what the cache state is worked out from; here it is
+    worked out in file order and sent back (a file per chunk), with the chunk's first step."""
+    replies = folder / REPLIES
+    replies.mkdir(parents=True)
+    helpers = [_Helper(path, folder, chunks, index, n) for index in range(n)]
+    cache, messages, first = CacheState(), 0, {}
+    total = max(path.stat().st_size, 1)
+    try:
+        with paused_gc():
+            for c, (_, end) in enumerate(chunks):
+                states = []
+                for rows, so_far in helpers[c % n].chunk():
+                    count = so_far
+                    if rows.num_rows:
+                        states.append(cache.state(rows))
+                        steps = pc.min_max(rows.column("step"))
+                        for name in pc.unique(rows.column("replica")).to_pylist():
+                            first.setdefault(name, messages + steps["min"].as_py())
+                _reply(replies / f"{c}.arrow", states, messages)
+                messages += count
+                if progress is not None:
+                    progress(end, total)
+            for helper in helpers:
+                helper.finish()
+    finally:
+        for helper in helpers:
+            helper.close()
+    shutil.rmtree(replies)
+    return Written(messages, first)
 
 
-def _child_main() -> None:
-    path, folder, plan, index = sys.argv[1:5]
-    said = json.loads(plan)
-    got = _outcome(lambda: _write_share(Path(path), Path(folder), Plan(said["workers"], said["named"]), int(index),
-                                        None, _told))
-    print(json.dumps(asdict(got)))
+def _reply(path: Path, states: list[pa.Table], first_step: int) -> None:
+    """A chunk's state, batch by batch, and its first step; renamed into place once whole."""
+    partial = path.with_suffix(".partial")
+    with pa.ipc.new_file(partial, STATE_SCHEMA, metadata={"first_step": str(first_step)}) as out:
+        for state in states:
+            out.write_table(state)
+    partial.rename(path)
+
+
+class _Helper:
+    """A helper run as `python -m` this module. Not multiprocessing: spawning runs the caller's own
+    script again in the child (a user's script without a main guard would import twice), and forking
+    is unsafe from the app's threads."""
+
+    def __init__(self, path: Path, folder: Path, chunks: list[tuple[int, int]], index: int, helpers: int):
+        root = str(Path(__file__).parents[2])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))}
+        self.number, self.errors, self._stream = index + 1, tempfile.TemporaryFile(), None
+        self.proc = subprocess.Popen([sys.executable, "-m", __spec__.name, str(path), str(folder), json.dumps(chunks),
+                                      str(index), str(helpers)], stdout=subprocess.PIPE, stderr=self.errors, env=env)
+
+    def chunk(self) -> Iterator[tuple[pa.Table, int]]:
+        """Its next chunk's REPLAYED columns, a batch at a time, each with the messages so far in the chunk."""
+        while True:
+            try:
+                if self._stream is None:
+                    self._stream = pa.ipc.open_stream(self.proc.stdout)
+                batch, said = self._stream.read_next_batch_with_custom_metadata()
+            except (pa.ArrowException, StopIteration, OSError):
+                raise self._died() from None
+            said = {k.decode(): v.decode() for k, v in (said or {}).items()}
+            if "unsplittable" in said:
+                raise Unsplittable(said["unsplittable"])
+            if "error" in said:
+                raise CaptureError(said["error"])
+            yield pa.Table.from_batches([batch]), int(said["messages"])
+            if "last" in said:
+                return
+
+    def finish(self) -> None:
+        """Wait for it to write its last chunk."""
+        self.proc.stdout.read()
+        if self.proc.wait():
+            raise self._died()
+
+    def _died(self) -> RuntimeError:
+        self.proc.wait()
+        self.errors.seek(0)
+        said = self.errors.read().decode(errors="replace").strip()[-2000:]
+        return RuntimeError(f"the import's process {self.number} failed (exit code {self.proc.returncode}): {said}")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self.proc.stdout.close()
+        self.errors.close()
+
+
+def _help(path: Path, folder: Path, chunks: list[tuple[int, int]], index: int, helpers: int) -> None:
+    """In a helper: for each of its chunks, what the state is worked out from to stdout (the chunk's last
+    batch saying so; the first bad line ends the stream with what is wrong), then, once the state is back,
+    the chunk's rows into the dataset, while the next chunk is decoded."""
+    reader, rows, named = CaptureReader(path), EventRows(), set()
+    pending: list[tuple[int, list[pa.Table]]] = []
+    with paused_gc(), pa.ipc.new_stream(sys.stdout.buffer, pa.schema([STATELESS_SCHEMA.field(name)
+                                                                       for name in REPLAYED])) as out:
+        for c in range(index, len(chunks), helpers):
+            tables, count = [], 0
+            try:
+                for where, m, batch in _messages(reader, *chunks[c], named):
+                    rows.add(batch, step=count, replica=m.replica, restart=m.restart, seq=m.seq, where=where,
+                             received=m.received, topic=m.topic, payload=m.payload)
+                    count += 1
+                    if len(rows) >= CHUNK_ROWS:
+                        tables.append(_send(out, rows.stateless(), {"messages": str(count)}))
+                tables.append(_send(out, rows.stateless(), {"messages": str(count), "last": ""}))
+            except (CaptureError, Unsplittable) as e:
+                said = "error" if isinstance(e, CaptureError) else "unsplittable"
+                _send(out, STATELESS_SCHEMA.empty_table(), {said: str(e)})
+                return
+            if pending:
+                _write_chunk(folder, *pending.pop())
+            pending.append((c, tables))
+    if pending:
+        _write_chunk(folder, *pending.pop())
+
+
+def _send(out: pa.ipc.RecordBatchStreamWriter, rows: pa.Table, said: dict[str, str]) -> pa.Table:
+    """The REPLAYED columns of `rows` down the stream, saying `said`; returns the rows."""
+    part = rows.select(list(REPLAYED)).combine_chunks()
+    out.write_batch(part.to_batches()[0] if part.num_rows else pa.RecordBatch.from_pylist([], schema=part.schema),
+                    custom_metadata=said)
+    return rows
+
+
+def _write_chunk(folder: Path, c: int, tables: list[pa.Table]) -> None:
+    """A chunk's rows, their state back from the process that worked it out, as each replica's part `c`."""
+    reply = folder / REPLIES / f"{c}.arrow"
+    while not reply.exists():
+        if os.getppid() == 1:  # the import's process is gone
+            sys.exit(1)
+        time.sleep(0.001)
+    with pa.ipc.open_file(reply) as states:
+        first_step = int(states.metadata[b"first_step"])
+        filled = [fill(rows, states.get_batch(i)) for i, rows in enumerate(t for t in tables if t.num_rows)]
+    if not filled:
+        return
+    table = pa.concat_tables(filled)
+    table = table.set_column(0, "step", pc.add(table.column("step"), first_step))
+    names = pc.unique(table.column("replica")).to_pylist()
+    for name in names:
+        mine = table if len(names) == 1 else table.filter(pc.equal(table.column("replica"), name))
+        (folder / f"replica={name}").mkdir(exist_ok=True)
+        pq.write_table(mine.select(FILE_SCHEMA.names), folder / f"replica={name}" / f"part-{c:05d}.parquet",
+                       row_group_size=GROUP_ROWS, compression="zstd", write_page_checksum=True)
 
 
 if __name__ == "__main__":
-    _child_main()
+    _help(Path(sys.argv[1]), Path(sys.argv[2]), [tuple(c) for c in json.loads(sys.argv[3])], int(sys.argv[4]),
+          int(sys.argv[5]))

@@ -1,11 +1,12 @@
 """Captured messages as block-event rows in Arrow columns: one row per block of every event (one row
 for an event without blocks, and one for a batch without events, so every message keeps a row).
 
-Rows are built in three levels so Python touches each message and event once and each block in a
-short loop: message fields (step, replica, seq, ts, payload ...) and event fields (kind,
-medium, group ...) are kept once and spread over their rows by Arrow `take`; tokens stay one flat
-list until they become a list column. The same builder feeds the import (into DuckDB) and the
-capture dataset (into Parquet), so both hold the same rows.
+Python touches each message and event once and no block: message fields (step, replica, seq, ts,
+payload ...) and event fields (kind, medium, group ...) are kept once and spread over their rows by
+Arrow `take`, and an event's hashes and tokens become columns in C. What depends on the events before
+(the columns below that follow the cache) is worked out from those columns by cache_state.py, in
+this process or, for a capture decoded by several, in the one that takes the chunks in order. The
+same builder feeds the import and the capture dataset (into Parquet), so both hold the same rows.
 
 `repeat` marks an event that changes nothing in the cache as tracked on its replica, KV group and
 medium: a BlockStored of a hash already cached (with kv_cache_report_mode="full" vLLM re-reports
@@ -32,7 +33,7 @@ medium at that moment.
 
 from __future__ import annotations
 
-from itertools import repeat
+from itertools import chain, compress, repeat
 from operator import attrgetter
 
 import numpy as np
@@ -40,6 +41,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..errors import CaptureError
+from .cache_state import NAMED_SALT, STATE_FIELDS, CacheState, fill
 from .events import Batch
 
 INT_LIST = pa.list_(pa.int32())
@@ -57,12 +59,13 @@ TENANT_FIELDS = (("salt_named", pa.bool_()),)
 CONTRACT_FIELDS = (("tokens_given", pa.int32()), ("parent_cached", pa.bool_()))
 ROW_SCHEMA = pa.schema([*MESSAGE_FIELDS, *EVENT_FIELDS[:2], *BLOCK_FIELDS, ("token_ids", INT_LIST),
                         *EVENT_FIELDS[2:], *LIFE_FIELDS, *TENANT_FIELDS, *CONTRACT_FIELDS])
+STATELESS_SCHEMA = pa.schema([*(f for f in ROW_SCHEMA if f.name not in STATE_FIELDS), (NAMED_SALT, pa.string())])
 
 
-_GONE = object()
 _event_fields = attrgetter(*(name for name, _ in EVENT_FIELDS[1:]))  # an event's tuple, made in C
+_block_fields = attrgetter("block_hashes", "parent_hash", "salts", "token_ids")
 _NO_EVENT = (None,) * (len(EVENT_FIELDS) - 1)
-_UNNAMED = 1 << 31  # an event that names no salt: no block_index reaches it
+_NO_BLOCKS = ([], None, None, [])
 
 
 def _columns(rows: list[tuple], width: int) -> list[tuple]:
@@ -70,27 +73,9 @@ def _columns(rows: list[tuple], width: int) -> list[tuple]:
     return list(zip(*rows, strict=True)) if rows else [()] * width
 
 
-def _salts(given: list[str | None] | None, n: int, parent: str | None) -> list[str | None]:
-    """Each block's tenant: the salt it names, else the block before it's, the first block's else
-    its parent's (`parent`). Usually only the first block names one (or none does)."""
-    named = given[0] if given else None
-    first = parent if named is None else named
-    if not given or given.count(None) == n - (named is not None):  # no block after the first names one
-        return [first] * n
-    salts = [first, *given[1:]]
-    for j in range(1, n):
-        if salts[j] is None:
-            salts[j] = salts[j - 1]
-    return salts
-
-
-def _first_named(given: list[str | None] | None) -> int:
-    """The first block of an event that names a salt (the blocks from it on are named by the event)."""
-    if not given:
-        return _UNNAMED
-    if given[0] is not None:
-        return 0
-    return next((j for j, s in enumerate(given) if s is not None), _UNNAMED)
+def _mask(values: pa.Array) -> np.ndarray:
+    """True where a nullable Arrow boolean is true."""
+    return pc.fill_null(values, False).to_numpy(zero_copy_only=False)
 
 
 def _spread(values: pa.Array, rows: np.ndarray) -> pa.Array:
@@ -115,11 +100,11 @@ def _first_rows_only(per_message: pa.Array, first: np.ndarray) -> pa.Array:
 
 class EventRows:
     """Append decoded batches; `take()` returns the rows so far as one Arrow table and starts again.
-    The cache state that decides repeats lives across takes."""
+    The cache state that decides repeats lives across takes (cache_state.py); `stateless()` returns
+    the rows without it, for a CacheState elsewhere (another process) to fill in order."""
 
     def __init__(self) -> None:
-        self._live: dict[tuple, dict[int, list]] = {}  # (replica, group, medium) -> hash -> [salt, cached, used, named]
-        self._restart: dict[str, int] = {}
+        self._cache = CacheState()
         self._clear()
 
     def _clear(self) -> None:
@@ -128,139 +113,50 @@ class EventRows:
         self._events: list[tuple] = []  # EVENT_FIELDS but the index, one tuple per event
         self._event_index: list[int] = []
         self._event_msg: list[int] = []  # the message of each event
-        self._event_rows: list[int] = []  # the rows of each event
-        self._named_from: list[int] = []  # the first block each event names a salt for (_UNNAMED: none)
-        self._first_new: list[int] = []  # the first block each event stores new (_UNNAMED: none)
-        self._parent_cached: list[int] = []  # per event, that block's parent was cached: 1, 0; -1 no parent
-        self._given: list[tuple[int, int]] = []  # (event, tokens it gave): stores whose tokens do not fit
-        self._hashes: list[int | None] = []  # one per row (so are the four after it)
-        self._repeats: list[bool | None] = []
-        self._salts: list[str | None] = []
-        self._lifetimes: list[float | None] = []  # removals
-        self._idles: list[float | None] = []
-        self._gaps: list[float | None] = []  # hits
-        self._removed_named: list[int] = []  # per BlockRemoved row: its life's store named its salt (1, 0; -1 no life)
-        self._parents: list[int | None] = []  # one per BlockStored row
-        self._tokens: list = []
+        self._blocks: list[tuple] = []  # per event: hashes, parent, salts named per block, tokens
         self.rows = 0
 
     def __len__(self) -> int:
         return self.rows
 
-    def forget(self, replica: str) -> None:
-        """A replica's publisher restarted: what it had cached is gone."""
-        for key in [k for k in self._live if k[0] == replica]:
-            del self._live[key]
-
     def add(self, batch: Batch, *, step: int, replica: str, restart: int, seq: int, where: str,
             received: float | None = None, topic: str | None = None, payload: bytes | None = None) -> None:
         """One decoded message; `where` names it in errors (a file and line, a replica and seq)."""
-        if self._restart.setdefault(replica, restart) != restart:
-            self._restart[replica] = restart
-            self.forget(replica)
         m = len(self._where)
         self._messages.append((step, replica, restart, seq, batch.ts, received, batch.rank, topic, payload))
         self._where.append(where)
-        events, event_rows, hashes_out = batch.events, self._event_rows, self._hashes
+        events = batch.events
         if not events:  # a batch with nothing in it still happened: one row without a kind
             self._events.append(_NO_EVENT)
             self._event_index.append(0)
             self._event_msg.append(m)
-            self._named_from.append(_UNNAMED)
-            self._first_new.append(_UNNAMED)
-            self._parent_cached.append(-1)
-            event_rows.append(1)
-            hashes_out.append(None)
-            for column in (self._repeats, self._salts, self._lifetimes, self._idles, self._gaps):
-                column.append(None)
+            self._blocks.append(_NO_BLOCKS)
             self.rows += 1
             return
+        blocks = list(map(_block_fields, events))
         self._events.extend(map(_event_fields, events))
         self._event_index.extend(range(len(events)))
         self._event_msg.extend(repeat(m, len(events)))
-        repeats, salts, lifetimes, idles, gaps = self._repeats, self._salts, self._lifetimes, self._idles, self._gaps
-        named_from, removed_named, rows, ts = self._named_from, self._removed_named, 0, batch.ts
-        first_new, parent_cached = self._first_new, self._parent_cached
-        live, group, medium = None, None, None  # the cache of the last event's KV group and medium
-        for e in events:
-            hashes, kind = e.block_hashes, e.kind
-            n = len(hashes) or 1
-            event_rows.append(n)
-            rows += n
-            if kind != "BlockStored" or not hashes:
-                named_from.append(_UNNAMED)
-                first_new.append(_UNNAMED)
-                parent_cached.append(-1)
-            if not hashes:
-                hashes_out.append(None)
-                for column in (repeats, salts, lifetimes, idles, gaps):
-                    column.append(None)
-                if kind == "AllBlocksCleared":
-                    self.forget(replica)
-                    live = None
-                continue
-            hashes_out.extend(hashes)
-            if live is None or e.group_idx != group or e.medium != medium:
-                group, medium = e.group_idx, e.medium
-                live = self._live.setdefault((replica, group, medium), {})
-            if kind == "BlockRemoved":
-                for h in hashes:
-                    life = live.pop(h, None)
-                    if life is None:  # not cached: removed before, or cached before the capture began
-                        repeats.append(True)
-                        salts.append(None)
-                        lifetimes.append(None)
-                        idles.append(None)
-                        removed_named.append(-1)
-                    else:
-                        repeats.append(False)
-                        salts.append(life[0])
-                        lifetimes.append(ts - life[1])
-                        idles.append(ts - life[2])
-                        removed_named.append(life[3])
-                    gaps.append(None)
-            elif kind == "BlockStored":
-                self._parents.append(e.parent_hash)
-                self._parents.extend(hashes[:-1])
-                parent, given = live.get(e.parent_hash), e.salts
-                first_named = _first_named(given)
-                named_from.append(first_named)
-                named = _salts(given, n, None if parent is None else parent[0])
-                new = -1
-                for j, (h, salt) in enumerate(zip(hashes, named, strict=True)):
-                    life = live.get(h)
-                    if life is None:  # its tenant, when it was cached and last used, whether its store named it
-                        if new < 0:
-                            new = j
-                        live[h] = [salt, ts, ts, int(j >= first_named)]
-                        repeats.append(False)
-                        gaps.append(None)
-                        salts.append(salt)
-                    else:  # a hit, reported again (kv_cache_report_mode=full): the hash holds the salt, so
-                        repeats.append(True)  # one naming none is the cached block's tenant
-                        gaps.append(ts - life[2])
-                        life[2] = ts
-                        salts.append(life[0] if salt is None else salt)
-                lifetimes.extend(repeat(None, n))
-                idles.extend(repeat(None, n))
-                first_new.append(_UNNAMED if new < 0 else new)  # after hits, its parent is a hit: cached
-                parent_cached.append(1 if new > 0 or parent is not None else -1 if e.parent_hash is None else 0)
-                tokens, size = e.token_ids, e.block_size
-                if size is not None and len(tokens) == size * n:
-                    self._tokens.extend(tokens)
-                else:  # a breach of the contract: the blocks are kept, without tokens
-                    self._given.append((len(event_rows) - 1, len(tokens)))
-            else:
-                for column in (repeats, salts, lifetimes, idles, gaps):
-                    column.extend(repeat(None, n))
-        self.rows += rows
+        self._blocks.extend(blocks)
+        hashes = [b[0] for b in blocks]
+        self.rows += sum(map(len, hashes)) + hashes.count([])
 
     def take(self) -> pa.Table:
         """The rows added since the last take, as a table of ROW_SCHEMA. A token that is not a 32-bit
         int is a CaptureError naming its message."""
-        counts = np.asarray(self._event_rows, dtype=np.int64)
+        rows = self.stateless()
+        return fill(rows, self._cache.state(rows)).select(ROW_SCHEMA.names)
+
+    def stateless(self) -> pa.Table:
+        """The rows added since the last take, less what the cache state decides (STATE_FIELDS), with
+        NAMED_SALT: per stored block, the salt its event names for it or for a block before it."""
+        if not self.rows:
+            return STATELESS_SCHEMA.empty_table()
+        hash_lists, parents, named_salts, token_lists = _columns(self._blocks, 4)
+        sizes = np.fromiter(map(len, hash_lists), np.int64, len(hash_lists))
+        counts = np.maximum(sizes, 1)
         event_of_row = np.repeat(np.arange(len(counts)), counts)
-        event_start = np.concatenate(([0], np.cumsum(counts)[:-1]))
+        event_start = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
         message_of_row = np.asarray(self._event_msg, dtype=np.int64)[event_of_row]
         first_of_message = np.ones(len(event_of_row), dtype=bool)
         first_of_message[1:] = message_of_row[1:] != message_of_row[:-1]
@@ -275,61 +171,49 @@ class EventRows:
                           strict=True)}
         for name, _ in EVENT_FIELDS:
             cols[name] = _spread(event_cols[name], event_of_row)
-        stored = pc.fill_null(pc.equal(cols["kind"], "BlockStored"), False)
-        cols["block_hash"] = pa.array(self._hashes, type=pa.uint64())
-        no_hash = pc.is_null(cols["block_hash"]).to_numpy(zero_copy_only=False)
+
+        blocks = sizes > 0
+        stored = _mask(pc.equal(event_cols["kind"], "BlockStored")) & blocks  # per event
+        has_hash = np.repeat(blocks, counts)
+        hashes = np.zeros(len(event_of_row), np.uint64)
+        hashes[has_hash] = np.fromiter(chain.from_iterable(hash_lists), np.uint64, int(sizes.sum()))
+        cols["block_hash"] = pa.array(hashes, mask=~has_hash)
         block_index = (np.arange(len(event_of_row)) - event_start[event_of_row]).astype(np.int32)
-        cols["block_index"] = pa.array(block_index, mask=no_hash)
-        stored_np = stored.to_numpy(zero_copy_only=False)
-        named = block_index >= np.asarray(self._named_from, dtype=np.int64)[event_of_row]
-        removed = pc.fill_null(pc.equal(cols["kind"], "BlockRemoved"), False).to_numpy(zero_copy_only=False) & ~no_hash
-        life_named = np.full(len(named), -1, dtype=np.int8)  # a removal's: whether the store of its life named it
-        life_named[removed] = np.asarray(self._removed_named, dtype=np.int8)
-        cols["salt_named"] = pa.array(np.where(stored_np, named, life_named == 1),
-                                      mask=~((stored_np & ~no_hash) | (life_named >= 0)))
-        nth_stored = pa.array(np.cumsum(stored_np) - 1, mask=~stored_np)  # the row's place among stored rows
-        cols["parent_hash"] = pa.array(self._parents, type=pa.uint64()).take(nth_stored)
-        for name, typ, values in (("salt", pa.string(), self._salts), ("repeat", pa.bool_(), self._repeats),
-                                  ("lifetime_s", pa.float64(), self._lifetimes), ("idle_s", pa.float64(), self._idles),
-                                  ("reuse_gap_s", pa.float64(), self._gaps)):
-            cols[name] = pa.array(values, type=typ)
-        given = np.full(len(counts), -1, dtype=np.int64)
-        for e, n in self._given:
-            given[e] = n
-        given_rows = given[event_of_row]
-        unfit = given_rows >= 0
-        cols["tokens_given"] = pa.array(given_rows.astype(np.int32), mask=~unfit)
-        first_new = block_index == np.asarray(self._first_new, dtype=np.int64)[event_of_row]
-        cached = np.asarray(self._parent_cached, dtype=np.int8)[event_of_row]
-        cols["parent_cached"] = pa.array(cached == 1, mask=~first_new | (cached < 0))
-        cols["token_ids"] = self._token_column(stored, cols["block_size"], event_cols, unfit)
-        table = pa.table({name: cols[name] for name in ROW_SCHEMA.names}, schema=ROW_SCHEMA)
+        cols["block_index"] = pa.array(block_index, mask=~has_hash)
+        stored_row = stored[event_of_row]
+        parent = pa.array(parents, type=pa.uint64())
+        no_parent = ~_mask(parent.is_valid())[event_of_row] & (block_index == 0)
+        parent_hash = np.where(block_index == 0, pc.fill_null(parent, 0).to_numpy()[event_of_row],
+                               np.concatenate((np.zeros(1, np.uint64), hashes[:-1])))
+        cols["parent_hash"] = pa.array(parent_hash, mask=~stored_row | no_parent)
+        cols[NAMED_SALT] = _named_salts(named_salts, stored, event_start, counts, event_of_row)
+
+        given = np.fromiter(map(len, token_lists), np.int64, len(token_lists))
+        size = event_cols["block_size"]
+        fits = stored & _mask(pc.equal(pc.multiply(size.cast(pa.int64()), pa.array(sizes)), pa.array(given)))
+        unfit = (stored & ~fits)[event_of_row]
+        cols["tokens_given"] = pa.array(given[event_of_row].astype(np.int32), mask=~unfit)
+        cols["token_ids"] = self._token_column(token_lists, fits, stored_row & ~unfit, size, event_of_row, event_cols)
+        table = pa.table({name: cols[name] for name in STATELESS_SCHEMA.names}, schema=STATELESS_SCHEMA)
         self._clear()
         return table
 
-    def _token_column(self, stored: pa.Array, block_size: pa.Array, event_cols: dict[str, pa.Array],
-                      unfit: np.ndarray) -> pa.Array:
-        """Each stored row's block of tokens; null where a store's tokens do not fit its blocks (`unfit`)."""
-        lengths = pc.fill_null(pc.if_else(stored, block_size, 0), 0).to_numpy(zero_copy_only=False).astype(np.int32)
-        lengths[unfit] = 0
+    def _token_column(self, token_lists: tuple, fits: np.ndarray, shown: np.ndarray, size: pa.Array,
+                      event_of_row: np.ndarray, event_cols: dict[str, pa.Array]) -> pa.Array:
+        """Each stored row's block of tokens (`shown`); null where a store's tokens do not fit its blocks."""
+        lengths = np.where(shown, pc.fill_null(size, 0).to_numpy(zero_copy_only=False)[event_of_row], 0)
         offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
         np.cumsum(lengths, out=offsets[1:])
         try:
-            values = pa.array(self._tokens, type=pa.int32())
+            values = pa.array(list(chain.from_iterable(compress(token_lists, fits.tolist()))), type=pa.int32())
         except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError):
-            raise CaptureError(self._bad_tokens(event_cols)) from None
-        return pa.ListArray.from_arrays(pa.array(offsets), values, mask=pa.array(~stored.to_numpy(zero_copy_only=False)
-                                                                                   | unfit))
+            raise CaptureError(self._bad_tokens(token_lists, fits, event_cols)) from None
+        return pa.ListArray.from_arrays(pa.array(offsets), values, mask=pa.array(~shown))
 
-    def _bad_tokens(self, event_cols: dict[str, pa.Array]) -> str:
+    def _bad_tokens(self, token_lists: tuple, fits: np.ndarray, event_cols: dict[str, pa.Array]) -> str:
         """Where the first token that is not a 32-bit int is (only on the error path, so it may be slow)."""
-        start, unfit = 0, {e for e, _ in self._given}
-        kinds, sizes = event_cols["kind"].to_pylist(), event_cols["block_size"].to_pylist()
-        for e, (kind, size, rows) in enumerate(zip(kinds, sizes, self._event_rows, strict=True)):
-            if kind != "BlockStored" or e in unfit:
-                continue
-            chunk = self._tokens[start:start + size * rows]
-            start += size * rows
+        for e in np.flatnonzero(fits):
+            chunk = token_lists[e]
             bad = next((t for t in chunk if not isinstance(t, int) or isinstance(t, bool)
                         or not -(1 << 31) <= t < (1 << 31)), None)
             if bad is not None or any(isinstance(t, bool) for t in chunk):
@@ -337,3 +221,24 @@ class EventRows:
                 return (f"{where} event {event_cols['event_index'][e].as_py()}: token_ids must be a list of ints "
                         f"(or SGLang [token, next] pairs), found {bad!r:.40}")
         return "token_ids must be a list of ints"
+
+
+def _named_salts(named_salts: tuple, stored: np.ndarray, event_start: np.ndarray, counts: np.ndarray,
+                 event_of_row: np.ndarray) -> pa.Array:
+    """Each stored block's salt as its event names it: vLLM names a chain's salt on its first block,
+    so a block the event names none for carries the one before it's (null: the event names none yet)."""
+    naming = stored & np.fromiter((s is not None for s in named_salts), bool, len(named_salts))
+    given = np.full(len(event_of_row), -1)
+    names = pa.array(list(chain.from_iterable(compress(named_salts, naming))), pa.string())
+    rows = np.repeat(event_start[naming], counts[naming]) + _within(counts[naming])
+    given[rows[_mask(names.is_valid())]] = np.flatnonzero(_mask(names.is_valid()))
+    at = np.arange(len(given))
+    last = np.maximum.accumulate(np.where(given >= 0, at, -1))
+    named = last >= event_start[event_of_row]
+    return names.take(pa.array(given[np.maximum(last, 0)], mask=~named))
+
+
+def _within(counts: np.ndarray) -> np.ndarray:
+    """0, 1, .. count - 1 for each count, concatenated."""
+    starts = np.cumsum(counts) - counts
+    return np.arange(int(counts.sum())) - np.repeat(starts, counts)
