@@ -87,3 +87,14 @@ def test_a_clean_stream_leaves_the_zero_counts_and_utilisation_unmarked(stopped,
     assert not metrics["block utilisation"].proto.delta
     spec = json.loads(at.get("plotly_chart")[0].proto.spec)
     assert not any(t.get("name") == "block utilisation past its threshold" and t["x"] for t in spec["data"])
+
+
+def test_publishers_given_wrong_are_refused_in_one_sentence_and_nothing_starts(stopped):
+    stopped.stop()
+    stopped.feed = None
+    at = live_page()
+    at.radio(key="live_source").set_value("Publishers").run()
+    at.text_area(key="live_endpoints").set_value("a=tcp://127.0.0.1:1\na=tcp://127.0.0.1:2")
+    at.button(key="live_go").click().run()
+    assert [e.value for e in at.error] == ["--endpoint: replica name 'a' is given twice"]
+    assert stopped.feed is None and not stopped.running()
