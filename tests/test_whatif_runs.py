@@ -135,7 +135,7 @@ def test_bench_whatif_times_each_policy_against_the_exact_lru_peer(tmp_path):
     assert bad.returncode == 2 and "--whatif: no trace" in bad.stderr
 
 
-@pytest.mark.parametrize("eviction", ["lru", "lfu", "seed"])
+@pytest.mark.parametrize("eviction", ["lru", "lfu", "seed", "newcomer"])
 def test_the_replay_predicts_the_hits_kvviz_s_engine_had(tmp_path, eviction):
     """The simulator checked against a real cache: requests one after another (each arrives after the one
     before has ended), multi-turn prefixes over shared system prompts, a pool small enough to evict.
@@ -168,7 +168,7 @@ def test_the_replay_predicts_the_hits_kvviz_s_engine_had(tmp_path, eviction):
     assert sum(cached) > 0 and predicted == cached
     for other in (10, 12):  # one block more or less would have served other requests: the test tells them apart
         assert (request_hits(trace, eviction, other) * 4).tolist() != cached
-    others = [p for p in ("lru", "lfu", "seed") if p != eviction]  # and so would another policy
+    others = [p for p in ("lru", "lfu", "seed", "newcomer") if p != eviction]  # and so would another policy
     assert any((request_hits(trace, p, 11) * 4).tolist() != cached for p in others)
 
 
@@ -193,7 +193,7 @@ def test_an_eviction_kvviz_s_pool_has_not_or_on_another_engine_is_one_sentence()
     from kvviz.errors import WorkloadError
 
     req = [{"id": "A", "prompt": "hi"}]
-    with pytest.raises(WorkloadError, match=r"^engine.eviction: must be one of lru, lfu, seed, got 'belady'$"):
+    with pytest.raises(WorkloadError, match=r"^engine.eviction: must be one of lru, lfu, seed, newcomer, got 'belady'$"):
         Workload.from_dict({"requests": req, "engine": {"eviction": "belady"}})
     with pytest.raises(WorkloadError, match=r"^engine.eviction: 'seed' is an order of kvviz's own block pool; llama"):
         Workload.from_dict({"requests": req, "engine": {"eviction": "seed", "backend": "llama.cpp"}})

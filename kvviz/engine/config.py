@@ -64,7 +64,8 @@ class EngineConfig:
     runs: `eager_paged` (both) computes and returns its weights; transformers' `sdpa_paged` (torch SDPA)
     and llama.cpp's `flash_attn` return none and are checked against kvviz's recomputation; kvviz's
     engine has its own (compute). eviction: which free cached block kvviz's pool reuses first: `lru`
-    (vLLM's free queue), `lfu` or `seed` (the seed article's advice: leaves only, long prefixes last).
+    (vLLM's free queue), `lfu`, `seed` (the seed article's advice: leaves only, long prefixes last) or
+    `newcomer` (LRU in which never-seen blocks enter cold).
     schedule: the order kvviz's engine admits waiting requests in: `fcfs` (arrival) or `lpm` (longest
     cached prefix first, as SGLang).
     """

@@ -11,6 +11,10 @@ it, tail first): the lowest rank is evicted first.
   block that a cached child continues is not: evicting it would strand the child), ranked GreedyDual by
   rebuild cost: a clock, raised to each victim's rank, plus the length in blocks of the prefix the block
   ends; ties by touch order. A block becomes evictable when its last cached child is evicted.
+- `newcomer`: LRU, except that a block whose hash was never freed before enters as if touched a cache's
+  length earlier (the pool's blocks less one, the one a running request's partial block holds), so
+  one-shot prompts leave first; whether a hash was seen outlives its eviction (a flag, nothing of its KV).
+  With that length the pool of N blocks ranks as the replay's newcomer at N - 1 blocks (tests).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ class Block(Protocol):
     id: int
     hash: BlockHash | None
 
-EVICTIONS = ("lru", "lfu", "seed")
+EVICTIONS = ("lru", "lfu", "seed", "newcomer")
 
 
 class RankedFree:
@@ -37,11 +41,13 @@ class RankedFree:
     def __init__(self, blocks: Iterable[Block], policy: str, fifo: Callable):
         """fifo: block_pool's FreeQueue, holding the uncached blocks (and raising when nothing is free)."""
         self.policy, self.empty = policy, fifo(blocks)
+        self.handicap = len(self.empty) - 1  # newcomer: a cache's length, in touches
         self.heap: list[tuple[tuple[int, int], int, Block]] = []
         self.rank: dict[int, tuple[int, int]] = {}  # free cached block id -> its live rank
         self.waiting: dict[int, tuple[Block, tuple[int, int]]] = {}  # free blocks a cached child keeps (seed)
         self.touches = self.clock = 0
         self.uses: dict[BlockHash, int] = {}
+        self.seen: set[BlockHash] = set()  # newcomer: hashes freed before, evicted or not
         self.parent: dict[BlockHash, BlockHash | None] = {}
         self.depth: dict[BlockHash, int] = {}
         self.children: dict[BlockHash, int] = {}  # cached blocks continuing each cached hash
@@ -66,9 +72,7 @@ class RankedFree:
         for b in blocks:  # touched in this order
             self.touches += 1
             self.uses[b.hash] = self.uses.get(b.hash, 0) + 1
-            rank = ((self.uses[b.hash] if self.policy == "lfu" else self.clock + self.depth.get(b.hash, 0) + 1),
-                    self.touches)
-            self._offer(b, rank)
+            self._offer(b, (self._key(b.hash), self.touches))
 
     def remove(self, b: Block) -> None:
         if b in self.empty:
@@ -93,7 +97,7 @@ class RankedFree:
         """Every hash forgotten (a prefix-cache reset): the free blocks, in eviction order, are plain free."""
         order = [b for b in self if b not in self.empty]
         self.heap, self.rank, self.waiting = [], {}, {}
-        self.uses, self.parent, self.depth, self.children = {}, {}, {}, {}
+        self.uses, self.parent, self.depth, self.children, self.seen = {}, {}, {}, {}, set()
         self.empty.append(order)
 
     def cached(self, b: Block, parent: BlockHash | None) -> None:
@@ -113,6 +117,16 @@ class RankedFree:
                 for b, rank in [w for w in self.waiting.values() if w[0].hash == parent]:
                     del self.waiting[b.id]
                     self._offer(b, rank)
+
+    def _key(self, h: BlockHash) -> int:
+        """The first part of a block's rank as it is freed (touches break ties)."""
+        if self.policy == "lfu":
+            return self.uses[h]
+        if self.policy == "newcomer":
+            first = h not in self.seen
+            self.seen.add(h)
+            return self.touches - self.handicap * first
+        return self.clock + self.depth.get(h, 0) + 1
 
     def _offer(self, b: Block, rank: tuple[int, int]) -> None:
         if self.policy == "seed" and self.children.get(b.hash):

@@ -30,10 +30,11 @@ ISOLATION_HELP = ("paged: each request gathers its own slots through its page ta
                   "key axis, the attention mask the only wall (llama.cpp: one unified cache of cells, kv_unified). "
                   "streams: llama.cpp with kv_unified off, a buffer of cells per sequence: nothing is shared between "
                   "sequences, a request reuses only its own slot's cells")
-EVICTIONS = ("lru", "lfu", "seed")  # engine.eviction: kvviz's engine's pool
+EVICTIONS = ("lru", "lfu", "seed", "newcomer")  # engine.eviction: kvviz's engine's pool
 EVICTION_HELP = ("Which free cached block kvviz's pool reuses first when it needs room. lru: the least recently "
                  "used, as vLLM's free queue. lfu: the least used since cached. seed: the seed article's advice, read "
-                 "as a radix tree reads it: only blocks no cached block continues, the shortest prefixes first. The "
+                 "as a radix tree reads it: only blocks no cached block continues, the shortest prefixes first. "
+                 "newcomer: LRU in which a block never seen before enters cold, as if used a cache's length ago. The "
                  "inspector's What if view predicts each one's hits on any run")
 # the engine pickers show the short names (ENGINES' long ones are cut in a narrow column); the help says the rest
 ENGINE_HELP = ("kvviz: kvviz's own paged engine. transformers: Hugging Face transformers' own continuous batching "
