@@ -31,6 +31,11 @@ MANIFEST = "_kvviz_capture.json"
 FORMAT, VERSION = "kvviz-capture-dataset", 5
 LATER = {name: typ for name, typ in (*LIFE_FIELDS, *TENANT_FIELDS, *CONTRACT_FIELDS)}  # columns versions 2, 3 and 5
 # added: an older part reads them as null
+# Page checksums: import verifies them, so corruption is said. Dictionaries only for the columns of few values:
+# trying one for the hashes and payloads takes time and saves no bytes (docs/benchmarks.md).
+PARQUET = {"compression": "zstd", "write_page_checksum": True,
+           "use_dictionary": ["kind", "medium", "salt", "lora_name", "topic", "spec_kind", "locality", "session_id",
+                              "restart", "rank", "event_index", "block_index", "block_size"]}
 NAME = re.compile(r"[A-Za-z][A-Za-z0-9._-]{0,63}")  # a replica name: a path part every engine reads as text
 
 
@@ -61,8 +66,7 @@ class _ReplicaParts:
         table = self.rows.take().drop_columns(["replica"])
         if self.writer is None:
             self.folder.mkdir(parents=True, exist_ok=True)
-            self.writer = pq.ParquetWriter(self.in_progress(), FILE_SCHEMA, compression="zstd",
-                                           write_page_checksum=True)  # import verifies them: corruption is said
+            self.writer = pq.ParquetWriter(self.in_progress(), FILE_SCHEMA, **PARQUET)
         self.writer.write_table(table)
         self.in_part += table.num_rows
         if self.in_part >= rotate_rows:

@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 from ..util.gcpause import paused_gc
 from .cache_state import REPLAYED, STATE_SCHEMA, CacheState, fill
 from .capture_file import CaptureReader, Message, Unsplittable
-from .dataset import FILE_SCHEMA, DatasetWriter, check_name, write_manifest
+from .dataset import FILE_SCHEMA, PARQUET, DatasetWriter, check_name, write_manifest
 from .events import Batch, CaptureError, decode_batch
 from .rows import STATELESS_SCHEMA, EventRows
 
@@ -225,7 +225,7 @@ def _help(path: Path, folder: Path, chunks: list[tuple[int, int]], index: int, h
     """In a helper: for each of its chunks, what the state is worked out from to stdout (the chunk's last
     batch saying so; the first bad line ends the stream with what is wrong), then, once the state is back,
     the chunk's rows into the dataset, while the next chunk is decoded."""
-    reader, rows, named = CaptureReader(path), EventRows(), set()
+    reader, rows, named, parent = CaptureReader(path), EventRows(), set(), os.getppid()
     pending: list[tuple[int, list[pa.Table]]] = []
     with paused_gc(), pa.ipc.new_stream(sys.stdout.buffer, pa.schema([STATELESS_SCHEMA.field(name)
                                                                        for name in REPLAYED])) as out:
@@ -244,10 +244,10 @@ def _help(path: Path, folder: Path, chunks: list[tuple[int, int]], index: int, h
                 _send(out, STATELESS_SCHEMA.empty_table(), {said: str(e)})
                 return
             if pending:
-                _write_chunk(folder, *pending.pop())
+                _write_chunk(folder, *pending.pop(), parent)
             pending.append((c, tables))
     if pending:
-        _write_chunk(folder, *pending.pop())
+        _write_chunk(folder, *pending.pop(), parent)
 
 
 def _send(out: pa.ipc.RecordBatchStreamWriter, rows: pa.Table, said: dict[str, str]) -> pa.Table:
@@ -258,11 +258,12 @@ def _send(out: pa.ipc.RecordBatchStreamWriter, rows: pa.Table, said: dict[str, s
     return rows
 
 
-def _write_chunk(folder: Path, c: int, tables: list[pa.Table]) -> None:
-    """A chunk's rows, their state back from the process that worked it out, as each replica's part `c`."""
+def _write_chunk(folder: Path, c: int, tables: list[pa.Table], parent: int) -> None:
+    """A chunk's rows, their state back from the process that worked it out (`parent`), as each replica's
+    part `c`."""
     reply = folder / REPLIES / f"{c}.arrow"
     while not reply.exists():
-        if os.getppid() == 1:  # the import's process is gone
+        if os.getppid() != parent:  # the import's process is gone
             sys.exit(1)
         time.sleep(0.001)
     with pa.ipc.open_file(reply) as states:
@@ -277,7 +278,7 @@ def _write_chunk(folder: Path, c: int, tables: list[pa.Table]) -> None:
         mine = table if len(names) == 1 else table.filter(pc.equal(table.column("replica"), name))
         (folder / f"replica={name}").mkdir(exist_ok=True)
         pq.write_table(mine.select(FILE_SCHEMA.names), folder / f"replica={name}" / f"part-{c:05d}.parquet",
-                       row_group_size=GROUP_ROWS, compression="zstd", write_page_checksum=True)
+                       row_group_size=GROUP_ROWS, **PARQUET)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ medium at that moment.
 from __future__ import annotations
 
 from itertools import chain, compress, repeat
-from operator import attrgetter
+from operator import attrgetter, is_not
 
 import numpy as np
 import pyarrow as pa
@@ -205,7 +205,8 @@ class EventRows:
         offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
         np.cumsum(lengths, out=offsets[1:])
         try:
-            values = pa.array(list(chain.from_iterable(compress(token_lists, fits.tolist()))), type=pa.int32())
+            values = pa.array(chain.from_iterable(compress(token_lists, fits.tolist())), type=pa.int32(),
+                              size=int(offsets[-1]))
         except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError):
             raise CaptureError(self._bad_tokens(token_lists, fits, event_cols)) from None
         return pa.ListArray.from_arrays(pa.array(offsets), values, mask=pa.array(~shown))
@@ -227,7 +228,7 @@ def _named_salts(named_salts: tuple, stored: np.ndarray, event_start: np.ndarray
                  event_of_row: np.ndarray) -> pa.Array:
     """Each stored block's salt as its event names it: vLLM names a chain's salt on its first block,
     so a block the event names none for carries the one before it's (null: the event names none yet)."""
-    naming = stored & np.fromiter((s is not None for s in named_salts), bool, len(named_salts))
+    naming = stored & np.fromiter(map(is_not, named_salts, repeat(None)), bool, len(named_salts))
     given = np.full(len(event_of_row), -1)
     names = pa.array(list(chain.from_iterable(compress(named_salts, naming))), pa.string())
     rows = np.repeat(event_start[naming], counts[naming]) + _within(counts[naming])
