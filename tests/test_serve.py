@@ -394,3 +394,26 @@ def test_reset_prefix_cache_is_refused_while_a_request_runs_then_forgets_every_b
                             [run_id, step]).fetchone()[0]
     assert (last.hit_tokens, last.reason) == (0, "reset")
     assert cleared >= 9 and ended == cleared  # every cached block's life ended at the reset
+
+
+@pytest.mark.parametrize("fault", [None, "uncounted_restore"])
+def test_a_reply_that_leaves_restored_tokens_out_of_its_usage_is_a_telemetry_finding(tiny, fault):
+    """A prompt pushed out to the host tier and sent again is served from there. The reply's
+    usage.prompt_tokens_details.cached_tokens must say so; where the engine counts device hits only, the
+    oracle's record of what the request was served disagrees with the reply, and the server says it."""
+    from kvviz.engine.config import OffloadConfig
+
+    s = Server(tiny, oracle=True, fault=fault, config=dict(block_size=4, num_blocks=24, max_batch_tokens=256,
+                                                           offload=OffloadConfig(cpu_blocks=32)))
+    prompt = "a system prompt sent twice, pushed out to the host tier in between"
+    try:
+        for text in (prompt, "filler words that take the device pool " * 2, "more filler for the pool " * 3):
+            s.client.completions.create(model="tiny", prompt=text, max_tokens=2, temperature=0)
+        again = s.client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
+    finally:
+        s.close()
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    if fault is None:
+        assert cached == (len(prompt) - 1) // 4 * 4 and not s.worker.findings
+    else:
+        assert cached == 0 and s.worker.findings == {"telemetry_mismatch": 1}

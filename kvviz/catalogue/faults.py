@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from weakref import WeakKeyDictionary
 
 import torch
 
@@ -251,11 +252,11 @@ def _offload_wrong_block(host):
 def _offload_stale_restore(host):
     forget = host.forget
 
-    def keep_hash(b, request):
-        old = host.hashes[b]
+    def keep_key(b, request):
+        old = host.keys[b]
         forget(b, request)
         host.cached[old] = b  # the entry survives while the host block takes other content
-    return keep_hash
+    return keep_key
 
 
 def _transfer_wrong_request(kv):
@@ -289,6 +290,78 @@ def _partial_hash_promoted(kv):
         # (of the old tokens) names it
         kv.seqs[seq_id].block_hashes = list(hashes[:-(-keep // kv.block_size)])
     return resume
+
+
+# -- the bug classes of 2026 ------------------------------------------------------------------
+def _host_key_by_tokens(host):
+    return lambda block: block.content  # tokens (and weights) alone: the salt stays on the device tier
+
+
+def _hash_before_write(kv):
+    commit = kv.commit
+
+    def commit_and_publish_ahead(seq_id, num_tokens, slots=None):
+        commit(seq_id, num_tokens, slots)
+        seq, B = kv.seqs[seq_id], kv.block_size
+        # every block it holds whose tokens are all known gets its hash now, written or not
+        kv.publish(seq, seq.num_computed // B, min(len(seq.block_table), len(seq.token_ids) // B))
+    return commit_and_publish_ahead
+
+
+@dataclass
+class _LateCopies:
+    """One host tier's offload copies held back: queued this step, due at the next (after this step's forward)."""
+
+    copy_out: Callable  # the tier's own copy
+    queued: list[tuple[int, int]] = field(default_factory=list)
+    due: list[tuple[int, int]] = field(default_factory=list)
+
+
+_LATE: WeakKeyDictionary = WeakKeyDictionary()  # host tier -> _LateCopies (copy_out is patched before pop_transfers)
+
+
+def _copy_out_later(host):
+    late = _LATE[host] = _LateCopies(host.copy_out)
+    return lambda device_block, host_block: late.queued.append((device_block, host_block))
+
+
+def _pop_after_the_forward(host):
+    late, pop = _LATE[host], host.pop_transfers
+
+    def pop_late():
+        for device_block, host_block in late.due:  # the block's next owner has written it by now
+            late.copy_out(device_block, host_block)
+        late.due, late.queued = late.queued, []
+        return pop()
+    return pop_late
+
+
+def _plain_key(kv):
+    keys = kv.hash_keys
+    return lambda seq: tuple(k for k in keys(seq) if k[0] != "adapter")  # inserted as if base-model K/V
+
+
+def _adapters_skip_lookup(kv):
+    reads = kv.reads_cache
+    return lambda seq: reads(seq) and seq.adapter is None
+
+
+def _block_boundary(d: Defences, scope: Scope, block_size: int) -> Defences:
+    """A prefill that starts on a block boundary after earlier positions (a prefix hit that ends on it)
+    writes its first token at slot 0 of the block before: the last block of what it shares."""
+    def slot_mapping(tables, q_row, q_pos, block_size):
+        slots = d.slot_mapping(tables, q_row, q_pos, block_size)
+        first = torch.ones_like(q_row, dtype=torch.bool)
+        first[1:] = q_row[1:] != q_row[:-1]
+        rows = torch.bincount(q_row, minlength=tables.shape[0])[q_row]
+        struck = first & (q_pos % block_size == 0) & (q_pos > 0) & (rows > 1)
+        before = tables[q_row].gather(1, (q_pos // block_size - 1).clamp(min=0)[:, None])[:, 0] * block_size
+        return torch.where(struck, before, slots)
+    return replace(d, slot_mapping=slot_mapping)
+
+
+def _device_hits_only(kv):
+    return lambda device_blocks, restored_blocks: device_blocks * kv.block_size  # restores served, not counted
 
 
 FAULTS: dict[str, Fault] = {f.name: f for f in [
@@ -355,6 +428,36 @@ FAULTS: dict[str, Fault] = {f.name: f for f in [
           "vLLM #49125", ("foreign",), None, _pool_patch(resume=_partial_hash_promoted)),
     Fault("wrong_slot_mapping", "slot mapping", "writes assume a request's new slots are contiguous",
           "TGI #2711", ("foreign", "stale"), None, _wrong_slot_mapping),
+    Fault("host_tier_unsalted", "host-tier key",
+          "the device cache is salted but the host tier keys blocks by tokens alone: a tenant restores another's",
+          "SGLang #37160, LMCache #4825 (external storage keys are token-only: cache_salt dropped)",
+          ("cross_tenant",), None, _pool_patch(key=_host_key_by_tokens)),
+    Fault("hash_before_write", "prefix-cache publish",
+          "a block's hash is registered for the tokens it will hold before they are written; a request cancelled "
+          "or preempted first leaves a hit on slots nobody wrote",
+          "vLLM PR #43569 (eager registration rolled back on an uncommitted free), PR #41400",
+          ("stale", "foreign"), None, _pool_patch(commit=_hash_before_write)),
+    Fault("offload_after_free", "offload copy",
+          "the copy to the host tier runs a step late, after the block's next owner wrote into it: the mixed "
+          "content is restored later as a hit",
+          "DingoCache PR #76 (a preempted request's in-flight save), LMCache PR #5248, vLLM #45704",
+          ("foreign", "stale", "duplicate"), None,
+          _pool_patch(copy_out=_copy_out_later, pop_transfers=_pop_after_the_forward)),
+    Fault("wrong_key_insert", "prefix-cache insert key",
+          "a request whose K/V come from other inputs (an adapter here) skips the lookup but inserts its blocks "
+          "under the plain token key: the next plain request hits them",
+          "SGLang #27472 (K/V from overridden embeddings inserted under token ids); sglang-omni #258",
+          ("foreign",), None, _pool_patch(hash_keys=_plain_key, reads_cache=_adapters_skip_lookup)),
+    Fault("block_boundary", "slot mapping at a block boundary",
+          "after a shared prefix that ends on a block boundary, the first new token is written into the last "
+          "shared block",
+          "page-boundary off-by-ones: SGLang PR #10637 (a key cut to whole pages), MinivLLM PR #87 (a full last "
+          "block read as empty)", ("foreign", "stale"), None, _block_boundary),
+    Fault("uncounted_restore", "usage telemetry",
+          "blocks restored from the host tier are served but not counted: the reply says fewer cached tokens "
+          "(zero) than the request was served",
+          "production-stack #818 (hit tokens read 0 while lookups hit); a hit rate that silently reads 0%",
+          ("telemetry_mismatch",), None, _pool_patch(count_cached=_device_hits_only)),
 ]}
 
 

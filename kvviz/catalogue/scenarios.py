@@ -33,11 +33,14 @@ class Scenario:
     fault: str | None = None
     tight_pool: bool = False  # size the pool to the largest request + 1 block, for any tokenizer
     host_share: float = 1.0  # a tight pool's host tier (offloading), as a share of the pool
+    prefix_block: str | None = None  # the block size is this text's token count: a shared prefix of one block
 
     def build(self, tokenizer) -> dict:
         """The workload for a model, a copy the caller owns (sessions share the catalogue): a tight pool
-        is sized from this tokenizer's token counts."""
+        and a prefix-sized block are sized from this tokenizer's token counts."""
         wl = copy.deepcopy(self.workload)
+        if self.prefix_block is not None:
+            wl["engine"]["block_size"] = len(tokenizer(self.prefix_block).input_ids)
         if self.tight_pool:
             B = wl["engine"]["block_size"]
             longest = max(len(tokenizer(r["prompt"]).input_ids) + r["max_new_tokens"] for r in wl["requests"])
@@ -79,6 +82,19 @@ def _offload() -> dict:
                          _req("D", "Different words to push the filler out " * 3, 2, arrival_step=4),
                          _req("C", SYSTEM + " Again.", 6, arrival_step=7)],
             "engine": _engine(offload={"cpu_blocks": 1})}
+
+
+def _salted_offload() -> dict:
+    """The offload workload with A's prompt from one tenant and C's, the same words, from another."""
+    wl = _offload()
+    for r in wl["requests"]:
+        r["cache_salt"] = "tenant-b" if r["id"] == "C" else "tenant-a"
+    return wl
+
+
+_CANCELLED_PREFILL = {"requests": [_req("A", SYSTEM + " Hi.", 4, cancel_step=1),
+                                   _req("C", SYSTEM + " Again.", 6, arrival_step=2)],
+                      "engine": _engine(max_batch_tokens=6)}
 
 
 def _session(keep: int) -> dict:
@@ -194,6 +210,37 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
              "The session is cut inside a block (10 tokens, blocks of 4): the cut block keeps the hash it had when "
              "it was full of the old tokens, and when the new question fills it, that hash names it.",
              _session(10), "partial_hash_promoted"),
+    Scenario("host_tier_unsalted", "A salted device cache over a host tier keyed by tokens",
+             "Tenants a and b send the same system prompt, each with its salt. On the device their blocks never "
+             "meet; but a's blocks were pushed out to the host tier, which keys blocks by their tokens alone, and "
+             "b's lookup restores them from there. Attention is correct (the same words), a trust boundary is "
+             "crossed: the cross-tenant check sees it.", _salted_offload(), "host_tier_unsalted", tight_pool=True),
+    Scenario("hash_before_write", "A block's hash published before its K/V are written",
+             "A's prompt is prefilled in chunks of 6 tokens with blocks of 4: the first chunk fills block 0 and half "
+             "of block 1, and the engine registers block 1's hash already, for the tokens it will hold. The client "
+             "goes away before the next chunk (cancel_step 1). C sends the same prompt and 'hits' block 1, whose "
+             "last two slots nobody wrote.", _CANCELLED_PREFILL, "hash_before_write"),
+    Scenario("offload_after_free", "An offload copy that runs after the block was given away",
+             "B's prompt takes the device block that held A's system prompt; the copy of A's block to the host tier "
+             "runs a step late, after B's forward wrote into it. The host keeps the mix under A's hash, and when C "
+             "sends A's prompt it restores B's keys.", _offload(), "offload_after_free", tight_pool=True),
+    Scenario("wrong_key_insert", "K/V computed from other inputs inserted under the plain key",
+             "A runs under an adapter ('style'), so its K/V are not the base model's. The engine rightly skips the "
+             "lookup for it, but inserts its blocks under the plain token key; B sends the same system prompt with "
+             "no adapter and hits them. As with the adapters of untagged_namespace, kvviz runs no adapter weights: "
+             "the provenance oracle sees the foreign reads, the reference oracle does not.",
+             _two_tenants({"adapter": "style"}, {}), "wrong_key_insert"),
+    Scenario("block_boundary", "A shared prefix that ends exactly on a block boundary",
+             "The block size is the system prompt's length in tokens, so A's and B's shared prefix is exactly one "
+             "block. B hits it and starts its own tokens on the boundary; an off-by-one writes B's first token into "
+             "the last shared block: A, still decoding, reads B's key there, and B reads a hole where its own "
+             "should be.", {"requests": [_req("A", SYSTEM + " Hi.", 8), _req("B", SYSTEM + "\nUser: Hello.", 4, arrival_step=2)],
+                            "engine": _engine()}, "block_boundary", prefix_block=SYSTEM),
+    Scenario("uncounted_restore", "A reply that reports none of the tokens it was served",
+             "C sends A's system prompt after it was pushed out to the host tier, and is served it from there. The "
+             "engine counts only device hits in what it reports, so C's reply says 0 cached tokens while it decoded "
+             "on A's K/V. No attention figure moves (the content is right): the telemetry check compares the "
+             "reply with what the oracle saw.", _offload(), "uncounted_restore", tight_pool=True),
     Scenario("control_shared_system_prompt", "Control: a shared system prompt",
              "Users share a system prompt through the prefix cache with correct defences: zero foreign weight.",
              _CHAT),

@@ -118,9 +118,12 @@ class Driver:
         """Every request admitted at its arrival step and run to completion; steps with nothing to run
         are skipped to the next arrival. on_step sees each step's record with the cache after it."""
         arrivals = sorted(specs, key=lambda s: s[0].arrival_step)
+        cancels = sorted((s.cancel_step, s.id) for s, _ in specs if s.cancel_step is not None)
         while arrivals or self.busy:
             while arrivals and arrivals[0][0].arrival_step <= self.backend.step:
                 self.add(*arrivals.pop(0))
+            while cancels and cancels[0][0] <= self.backend.step:
+                self.cancel(cancels.pop(0)[1])
             if self.advance(snapshot=on_step is not None) is None:
                 if not arrivals:
                     raise EngineError(f"step {self.backend.step}: requests are running but the backend ran nothing")

@@ -10,7 +10,7 @@ prefix id, written in the lifetime of the device block that receives it.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 
 from .block_pool import Block
@@ -28,33 +28,58 @@ class Transfer:
     host_block: int
 
 
+HostKey = Hashable  # what the host tier files a block under: the device's block hash (see `key`)
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    """A full block as the host tier is asked about it: its device hash and the content id of its last
+    token (the prefix id: the tokens and the weights, no namespace)."""
+
+    hash: BlockHash
+    content: int
+
+
 class HostTier:
-    """`num_blocks` host blocks holding evicted device content under its hash, least recently used first."""
+    """`num_blocks` host blocks holding evicted device content under its key, least recently used first."""
 
     def __init__(self, num_blocks: int, block_size: int, device: SlotProvenance, emit: Callable[[BlockEvent], None]):
         self.num_blocks, self.block_size, self.device = num_blocks, block_size, device
         self.provenance = SlotProvenance(num_blocks * block_size, names=device)
-        self.cached: OrderedDict[BlockHash, int] = OrderedDict()  # hash -> host block, LRU first
-        self.hashes: list[BlockHash | None] = [None] * num_blocks
+        self.cached: OrderedDict[HostKey, int] = OrderedDict()  # key -> host block, LRU first
+        self.keys: list[HostKey | None] = [None] * num_blocks
+        self.hashes: list[BlockHash | None] = [None] * num_blocks  # the device hash each holds (events, snapshots)
         self.details: list[dict | None] = [None] * num_blocks
         self.free = list(range(num_blocks - 1, -1, -1))  # popped from the end: block 0 first
-        self.pinned: set[BlockHash] = set()  # being restored this admission: never the victim
+        self.pinned: set[HostKey] = set()  # being restored this admission: never the victim
         self.transfers: list[Transfer] = []
         self._emit = emit
 
+    def key(self, block: Stored) -> HostKey:
+        """The host tier's key of a block: the device's hash, so the tenant salt and adapter it carries
+        hold on this tier too (a tier that keys by tokens alone shares blocks across tenants)."""
+        return block.hash
+
     def offload(self, b: Block, request: str | None) -> None:
         """The device pool evicts cached block `b`: keep its content here (the pool's `spill`)."""
-        if b.hash in self.cached:  # restored earlier and still here: the host copy is the same content
-            self.cached.move_to_end(b.hash)
+        B = self.block_size
+        k = self.key(Stored(b.hash, self.device.prefix[b.id * B + B - 1]))
+        if k in self.cached:  # restored earlier and still here: the host copy is the same content
+            self.cached.move_to_end(k)
             return
         dst = self._take(request)
         if dst is None:
             return  # every host block is being restored: this content is dropped
-        B = self.block_size
-        self.provenance.copy(b.id * B, dst * B, B, 1, source=self.device)
-        self.cached[b.hash], self.hashes[dst], self.details[dst] = dst, b.hash, b.detail
-        self.transfers.append(Transfer("offload", b.id, dst))
+        self.copy_out(b.id, dst)
+        self.cached[k], self.keys[dst], self.hashes[dst], self.details[dst] = dst, k, b.hash, b.detail
         self._emit(BlockEvent("offload", b.id, request, 0, dst, hash=b.hash, **self._detail(dst), medium="GPU"))
+
+    def copy_out(self, device_block: int, host_block: int) -> None:
+        """The offload's copy, queued for the engine to apply before the next forward writes the device
+        block again; its slot facts move now, as they are."""
+        B = self.block_size
+        self.provenance.copy(device_block * B, host_block * B, B, 1, source=self.device)
+        self.transfers.append(Transfer("offload", device_block, host_block))
 
     def _take(self, request: str | None) -> int | None:
         if self.free:
@@ -67,11 +92,11 @@ class HostTier:
         return b
 
     def forget(self, b: int, request: str | None) -> None:
-        """Host block `b` is taken for other content: its hash must go with it."""
-        old = self.hashes[b]
-        if self.cached.get(old) == b:
-            del self.cached[old]
-        self.hashes[b] = self.details[b] = None
+        """Host block `b` is taken for other content: its key must go with it."""
+        old, k = self.hashes[b], self.keys[b]
+        if self.cached.get(k) == b:
+            del self.cached[k]
+        self.keys[b] = self.hashes[b] = self.details[b] = None
         self._emit(BlockEvent("host_evict", b, request, 0, hash=old, medium="CPU"))
 
     def clear(self) -> None:
@@ -80,34 +105,32 @@ class HostTier:
             if h is not None:
                 self._emit(BlockEvent("clear", b, None, 0, hash=h, medium="CPU"))
         self.cached.clear()
-        self.hashes, self.details = [None] * self.num_blocks, [None] * self.num_blocks
+        self.keys, self.hashes = [None] * self.num_blocks, [None] * self.num_blocks
+        self.details = [None] * self.num_blocks
         self.free = list(range(self.num_blocks - 1, -1, -1))
 
-    def locate(self, h: BlockHash) -> int | None:
-        """The host block holding the content hashed `h`, if any."""
-        return self.cached.get(h)
-
-    def run(self, hashes: Iterable[BlockHash]) -> list[BlockHash]:
-        """The leading hashes of `hashes` the host holds (a prefix continues only while it hits)."""
+    def run(self, blocks: Iterable[Stored]) -> list[HostKey]:
+        """The keys of the leading `blocks` the host holds (a prefix continues only while it hits)."""
         out = []
-        for h in hashes:
-            if self.locate(h) is None:
+        for block in blocks:
+            k = self.key(block)
+            if k not in self.cached:
                 break
-            out.append(h)
+            out.append(k)
         return out
 
-    def address(self, h: BlockHash) -> int:
-        """The host block a restore of `h` copies from: the one holding it."""
-        return self.cached[h]
+    def address(self, k: HostKey) -> int:
+        """The host block a restore of the content keyed `k` copies from: the one holding it."""
+        return self.cached[k]
 
-    def restore(self, h: BlockHash, b: Block, request: str) -> None:
-        """Copy the content hashed `h` into device block `b`, just allocated for it."""
-        src = self.address(h)
-        self.cached.move_to_end(h)
+    def restore(self, k: HostKey, b: Block, request: str) -> None:
+        """Copy the content keyed `k` into device block `b`, just allocated for it."""
+        src = self.address(k)
+        self.cached.move_to_end(k)
         B = self.block_size
         self.device.copy(src * B, b.id * B, B, b.lifetime, source=self.provenance)
         self.transfers.append(Transfer("restore", b.id, src))
-        self._emit(BlockEvent("restore", b.id, request, b.ref_cnt, src, hash=h, **self._detail(src)))
+        self._emit(BlockEvent("restore", b.id, request, b.ref_cnt, src, hash=self.hashes[src], **self._detail(src)))
 
     def _detail(self, b: int) -> dict:
         return self.details[b] or {}

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from .block_pool import Block, BlockPool, OutOfBlocks
 from .events import BlockEvent
 from .hashing import BlockHash, block_hash, content_seed, next_prefix_id
-from .host_tier import HostTier
+from .host_tier import HostKey, HostTier, Stored
 from .provenance import SlotProvenance
 
 
@@ -29,6 +29,7 @@ class Sequence:
     adapter: str | None = None  # the weights its K/V are computed under (None: the base model)
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0
+    cached_tokens: int = 0  # what its admission said the cache served (the reply's usage reports it)
     prefix_ids: list[int] = field(default_factory=list)
     block_hashes: list[BlockHash] = field(default_factory=list)
 
@@ -153,10 +154,15 @@ class KVCacheManager:
                                                () if j else self.hash_keys(seq)))
         return seq.block_hashes[i]
 
+    def reads_cache(self, seq: Sequence) -> bool:
+        """Whether the seq may be served from the prefix cache: always, when caching is on (its
+        namespaces are in its keys, so it only finds K/V computed as its own would be)."""
+        return self.enable_prefix_caching
+
     def lookup(self, seq_id: str) -> list[Block]:
         """Cached blocks for the longest prefix of full blocks; the last prompt token is never a hit."""
         seq = self.seqs[seq_id]
-        if not self.enable_prefix_caching:
+        if not self.reads_cache(seq):
             return []
         hits = []
         for i in range((len(seq.token_ids) - 1) // self.block_size):
@@ -166,11 +172,13 @@ class KVCacheManager:
             hits.append(b)
         return hits
 
-    def on_host(self, seq: Sequence, start: int) -> list[BlockHash]:
-        """Hashes of the seq's full blocks from `start` on that the host tier can restore, in a row."""
-        if self.host is None or not self.enable_prefix_caching:
+    def on_host(self, seq: Sequence, start: int) -> list[HostKey]:
+        """Host keys of the seq's full blocks from `start` on that the host tier can restore, in a row."""
+        if self.host is None or not self.reads_cache(seq):
             return []
-        return self.host.run(self.block_hash(seq, i) for i in range(start, (len(seq.token_ids) - 1) // self.block_size))
+        B = self.block_size
+        return self.host.run(Stored(self.block_hash(seq, i), seq.prefix_ids[(i + 1) * B - 1])
+                             for i in range(start, (len(seq.token_ids) - 1) // B))
 
     def servable(self, seq_id: str) -> int:
         """How many leading full blocks the cache can serve: device hits, then host restores."""
@@ -195,9 +203,15 @@ class KVCacheManager:
         if restores:
             self._restore(seq, restores)
         seq.num_computed = cached
+        seq.cached_tokens = self.count_cached(len(hits), len(restores))
         self.prefix_queries += len(seq.token_ids)
         self.prefix_hits += cached
         return self.allocate(seq_id, n)
+
+    def count_cached(self, device_blocks: int, restored_blocks: int) -> int:
+        """The cached tokens an admission reports (a reply's usage.prompt_tokens_details.cached_tokens):
+        every token either tier served."""
+        return (device_blocks + restored_blocks) * self.block_size
 
     def allocate(self, seq_id: str, num_tokens: int) -> Allocation:
         """Room for the next `num_tokens` K/V writes; copies a shared partial block first."""
@@ -213,19 +227,19 @@ class KVCacheManager:
         seq.block_table += [b.id for b in self.pool.allocate(new_blocks, seq_id)]
         return Allocation(start, [self.slot(seq, p) for p in range(start, start + num_tokens)], copies)
 
-    def _restore(self, seq: Sequence, hashes: list[BlockHash]) -> None:
+    def _restore(self, seq: Sequence, keys: list[HostKey]) -> None:
         """Copy the host tier's blocks back into fresh device blocks and publish them there again. The
         allocation may offload other blocks; the ones being restored are never the host's victims."""
         B, start = self.block_size, len(seq.block_table)
-        self.host.pinned = set(hashes)
+        self.host.pinned = set(keys)
         try:
-            blocks = self.pool.allocate(len(hashes), seq.id)
+            blocks = self.pool.allocate(len(keys), seq.id)
         finally:
             self.host.pinned = set()
-        for i, (h, b) in enumerate(zip(hashes, blocks, strict=True)):
-            self.host.restore(h, b, seq.id)
+        for i, (k, b) in enumerate(zip(keys, blocks, strict=True)):
+            self.host.restore(k, b, seq.id)
             j = start + i
-            self.pool.cache(b, h, seq.id, parent_hash=self.block_hash(seq, j - 1) if j else None,
+            self.pool.cache(b, self.block_hash(seq, j), seq.id, parent_hash=self.block_hash(seq, j - 1) if j else None,
                             token_ids=tuple(seq.token_ids[j * B:(j + 1) * B]), salt=seq.salt, adapter=seq.adapter)
         seq.block_table += [b.id for b in blocks]
 
@@ -251,9 +265,9 @@ class KVCacheManager:
             self.provenance.record(s, seq.prefix_ids[p], p, seq.token_ids[p], seq_id, seq.salt,
                                    self.pool.blocks[s // B].lifetime)
         seq.num_computed = end
-        self._publish(seq, start // B, end // B)
+        self.publish(seq, start // B, end // B)
 
-    def _publish(self, seq: Sequence, first: int, end: int) -> None:
+    def publish(self, seq: Sequence, first: int, end: int) -> None:
         """Give the seq's full blocks first..end-1 their hashes (prefix caching)."""
         if self.enable_prefix_caching:
             B = self.block_size
@@ -274,7 +288,7 @@ class KVCacheManager:
         seq.block_table = [b.id for b in self.pool.allocate(n, seq_id)]
         status = self.copy_in(list(source), seq.block_table, computed, seq_id)
         seq.num_computed = computed
-        self._publish(seq, 0, computed // self.block_size)
+        self.publish(seq, 0, computed // self.block_size)
         return status
 
     def copy_in(self, source: list[int], blocks: list[int], n: int, seq_id: str) -> str:
@@ -406,8 +420,8 @@ class KVCacheManager:
             for i, b in copies.items():
                 if b.hash != h or b.id != i:
                     errors.append(f"hash map points at block {b.id}, which holds another hash")
-        for h, b in (self.host.cached.items() if self.host else ()):
-            if self.host.hashes[b] != h:
-                errors.append(f"host hash map points at host block {b}, which holds another hash")
+        for k, b in (self.host.cached.items() if self.host else ()):
+            if self.host.keys[b] != k:
+                errors.append(f"host key map points at host block {b}, which holds another key")
         if errors:
             raise InvariantError("; ".join(errors))

@@ -167,8 +167,7 @@ class EngineLoop:
         writes = self._commit(work, inp)
         sampling = [r for r, w in enumerate(work) if w.end == len(seqs[w.seq_id].token_ids)]
         logits = self._forward(work, inp, seqs, [inp.offsets[r] + len(work[r].token_ids) - 1 for r in sampling])
-        starts = {sid: a.start for sid, a in plan.work}
-        lookups = {sid: Lookup(tokens=len(seqs[sid].token_ids), hit_tokens=starts[sid], salt=seqs[sid].salt)
+        lookups = {sid: Lookup(tokens=len(seqs[sid].token_ids), hit_tokens=seqs[sid].cached_tokens, salt=seqs[sid].salt)
                    for sid in plan.admitted}
         names = [work[r].seq_id for r in sampling]
         sampled, finished = self._sample(logits, names, seqs)

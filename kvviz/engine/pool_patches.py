@@ -30,11 +30,17 @@ class PoolPatches:
     hash_keys: Patch = None
     resume: Patch = None
     copy_in: Patch = None
+    commit: Patch = None
+    reads_cache: Patch = None
+    count_cached: Patch = None
     release: Patch = None  # BlockPool
     evict: Patch = None
     allocate: Patch = None
     address: Patch = None  # HostTier
     forget: Patch = None
+    key: Patch = None
+    copy_out: Patch = None
+    pop_transfers: Patch = None
 
     def apply(self, kv: KVCacheManager) -> None:
         """Replace the named methods on this manager, its pool and its host tier (none: skipped)."""
@@ -45,9 +51,10 @@ class PoolPatches:
                 setattr(owner, f.name, make(owner))
 
 
-OWNER_OF = {"copy_on_write": "kv", "hash_keys": "kv", "resume": "kv", "copy_in": "kv", "release": "pool",
-            "evict": "pool", "allocate": "pool", "address": "host", "forget": "host"}
-
+OWNER_OF = {**dict.fromkeys(("copy_on_write", "hash_keys", "resume", "copy_in", "commit", "reads_cache", "count_cached"),
+                            "kv"),
+            **dict.fromkeys(("release", "evict", "allocate"), "pool"),
+            **dict.fromkeys(("address", "forget", "key", "copy_out", "pop_transfers"), "host")}
 
 
 def check_owners() -> None:

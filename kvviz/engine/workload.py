@@ -2,7 +2,7 @@
 
 {"requests": [{"id": "A", "prompt": "text" | "prompt_ids": [..], "max_new_tokens": 16,
   "arrival_step": 0, "cache_salt": "tenant-1", "adapter": "adapter name", "parent": "id to fork from",
-  "truncate": 12, "temperature": 0.0, "top_p": 1.0, "ignore_eos": false}],
+  "truncate": 12, "temperature": 0.0, "top_p": 1.0, "ignore_eos": false, "cancel_step": null}],
  "engine": {"block_size": 16, "num_blocks": 256, "max_batch_tokens": 256, "isolation": "paged",
   "compute": "inspect", "prefix_caching": true, "backend": "kvviz"},
  "seed": 0}
@@ -35,6 +35,7 @@ class RequestSpec:
     temperature: float = 0.0
     top_p: float = 1.0
     ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks)
+    cancel_step: int | None = None  # the client goes away before this step (a disconnect, a timeout)
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,8 @@ def _request(r: object, where: str, earlier: dict[str, RequestSpec]) -> RequestS
         "temperature": (lambda v: _is_number(v) and v >= 0, "a number >= 0"),
         "top_p": (lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]"),
         "ignore_eos": (lambda v: isinstance(v, bool), "true or false"),
+        "cancel_step": (lambda v: v is None or (_is_int(v) and v > r.get("arrival_step", 0)),
+                        "null or an integer after arrival_step"),
     }
     for name, (ok, what) in checks.items():
         if name in r and not ok(r[name]):

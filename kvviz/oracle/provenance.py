@@ -13,6 +13,10 @@ reported per block, not per attention row: one `cross_tenant` finding per (reade
 block, run of consecutive steps that read it), for every layer at once (the block holds every
 layer's K/V), with no head or mass.
 
+What a server says it served is checked against what the oracle saw (`telemetry_mismatch`): a request
+whose first forward starts at position s was served s tokens from the cache, whatever its reply's
+cached-token count says; the writer of its first served slot names whose K/V it was.
+
 A kernel that returns no weights (transformers' sdpa_paged) is judged from weights recomputed for it;
 how far its output is from theirs comes to on_kernel_check, and past the tolerance it is a
 `kernel_mismatch` (those weights are not the ones the kernel used) naming request, layer and head.
@@ -27,7 +31,8 @@ import torch
 from ..engine.attention import AttentionGroup
 from ..engine.observer import StepContext
 
-KINDS = ("foreign", "stale", "normalisation", "non_finite", "cross_tenant", "duplicate", "kernel_mismatch")
+KINDS = ("foreign", "stale", "normalisation", "non_finite", "cross_tenant", "duplicate", "kernel_mismatch",
+         "telemetry_mismatch")
 
 
 @dataclass(frozen=True)
@@ -41,7 +46,9 @@ class Finding:
     """The worst instance of one kind of anomaly for one request, step and source; or, for
     cross_tenant, one block another tenant wrote that a request read at steps step..last_step
     (layer, head and mass None: every layer, no attention figure; position: its first query that
-    read the block; source_request: the writer of the first slot read)."""
+    read the block; source_request: the writer of the first slot read); or, for telemetry_mismatch,
+    a request's first step, the tokens it was served (position: where its first forward started), the
+    writer of its first served slot and the cached tokens its reply reported (mass)."""
 
     kind: str
     request: str
@@ -90,6 +97,15 @@ class _Layer:
 
 
 @dataclass
+class _Served:
+    """What a request's first forward showed: the step, the position it started at, whose K/V stood before it."""
+
+    step: int
+    tokens: int
+    writer: str | None
+
+
+@dataclass
 class _KeyClasses:
     """Per (query row, key) of one attention group, [R, Q, L]."""
 
@@ -99,6 +115,8 @@ class _KeyClasses:
     cross: torch.Tensor | None  # own by content but written by another tenant (None: no such key)
     q_pos: torch.Tensor  # [R, Q]
     writers: torch.Tensor  # [R, L] writer id of each key slot
+    twins: tuple[torch.Tensor, torch.Tensor] | None  # keys sorted by content and which neighbours hold the same own
+    # content, [R, L] and [R, Q, L-1] (None: no row holds one content twice)
     codes: torch.Tensor | None = None  # uint8 0 own / 1 foreign / 2 stale, made on first request
     own_f: torch.Tensor | None = None  # own as float32 1/0, to count a row's visible own keys by a matrix product
 
@@ -112,6 +130,7 @@ class ProvenanceOracle:
     steps: list[StepLeak] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=lambda: {"own": 0, "foreign": 0, "stale": 0})
     open_reads: dict[tuple[str, int, int], Finding] = field(default_factory=dict)  # (reader, block, lifetime)
+    served: dict[str, _Served] = field(default_factory=dict)  # request -> its first forward, until its reply is checked
 
     def begin_step(self, ctx: StepContext) -> None:
         dev = ctx.q_pos.device
@@ -133,6 +152,11 @@ class ProvenanceOracle:
         self.cross_read: dict[int, tuple[AttentionGroup, torch.Tensor]] = {}  # [R, Q, L] keys read, any layer
         self.kernel: dict[int, torch.Tensor] = {}  # layer -> [T, H] a weightless kernel's distance, in tolerances
         self.scratch: dict[torch.dtype, torch.Tensor] = {}  # flat buffers every layer of the step reuses
+        for w in ctx.work:
+            if w.seq_id not in self.served:  # its first forward (a preempted request's recompute is not)
+                first = w.block_table[0] * ctx.block_size if w.start and w.block_table else None
+                self.served[w.seq_id] = _Served(ctx.step, w.start,
+                                                self.writer_names[prov.writer[first]] if first is not None else None)
 
     def key_classes(self, group: AttentionGroup) -> torch.Tensor:
         """[R, Q, L] uint8 per (query row, key): 0 own, 1 foreign, 2 stale (for recorders)."""
@@ -154,7 +178,8 @@ class ProvenanceOracle:
         own = written[:, None] & (kpos[:, None] <= qp[..., None]) & (self.slot_prefix[slots][:, None] == expected)
         cross = own & (self.slot_tenant[slots][:, None] != self.req_tenant[qr][..., None])
         out = self.classes[id(group)] = _KeyClasses(own, ~own, written[:, None].expand_as(own) & ~own,
-                                                     cross if bool(cross.any()) else None, qp, self.slot_writer[slots])
+                                                     cross if bool(cross.any()) else None, qp, self.slot_writer[slots],
+                                                     _twins(self.slot_prefix[slots], written, own))
         return out
 
     def on_attention(self, layer: int, group: AttentionGroup, probs: torch.Tensor) -> None:
@@ -185,6 +210,12 @@ class ProvenanceOracle:
             k.own_f = k.own.float()
         positive = torch.gt(p, 0, out=self._scratch(p.shape, torch.float32, p.device))
         own_visible = torch.einsum("rhql,rql->rhq", positive, k.own_f).long()
+        # one content read twice: more own keys than positions, or a twin filling the hole of a missing position
+        twice = own_visible > k.q_pos[:, None] + 1
+        if k.twins is not None:  # two keys of one content, both weighed
+            order, same = k.twins
+            weighed = positive.gather(-1, order[:, None, None, :].expand_as(positive))
+            twice |= (weighed[..., 1:] * weighed[..., :-1] * same[:, None]).sum(-1) > 0
         self.counts["own"] += int(own_visible.sum())
         cross_m = zero
         if k.cross is not None:
@@ -198,7 +229,7 @@ class ProvenanceOracle:
 
         entropy = torch.special.entr(p, out=self._scratch(p.shape, p.dtype, p.device)).sum(-1)
         rows = _Layer(per_token(foreign_m), per_token(stale_m), per_token(torch.where(finite, total, 0) - leak),
-                      per_token(cross_m), per_token(nonfinite), per_token(own_visible > k.q_pos[:, None] + 1),
+                      per_token(cross_m), per_token(nonfinite), per_token(twice),
                       per_token(source), per_token(entropy))
         self._store(layer, group, rows)
 
@@ -331,6 +362,18 @@ class ProvenanceOracle:
         for (req, src), (v, layer, head, pos) in worst.items():
             self.findings.append(Finding(kind, req, self.ctx.step, layer, head, pos, src, round(v, 6)))
 
+    def check_telemetry(self, request: str, reported_cached: int) -> Finding | None:
+        """Compare the cached tokens a request's reply reported (negative: it reports none) with the tokens
+        its first forward showed it was served; a mismatch is a finding, on every run. Asked once the request
+        has ended (its first forward is forgotten then)."""
+        seen = self.served.pop(request, None)
+        if seen is None or reported_cached < 0 or reported_cached == seen.tokens:
+            return None
+        f = Finding("telemetry_mismatch", request, seen.step, None, None, seen.tokens, seen.writer,
+                    float(reported_cached))
+        self.findings.append(f)
+        return f
+
     def mean_entropy(self) -> dict[str, float]:
         """Each request's positional entropy (nats), the mean over its queries, layers and heads."""
         total: dict[str, float] = {}
@@ -354,3 +397,15 @@ class ProvenanceOracle:
             "leak_rate": round(leaky / total_rows, 6) if total_rows else 0.0,
             "counts": dict(self.counts),
         }
+
+
+def _twins(prefix: torch.Tensor, written: torch.Tensor, own: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Keys sorted by content (prefix id: the tokens up to a key, so its position too) and, per query, which
+    neighbours in that order are two own keys of one content; None when no row holds a content twice."""
+    unwritten = -1 - torch.arange(prefix.shape[1], device=prefix.device)  # distinct, below every prefix id
+    ordered, order = torch.where(written, prefix, unwritten).sort(-1)
+    same = ordered[:, 1:] == ordered[:, :-1]  # [R, L-1]
+    if not bool(same.any()):
+        return None
+    own_sorted = own.gather(-1, order[:, None, :].expand_as(own))
+    return order, (same[:, None] & own_sorted[..., 1:] & own_sorted[..., :-1]).float()

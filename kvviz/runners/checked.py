@@ -78,6 +78,8 @@ def run_checked(model: LoadedModel, workload: Workload, fault: str | None = None
     with model.queue.turn(on_wait):
         result = run_backend(model, wl, fault=fault, scope=scope, observers=[oracle, *probes], keep_logits=reference,
                              on_step=on_step, run_id=run_id or new_run_id())
+        for r in result.requests:
+            oracle.check_telemetry(r.id, r.cached_tokens)
         leaked: dict[str, float] = {}
         for s in oracle.steps:
             for r, name in enumerate(s.requests):

@@ -3,7 +3,7 @@ the clean controls. A fault must be seen by the oracle that should see it; a con
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from ..catalogue.scenarios import SCENARIOS
@@ -30,6 +30,8 @@ class AuditRow:
 
     @property
     def detected_by(self) -> str:
+        if set(self.kinds) == {"telemetry_mismatch"}:
+            return "telemetry"
         if "cross_tenant" in self.kinds and self.max_foreign_mass == 0:
             return "cross-tenant"
         if self.kinds:
@@ -37,9 +39,11 @@ class AuditRow:
         return "reference" if self.diverged else "-"
 
 
-def audit(model: LoadedModel, progress: Callable[[str], None] = lambda s: None) -> list[AuditRow]:
-    rows = []
-    for sc in SCENARIOS.values():
+def audit(model: LoadedModel, progress: Callable[[str], None] = lambda s: None,
+          scenarios: Iterable[str] | None = None) -> list[AuditRow]:
+    """The matrix's rows for every scenario (or the named ones), in the catalogue's order."""
+    rows, names = [], set(SCENARIOS if scenarios is None else scenarios)
+    for sc in (s for s in SCENARIOS.values() if s.name in names):
         wl = Workload.from_dict(sc.build(model.tokenizer))
         for fault in ([sc.fault, None] if sc.fault else [None]):
             run = run_checked(model, wl, fault)

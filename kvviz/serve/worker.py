@@ -275,5 +275,7 @@ class EngineWorker:
         f.put(Done(reason, len(result.prompt_ids), len(f.output), max(result.cached_tokens, 0)))
 
     def _recorded(self, result, sub: Submission) -> None:
+        if self.oracle is not None:  # the reply's cached tokens against what the oracle saw it served
+            self.oracle.check_telemetry(result.id, result.cached_tokens)
         if self.recording is not None:
             self.recording.on_request(result, sub.salt, sub.max_tokens, sub.temperature, sub.top_p, sub.ignore_eos)

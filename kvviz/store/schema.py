@@ -269,13 +269,14 @@ TABLES: dict[str, Table] = {t.name: t for t in (
               *_cols(RUN_ID + "kind VARCHAR, request_id VARCHAR, step INTEGER"),
               Column("layer", "INTEGER", "null: every layer (a cross_tenant read: the block holds every layer's K/V)"),
               Column("head", "INTEGER", "null: no one head (cross_tenant, a capture's findings)"),
-              Column("position", "INTEGER", "the query's position (cross_tenant: the first that read the block)"),
+              Column("position", "INTEGER", "the query's position (cross_tenant: the first that read the block; "
+                     "telemetry_mismatch: where the request's first forward started, the tokens it was served)"),
               Column("source_request", "VARCHAR", "who wrote the keys (cross_tenant: the writer of the first slot "
                      "read); a capture's: the salt that stored the block first"),
               Column("mass", "DOUBLE", "the query's attention on such keys at that layer and head (duplicate and "
                      "non_finite: 1; normalisation: how far the weights are from 1; kernel_mismatch: how far the "
-                     "kernel's output is from the recomputed one, in tolerances); null for cross_tenant, which "
-                     "is no attention figure"),
+                     "kernel's output is from the recomputed one, in tolerances; telemetry_mismatch: the cached "
+                     "tokens the reply reported); null for cross_tenant, which is no attention figure"),
               Column("block", "INTEGER", "cross_tenant: the physical block read", added_in="10"),
               Column("last_step", "INTEGER", "the last step the finding spans: a cross_tenant read goes on at every "
                      "step from step to last_step; the others are of one step (null in files before version 10)",

@@ -47,7 +47,9 @@ def render(con, info: RunInfo, step: int, focus: Callable[[leaks.Focus, str | No
                    "head, position or mass), one row per block; "
                    "**normalisation** and **non_finite**, weights that do not sum to 1 or are not numbers; "
                    "**kernel_mismatch**, a kernel that returns no weights (transformers' sdpa_paged) whose output "
-                   "is not that of the weights kvviz recomputed for it. "
+                   "is not that of the weights kvviz recomputed for it; "
+                   "**telemetry_mismatch**, a reply whose cached-token count (mass) is not what its first forward "
+                   "was served (position: where that forward started; source_request: whose K/V it was). "
                    "**mass**: the share of the query's attention on such keys at that layer and head (for "
                    "duplicate and non_finite, 1 marks it; for normalisation, how far the weights are from 1; for "
                    "kernel_mismatch, how far the outputs are apart, in tolerances).")
