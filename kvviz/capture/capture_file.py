@@ -60,10 +60,11 @@ class CaptureWriter:
 class CaptureReader:
     """(where, message) per line, `where` naming the file and line; CaptureError names a line that is
     wrong. Read as bytes line by line, so another encoding or an endless line is a refusal.
-    `bytes_read` says how far it has got; `body` is where the line after the header starts."""
+    `bytes_read` says how far it has got; `body` is where the line after the header starts; `version` is
+    the header's."""
 
     def __init__(self, path: str | Path):
-        self.path, self.bytes_read, self.body = Path(path), 0, 0
+        self.path, self.bytes_read, self.body, self.version = Path(path), 0, 0, VERSION
         self.replicas = self._header()
 
     def _open(self) -> BinaryIO:
@@ -85,6 +86,7 @@ class CaptureReader:
             raise CaptureError(f"{path}: not a kvviz vLLM capture (line 1 must name format {FORMAT!r})")
         if header.get("version") not in READABLE:
             raise CaptureError(f"{path}: capture version {header.get('version')!r} is not supported")
+        self.version = header["version"]
         named = header.get("replicas")
         return {str(k): str(v) for k, v in named.items()} if isinstance(named, dict) else {}
 

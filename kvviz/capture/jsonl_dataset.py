@@ -56,7 +56,8 @@ def write_dataset(path: Path, folder: Path, progress: Progress | None = None, wo
     reader = CaptureReader(path)
     n = workers or _workers(path)
     size = path.stat().st_size
-    chunks = _chunks(path, reader.body, max(MIN_CHUNK_BYTES, min(CHUNK_BYTES, size // (4 * n)))) if n > 1 else []
+    split = n > 1 and reader.version > 1  # version 1 leaves restarts to be counted from the lines before
+    chunks = _chunks(path, reader.body, max(MIN_CHUNK_BYTES, min(CHUNK_BYTES, size // (4 * n)))) if split else []
     got = None
     if len(chunks) > 1:
         try:
