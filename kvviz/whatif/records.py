@@ -31,13 +31,16 @@ class CurvePoint:
 @dataclass(frozen=True, kw_only=True)
 class TenantCost:
     """What salting costs one tenant at one capacity: its hit rate with the cache shared by everyone and
-    with blocks keyed per tenant (or per conversation), both replayed with the same policy and room."""
+    with blocks keyed per tenant (or per conversation, or as a capture keyed them), both replayed with the
+    same policy and room."""
 
     tenant: int
     keying: str
     policy: str
     capacity: int
     prompt_tokens: int
+    shared_tokens_saved: int  # the counts the rates divide, so that several caches' costs can be summed
+    tokens_saved: int
     shared_hit_rate: float
     hit_rate: float
     loss: float  # shared_hit_rate - hit_rate

@@ -66,20 +66,27 @@ def keyed(trace: Trace, keying: str) -> Trace:
     return trace.rekeyed(salt.reshape(-1))
 
 
-def tenant_costs(trace: Trace, capacity: int, *, keying: str = "tenant", policy: str = "lru") -> list[TenantCost]:
-    """Per tenant, its hit rate shared and keyed by `keying`, at one capacity and policy."""
-    salted = keyed(trace, keying)
-    rates = [_per_tenant(trace, request_hits(t, policy, capacity)) for t in (trace, salted)]
+def tenant_costs(trace: Trace, capacity: int, *, keying: str = "tenant", policy: str = "lru",
+                 salted: Trace | None = None) -> list[TenantCost]:
+    """Per tenant, its hit rate shared and keyed by `keying`, at one capacity and policy. salted: the same
+    requests keyed otherwise, where that is not keyed(trace, keying): a capture's own salted hashes, the
+    baseline its content-keyed trace is compared with."""
+    if salted is None:
+        salted = keyed(trace, keying)
+    elif salted.requests != trace.requests:
+        raise KvvizError(f"the salted trace has {salted.requests} requests, the shared one {trace.requests}")
+    served = [_per_tenant(trace, request_hits(t, policy, capacity)) for t in (trace, salted)]
     tokens = np.bincount(trace.tenant, trace.input_length).astype(np.int64)
     return [TenantCost(tenant=t, keying=keying, policy=policy, capacity=capacity, prompt_tokens=int(tokens[t]),
-                       shared_hit_rate=float(rates[0][t]), hit_rate=float(rates[1][t]),
-                       loss=float(rates[0][t] - rates[1][t]))
+                       shared_tokens_saved=int(served[0][t]), tokens_saved=int(served[1][t]),
+                       shared_hit_rate=served[0][t] / tokens[t], hit_rate=served[1][t] / tokens[t],
+                       loss=(served[0][t] - served[1][t]) / tokens[t])
             for t in np.nonzero(tokens)[0].tolist()]
 
 
 def _per_tenant(trace: Trace, hits: np.ndarray) -> np.ndarray:
-    served = np.bincount(trace.tenant, hits * trace.block_size)
-    return served / np.maximum(np.bincount(trace.tenant, trace.input_length, len(served)), 1)
+    """Prompt tokens served per tenant."""
+    return np.bincount(trace.tenant, hits * trace.block_size, int(trace.tenant.max()) + 1).astype(np.int64)
 
 
 def cross_reads(trace: Trace, capacity: int | None = None) -> list[CrossRead]:
