@@ -607,6 +607,9 @@ def test_the_what_if_curve_and_the_isolation_bars_draw_what_they_are_given():
     assert list(fig.data[1].y) == [0.2, 0.3] and fig.layout.xaxis.type == "log"
     assert [list(t.x) for t in fig.data[2:]] == [[32, 32], [64, 64]]  # in data units: nothing read as 10^64
     assert not fig.layout.shapes and not fig.layout.annotations
+    bound = whatif.hit_rate_curve(points, own_capacity=32, unbounded=64, inferred=True)  # a capture's lower bound
+    assert bound.data[2].name == "at least 32 blocks held at once" and list(bound.data[2].x) == [32, 32]
+    assert (bound.data[2].line.dash, fig.data[2].line.dash) == ("dashdot", "dash")
     costs = pd.DataFrame({"tenant": ["a", "b"], "hit rate shared": [0.5, 0.4], "hit rate salted": [0.5, 0.1]})
     bars = whatif.isolation_cost(costs)
     assert [list(t.y) for t in bars.data] == [[0.5, 0.4], [0.5, 0.1]] and bars.layout.barmode == "group"

@@ -12,7 +12,9 @@ import pandas as pd
 import pytest
 
 from kvviz.analysis.runs import run_info
-from kvviz.analysis.whatif_runs import capture_trace, compute, isolation_costs, run_traces
+from kvviz.analysis.whatif_capture import capture_trace
+from kvviz.analysis.whatif_isolation import isolation_costs
+from kvviz.analysis.whatif_runs import compute, run_traces
 from kvviz.models import load_model
 from kvviz.runners import live
 from kvviz.store import RunStore
@@ -50,7 +52,7 @@ def test_an_engine_run_is_replayed_by_its_requests_blocks_and_salts(engine_run):
         info = run_info(con, rid)
         traces = run_traces(con, info)
     trace = traces.traces[""]
-    assert trace.requests == 3 and trace.lookups == 9 and trace.distinct_blocks == 7 and traces.own_capacity == 32
+    assert trace.requests == 3 and trace.lookups == 9 and trace.distinct_blocks == 7
     assert [p.hits for p in curve(trace, ["lru", "belady"], [1, 2, 7])] == [1, 2, 2, 1, 2, 2]
     points = compute(store, info, ["lru", "seed"], points=4)
     with store.read() as con:
@@ -105,14 +107,18 @@ def test_a_capture_is_replayed_per_replica_and_the_cli_keeps_the_points(tmp_path
     assert f"missing.jsonl: no such trace file, and no run of that id in {store.path}" in gone.stderr
 
 
-def test_the_inspector_s_what_if_view_computes_with_progress_and_draws_the_curve(engine_run, monkeypatch):
-    store, rid = engine_run
+def what_if_view(store: RunStore, rid: str, monkeypatch) -> AppTest:
+    """The inspector's What if view of a run, not computed yet."""
     monkeypatch.setenv("KVVIZ_DB", str(store.path))
     at = AppTest.from_file(APP, default_timeout=60)
     at.session_state["run_id"] = rid
     at.run()
     at.switch_page("kvviz/ui/pages/inspector.py").run()
-    at.segmented_control(key="insp_view").set_value("What if").run()
+    return at.segmented_control(key="insp_view").set_value("What if").run()
+
+
+def test_the_inspector_s_what_if_view_computes_with_progress_and_draws_the_curve(engine_run, monkeypatch):
+    at = what_if_view(*engine_run, monkeypatch)
     assert any("Not computed yet" in i.value for i in at.info)
     at.button(key="wi_go").click().run()
     assert not at.exception
@@ -193,7 +199,105 @@ def test_an_eviction_kvviz_s_pool_has_not_or_on_another_engine_is_one_sentence()
     from kvviz.errors import WorkloadError
 
     req = [{"id": "A", "prompt": "hi"}]
-    with pytest.raises(WorkloadError, match=r"^engine.eviction: must be one of lru, lfu, seed, newcomer, got 'belady'$"):
+    with pytest.raises(WorkloadError,
+                       match=r"^engine.eviction: must be one of lru, lfu, seed, newcomer, got 'belady'$"):
         Workload.from_dict({"requests": req, "engine": {"eviction": "belady"}})
     with pytest.raises(WorkloadError, match=r"^engine.eviction: 'seed' is an order of kvviz's own block pool; llama"):
         Workload.from_dict({"requests": req, "engine": {"eviction": "seed", "backend": "llama.cpp"}})
+
+
+def salted_capture(tmp_path, tokens: bool = True) -> tuple[RunStore, str]:
+    """Blocks of 2 tokens. a stores 1-2 | 3-4; b the same tokens under its salt (other hashes); c 1-2 | 9-9
+    (the first block's tokens); a again 9-9 | 3-4 (a second block like a's, after another prefix); b
+    continues its chain with 5-6 (no salt named: its chain's); d stores 1-2 with one token only (a breach:
+    imported without tokens). Without tokens (the control) no event carries any."""
+    from kvviz.capture.import_vllm import import_capture
+    from tests.test_capture import batch, stored_map, write_capture
+
+    def t(*ids):
+        return list(ids) if tokens else None
+
+    events = [stored_map([1, 2], None, t(1, 2, 3, 4), salt="a"), stored_map([11, 12], None, t(1, 2, 3, 4), salt="b"),
+              stored_map([21, 22], None, t(1, 2, 9, 9), salt="c"), stored_map([41, 42], None, t(9, 9, 3, 4), salt="a"),
+              stored_map([13], 12, t(5, 6)), stored_map([51], None, t(1), salt="d")]
+    store = RunStore.open(tmp_path / "k.duckdb")
+    return store, import_capture(write_capture(tmp_path / "c.jsonl", [batch(e) for e in events]), store)
+
+
+def test_a_capture_s_tokens_say_what_sharing_across_salts_would_have_merged(tmp_path):
+    """Counted by hand, unbounded: as captured (hashes salted), only b's continuation hits (its own two
+    blocks); keyed by content, b's first store hits a's two blocks and c hits a's first, so sharing gives
+    exactly 3 more hits; a's 3-4 after 9-9 is another prefix and d's block has no tokens: neither merges."""
+    store, rid = salted_capture(tmp_path)
+    with store.read() as con:
+        rt = run_traces(con, run_info(con, rid), content=True)
+    own, shared = rt.traces["replica-0"], rt.unsalted["replica-0"]
+    assert rt.tenants == ["a", "b", "c", "d"] and own.tenant.tolist() == [0, 1, 2, 0, 1, 3]
+    assert rt.untokened == 1 and shared.lookups == own.lookups == 12
+    cap = own.distinct_blocks
+    assert request_hits(own, "lru", cap).tolist() == [0, 0, 0, 0, 2, 0]
+    assert request_hits(shared, "lru", cap).tolist() == [0, 2, 1, 0, 2, 0]
+    costs, reads = isolation_costs(rt, cap)
+    assert costs.to_dict("list") == {
+        "tenant": ["a", "b", "c", "d"], "prompt tokens": [8, 10, 4, 2], "hit rate shared": [0, 0.8, 0.5, 0],
+        "hit rate salted": [0, 0.4, 0, 0], "loss": [0, 0.4, 0.5, 0], "hit rate per conversation": [0, 0.4, 0, 0]}
+    assert reads.values.tolist() == [["b", "a", 4, 8], ["c", "a", 1, 2]]
+    with store.read() as con:  # the curve is still the capture's own keying: content is asked for, not assumed
+        assert run_traces(con, run_info(con, rid)).unsalted == {}
+
+
+def test_a_capture_without_tokens_has_no_isolation_counterfactual(tmp_path):
+    store, rid = salted_capture(tmp_path, tokens=False)
+    with store.read() as con:
+        rt = run_traces(con, run_info(con, rid), content=True)
+    assert rt.tenants == ["a", "b", "c", "d"] and rt.unsalted == {} and isolation_costs(rt, 100) is None
+
+
+def test_a_capture_s_own_capacity_is_at_least_the_most_blocks_it_held_at_once(tmp_path, engine_run):
+    """The GPU holds 1 2 3, then 5 in another KV group, then 2 and 3 are removed, then 4 is stored: 3, 4,
+    2, 3 blocks held, so the cache held at least 4 (not the 5 ever stored, nor the 3 left at the end, nor
+    one group's most, 3); 4 blocks on the CPU tier are another medium. An engine run's pool is known."""
+    from kvviz.analysis.whatif_capacity import own_capacity
+    from kvviz.capture.import_vllm import import_capture
+    from tests.test_capture import batch, stored_map, write_capture
+
+    cpu = stored_map([7, 8, 9, 10], None, list(range(8))) | {"medium": "CPU"}
+    store = RunStore.open(tmp_path / "c.duckdb")
+    rid = import_capture(write_capture(tmp_path / "c.jsonl", [
+        batch(stored_map([1, 2, 3], None, [1, 2, 3, 4, 5, 6])),
+        batch(stored_map([5], None, [9, 9]) | {"group_idx": 1}), batch(cpu),
+        batch({"type": "BlockRemoved", "block_hashes": [3, 2], "medium": "GPU"}),
+        batch(stored_map([4], None, [7, 8]))]), store)
+    with store.read() as con:
+        held = own_capacity(con, run_info(con, rid))
+    assert (held.blocks, held.known, held.held) == (4, False, (("replica-0", "CPU", 4), ("replica-0", "GPU", 4)))
+    assert held.label == "at least 4 blocks held at once" and held.where == ""
+    engine_store, engine_rid = engine_run
+    with engine_store.read() as con:
+        pool = own_capacity(con, run_info(con, engine_rid))
+    assert (pool.blocks, pool.known, pool.label) == (32, True, "this run's cache")
+
+
+def test_whatif_run_prints_what_a_capture_s_isolation_costs_and_its_least_capacity(tmp_path):
+    store, rid = salted_capture(tmp_path)
+    out = kvviz("whatif", rid, "--db", store.path, "--policy", "lru", "--points", "3")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert any(line.split()[:4] == ["10", "(at", "least", "own)"] for line in lines)  # nothing removed: all 10 held
+    assert "it held at most 10 blocks at once on the GPU, so it was at least that large" in out.stdout
+    assert "salting at capacity 10 (unbounded) (lru)" in out.stdout
+    b = next(line.split() for line in lines if line.split()[:1] == ["b"])
+    assert b == ["b", "10", "80.00%", "40.00%", "40.00%", "40.00%", "40.00%"]
+    assert "blocks without tokens in the events: 1 " in out.stdout
+    assert "cross-tenant reads a shared cache allows: 5 blocks" in out.stdout
+
+
+def test_the_what_if_view_marks_a_capture_s_least_capacity_and_its_isolation_costs(tmp_path, monkeypatch):
+    at = what_if_view(*salted_capture(tmp_path), monkeypatch)
+    at.button(key="wi_go").click().run()
+    assert not at.exception
+    assert any("At **10 blocks** (the least this capture's cache can have been" in m.value for m in at.markdown)
+    assert any("held at most 10 blocks at once on the GPU" in c.value for c in at.caption)
+    assert any("**What isolation costs** at 10 blocks (at least this capture's cache, LRU)" in m.value
+               for m in at.markdown)
+    assert any("Blocks without tokens in the events: 1 " in c.value for c in at.caption)

@@ -10,7 +10,8 @@ from collections.abc import Sequence
 import pandas as pd
 
 from ..whatif import CurvePoint, curve
-from .whatif_runs import capture_trace, sum_points
+from .whatif_capture import capture_trace
+from .whatif_runs import sum_points
 
 POINT_SCHEMA = ("replica string, policy string, keying string, capacity long, hits long, lookups long, "
                 "tokens_saved long, prompt_tokens long, hit_rate double")

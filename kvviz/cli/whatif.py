@@ -13,6 +13,7 @@ from ..errors import KvvizError
 from .common import Subcommands, print_rows
 
 if TYPE_CHECKING:
+    from ..analysis.whatif_runs import RunTraces
     from ..whatif import Trace
 
 DEFAULT_POLICIES = "lru,lfu,seed,newcomer,belady"
@@ -49,7 +50,8 @@ def cmd_whatif(args: argparse.Namespace) -> int:
         trace = assign_tenants(trace, args.tenants)
         for keying in ("tenant", "conversation"):
             points += curve(keyed(trace, keying), ["lru"], caps, keying=keying)
-        _print_isolation(trace, max(caps), args.tenants)
+        _print_isolation(_dealt(trace), max(caps), f"{int(trace.conversation.max()) + 1:,} conversations dealt to "
+                                                   f"{args.tenants} tenants in turn, each its salt")
     if args.out:
         table = as_table(points)
         if args.out.endswith(".csv"):
@@ -67,7 +69,8 @@ def cmd_whatif(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, policies: list[str], caps: list[int] | None) -> int:
     """A run in the store (an engine run or a capture) replayed, its points kept as its whatif_points."""
     from ..analysis.runs import run_info
-    from ..analysis.whatif_runs import compute
+    from ..analysis.whatif_capacity import own_capacity
+    from ..analysis.whatif_runs import compute, run_traces
     from ..store import RunStore
 
     if caps:
@@ -82,26 +85,56 @@ def _run(args: argparse.Namespace, policies: list[str], caps: list[int] | None) 
         raise KvvizError(f"run {args.trace} has no lookup to replay (no request, or a capture without stored blocks)")
     rate = {(p.policy, p.capacity): f"{p.hit_rate:.2%}" for p in points}
     caps = sorted({p.capacity for p in points})
-    print_rows(["capacity", *policies], [(f"{c:,}", *(rate[p, c] for p in policies)) for c in caps], "table")
+    with store.read() as con:
+        own = own_capacity(con, info)
+        rt = run_traces(con, info, content=True)
+    mark = {own.blocks: " (own)" if own.known else " (at least own)"} if own else {}
+    print_rows(["capacity", *policies], [(f"{c:,}{mark.get(c, '')}", *(rate[p, c] for p in policies)) for c in caps],
+               "table")
+    if own and not own.known:
+        print(f"the events do not say the capture's cache size: it held at most {own.blocks:,} blocks at once on "
+              f"the GPU{f' ({own.where})' if own.where else ''}, so it was at least that large")
+    _print_isolation(rt, own.blocks if own else caps[-1], "each tenant its salt, as the run kept its blocks"
+                     + (", shared keyed by the blocks' tokens" if info.has_kv_events else ""))
+    if info.has_kv_events and not rt.unsalted and len(rt.tenants) > 1:
+        print("\nwhat isolation costs needs the blocks' tokens: this capture's events carry none")
     print(f"kvviz: whatif: {len(points)} points kept in whatif_points (run {args.trace})", file=sys.stderr)
     return 0
 
 
-def _print_isolation(trace: Trace, capacity: int, tenants: int) -> None:
-    """Per tenant, LRU's hit rate shared and salted; then who would read whose blocks if shared."""
-    from ..whatif import cross_reads, tenant_costs
+def _dealt(trace: Trace) -> RunTraces:
+    """A trace whose requests were dealt to tenants, as the runs the isolation replay takes: salted per
+    tenant against shared, tenants named by number."""
+    from ..analysis.whatif_runs import RunTraces
+    from ..whatif import keyed
 
-    print(f"\nsalting at capacity {_capacity(capacity, trace.distinct_blocks)} (lru), "
-          f"{int(trace.conversation.max()) + 1:,} conversations dealt to {tenants} tenants in turn:")
-    per_tenant, per_conv = (tenant_costs(trace, capacity, keying=k) for k in ("tenant", "conversation"))
+    return RunTraces(traces={"": keyed(trace, "tenant")}, keying="tenant",
+                     tenants=[str(t) for t in range(int(trace.tenant.max()) + 1)], unsalted={"": trace})
+
+
+def _print_isolation(rt: RunTraces, capacity: int, salted: str) -> None:
+    """Per tenant, LRU's hit rate shared, salted and per conversation; then who would read whose blocks if
+    shared. salted: what the salts are, said in the heading."""
+    from ..analysis.whatif_isolation import isolation_costs
+
+    found = isolation_costs(rt, capacity)
+    if found is None:
+        if len(rt.tenants) == 1:
+            print(f"\nsalting: {salted}; one tenant only, so no cross-tenant reads to forbid and nothing to cost")
+        return
+    costs, reads = found
+    print(f"\nsalting at capacity {_capacity(capacity, rt.distinct_blocks)} (lru), {salted}:")
     print_rows(["tenant", "prompt tokens", "shared", "per tenant", "loss", "per conversation", "loss"],
-                [(a.tenant, f"{a.prompt_tokens:,}", f"{a.shared_hit_rate:.2%}", f"{a.hit_rate:.2%}", f"{a.loss:.2%}",
-                  f"{b.hit_rate:.2%}", f"{b.loss:.2%}") for a, b in zip(per_tenant, per_conv, strict=True)], "table")
-    reads = cross_reads(trace, capacity)
-    print(f"\ncross-tenant reads a shared cache allows: {sum(r.blocks for r in reads):,} blocks")
-    if reads:
+               [(c.tenant, f"{c.prompt_tokens:,}", f"{c.shared:.2%}", f"{c.salted:.2%}", f"{c.loss:.2%}",
+                 f"{c.conversation:.2%}", f"{c.shared - c.conversation:.2%}") for c in costs.set_axis(
+                   ["tenant", "prompt_tokens", "shared", "salted", "loss", "conversation"], axis=1).itertuples()],
+               "table")
+    if rt.untokened:
+        print(f"blocks without tokens in the events: {rt.untokened:,} (keyed by their hash: never shared)")
+    print(f"\ncross-tenant reads a shared cache allows: {int(reads.blocks.sum()):,} blocks")
+    if not reads.empty:
         print_rows(["reader", "writer", "blocks", "tokens"],
-                    [(r.reader, r.writer, f"{r.blocks:,}", f"{r.tokens:,}") for r in reads], "table")
+                   [(r, w, f"{b:,}", f"{t:,}") for r, w, b, t in reads.itertuples(index=False)], "table")
 
 
 def _capacity(blocks: int, distinct: int) -> str:

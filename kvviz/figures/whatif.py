@@ -16,9 +16,10 @@ POLICY_NAMES = {"lru": "LRU (vLLM's order)", "lfu": "LFU", "seed": "the seed's a
 
 
 def hit_rate_curve(points: pd.DataFrame, *, own_capacity: int | None = None, unbounded: int | None = None,
-                   block_size: int | None = None) -> go.Figure:
+                   block_size: int | None = None, inferred: bool = False) -> go.Figure:
     """points: policy, capacity, hit_rate (one keying). Capacity on a log axis; the run's own cache and
-    the unbounded one (every distinct block) marked where known."""
+    the unbounded one (every distinct block) marked where known. inferred: own_capacity is no known size
+    but a lower bound from the events (the most blocks held at once), marked apart as that."""
     fig = go.Figure()
     for policy, df in points.groupby("policy", sort=False):
         colour, dash = POLICY_STYLE.get(policy, ("#888888", "dot"))
@@ -30,10 +31,12 @@ def hit_rate_curve(points: pd.DataFrame, *, own_capacity: int | None = None, unb
             customdata=None if block_size is None else df.capacity * block_size,
             hovertemplate=f"%{{x:,}} blocks{tokens}<br>hit rate %{{y:.2%}}<extra>%{{fullData.name}}</extra>"))
     top = max(float(points.hit_rate.max()) if len(points) else 0.0, 0.01)
-    for x, text, dash in ((own_capacity, "this run's cache", "dash"), (unbounded, "unbounded", "dot")):
+    own = (f"at least {own_capacity:,} blocks held at once", "dashdot", "#d95f02") if inferred else (
+        "this run's cache", "dash", "#888")
+    for x, (text, dash, colour) in ((own_capacity, own), (unbounded, ("unbounded", "dot", "#888"))):
         if x:  # a trace, not a shape: on a log axis a shape's or annotation's x is read as a power of ten
             fig.add_trace(go.Scatter(x=[x, x], y=[0, top * 1.05], mode="lines", name=text,
-                                     line={"dash": dash, "color": "#888", "width": 1},
+                                     line={"dash": dash, "color": colour, "width": 1},
                                      hovertemplate=f"{text}: %{{x:,}} blocks<extra></extra>"))
     fig.update_xaxes(type="log", title="cache capacity (blocks, log scale)")
     fig.update_yaxes(title="prompt tokens served from the cache", tickformat=".0%", rangemode="tozero")

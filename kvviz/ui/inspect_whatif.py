@@ -7,18 +7,19 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from ..analysis.runs import RunInfo
+from ..analysis.runs import RunInfo, run_info
+from ..analysis.whatif_capacity import OwnCapacity, own_capacity
+from ..analysis.whatif_isolation import isolation_costs
 from ..analysis.whatif_runs import (
     ALL_POLICIES,
     DEFAULT_POLICIES,
     compute,
-    isolation_costs,
     request_trace,
     run_traces,
     stored_points,
 )
 from ..figures import whatif as fig
-from .common import EMPTY, reader, store
+from .common import EMPTY, db_path, reader, store
 
 HELP = ("The run's lookups replayed, one request at a time in the order the cache saw them, under caches of other "
         "sizes and eviction policies: a request is served up to its first uncached full block, then stores its "
@@ -46,13 +47,18 @@ def render(info: RunInfo) -> None:
                 "requests takes seconds; Belady and the others replay once per capacity).", icon=":material/info:")
         return
     shared = kept[kept.keying == kept.keying.iloc[0]]  # one keying kept: the run's own (salted where it was)
-    own = int(info.engine["num_blocks"]) if not info.has_kv_events and info.engine.get("num_blocks") else None
+    own = _own(str(db_path()), info.run_id)
     unbounded = int(shared.capacity.max())
-    st.plotly_chart(fig.hit_rate_curve(shared, own_capacity=own, unbounded=unbounded,
-                                       block_size=None if info.has_kv_events else info.block_size),
+    st.plotly_chart(fig.hit_rate_curve(shared, own_capacity=own.blocks if own else None, unbounded=unbounded,
+                                       block_size=None if info.has_kv_events else info.block_size,
+                                       inferred=bool(own and not own.known)),
                     width="stretch", key="wi_curve")
     st.markdown(_sentence(shared, own) + (" Blocks are keyed by each request's salt, as the run kept them."
                                           if shared.keying.iloc[0] == "tenant" else ""))
+    if own and not own.known:
+        st.caption(f"The events do not say this capture's cache size: {own.where or 'it'} held at most "
+                   f"{own.blocks:,} blocks at once on the GPU, so its cache was at least that large (marked "
+                   "*at least*); how much larger they cannot tell, as a cache that never filled removes nothing.")
     if info.has_kv_events and not trace:
         st.caption("A capture's capacity is per replica (each replica its own cache; their hits summed). Only full "
                    "blocks are known, and a request that stored nothing (a full hit without kv_cache_report_mode="
@@ -60,8 +66,7 @@ def render(info: RunInfo) -> None:
     elif trace:
         st.caption("A request trace: one lookup per request, in the trace's order; the share is of all its prompt "
                    "tokens, partial blocks too, as `python -m kvviz whatif TRACE.jsonl` counts them.")
-    if not info.has_kv_events:
-        _isolation(info, own or unbounded)
+    _isolation(info, own.blocks if own else unbounded, own)
     with st.expander("The points, and the SQL that reads them"):
         st.dataframe(kept, hide_index=True, width="stretch", placeholder=EMPTY)
         st.code(f"SELECT * EXCLUDE (run_id) FROM whatif_points WHERE run_id = '{info.run_id}' "
@@ -82,16 +87,18 @@ def _compute(info: RunInfo, policies: list[str], points: int) -> pd.DataFrame:
         return stored_points(con, info.run_id)
 
 
-def _sentence(points: pd.DataFrame, own: int | None) -> str:
-    """What the curve says, in one line: at the run's own capacity (or the middle of the range) which
-    policy serves most, against LRU and the bound."""
+def _sentence(points: pd.DataFrame, own: OwnCapacity | None) -> str:
+    """What the curve says, in one line: at the run's own capacity, known or the least it can have been
+    (or the middle of the range), which policy serves most, against LRU and the bound."""
     caps = sorted(points.capacity.unique())
-    at = own if own in caps else caps[len(caps) // 2]
+    mark = own.blocks if own else None
+    at = mark if mark in caps else caps[len(caps) // 2]
     row = points[points.capacity == at].set_index("policy").hit_rate
     online = row.drop("belady", errors="ignore")
     best = online.idxmax() if not online.empty else None
-    parts = [f"At **{at:,} blocks**" + (" (this run's cache)" if at == own else
-                                         " (the middle of the range: the run's own cache size is not known)")]
+    said = ("this run's cache" if own.known else "the least this capture's cache can have been, the most blocks "
+            "it held at once") if at == mark else "the middle of the range: the run's own cache size is not known"
+    parts = [f"At **{at:,} blocks** ({said})"]
     if "lru" in row:
         parts.append(f"LRU serves {row['lru']:.1%} of prompt tokens")
     if best is not None and best != "lru":
@@ -102,23 +109,53 @@ def _sentence(points: pd.DataFrame, own: int | None) -> str:
     return ", ".join(parts) + f"; an unbounded cache {top:.1%}."
 
 
-def _isolation(info: RunInfo, capacity: int) -> None:
+@st.cache_data(max_entries=16, show_spinner=False)
+def _own(db: str, run_id: str) -> OwnCapacity | None:
+    """The run's own cache, known or inferred (a scan of a capture's occupancy: once per run)."""
+    with reader() as con:
+        return own_capacity(con, run_info(con, run_id))
+
+
+@st.cache_data(max_entries=16, show_spinner="Replaying the run with every block shared, salted and per "
+                                            "conversation (once per run)...")
+def _costs(db: str, run_id: str, capacity: int) -> tuple[pd.DataFrame, pd.DataFrame, int] | None:
+    """isolation_costs of the run (a capture's blocks keyed by their tokens too), and its blocks without tokens."""
+    with reader() as con:
+        rt = run_traces(con, run_info(con, run_id), content=True)
+    found = isolation_costs(rt, capacity)
+    return None if found is None else (*found, rt.untokened)
+
+
+def _isolation(info: RunInfo, capacity: int, own: OwnCapacity | None) -> None:
     """What the run's salts cost: each tenant's hit rate with every block shared against as salted, and
     the reads of other tenants' blocks that sharing would have allowed (LRU at the run's own capacity)."""
-    with reader() as con:
-        costs = isolation_costs(run_traces(con, info), capacity)
-    if costs is None:
+    found = _costs(str(db_path()), info.run_id, capacity)
+    if found is None:
+        if info.has_kv_events and _salts(info.run_id) > 1:
+            st.caption("What isolation costs needs the blocks' tokens: this capture's events carry none, and its "
+                       "hashes hold their salts, so what a shared cache would have merged cannot be told.")
         return
-    table, reads = costs
-    st.markdown(f"**What isolation costs** at {capacity:,} blocks (LRU): each tenant's share of prompt tokens "
-                "served with every block shared across tenants, and salted as this run kept them.")
+    table, reads, untokened = found
+    where = ("this run's cache" if own.known else "at least this capture's cache") if own and own.blocks == capacity \
+        else "unbounded"
+    st.markdown(f"**What isolation costs** at {capacity:,} blocks ({where}, LRU): each tenant's share of prompt "
+                "tokens served with every block shared across tenants (keyed by its tokens alone), salted as this "
+                "run kept them, and salted per tenant and conversation.")
     left, right = st.columns([3, 2])
     left.plotly_chart(fig.isolation_cost(table), width="stretch", key="wi_isolation")
     right.dataframe(table, hide_index=True, width="stretch", placeholder=EMPTY, column_config={
-        c: st.column_config.NumberColumn(format="percent") for c in ("hit rate shared", "hit rate salted", "loss")})
+        c: st.column_config.NumberColumn(format="percent") for c in table.columns if c.startswith(("hit", "loss"))})
+    if untokened:
+        st.caption(f"Blocks without tokens in the events: {untokened:,} (keyed by their hash, so never shared).")
     if reads.empty:
         st.caption("Sharing would have let no tenant read another's blocks: the salts cost nothing here.")
     else:
         st.markdown(f"Sharing would have let tenants read {int(reads.blocks.sum()):,} blocks computed by another "
                     "tenant: what the salts forbid.")
         st.dataframe(reads, hide_index=True, width="stretch")
+
+
+def _salts(run_id: str) -> int:
+    with reader() as con:
+        return con.execute("SELECT count(DISTINCT salt) FROM kv_events WHERE run_id = ? AND kind = 'BlockStored'",
+                           [run_id]).fetchone()[0]
