@@ -271,7 +271,11 @@ def test_a_capture_s_own_capacity_is_at_least_the_most_blocks_it_held_at_once(tm
     with store.read() as con:
         held = own_capacity(con, run_info(con, rid))
     assert (held.blocks, held.known, held.held) == (4, False, (("replica-0", "CPU", 4), ("replica-0", "GPU", 4)))
-    assert held.label == "at least 4 blocks held at once" and held.where == ""
+    assert held.label == "at least 4 blocks held at once" and held.where == ""  # one replica: no need to name it
+    from kvviz.analysis.whatif_capacity import OwnCapacity
+
+    fleet = (("a", "GPU", 5), ("b", "GPU", 3), ("b", "CPU", 9))
+    assert OwnCapacity(5, False, fleet).where == "a" and OwnCapacity(5, False, (*fleet, ("c", "GPU", 5))).where == ""
     engine_store, engine_rid = engine_run
     with engine_store.read() as con:
         pool = own_capacity(con, run_info(con, engine_rid))

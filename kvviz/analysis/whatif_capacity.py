@@ -45,9 +45,10 @@ class OwnCapacity:
 
     @property
     def where(self) -> str:
-        """The replica that held the most, for an inferred bound's sentence ('' when known or one replica)."""
-        device = [(r, n) for r, m, n in self.held if m == DEVICE]
-        return max(device, key=lambda x: x[1])[0] if len(device) > 1 else ""
+        """The one replica that held the most, for an inferred bound's sentence ('' when known, or when one
+        replica or several held it)."""
+        most = [r for r, m, n in self.held if m == DEVICE and n == self.blocks]
+        return most[0] if len(most) == 1 and len([m for _, m, _ in self.held if m == DEVICE]) > 1 else ""
 
 
 def own_capacity(con: duckdb.DuckDBPyConnection, info: RunInfo) -> OwnCapacity | None:

@@ -94,7 +94,9 @@ def _capture_traces(con: duckdb.DuckDBPyConnection, run_id: str, content: bool =
             # hashes shifted into BIGINT (a bijection of UBIGINT): numpy keeps them exact
             "SELECT step, event_index, CAST(block_hash::HUGEINT - 9223372036854775808 AS BIGINT) AS block_hash, "
             "coalesce(CAST(parent_hash::HUGEINT - 9223372036854775808 AS BIGINT), 0) AS parent_hash, "
-            f"parent_hash IS NULL AS root, coalesce(block_size, 16) AS block_size{', salt' if content else ''} "
+            "parent_hash IS NULL AS root, coalesce(block_size, 16) AS block_size"
+            # an event's tenant is its first row's salt: the others' need not be materialised
+            f"{', CASE WHEN block_index = 0 THEN salt END AS salt' if content else ''} "
             f"FROM kv_events WHERE run_id = ? AND replica IS NOT DISTINCT FROM ? AND kind = 'BlockStored' "
             "AND coalesce(medium, 'GPU') = 'GPU' ORDER BY step, event_index, block_index",
             [run_id, replica]).fetchnumpy()
