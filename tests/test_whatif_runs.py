@@ -257,7 +257,7 @@ def test_a_capture_s_own_capacity_is_at_least_the_most_blocks_it_held_at_once(tm
     """The GPU holds 1 2 3, then 5 in another KV group, then 2 and 3 are removed, then 4 is stored: 3, 4,
     2, 3 blocks held, so the cache held at least 4 (not the 5 ever stored, nor the 3 left at the end, nor
     one group's most, 3); 4 blocks on the CPU tier are another medium. An engine run's pool is known."""
-    from kvviz.analysis.whatif_capacity import own_capacity
+    from kvviz.analysis.whatif_capacity import OwnCapacity, own_capacity
     from kvviz.capture.import_vllm import import_capture
     from tests.test_capture import batch, stored_map, write_capture
 
@@ -272,8 +272,6 @@ def test_a_capture_s_own_capacity_is_at_least_the_most_blocks_it_held_at_once(tm
         held = own_capacity(con, run_info(con, rid))
     assert (held.blocks, held.known, held.held) == (4, False, (("replica-0", "CPU", 4), ("replica-0", "GPU", 4)))
     assert held.label == "at least 4 blocks held at once" and held.where == ""  # one replica: no need to name it
-    from kvviz.analysis.whatif_capacity import OwnCapacity
-
     fleet = (("a", "GPU", 5), ("b", "GPU", 3), ("b", "CPU", 9))
     assert OwnCapacity(5, False, fleet).where == "a" and OwnCapacity(5, False, (*fleet, ("c", "GPU", 5))).where == ""
     engine_store, engine_rid = engine_run
