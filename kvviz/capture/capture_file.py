@@ -12,7 +12,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, BinaryIO
@@ -105,8 +105,11 @@ class CaptureReader:
         skipped = 0 if lazy else counted.count()  # the header's lines: a few bytes to count
         with self._open() as f:
             f.seek(start)
-            for n, line in self._lines(f, None if end is None else end - start):
-                where = _LineOf(counted, n) if lazy else f"{self.path}: line {n + skipped}"
+            def line_of(n: int) -> object:
+                return _LineOf(counted, n) if lazy else f"{self.path}: line {n + skipped}"
+
+            for n, line in self._lines(f, None if end is None else end - start, line_of):
+                where = line_of(n)
                 try:
                     rec = _LINE.decode(line)
                 except msgspec.MsgspecError:  # parsed again to say what is wrong
@@ -120,8 +123,10 @@ class CaptureReader:
                 last[rec.replica] = (restart, rec.seq)
                 yield where, Message(rec.replica, restart, rec.seq, rec.topic, rec.payload, rec.received)
 
-    def _lines(self, f: BinaryIO, size: int | None = None) -> Iterator[tuple[int, bytes]]:
-        """Numbered non-blank lines, each at most MAX_LINE bytes, up to `size` bytes (None: all)."""
+    def _lines(self, f: BinaryIO, size: int | None = None,
+               line_of: Callable[[int], object] | None = None) -> Iterator[tuple[int, bytes]]:
+        """Numbered non-blank lines, each at most MAX_LINE bytes, up to `size` bytes (None: all); `line_of`
+        names the n-th as an error says it (by default: line n of the file)."""
         n = 0
         left = -1 if size is None else size
         while left and (line := f.readline(MAX_LINE + 1)):
@@ -129,7 +134,8 @@ class CaptureReader:
             left -= len(line)
             self.bytes_read += len(line)
             if len(line) > MAX_LINE:
-                raise CaptureError(f"{self.path}: line {n} is longer than {MAX_LINE >> 20} MiB")
+                where = line_of(n) if line_of else f"{self.path}: line {n}"
+                raise CaptureError(f"{where} is longer than {MAX_LINE >> 20} MiB")
             if line.strip():
                 yield n, line
 

@@ -29,6 +29,7 @@ from ..capture.rows import EventRows
 from ..capture.tenants import TOLD
 from ..capture.zmq_capture import ReplicaState, Sink
 from ..errors import CaptureError
+from ..store import working_db
 from .cross_tenant import NAMED, SALTS, FirstTenants
 from .stream import Lag, Losses
 from .tenants import TenantBook
@@ -125,7 +126,7 @@ class MonitorState:
         self.breaches: Counter[tuple[str, str]] = Counter()
         self.tenants = TenantBook(labelled=tenants, tracked=tracked_tenants)
         self.first = FirstTenants(remembered=remembered_hashes)
-        self.db = duckdb.connect()
+        self.db = working_db()
         self.steps, self.pending, self.dropped, self.folds = 0, 0, 0, 0
         self.restart_of: dict[str, int] = {}
         self.reset: set[str] = set()  # replicas whose publisher restarted: their cache is empty

@@ -42,6 +42,12 @@ READER = {  # read-only connections; the first one of an instance also turns off
 T = TypeVar("T")
 
 
+def working_db() -> duckdb.DuckDBPyConnection:
+    """An in-memory DuckDB of no store, for working tables that live as long as their owner (a live
+    monitor folds each slice of a stream in one): still opened here, where every connection is."""
+    return duckdb.connect(":memory:")
+
+
 def default_path() -> Path:
     """$KVVIZ_DB, or runs/kvviz.duckdb: what the app and every CLI command use without --db."""
     return Path(os.environ.get("KVVIZ_DB") or DEFAULT_DB)
