@@ -641,6 +641,7 @@ def counts(db, run_id) -> dict[str, int]:
                 for t in runs.run_tables(con)}
 
 
+@pytest.mark.slow
 def test_delete_run_clears_every_table_and_keeps_other_runs(tmp_path):
     db = tmp_path / "k.duckdb"
     doomed, kept = record(db, "boundary"), record(db, "control_forks")

@@ -363,6 +363,7 @@ def recording(tmp_path_factory, tiny):
 NO_FINDINGS_YET = "No findings yet: a run's findings are written when it ends."
 
 
+@pytest.mark.slow
 def test_a_recording_run_says_its_findings_are_not_written_yet(recording, with_runs, monkeypatch):
     """Walk finding: while a run records, its Leaks view said 'No findings' beside a leak timeline that
     already showed the leak. It says they are not written yet; a finished run lists its findings."""
@@ -379,6 +380,7 @@ def test_a_recording_run_says_its_findings_are_not_written_yet(recording, with_r
     assert len(at.dataframe(key="insp_findings").value) > 0 and not any(NO_FINDINGS_YET in i.value for i in at.info)
 
 
+@pytest.mark.slow
 def test_a_recording_run_says_no_request_has_finished_yet(recording, with_runs, monkeypatch):
     """Walk finding: while a run records, its Attention view said 'This run has no requests.' It says
     none has finished yet; a finished run draws a request's heatmap."""
@@ -393,6 +395,7 @@ def test_a_recording_run_says_no_request_has_finished_yet(recording, with_runs, 
     assert "insp_heatmap" in charts(at) and not any("No request" in i.value for i in at.info)
 
 
+@pytest.mark.slow
 def test_an_unsalted_run_says_its_cross_tenant_reads_beside_the_zero_leak_figures(empty_db):
     """Run from the Run page: the inspector it opens, the Leaks view and the heatmap say which blocks of
     tenant-a tenant-b read and when, and the heatmap draws them as another tenant's."""
@@ -424,6 +427,7 @@ def test_an_unsalted_run_says_its_cross_tenant_reads_beside_the_zero_leak_figure
     assert not at.exception
 
 
+@pytest.mark.slow
 def test_a_run_that_also_leaked_does_not_say_its_leak_figures_stay_0(empty_db):
     """Walk finding: a page table of zeros made B read tenant-a's block 0 on SmolLM2, part of it the same tokens at
     the same positions (a cross-tenant read) and the rest not (a leak); the notice said the figures stay 0 beside
@@ -733,6 +737,7 @@ def real_example(path, events):
     return write_example(path, events)
 
 
+@pytest.mark.slow
 def test_an_uploaded_capture_opens_with_the_views_it_supports(empty_db, tmp_path):
     from .test_capture import batch, stored_map, write_capture
 
@@ -822,6 +827,7 @@ def test_a_capture_without_hits_says_they_are_not_reported_not_zero(empty_db, tm
     assert (tiles["new blocks"], tiles["hits"], tiles["hit rate (tokens)"]) == ("3", "not reported", "not reported")
 
 
+@pytest.mark.slow
 def test_the_prefix_tree_caption_counts_the_segments_drawn_not_those_a_click_opens(empty_db, tmp_path):
     """1 forks into 2 and 3, 2 into 4 and 5: five segments, but the icicle draws its root and two levels
     (1; 2 and 3) until one is clicked. A capture two levels deep is the control: all of it drawn."""
@@ -842,6 +848,7 @@ def test_the_prefix_tree_caption_counts_the_segments_drawn_not_those_a_click_ope
         assert any(c.value.endswith(said) for c in at.caption), [c.value for c in at.caption]
 
 
+@pytest.mark.slow
 def test_a_fleet_capture_shows_one_replicas_tree_at_a_time_and_its_occupancy_each(empty_db, tmp_path):
     from kvviz.runners.uploads import import_file
 
@@ -1003,6 +1010,7 @@ def test_the_sql_pages_schema_shows_what_each_table_and_column_holds(with_runs):
     assert "**positional_entropy** (view)" in text
 
 
+@pytest.mark.slow
 def test_an_offloading_run_shows_its_host_tier_next_to_the_pool(tiny, tmp_path, monkeypatch):
     db = tmp_path / "offload.duckdb"
     system = "You are a helpful assistant. Answer in one short sentence."

@@ -315,6 +315,7 @@ def test_the_bench_report_says_chunks_only_where_a_case_takes_more_than_one_step
     assert "100.0 ms against generate's 100.0 ms" in chunked
 
 
+@pytest.mark.slow
 def test_bench_sessions_runs_four_at_once_and_one_after_another():
     p = kvviz("bench", "--model", "tiny-llama", "--sessions", "4")
     assert p.returncode == 0, p.stderr

@@ -105,6 +105,7 @@ def _progress_text(at) -> list[str]:
     return [p.proto.text for p in at.get("progress")]
 
 
+@pytest.mark.slow
 def test_opening_an_unexplained_capture_explains_it_in_the_background_and_the_activity_view_shows_why(
     capture, monkeypatch
 ):
@@ -131,6 +132,7 @@ def test_opening_an_unexplained_capture_explains_it_in_the_background_and_the_ac
     assert gate.calls == 1
 
 
+@pytest.mark.slow
 def test_a_second_session_follows_the_same_explanation_and_then_reads_it_without_another(capture, monkeypatch):
     store, run_id, _ = capture
     gate = Gate(monkeypatch)

@@ -99,6 +99,7 @@ def stock_generate_batch(m, wl: Workload, monkeypatch) -> dict[str, list[int]]:
     return {r.id: out[f"req_{i}"].generated_tokens[: r.max_new_tokens] for i, r in enumerate(wl.requests)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_greedy_outputs_equal_plain_generate_batch_token_for_token(kernel, monkeypatch):
     m, wl = tiny(), workload(three_requests(), kernel=kernel)
@@ -189,6 +190,7 @@ def test_tenants_with_a_common_prefix_share_blocks_in_transformers_not_in_kvviz_
     assert {r.id: r.cached_tokens for r in ours.result.requests} == {"A": 0, "B": 0}
 
 
+@pytest.mark.slow
 def test_a_pool_too_small_for_all_at_once_preempts_recomputes_and_stays_clean(monkeypatch):
     """transformers takes a request's blocks back to make room (its soft reset) and computes it again
     later in other blocks: the preemption is recorded, the recomputed slots are the request's own in
@@ -407,6 +409,7 @@ def _perturb_one_head(original):
     return sdpa
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bug", [_drop_first_key, _perturb_one_head])
 def test_a_kernel_that_does_not_compute_its_weights_for_one_request_is_a_kernel_mismatch(bug, tmp_path, monkeypatch):
     """sdpa_paged returns no weights: kvviz recomputes them from the kernel's inputs, and a kernel that
@@ -485,6 +488,7 @@ def test_a_fault_an_unknown_version_and_kvviz_s_engine_refuse_in_one_sentence(mo
         run_checked(tiny(), wl)
 
 
+@pytest.mark.slow
 def test_a_recorded_transformers_run_is_stored_like_any_other(tmp_path):
     store = RunStore.open(tmp_path / "k.duckdb")
     reqs = [
@@ -577,6 +581,7 @@ def test_smollm2_greedy_outputs_equal_generate_batch_and_stay_clean(monkeypatch)
     assert run.oracle.summary()["max_foreign_mass"] == 0 and run.findings == []
 
 
+@pytest.mark.slow
 def test_a_catalogue_scenario_runs_on_transformers_from_the_command_line_as_the_scenarios_page_runs_it(tmp_path):
     """`run --scenario S --backend transformers` runs S's requests through transformers as shipped: the
     scenario's fault and masked isolation (kvviz's engine's) are left out, each with a note; a fault given
