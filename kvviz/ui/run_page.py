@@ -129,20 +129,30 @@ def _finished(limits: dict[str, float]) -> None:
     if done is None:
         return
     last: live.LiveStep = done["last"]
+    total = done.get("findings", last.findings)  # the steps' findings and those checked once the run ended
     st.success(f"Run `{done['run_id']}` ({done['model']} on {done['engine']}) finished: {last.tokens} tokens in "
-               f"{len(done['steps'])} steps, "
-               f"{last.findings} findings.", icon=":material/check_circle:")
+               f"{len(done['steps'])} steps, {_count(total, 'finding')}.", icon=":material/check_circle:")
+    if total > last.findings:  # the telemetry check reads each reply once its request has ended
+        st.warning(f"{_count(total - last.findings, 'finding')} came once the requests had ended, after the last "
+                   "step: a reply whose cached-token count is not what its first forward was served "
+                   "(telemetry_mismatch; the Leaks view says whose K/V it was).", icon=":material/receipt_long:")
     for note in done.get("notes", []):
         st.info(note[0].upper() + note[1:] + ".", icon=":material/info:")
     if st.button("Open it in the inspector", type="primary", icon=":material/search:", key="run_open"):
         open_run(done["run_id"])
     values, held = _settled(last, done["steps"])
-    _show_metrics(values, last.history, limits, done["found"], last.cross_tenant)
+    found = done["found"] + ([total] if total > last.findings else [])
+    _show_metrics(values, last.history, limits, found, last.cross_tenant)
     if held is not None:
         st.caption(f"The last step freed every block, so block and slot utilisation show step {held}, the last "
                    "that held blocks.")
     st.plotly_chart(block_fig.block_map(last.blocks, title=f"Pool after step {last.step}, the last"), width="stretch",
                     key="run_final_pool")
+
+
+def _count(n: int, noun: str) -> str:
+    """"1 finding", "3 findings"."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _settled(last: live.LiveStep, steps: list[int]) -> tuple[dict, int | None]:
@@ -405,6 +415,7 @@ def _run(name, sc, requests, engine, fault, scope_text, selection, seed, limits)
         raise
     st.session_state.pop("run_started", None)
     st.session_state["run_finished"] = {"run_id": out.run_id, "last": final[0], "found": found, "steps": steps,
+                                        "findings": out.findings,
                                         "engine": f"{ENGINES[engine['backend']]}, {engine['isolation']} isolation",
                                         "model": name, "notes": out.notes}
     st.rerun()  # the finished panel replaces the live one, drawn once with the last step
