@@ -55,6 +55,8 @@ def render(con, info: RunInfo, step: int, focus: Callable[[leaks.Focus, str | No
                    "kernel_mismatch, how far the outputs are apart, in tolerances).")
         st.dataframe(found, hide_index=True, width="stretch", on_select=clicked, selection_mode="single-row",
                      key="insp_findings", height=min(400, 38 + 35 * len(found)), placeholder=EMPTY)
+        for line in telemetry_sentences(found):  # its columns hold counts, not a place and a mass: said in words
+            st.markdown(f":orange-badge[:material/receipt_long: telemetry_mismatch] {line}")
         heaviest = found.mass.notna().iloc[0]  # a cross-tenant read carries no mass: the first is no heaviest
         st.button("Go to the heaviest finding" if heaviest else "Go to the first finding", key="insp_top_finding",
                   on_click=jump_to, args=(0,), icon=":material/my_location:")
@@ -65,8 +67,21 @@ def render(con, info: RunInfo, step: int, focus: Callable[[leaks.Focus, str | No
                    "first_divergent_step says where it first changed, if it did); divergence: the output moved with "
                    "no foreign attention; batch_variance: tiny logit differences from batching, no leak; identical: "
                    "the same logits.")
-        st.dataframe(div, hide_index=True, width="stretch")
+        st.dataframe(div, hide_index=True, width="stretch", placeholder=EMPTY)
     render_entropy(con, info)
+
+
+def telemetry_sentences(found: pd.DataFrame) -> list[str]:
+    """Each telemetry_mismatch finding in words: what the reply said against what the oracle saw served
+    (position: the tokens its first forward was served; mass: the cached tokens its reply reported)."""
+    out = []
+    for r in found[found.kind == "telemetry_mismatch"].head(20).to_dict("records"):
+        served = "nothing" if pd.isna(r["position"]) else f"{int(r['position'])} prompt tokens"
+        whose = "" if pd.isna(r["source_request"]) or not r["source_request"] else f" ({r['source_request']}'s K/V)"
+        said = "no count" if pd.isna(r["mass"]) else f"{int(r['mass'])} cached tokens"
+        out.append(f"{r['request_id']}'s reply reported {said}, but its first forward (step {int(r['step'])}) was "
+                   f"served {served} from the cache{whose}.")
+    return out
 
 
 def _shown(found: pd.DataFrame) -> pd.DataFrame:
@@ -94,11 +109,13 @@ def render_entropy(con, info: RunInfo) -> None:
                "by query position; a prefill chunk's queries sit at their mean position. The seed expects it to "
                "rise with position while the leak rate stays 0. Per request: entropy at its first and last "
                "position and the rank correlation with position (+1: it only rises).")
-    st.dataframe(trend.round(3), hide_index=True, width="stretch")
+    st.dataframe(trend.round(3), hide_index=True, width="stretch", placeholder=EMPTY)
 
 
 def render_requests(con, info: RunInfo) -> None:
     df = runs.requests_frame(con, info.run_id)
+    # the engine's "no token yet" (-1): a request cancelled or refused before its first token has no such step
+    df["first_token_step"] = df.first_token_step.astype("Int64").mask(df.first_token_step < 0)
     wide = {"text": st.column_config.TextColumn("text", width="large"),
             "prompt": st.column_config.TextColumn("prompt", width="medium")}
     st.dataframe(df, hide_index=True, width="stretch", column_config=wide, placeholder=EMPTY)

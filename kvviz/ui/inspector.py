@@ -196,6 +196,8 @@ def _step_views(info: RunInfo, playing: bool) -> None:
     left, right = st.columns([6, 1])
     with left:
         label = f"Step (numbered from {steps[0]}: {len(steps)} steps)"  # a run's "12 steps" end at step 11
+        if steps[-1] - steps[0] + 1 != len(steps):  # idle steps (no request yet, one cancelled) record nothing
+            label = f"Step ({len(steps)} steps recorded, {steps[0]} to {steps[-1]}: a step no request ran is skipped)"
         if len(steps) > MANY_STEPS and steps[-1] - steps[0] + 1 == len(steps):  # a long run: a number range,
             st.slider(label, steps[0], steps[-1], key="insp_step")  # not a list of every step for the browser
         elif len(steps) > 1:
