@@ -25,6 +25,9 @@ from .common import (
     store,
 )
 
+# findings that move no attention weight: a block read across tenants holds the reader's own content, and a
+# reply's cached-token count is telemetry; a fault with only these leaves the generated text as it was
+SAME_READS = ("cross_tenant", "telemetry_mismatch")
 OTHER = {  # what running a catalogue scenario on another engine means
     "transformers": "**In transformers:** its continuous batching runs the scenario's requests as shipped (no kvviz "
                     "fault is injected into it, and it isolates requests with its own paged attention), beside kvviz's "
@@ -181,8 +184,8 @@ def _compare(pair: dict) -> None:
             st.markdown(f"#### {title}: `{pair[r]}`")
             st.metric("findings", n)
             if r in OTHER:
-                (st.warning if n else st.success)(f"the oracles report {n} findings in {r}'s run" if n
-                                                  else f"clean: {r}'s run has no finding")
+                (st.warning if n else st.success)(f"the oracles report {n} finding{'' if n == 1 else 's'} in {r}'s "
+                                                  "run" if n else f"clean: {r}'s run has no finding")
             elif r == "scenario" and "control" in roles:
                 (st.success if n else st.error)("the detector fired" if n else "the detector missed this fault")
             if r == "control" or "control" not in roles:
@@ -210,9 +213,13 @@ def _compare(pair: dict) -> None:
             st.markdown((f"**Generated text:** {', '.join(changed)} wrote something else in {subject} than in "
                          "kvviz's engine." if changed else "**Generated text:** the same in both engines.") + weights)
         else:
+            read_alike = not found[subject].empty and found[subject].kind.isin(SAME_READS).all()
             st.markdown(f"**Generated text:** {', '.join(changed)} wrote something else than in the control run."
-                        if changed else "**Generated text:** the same as in the control run: on this model the fault "
-                        "did not change what was written, only what was read. The logits moved all the same: the "
+                        if changed else "**Generated text:** the same as in the control run, as this fault's findings "
+                        f"({', '.join(dict.fromkeys(found[subject].kind))}) say no attention weight moved: what was "
+                        "read held the same content, only whose it was or what the reply reported changed."
+                        if read_alike else "**Generated text:** the same as in the control run: on this model the "
+                        "fault did not change what was written, only what was read. The logits moved all the same: the "
                         "inspector's Leaks view compares each request's logits with the request run alone, and a "
                         "request that read foreign keys is listed there as a leak even when its words came out "
                         "the same.")
