@@ -345,9 +345,11 @@ def _cross_tenant(con, info: RunInfo, span: capture_time.Span, a: float, b: floa
     capture_breaches.caption(found, "tenant counts")
     if not shared.events.empty:
         st.plotly_chart(time_fig.cross_tenant(shared.events, span.start), width="stretch", key="insp_cross_tenant")
-        drawn, total = shared.events.block_hash.nunique(), shared.named + (shared.inferred if inferred else 0)
-        st.caption((f"The {drawn} most used drawn. " if drawn < total else "") + "A salt is meant to keep tenants' "
-                   "blocks apart (vLLM's cache_salt): one hash stored under two salts means one cache entry served "
+        drawn = len(shared.events[["replica", "block_hash"]].drop_duplicates())  # a row per block on a replica
+        total = shared.named + (shared.inferred if inferred else 0)  # as the counts above: per replica
+        st.caption((f"The {drawn} most used of the {total:,} drawn. " if drawn < total else "")
+                   + "A salt is meant to keep tenants' blocks apart (vLLM's cache_salt): one hash stored under two "
+                   "salts means one cache entry served "
                    "both, which is what a timing side channel reads. Circles: stored new; diamonds: hits reported "
                    "again (kv_cache_report_mode=\"full\"); hollow grey: the event named no salt (tenant unknown; "
                    "the hover names the chain it continues).")
