@@ -5,6 +5,8 @@ side by side does not say a fault whose findings move no attention changed what 
 
 import re
 
+import pytest
+
 from kvviz.runners import live
 from kvviz.store import RunStore
 
@@ -14,6 +16,7 @@ from .test_app import charts, page, run_ids
 empty_db, tiny = test_app.empty_db, test_app.tiny  # test_app's fixtures, shared
 
 
+@pytest.mark.slow
 def test_the_run_page_counts_the_telemetry_finding_made_after_the_last_step(empty_db):
     at = page("run")
     at.selectbox(key="run_model").set_value("tiny-llama").run()
@@ -33,6 +36,7 @@ def test_the_run_page_counts_the_telemetry_finding_made_after_the_last_step(empt
     assert len(said) == 1 and "C's reply reported 0 cached tokens" in said[0] and "(A's K/V)" in said[0], said
 
 
+@pytest.mark.slow
 def test_a_request_cancelled_before_its_first_token_has_no_first_token_step(empty_db, tiny):
     out = live.run(RunStore.open(empty_db), tiny, live.scenario_workload("hash_before_write", tiny),
                    "hash_before_write", scenario_name="hash_before_write")
@@ -59,6 +63,7 @@ def test_the_side_by_side_of_a_telemetry_fault_does_not_say_what_was_read_change
     assert len(text) == 1 and "telemetry_mismatch" in text[0] and "only what was read" not in text[0], text
 
 
+@pytest.mark.slow
 def test_the_cross_tenant_caption_counts_the_blocks_drawn_on_each_replica(empty_db, tmp_path):
     """Walk finding: on the example fleet every one of the 12 blocks (4 hashes on 3 replicas) was drawn, and the
     caption said "The 4 most used drawn"; with the inferred ones it counts rows drawn of those counted above."""
