@@ -9,11 +9,13 @@ import pytest
 
 from kvviz.runners import live
 from kvviz.store import RunStore
+from kvviz.ui.live_page import shared
 
-from . import test_app
+from . import test_app, test_monitor_page
 from .test_app import charts, page, run_ids
 
 empty_db, tiny = test_app.empty_db, test_app.tiny  # test_app's fixtures, shared
+stopped, capture, replayed = test_monitor_page.stopped, test_monitor_page.capture, test_monitor_page.replayed
 
 
 @pytest.mark.slow
@@ -86,3 +88,15 @@ def test_the_cross_tenant_caption_counts_the_blocks_drawn_on_each_replica(empty_
     said = [c.value for c in at.caption if "A salt is meant to keep tenants' blocks apart" in c.value]
     assert said[0].startswith(f"The {rows} most used of the {sum(counts):,} drawn.") == (rows < sum(counts)), \
         (rows, counts, said)
+
+
+@pytest.mark.slow
+def test_the_live_hit_rate_after_a_replay_ends_is_the_last_one_measured_and_says_when(stopped, tmp_path):
+    """Walk finding: once a replayed capture had ended, the hit rate tile read "-" (no store in the last
+    second) under a course that had shown 26% for a minute."""
+    at = replayed(capture(tmp_path / "fleet.jsonl", unsalted=0.0), capacity=256)
+    course = shared().course
+    assert course[-1].hit_ratio is None and any(p.hit_ratio is not None for p in course)
+    tile = {m.label: m.value for m in at.metric}["hit rate"]
+    assert tile.endswith("%"), tile
+    assert any(c.value.startswith("as of ") and "nothing stored since" in c.value for c in at.caption)

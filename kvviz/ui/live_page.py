@@ -97,7 +97,10 @@ def _figures() -> None:
     cols = st.columns(2 + len(ZEROS))
     for col, (field, name) in zip(cols, (("hit_ratio", "hit rate"), ("utilisation", "block utilisation")),
                                   strict=False):
-        value = last[field]
+        value, when = last[field], None
+        if (value is None or pd.isna(value)) and course[field].notna().any():  # a second without stores (a replay
+            seen = course[course[field].notna()].iloc[-1]  # that ended, a quiet fleet): the last rate, said as such
+            value, when = seen[field], pd.Timestamp(seen.t, unit="s").strftime("%H:%M:%S UTC")
         above, limit = limits[field]
         past = value is not None and not pd.isna(value) and bool(live_fig.crossed(pd.Series([value]), above,
                                                                                     limit).iloc[0])
@@ -107,7 +110,11 @@ def _figures() -> None:
                    delta_color="inverse" if past else "off",
                    help=f"The alert fires {'over' if above else 'under'} {limit:.0%} (kvviz/monitor/rules.yml)"
                    + (". No hit has been published: vLLM reports hits only with kv_cache_report_mode=\"full\", so "
-                      "the events cannot tell what the cache served" if unknown != "-" else ""))
+                      "the events cannot tell what the cache served" if unknown != "-" else "")
+                   + (f". Nothing was stored in the last second: this is the rate of the last second that stored, at "
+                      f"{when}" if when else ""))
+        if when:
+            col.caption(f"as of {when}: nothing stored since")
     for col, (field, name, what) in zip(cols[2:], ZEROS, strict=True):
         n = int(last[field])
         col.metric(name, f"{n:,}", delta="should be 0" if n else None, delta_color="inverse" if n else "off",
