@@ -155,7 +155,7 @@ def test_the_views_say_which_breaches_distort_them():
     found = pd.DataFrame([{"kind": "seq_gap", "replica": "r", "count": 3, "first_step": 7, "first_seq": None},
                           {"kind": "salt_mixed", "replica": "r", "count": 1, "first_step": 2, "first_seq": None}])
     said = warning(found, "Activity")
-    assert "sequence numbers skip (lost messages) (r 3; the first at the capture's message 7)" in said
+    assert "view. Sequence numbers skip (lost messages) (r 3; the first at the capture's message 7)" in said
     assert "hit rate" in said
     found.loc[0, "first_seq"] = 12  # where the stream numbers its messages, the seq a user can find
     assert "(r 3; the first at seq 12, the capture's message 7)" in warning(found, "Activity")

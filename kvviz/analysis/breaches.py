@@ -62,8 +62,9 @@ def warning(found: pd.DataFrame, view: str) -> str | None:
         at = (f"seq {int(first.first_seq)}, the capture's message {int(first.first_step)}"
               if pd.notna(first.first_seq) else f"the capture's message {int(first.first_step)}")
         said.append(f"{KINDS[kind]} ({where}; the first at {at}): {DISTORTS[kind]}")
+    listed = "; ".join(said)
     return ("This capture's stream breaks the KV-event contract in ways that distort this view. "
-            + "; ".join(said) + ".")
+            + listed[:1].upper() + listed[1:] + ".")
 
 
 def beside(found: pd.DataFrame | None, figure: str) -> str | None:

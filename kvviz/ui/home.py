@@ -21,16 +21,22 @@ nothing crashes. kvviz runs a real paged engine, classifies every attention weig
 leak patterns and the metrics it says to watch are all reproduced here.
         """
     )
-    cols = st.columns(3)
     links = [("scenarios", "Replay a leak", "The seed's boundary, global and positional leaks, and every fault "
                                              "in the catalogue, each beside its clean control."),
              ("run", "Run the engine", "Any model, workload, engine settings, fault and recording options, with "
                                        "the pool filling up live."),
-             ("upload", "Open a production capture", "A kvviz trace or a vLLM/SGLang KV-event capture.")]
-    for col, (page, title, text) in zip(cols, links, strict=True):
-        with col.container(border=True):  # the link first: three cards' links in one line, whatever each text's length
-            st.page_link(PAGES[page].path, label=f"**{title}**", icon=":material/arrow_forward:")
-            st.markdown(text)
+             ("upload", "Open a production capture", "A kvviz trace, a vLLM/SGLang KV-event capture or a Mooncake "
+                                                     "trace."),
+             ("audit", "Audit a server", "Does a server you run (vLLM, llama.cpp, kvviz serve) share its cache "
+                                         "across users, isolate them, or cache nothing? Timed from outside."),
+             ("live", "Watch a fleet live", "KV events from your servers' publishers, or a capture replayed: "
+                                            "hit rate, utilisation and the seed's alerts as they come."),
+             ("sql", "Query the runs", "Every step, block event and finding in DuckDB, with SQL.")]
+    for row in (links[:3], links[3:]):
+        for col, (page, title, text) in zip(st.columns(3), row, strict=True):
+            with col.container(border=True):  # the link first: a row's links in one line, whatever each text's length
+                st.page_link(PAGES[page].path, label=f"**{title}**", icon=":material/arrow_forward:")
+                st.markdown(text)
     listing = runs_or_hint()
     if listing is None:
         return

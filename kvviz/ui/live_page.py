@@ -18,7 +18,8 @@ from ..monitor.service import Feed, example_capture, publishers
 from ..monitor.thresholds import thresholds
 
 ZEROS = (("cross_tenant_blocks", "cross-tenant blocks", "block hashes two named tenants stored or hit"),
-         ("breaches", "contract breaches", "kvviz lint's kinds, as the stream arrives"),
+         ("breaches", "contract breach occurrences", "each occurrence of one of kvviz lint's kinds, as the stream "
+          "arrives (kvviz lint and the capture views group the occurrences by kind and replica)"),
          ("lost", "lost messages", "sequence numbers no replay filled"),
          ("invalid", "invalid messages", "messages that did not decode"))
 
