@@ -109,8 +109,8 @@ def held_out_workload(rng: random.Random) -> Workload:
         reqs.append({"id": f"n{i}", "prompt": text(rng.randint(8, 14)), "max_new_tokens": rng.randint(1, 3),
                      "arrival_step": 10 + 3 * i, "cache_salt": rng.choice([None, "t1", "t2"])})
     reqs.append({"id": "v", "prompt": f"{system} {text(1)}", "max_new_tokens": 2, "arrival_step": 20})  # y's tenant
-    reqs.append({"id": "b", "prompt": f"{system} {text(2)}", "max_new_tokens": 3, "cache_salt": rng.choice(["t1", "t2"]),
-                 "arrival_step": 22})
+    reqs.append({"id": "b", "prompt": f"{system} {text(2)}", "max_new_tokens": 3,
+                 "cache_salt": rng.choice(["t1", "t2"]), "arrival_step": 22})
     story = text(rng.randint(6, 10))  # a prompt of its own, abandoned (or not) during its prefill, then sent again
     reqs.append({"id": "z", "prompt": f"{story} {text(2)}", "max_new_tokens": 2, "arrival_step": 32,
                  "cancel_step": 33 if rng.random() < 0.7 else None})

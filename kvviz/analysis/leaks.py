@@ -53,8 +53,8 @@ def entropy_trend(df: pd.DataFrame) -> pd.DataFrame:
 
 # Leaks of another request's or a dead block's tokens first; for duplicate positions, non-finite
 # weights and normalisation errors `mass` is a count or an error, not attention mass.
-KIND_ORDER = ("foreign", "stale", "kernel_mismatch", "cross_tenant", "telemetry_mismatch", "non_finite", "normalisation",
-              "duplicate")
+KIND_ORDER = ("foreign", "stale", "kernel_mismatch", "cross_tenant", "telemetry_mismatch", "non_finite",
+              "normalisation", "duplicate")
 
 
 FINDING_COLUMNS = ("kind, request_id, step, last_step, layer, head, position, source_request, block, "

@@ -234,8 +234,9 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
              "The block size is the system prompt's length in tokens, so A's and B's shared prefix is exactly one "
              "block. B hits it and starts its own tokens on the boundary; an off-by-one writes B's first token into "
              "the last shared block: A, still decoding, reads B's key there, and B reads a hole where its own "
-             "should be.", {"requests": [_req("A", SYSTEM + " Hi.", 8), _req("B", SYSTEM + "\nUser: Hello.", 4, arrival_step=2)],
-                            "engine": _engine()}, "block_boundary", prefix_block=SYSTEM),
+             "should be.",
+             {"requests": [_req("A", SYSTEM + " Hi.", 8), _req("B", SYSTEM + "\nUser: Hello.", 4, arrival_step=2)],
+              "engine": _engine()}, "block_boundary", prefix_block=SYSTEM),
     Scenario("uncounted_restore", "A reply that reports none of the tokens it was served",
              "C sends A's system prompt after it was pushed out to the host tier, and is served it from there. The "
              "engine counts only device hits in what it reports, so C's reply says 0 cached tokens while it decoded "

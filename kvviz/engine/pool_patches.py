@@ -51,8 +51,8 @@ class PoolPatches:
                 setattr(owner, f.name, make(owner))
 
 
-OWNER_OF = {**dict.fromkeys(("copy_on_write", "hash_keys", "resume", "copy_in", "commit", "reads_cache", "count_cached"),
-                            "kv"),
+OWNER_OF = {**dict.fromkeys(("copy_on_write", "hash_keys", "resume", "copy_in", "commit", "reads_cache",
+                             "count_cached"), "kv"),
             **dict.fromkeys(("release", "evict", "allocate"), "pool"),
             **dict.fromkeys(("address", "forget", "key", "copy_out", "pop_transfers"), "host")}
 
