@@ -72,6 +72,8 @@ def test_a_replayed_stream_with_cross_tenant_blocks_is_marked_and_every_session_
     assert int(metrics["cross-tenant blocks"].value.replace(",", "")) > 0
     assert metrics["cross-tenant blocks"].proto.delta == "should be 0"
     assert metrics["block utilisation"].proto.delta.startswith("past the alert threshold (over 95%")
+    assert int(metrics["block utilisation"].value.rstrip("%")) > 100  # a pool of 256 a replica, 100 typed in
+    assert any("more blocks held than the capacity given" in c.value for c in at.caption)
     spec = json.loads(at.get("plotly_chart")[0].proto.spec)
     assert any("block utilisation alert: over 95%" in a.get("text", "") for a in spec["layout"]["annotations"])
     assert any(t.get("name") == "block utilisation past its threshold" and t["x"] for t in spec["data"])
@@ -85,6 +87,7 @@ def test_a_clean_stream_leaves_the_zero_counts_and_utilisation_unmarked(stopped,
     metrics = {m.label: m for m in at.metric}
     assert metrics["cross-tenant blocks"].value == "0" and not metrics["cross-tenant blocks"].proto.delta
     assert not metrics["block utilisation"].proto.delta
+    assert not any("more blocks held than the capacity given" in c.value for c in at.caption)
     spec = json.loads(at.get("plotly_chart")[0].proto.spec)
     assert not any(t.get("name") == "block utilisation past its threshold" and t["x"] for t in spec["data"])
 

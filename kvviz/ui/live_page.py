@@ -116,6 +116,8 @@ def _figures() -> None:
                       f"{when}" if when else ""))
         if when:
             col.caption(f"as of {when}: nothing stored since")
+        if field == "utilisation" and value is not None and not pd.isna(value) and value > 1:
+            col.caption("more blocks held than the capacity given: each replica holds more than that")
     for col, (field, name, what) in zip(cols[2:], ZEROS, strict=True):
         n = int(last[field])
         col.metric(name, f"{n:,}", delta="should be 0" if n else None, delta_color="inverse" if n else "off",
