@@ -431,6 +431,7 @@ def test_capture_occupancy_stacks_a_series_each_and_durations_are_log_histograms
     one = time_fig.occupancy(df[df.series == "a"], origin=10.0, split="tenant")
     assert one.layout.showlegend and [t.name for t in one.data] == ["a"], "one tenant is still named"
     assert fig.layout.legend.orientation != "h", "beside the plot: a row under it ran into the axis title"
+    assert fig.layout.xaxis.rangemode == "nonnegative", "walk finding: the axis began at -1"
     d = pd.DataFrame({"measure": ["lifetime", "reuse gap"], "seconds": [1.0, 0.01], "count": [5, 2]})
     fig = time_fig.durations(d, bins_per_decade=10)
     assert [list(t.y) for t in fig.data] == [[5], [], [2]]

@@ -73,7 +73,7 @@ def occupancy(df: pd.DataFrame, origin: float, split: str, untold: str | None = 
     # the legend beside the plot, a series a line: under it, a row of many series ran into the axis title
     fig.update_layout(height=400, margin=MARGIN, legend={"traceorder": "normal", "title": {"text": split}},
                       showlegend=True, title=f"blocks cached, per {split}")  # named even when there is one
-    fig.update_xaxes(title="seconds since the capture began")
+    fig.update_xaxes(title="seconds since the capture began", rangemode="nonnegative")  # no padding before 0
     fig.update_yaxes(title="blocks")
     return clear_of_modebar(fig)
 
