@@ -57,6 +57,18 @@ def test_a_cancelled_request_stops_where_it_is_and_frees_its_blocks():
     assert run.findings == [] and run.summary()["divergence"]["diverged_requests"] == 0
 
 
+@pytest.mark.parametrize("backend", ["transformers", "llama.cpp"])
+def test_every_backend_cancels_where_the_workload_says(backend):
+    """The driver cancels for every engine: the request ends there with nothing left held, and the rest runs
+    clean, its reply's telemetry checked too."""
+    wl = Workload.from_dict({**_abandoned(2).to_dict(), "engine": {**_abandoned(2).engine.to_dict(),
+                                                                   "backend": backend}})
+    run = run_checked(model("tiny-llama"), wl)
+    a, b = run.result.requests
+    assert a.finish_reason == "cancelled" and a.output_ids == [] and len(b.output_ids) == 3
+    assert run.findings == [] and run.summary()["divergence"]["diverged_requests"] == 0
+
+
 @pytest.mark.parametrize("bad", [0, -1, "2", 1.5])
 def test_cancel_step_must_come_after_the_arrival(bad):
     with pytest.raises(WorkloadError, match=r"requests\[0\]\.cancel_step: must be null or an integer after"):
