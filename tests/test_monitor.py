@@ -103,6 +103,55 @@ def test_a_removal_of_a_block_never_stored_is_a_contract_breach_and_a_clean_stre
     assert total(samples, "kvviz_kv_event_contract_breaches_total", replica="a", kind="remove_unstored") == 1
 
 
+def whole_capture_breaches(messages: list[Message], tmp_path) -> dict[tuple[str, str], int]:
+    """(replica, kind) -> count, as an import of the same stream lints it (advisory kinds left out)."""
+    folder = tmp_path / "ds"
+    writer = DatasetWriter(folder, {m.replica: "x" for m in messages})
+    for m in messages:
+        writer.add(m, decode_batch(m.payload, "x"))
+    writer.close()
+    store = RunStore.open(tmp_path / "k.duckdb")
+    run = import_file(folder, store)
+    with store.read() as con:
+        return {(r, k): n for r, k, n in con.execute(
+            "SELECT replica, kind, count FROM capture_breaches WHERE run_id = ? AND kind <> 'never_removes'",
+            [run]).fetchall()}
+
+
+@pytest.mark.parametrize("fold", [1, 1000], ids=["a slice per message", "one slice"])
+def test_breaches_that_span_slices_count_as_a_lint_of_the_whole_capture_does(fold, tmp_path):
+    child = message("a", 0, stored_map([2], 1, [3, 4]))  # its parent 1 is stored only later
+    unsalted = message("a", 1, stored_map([6], None, [7, 8]))  # an unsalted chain, then a salted one
+    parent = message("a", 2, stored_map([1], None, [1, 2]))
+    salted = message("a", 3, stored_map([5], None, [5, 6], salt="t1"))
+    later = message("a", 4, stored_map([9], None, [9, 9]))
+    stream = [child, unsalted, parent, salted, later]
+    expected = whole_capture_breaches(stream, tmp_path)
+    assert expected == {("a", "parent_after_child"): 1, ("a", "salt_mixed"): 3}
+    samples = scrape(feed(MonitorState(fold_messages=fold), stream))
+    for (replica, kind), n in expected.items():
+        assert total(samples, "kvviz_kv_event_contract_breaches_total", replica=replica, kind=kind) == n
+    assert total(samples, "kvviz_kv_event_contract_breaches_total") == sum(expected.values())
+    control = [message("a", i, m) for i, m in enumerate([stored_map([1], None, [1, 2], salt="t1"),
+                                                          stored_map([2], 1, [3, 4]),
+                                                          stored_map([5], None, [5, 6], salt="t2")])]
+    assert total(scrape(feed(MonitorState(fold_messages=fold), control)),
+                 "kvviz_kv_event_contract_breaches_total") == 0
+
+
+def test_a_child_waiting_for_its_parent_is_bounded_and_forgotten_on_restart():
+    state = MonitorState(fold_messages=1)
+    state.lint.waiting = 2
+    feed(state, [message("a", i, stored_map([10 + i], i + 1, [1, 2])) for i in range(3)])
+    assert len(state.lint.children) == 2 and state.lint.forgotten == 1
+    feed(state, [message("a", 3, stored_map([1], None, [1, 2]))])  # the forgotten child's parent
+    assert total(scrape(state), "kvviz_kv_event_contract_breaches_total") == 0
+    assert total(scrape(state), "kvviz_monitor_waiting_children_forgotten_total") == 1
+    feed(state, [message("a", 0, stored_map([2], None, [1, 2]), restart=1)])  # a new life: nothing waits
+    assert not state.lint.children
+    assert total(scrape(state), "kvviz_kv_event_contract_breaches_total") == 0
+
+
 def test_a_clear_and_a_restart_empty_the_replicas_cache():
     stores = [message("a", 0, stored_map([1, 2], None, [1, 2, 3, 4])), message("b", 0, stored_map([5], None, [1, 2]))]
     state = feed(MonitorState(), [*stores, message("a", 1, {"type": "AllBlocksCleared"}),

@@ -182,7 +182,8 @@ def _first_row(con: duckdb.DuckDBPyConnection, run_id: str, check: str, replica:
                       f"tokens_given AS given, block_size AS size FROM ev WHERE {where} "
                       "ORDER BY step, event_index, block_index LIMIT 1",
                       {"run": run_id, "replica": replica} | ({"medium": medium} if medium is not None else {}))
-    return dict(zip([d[0] for d in cur.description], cur.fetchone(), strict=True))
+    (row,) = cur.fetchall()  # to the end: nothing is left open on the connection
+    return dict(zip([d[0] for d in cur.description], row, strict=True))
 
 
 # Stores whose parent was not cached, whose parent the same replica, group and medium stored later.
@@ -235,8 +236,9 @@ def _replica(con: duckdb.DuckDBPyConnection, run_id: str, replica: str, media, e
 
     if evidence and total.unfit:
         at = first("unfit")
-        blocks = con.execute("SELECT count(*) FROM kv_events WHERE run_id = ? AND coalesce(replica, 'replica-0') = ? "
-                             "AND step = ? AND event_index = ?", [run_id, replica, at["step"], at["ev"]]).fetchone()[0]
+        ((blocks,),) = con.execute("SELECT count(*) FROM kv_events WHERE run_id = ? AND coalesce(replica, 'replica-0') "
+                                   "= ? AND step = ? AND event_index = ?",
+                                   [run_id, replica, at["step"], at["ev"]]).fetchall()
         size = "no usable block_size" if at["size"] is None else f"block_size {at['size']}"
         out.append(_breach("token_count", replica, total.unfit, at, f"event {at['ev']} of seq {at['seq']}: "
                            f"{at['given']} token_ids for {blocks} block hash{'es' if blocks != 1 else ''} of {size}"))

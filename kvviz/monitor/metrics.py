@@ -70,7 +70,7 @@ class SnapshotCollector(Collector):
         yield from _replica_gauges(s)
         yield from _tenants(s)
         breaches = CounterMetricFamily("kvviz_kv_event_contract_breaches", "Breaches of the KV-event contract "
-                                       "(kvviz lint's kinds), each slice of the stream linted as it arrives.",
+                                       "(kvviz lint's kinds but never_removes), linted as the stream arrives.",
                                        labels=["replica", "kind"])
         for (replica, kind), n in sorted(s.breaches.items()):
             breaches.add_metric([replica, kind], n)
@@ -78,6 +78,9 @@ class SnapshotCollector(Collector):
         yield CounterMetricFamily("kvviz_monitor_hashes_forgotten", "Block hashes whose first tenant the monitor "
                                   "no longer remembers (a later second tenant of one is not seen).",
                                   value=s.hashes_forgotten)
+        yield CounterMetricFamily("kvviz_monitor_waiting_children_forgotten", "Stores whose parent was not "
+                                  "cached, dropped from the monitor's bounded wait for that parent (a later store "
+                                  "of it is not counted as parent_after_child).", value=s.children_forgotten)
         yield CounterMetricFamily("kvviz_monitor_dropped_slices", "Slices of the stream the monitor could not "
                                   "aggregate (logged).", value=s.dropped_slices)
         yield GaugeMetricFamily("kvviz_monitor_last_fold_timestamp_seconds", "When the figures were last brought "
