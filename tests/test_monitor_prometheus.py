@@ -1,7 +1,10 @@
 """kvviz monitor scraped by a real Prometheus server (Debian's, started here on a free port with the
-shipped rules, stopped after): two publishers over ZMQ send vLLM 0.33 event batches, one stream with
-a prompt cached across tenants and one without; Prometheus's own query API returns what was
-published, and the cross-tenant alert fires for the first replica and stays quiet for the second."""
+shipped rules, stopped after): two of vLLM's own publishers (`vllm.distributed.kv_events`:
+ZmqEventPublisher with its replay socket, sending vLLM's KVEventBatch of its BlockStored,
+BlockRemoved and AllBlocksCleared) publish one stream with a prompt cached across tenants and one
+without; Prometheus's own query API returns what was published, and the cross-tenant alert fires for
+the first replica and stays quiet for the second. vLLM is installed without its dependencies
+(.ci/run; requirements.txt lists the few its event module imports)."""
 
 from __future__ import annotations
 
@@ -12,9 +15,9 @@ import time
 import urllib.parse
 import urllib.request
 
+import msgspec
 import pytest
 
-from kvviz.capture.publisher import ZmqPublisher
 from kvviz.capture.synthetic import fleet_messages
 from kvviz.capture.zmq_capture import Endpoint
 from kvviz.monitor.service import Feed, Monitor
@@ -26,6 +29,8 @@ from tests.test_monitor_rules import RULES
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     shutil.which("prometheus") is None,
     reason="prometheus is not installed (Debian's prometheus package: apt-get install prometheus, as .ci/run does)")]
+vllm_events = pytest.importorskip(
+    "vllm.distributed.kv_events", reason="vLLM is not installed (pip install --no-deps vllm==0.34.0, as .ci/run does)")
 
 
 def query(port: int, expr: str) -> list[dict]:
@@ -71,21 +76,25 @@ def prometheus(tmp_path):
         p.wait(10)
 
 
-def publish(pub: ZmqPublisher, payloads: list[bytes]) -> None:
-    for seq, payload in enumerate(payloads):
-        pub.send(seq, b"kv-events", payload)
-        if seq % 200 == 199:
-            time.sleep(0.02)  # within the publisher's send queue
+def publish(pub, batches: list) -> None:
+    for i, batch in enumerate(batches):
+        pub.publish(batch)
+        if i % 200 == 199:
+            time.sleep(0.02)  # within the subscriber's receive queue
 
 
 def test_prometheus_scrapes_what_was_published_and_the_cross_tenant_alert_fires_only_where_it_should(prometheus):
     messages = {name: list(fleet_messages(6_000, replicas=1, unsalted=share, capacity=256))
                 for name, share in (("cross", 0.05), ("clean", 0.0))}
-    streams = {name: [m.payload for m in ms] for name, ms in messages.items()}
-    ports = {name: free_port() for name in streams}
-    pubs = {name: ZmqPublisher(f"tcp://127.0.0.1:{port}") for name, port in ports.items()}
-    monitor = Monitor(Feed(sources=tuple(Endpoint(n, f"tcp://127.0.0.1:{p}") for n, p in ports.items())),
-                      MonitorState(fold_s=0.2))
+    # the same streams as vLLM's own classes: its decoder builds its BlockStored etc. from the bytes
+    streams = {name: [msgspec.msgpack.decode(m.payload, type=vllm_events.KVEventBatch) for m in ms]
+               for name, ms in messages.items()}
+    assert {type(e).__name__ for b in streams["cross"] for e in b.events} == {"BlockStored", "BlockRemoved"}
+    ports = {name: (free_port(), free_port()) for name in streams}
+    pubs = {name: vllm_events.ZmqEventPublisher(0, f"tcp://*:{port}", f"tcp://*:{replay}")  # "*": it binds
+            for name, (port, replay) in ports.items()}
+    monitor = Monitor(Feed(sources=tuple(Endpoint(n, f"tcp://127.0.0.1:{p}", f"tcp://127.0.0.1:{r}")
+                                         for n, (p, r) in ports.items())), MonitorState(fold_s=0.2))
     try:
         prom = prometheus(monitor.serve("127.0.0.1", 0))
         monitor.start()
@@ -110,4 +119,4 @@ def test_prometheus_scrapes_what_was_published_and_the_cross_tenant_alert_fires_
     finally:
         monitor.stop()
         for pub in pubs.values():
-            pub.close()
+            pub.shutdown()
