@@ -78,7 +78,9 @@ def test_a_replayed_stream_with_cross_tenant_blocks_is_marked_and_every_session_
     assert any("block utilisation alert: over 95%" in a.get("text", "") for a in spec["layout"]["annotations"])
     assert any(t.get("name") == "block utilisation past its threshold" and t["x"] for t in spec["data"])
     other = live_page()  # another session: the same monitor
-    assert any("The app's monitor stopped following cross.jsonl" in m.value for m in other.markdown)
+    assert any("The app's monitor replayed all of cross.jsonl at full speed: " in m.value for m in other.markdown)
+    replicas = other.dataframe[0].value
+    assert len(replicas) and not replicas["followed"].any()  # the replay is over: no replica is followed
 
 
 @pytest.mark.slow
@@ -101,3 +103,20 @@ def test_publishers_given_wrong_are_refused_in_one_sentence_and_nothing_starts(s
     at.button(key="live_go").click().run()
     assert [e.value for e in at.error] == ["--endpoint: replica name 'a' is given twice"]
     assert stopped.feed is None and not stopped.running()
+
+
+def test_a_capture_that_fails_on_its_first_line_says_why_and_draws_no_figures(stopped, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("this is not a capture\n")
+    at = live_page()
+    at.text_input(key="live_path").set_value(str(bad))
+    at.button(key="live_go").click().run()
+    end = time.monotonic() + 30
+    while shared().running():
+        assert time.monotonic() < end, "the replay did not end"
+        time.sleep(0.1)
+    at.run()
+    assert [e.value.split(": ")[0] for e in at.error] == ["The app's monitor stopped following bad.jsonl at 1x "
+                                                          "after 0 messages"]
+    assert "bad.jsonl: line 1: not valid JSON" in at.error[0].value
+    assert not at.metric and not at.get("plotly_chart")

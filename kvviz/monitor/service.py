@@ -50,6 +50,7 @@ class Monitor:
         self.thread: threading.Thread | None = None
         self.server = None
         self.error: str | None = None  # why the feed ended early, if it did
+        self.ended: str | None = None  # "finished" (a capture replayed to its end), "stopped" or "failed"
 
     def snapshot(self) -> Snapshot:
         return self.state.snapshot
@@ -70,9 +71,10 @@ class Monitor:
                 run_live(self.state, list(self.feed.sources), self.feed.topic, say=say, duration=duration,
                          should_stop=self._stop.is_set, progress=progress, every=every)
         except Exception as e:  # the feed is gone (a capture that stops being readable): said, and the
-            self.error = str(e)  # metrics stay served
+            self.error, self.ended = str(e), "failed"  # metrics stay served
             log.error("the monitor's feed stopped: %s", e)
             raise
+        self.ended = "stopped" if self._stop.is_set() or self.feed.capture is None else "finished"
 
     def start(self) -> None:
         """Follow the feed on a thread of its own."""

@@ -36,6 +36,7 @@ def run_live(state: MonitorState, sources: list[Endpoint], topic: str = "", say:
         fleet.run(state, duration=duration, should_stop=should_stop, progress=tick, every=min(state.fold_s, 0.5))
     finally:
         fleet.close()
+        _disconnected(fleet.states)
         state.flush()
 
 
@@ -78,5 +79,12 @@ def run_replay(state: MonitorState, path: str | Path, speed: float = 0.0, say: S
         if time.monotonic() - said >= every:
             said = time.monotonic()
             progress(states)
+    _disconnected(states)
     state.flush()
     return fed
+
+
+def _disconnected(states: dict[str, ReplicaState]) -> None:
+    """The feed has ended: no replica is followed any more."""
+    for st in states.values():
+        st.connected = False

@@ -86,9 +86,19 @@ def _figures() -> None:
     feed = live.feed
     following = (f"{len(feed.sources)} publisher{'s' if len(feed.sources) != 1 else ''}" if feed.sources else
                  f"{feed.capture.name} at {'full speed' if not feed.speed else f'{feed.speed:g}x'}")
-    state = "following" if live.running() else "stopped following"
-    error = live.monitor.error if live.monitor is not None else None
-    st.write(f"The app's monitor {state} {following}." + (f" Its feed stopped: {error}" if error else ""))
+    monitor = live.monitor
+    fed = sum(f.messages for f in monitor.snapshot().replicas.values()) if monitor is not None else 0
+    if live.running():
+        st.write(f"The app's monitor is following {following}.")
+    elif monitor is not None and monitor.ended == "failed":
+        st.error(f"The app's monitor stopped following {following} after {fed:,} message{'s' * (fed != 1)}: "
+                 f"{monitor.error}")
+        if not fed:
+            return
+    elif monitor is not None and monitor.ended == "finished":
+        st.write(f"The app's monitor replayed all of {following}: {fed:,} message{'s' * (fed != 1)}.")
+    else:
+        st.write(f"The app's monitor stopped following {following} (Stop pressed).")
     course = pd.DataFrame(list(live.course))
     if course.empty:
         st.info("The first figures come within a second.")
@@ -123,9 +133,9 @@ def _figures() -> None:
         col.metric(name, f"{n:,}", delta="should be 0" if n else None, delta_color="inverse" if n else "off",
                    help=what)
     st.plotly_chart(live_fig.course(course, limits), width="stretch", key="live_course")
-    figures = live.monitor.snapshot().replicas if live.monitor is not None else {}
+    figures = monitor.snapshot().replicas if monitor is not None else {}
     st.dataframe(pd.DataFrame([{"replica": name, "messages": f.messages, "lost": f.lost, "invalid": f.invalid,
-                                "restarts": f.restarts, "connected": f.connected,
+                                "restarts": f.restarts, "followed" if feed.capture else "connected": f.connected,
                                 "cross-tenant blocks": f.cross_tenant_blocks,
                                 "mean lag s": f.lag_sum_s / f.lag_count if f.lag_count else None}
                                for name, f in figures.items()]), hide_index=True, key="live_replicas")
