@@ -146,7 +146,8 @@ BAD_WORKLOADS = [
     ({"requests": [{"id": "A", "prompt": "x"}], "extra": 1}, "workload.extra: unknown field"),
     ({"requests": ["A"]}, r"requests\[0\]: must be an object"),
     ({"requests": [{"prompt": "x"}]}, r"requests\[0\].id: must be a non-empty string"),
-    ({"requests": [{"id": "A", "prompt": "x"}, {"id": "A", "prompt": "y"}]}, r"requests\[1\].id: 'A' is used"),
+    ({"requests": [{"id": "A", "prompt": "x"}, {"id": "A", "prompt": "y"}]},
+     r"requests\[1\].id: 'A' is already the id of requests\[0\]"),
     ({"requests": [{"id": "A"}]}, r"requests\[0\]: needs a non-empty prompt"),
     ({"requests": [{"id": "A", "prompt": "x", "prompt_ids": [1]}]}, "not both"),
     ({"requests": [{"id": "A", "prompt": 5}]}, r"requests\[0\].prompt: must be a string"),
@@ -183,6 +184,8 @@ BAD_WORKLOADS = [
     ({"requests": [{"id": "A", "prompt": "x"}], "engine": {"prefix_caching": "yes"}}, "engine.prefix_caching"),
     ({"requests": [{"id": "A", "prompt": "x"}], "engine": {"pages": 3}}, "engine.pages: unknown engine setting"),
     ({"requests": [{"id": "A", "prompt": "x"}], "seed": -1}, "seed: must be a non-negative integer"),
+    ({"requests": [{"id": "A", "prompt": "x"}, {"id": "B", "prompt": "y"}, {"id": "A", "prompt": "z"}]},
+     r"requests\[2\].id: 'A' is already the id of requests\[0\] \(row 1\)"),
 ]
 
 

@@ -32,9 +32,10 @@ class Metric:
 
 
 METRICS = {m.key: m for m in (
-    Metric("hit_rate", "prefix-cache hit rate", "prompt tokens served by the prefix cache, of those looked up at "
-           "admission (a fork shares its parent's blocks without a lookup: not counted). The default threshold 0 "
-           "never alerts; raise it to be told when sharing stops", "below", 0.0),
+    Metric("hit_rate", "prefix-cache hit rate", "prompt tokens the prefix cache served, of those looked up at "
+           "admission, as the engine counted them for its replies' cached tokens (a fork shares its parent's blocks "
+           "without a lookup: not counted; where the counts are wrong, the oracle's telemetry_mismatch findings say "
+           "so). The default threshold 0 never alerts; raise it to be told when sharing stops", "below", 0.0),
     Metric("block_utilisation", "block utilisation", "blocks held by requests, of the pool (near 1: preemption)",
            "above", 0.95),
     Metric("slot_utilisation", "slot utilisation", "held KV slots that hold a token (low: fragmentation)", "below",

@@ -114,7 +114,9 @@ def _request(r: object, where: str, earlier: dict[str, RequestSpec]) -> RequestS
     if not isinstance(rid, str) or not rid.strip():
         raise WorkloadError(f"{where}.id: must be a non-empty string, got {rid!r}")
     if rid in earlier:
-        raise WorkloadError(f"{where}.id: {rid!r} is used by an earlier request")
+        first = list(earlier).index(rid)
+        raise WorkloadError(f"{where}.id: {rid!r} is already the id of requests[{first}] (row {first + 1}); "
+                            "each request needs an id of its own")
     prompt, ids, parent = r.get("prompt"), r.get("prompt_ids"), r.get("parent")
     if prompt is not None and ids is not None:
         raise WorkloadError(f"{where}: give prompt or prompt_ids, not both")

@@ -135,7 +135,8 @@ def _finished(limits: dict[str, float]) -> None:
     if total > last.findings:  # the telemetry check reads each reply once its request has ended
         st.warning(f"{_count(total - last.findings, 'finding')} came once the requests had ended, after the last "
                    "step: a reply whose cached-token count is not what its first forward was served "
-                   "(telemetry_mismatch; the Leaks view says whose K/V it was).", icon=":material/receipt_long:")
+                   "(telemetry_mismatch; the Leaks view says whose K/V it was). The prefix-cache hit rate below "
+                   "counts what the replies reported, so it leaves those tokens out.", icon=":material/receipt_long:")
     for note in done.get("notes", []):
         st.info(note[0].upper() + note[1:] + ".", icon=":material/info:")
     if st.button("Open it in the inspector", type="primary", icon=":material/search:", key="run_open"):
