@@ -79,12 +79,17 @@ def _workers(path: Path) -> int:
 
 
 def _chunks(path: Path, body: int, size: int) -> list[tuple[int, int]]:
-    """(start, end) byte ranges of whole lines from `body` to the file's end, about `size` bytes each."""
+    """(start, end) byte ranges of whole lines from `body` to the file's end, about `size` bytes each but
+    the first three and the last few: those ramp up from size / 8 and down to it, so that the first state
+    is worked out soon after the helpers start and the last chunk keeps one core busy only briefly."""
     end, out = path.stat().st_size, []
     with open(path, "rb") as f:
         start = body
         while start < end:
-            f.seek(min(start + size, end))
+            left = end - start
+            want = (size >> (3 - len(out)) if len(out) < 3 else size if left > 2 * size
+                    else left if left <= size >> 3 else left // 2)
+            f.seek(min(start + max(want, MIN_CHUNK_BYTES), end))
             f.readline()  # on to the next line's start
             stop = min(max(f.tell(), start + 1), end)
             out.append((start, stop))
