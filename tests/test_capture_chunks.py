@@ -79,9 +79,12 @@ def test_rows_are_the_same_however_the_stream_is_cut():
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    """Chunks of about 16 KiB, so a small capture is split into many."""
+    """Chunks of about 16 KiB, so a small capture is split into many; each helper's rows become Arrow
+    columns every 50 rows and are sent at 120, so a chunk is several parts and several sends."""
     monkeypatch.setattr(jsonl_dataset, "MIN_CHUNK_BYTES", 1 << 14)
     monkeypatch.setattr(jsonl_dataset, "CHUNK_BYTES", 1 << 14)
+    monkeypatch.setattr(jsonl_dataset, "ARROW_ROWS", 50)
+    monkeypatch.setattr(jsonl_dataset, "CHUNK_ROWS", 120)
 
 
 def imported(store: RunStore, run: str) -> tuple:

@@ -38,6 +38,7 @@ SPLIT_FROM_BYTES = 32 << 20  # a smaller capture is written faster than a second
 CHUNK_BYTES = 16 << 20  # a helper's turn (a quarter of its share, in a smaller capture)
 MIN_CHUNK_BYTES = 64 << 10
 CHUNK_ROWS = 250_000  # rows a helper sends at once, at most (its memory)
+ARROW_ROWS = 5_000  # rows a helper keeps as Python objects before they become Arrow columns
 CHECK_EVERY = 1024  # messages between reports of progress
 GROUP_ROWS = 100_000  # a Parquet row group's, at most
 REPLIES = "_state"  # the folder (skipped as the dataset is read) where each chunk's state comes back
@@ -187,7 +188,8 @@ class _Helper:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))}
         self.number, self.errors, self._stream = index + 1, tempfile.TemporaryFile(), None
         self.proc = subprocess.Popen([sys.executable, "-m", __spec__.name, str(path), str(folder), json.dumps(chunks),
-                                      str(index), str(helpers)], stdout=subprocess.PIPE, stderr=self.errors, env=env)
+                                      str(index), str(helpers), str(ARROW_ROWS), str(CHUNK_ROWS)],
+                                     stdout=subprocess.PIPE, stderr=self.errors, env=env)
 
     def chunk(self) -> Iterator[tuple[pa.Table, int]]:
         """Its next chunk's REPLAYED columns, a batch at a time, each with the messages so far in the chunk."""
@@ -227,24 +229,30 @@ class _Helper:
         self.errors.close()
 
 
-def _help(path: Path, folder: Path, chunks: list[tuple[int, int]], index: int, helpers: int) -> None:
+def _help(path: Path, folder: Path, chunks: list[tuple[int, int]], index: int, helpers: int, arrow_rows: int,
+          send_rows: int) -> None:
     """In a helper: for each of its chunks, what the state is worked out from to stdout (the chunk's last
     batch saying so; the first bad line ends the stream with what is wrong), then, once the state is back,
-    the chunk's rows into the dataset, while the next chunk is decoded."""
+    the chunk's rows into the dataset, while the next chunk is decoded. The decoded messages become Arrow
+    columns every `arrow_rows` rows, which are sent every `send_rows`."""
     reader, rows, named, parent = CaptureReader(path), EventRows(), set(), os.getppid()
     pending: list[tuple[int, list[pa.Table]]] = []
     with paused_gc(), pa.ipc.new_stream(sys.stdout.buffer, pa.schema([STATELESS_SCHEMA.field(name)
                                                                        for name in REPLAYED])) as out:
         for c in range(index, len(chunks), helpers):
-            tables, count = [], 0
+            tables, parts, count = [], [], 0
             try:
                 for where, m, batch in _messages(reader, *chunks[c], named):
                     rows.add(batch, step=count, replica=m.replica, restart=m.restart, seq=m.seq, where=where,
                              received=m.received, topic=m.topic, payload=m.payload)
                     count += 1
-                    if len(rows) >= CHUNK_ROWS:
-                        tables.append(_send(out, rows.stateless(), {"messages": str(count)}))
-                tables.append(_send(out, rows.stateless(), {"messages": str(count), "last": ""}))
+                    if len(rows) >= arrow_rows:  # freed soon, the decoded objects' memory is reused, not mapped
+                        parts.append(rows.stateless())  # anew (page faults: docs/benchmarks.md, issue 46)
+                        if sum(p.num_rows for p in parts) >= send_rows:
+                            tables.append(_send(out, pa.concat_tables(parts), {"messages": str(count)}))
+                            parts = []
+                parts.append(rows.stateless())
+                tables.append(_send(out, pa.concat_tables(parts), {"messages": str(count), "last": ""}))
             except (CaptureError, Unsplittable) as e:
                 said = "error" if isinstance(e, CaptureError) else "unsplittable"
                 _send(out, STATELESS_SCHEMA.empty_table(), {said: str(e)})
@@ -288,5 +296,5 @@ def _write_chunk(folder: Path, c: int, tables: list[pa.Table], parent: int) -> N
 
 
 if __name__ == "__main__":
-    _help(Path(sys.argv[1]), Path(sys.argv[2]), [tuple(c) for c in json.loads(sys.argv[3])], int(sys.argv[4]),
-          int(sys.argv[5]))
+    _help(Path(sys.argv[1]), Path(sys.argv[2]), [tuple(c) for c in json.loads(sys.argv[3])],
+          *map(int, sys.argv[4:8]))

@@ -41,8 +41,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..errors import CaptureError
-from .cache_state import NAMED_SALT, STATE_FIELDS, CacheState, fill
 from . import vllm_layout
+from .cache_state import NAMED_SALT, STATE_FIELDS, CacheState, fill
 from .events import Batch
 
 INT_LIST = pa.list_(pa.int32())
