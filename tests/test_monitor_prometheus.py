@@ -29,8 +29,6 @@ from tests.test_monitor_rules import RULES
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     shutil.which("prometheus") is None,
     reason="prometheus is not installed (Debian's prometheus package: apt-get install prometheus, as .ci/run does)")]
-vllm_events = pytest.importorskip(
-    "vllm.distributed.kv_events", reason="vLLM is not installed (pip install --no-deps vllm==0.34.0, as .ci/run does)")
 
 
 def query(port: int, expr: str) -> list[dict]:
@@ -84,6 +82,9 @@ def publish(pub, batches: list) -> None:
 
 
 def test_prometheus_scrapes_what_was_published_and_the_cross_tenant_alert_fires_only_where_it_should(prometheus):
+    vllm_events = pytest.importorskip(  # here, not at collection: importing vLLM takes seconds
+        "vllm.distributed.kv_events",
+        reason="vLLM is not installed (pip install --no-deps vllm==0.34.0, as .ci/run does)")
     messages = {name: list(fleet_messages(6_000, replicas=1, unsalted=share, capacity=256))
                 for name, share in (("cross", 0.05), ("clean", 0.0))}
     # the same streams as vLLM's own classes: its decoder builds its BlockStored etc. from the bytes
