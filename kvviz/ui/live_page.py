@@ -53,16 +53,19 @@ def _controls(live: SharedMonitor) -> None:
         capacity = st.number_input("KV blocks per replica (for utilisation; 0: not known)", min_value=0, value=0,
                                    key="live_capacity")
         go, stop = st.columns(2)
+        refused = None
         if go.button("Start", key="live_go", type="primary"):
             try:
                 feed = (publishers(_lines(endpoints), _lines(replays)) if source == "Publishers" else
                         Feed(capture=_capture(path), speed=speed))
-            except CaptureError as e:
-                st.error(str(e))
-                return
-            live.start(feed, {"*": int(capacity)} if capacity else None)
+            except CaptureError as e:  # said under the buttons, which both stay drawn
+                refused = str(e)
+            else:
+                live.start(feed, {"*": int(capacity)} if capacity else None)
         if stop.button("Stop", key="live_stop", disabled=not live.running()):
             live.stop()
+        if refused:
+            st.error(refused)
 
 
 def _lines(text: str) -> list[str]:
