@@ -145,6 +145,8 @@ def tier_salts(found: pd.DataFrame) -> go.Figure:
             fig.add_trace(go.Bar(y=part["where"], x=part[measure], orientation="h", name=str(salt),
                                  legendgroup=str(salt), showlegend=col == 1, marker_color=colours[salt],
                                  hovertemplate=f"{salt}<br>%{{y}}<br>%{{x}} {measure}<extra></extra>"), row=1, col=col)
-    fig.update_layout(barmode="stack", height=max(200, 40 * df["where"].nunique() + 140), margin=MARGIN,
-                      legend={"title": {"text": "salt of the salted copy"}})
+    # tall enough for the legend too: one row of bars has room for about four salts, and plotly scrolls
+    # the rest out of sight
+    fig.update_layout(barmode="stack", height=max(200, 40 * df["where"].nunique() + 140, 34 * len(colours) + 70),
+                      margin=MARGIN, legend={"title": {"text": "salt of the salted copy"}})
     return clear_of_modebar(fig)
