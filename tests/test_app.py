@@ -712,9 +712,10 @@ def test_empty_cells_show_a_dash_not_none_in_the_runs_and_requests_tables(with_r
 
 
 def test_the_upload_page_imports_a_synthetic_example_capture_once(empty_db, monkeypatch):
-    from kvviz.runners import uploads
+    from kvviz.capture import synthetic
 
-    monkeypatch.setattr(uploads, "write_example", lambda path, events: real_example(path, 4000))
+    write = synthetic.write_example
+    monkeypatch.setattr(synthetic, "write_example", lambda path, events: write(path, 4000))
     at = page("upload")
     assert any("synthetic" in m.value for m in at.markdown), "it says the example is not from a server"
     at.button(key="upload_example").click().run()
@@ -729,12 +730,6 @@ def test_the_upload_page_imports_a_synthetic_example_capture_once(empty_db, monk
     assert run_ids(empty_db) == [run_id] and any("imported before" in i.value for i in at.info)
     at.button(key="upload_open").click().run()
     assert at.title[0].value == "Inspector" and not at.exception
-
-
-def real_example(path, events):
-    from kvviz.capture.synthetic import write_example
-
-    return write_example(path, events)
 
 
 @pytest.mark.slow

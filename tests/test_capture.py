@@ -397,3 +397,16 @@ def test_a_capture_is_listed_as_running_while_it_imports(tmp_path):
     with pytest.raises(CaptureError, match=f"was imported before, as run {run_id}"):
         import_capture(copy, store, sha256="ab" * 32)
     assert import_capture(copy, store) != run_id, "without its sha256 (import --again) it is a run of its own"
+
+
+def test_the_example_capture_is_written_once_per_version_and_an_older_one_is_not_reused(tmp_path, monkeypatch):
+    from kvviz.capture import synthetic
+
+    first = synthetic.example_file(tmp_path, events=2000)
+    written = first.stat().st_mtime_ns
+    assert synthetic.example_file(tmp_path, events=2000) == first and first.stat().st_mtime_ns == written
+    assert first.name == synthetic.EXAMPLE_NAME and read_capture(first).replicas.keys() == {
+        "replica-0", "replica-1", "replica-2"}
+    monkeypatch.setattr(synthetic, "EXAMPLE_VERSION", synthetic.EXAMPLE_VERSION + 1)  # what it writes changed
+    newer = synthetic.example_file(tmp_path, events=2000)
+    assert newer != first and newer.is_file() and not list(newer.parent.glob("_*")), "no partial file left"

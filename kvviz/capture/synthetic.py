@@ -18,6 +18,7 @@ looks like."""
 from __future__ import annotations
 
 import random
+import uuid
 from collections import OrderedDict
 from collections.abc import Iterator
 from itertools import takewhile
@@ -169,3 +170,19 @@ def write_example(path: str | Path, events: int = 200_000, replicas: int = 3, se
     finally:
         sink.close()
     return sink.count
+
+
+EXAMPLE_NAME = "example-fleet.jsonl"
+EXAMPLE_VERSION = 3  # a new number whenever what write_example writes changes: older example files are not reused
+
+
+def example_file(folder: str | Path, events: int = 200_000) -> Path:
+    """The example fleet's capture under `folder`, written once for this EXAMPLE_VERSION (into a file of its
+    own first, renamed into place: several sessions of the app may ask for it at once)."""
+    path = Path(folder) / f"v{EXAMPLE_VERSION}" / EXAMPLE_NAME
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.parent / f"_{uuid.uuid4().hex}.{EXAMPLE_NAME}"
+        write_example(partial, events)
+        partial.replace(path)
+    return path

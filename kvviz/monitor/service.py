@@ -13,7 +13,6 @@ from pathlib import Path
 from prometheus_client import start_http_server
 
 from ..capture.endpoints import parse_sources
-from ..capture.synthetic import write_example
 from ..capture.zmq_capture import Endpoint
 from .metrics import registry
 from .sources import run_live, run_replay
@@ -34,13 +33,6 @@ class Feed:
 def publishers(endpoints: list[str], replays: list[str], topic: str = "") -> Feed:
     """A feed of publishers given as capture-vllm takes them ([NAME=]URL); a bad list is a CaptureError."""
     return Feed(sources=tuple(parse_sources(endpoints, replays)), topic=topic)
-
-
-def example_capture(path: Path) -> Path:
-    """The synthetic example fleet's capture (capture-example's), written at `path` once."""
-    if not path.exists():
-        write_example(path, events=200_000, replicas=3)
-    return path
 
 
 class Monitor:

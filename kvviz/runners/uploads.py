@@ -7,7 +7,6 @@ from __future__ import annotations
 import hashlib
 import re
 import shutil
-import uuid
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +14,7 @@ from pathlib import Path
 from ..capture.events import CaptureError
 from ..capture.import_vllm import Progress, import_capture, import_dataset
 from ..capture.mooncake import import_mooncake, is_mooncake
-from ..capture.synthetic import write_example
+from ..capture.synthetic import example_file
 from ..store import RunStore
 from ..store.trace import import_trace, trace_run_id
 
@@ -71,19 +70,10 @@ def save_upload(name: str, data: bytes, folder: str | Path) -> Path:
     return path
 
 
-EXAMPLE = "example-fleet.jsonl"
-
-
 def example_capture(folder: str | Path, events: int = 200_000) -> Path:
     """A synthetic fleet's capture (kvviz/capture/synthetic.py, not from a server) kept among the
     uploads, to try the capture views without a fleet: written once, the same every time."""
-    path = Path(folder) / "example" / EXAMPLE
-    if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.parent / f"_{uuid.uuid4().hex}.{EXAMPLE}"  # another session may be writing it too
-        write_example(partial, events)
-        partial.replace(path)
-    return path
+    return example_file(Path(folder) / "example", events)
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,11 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
+from ..capture.synthetic import example_file
 from ..errors import CaptureError
 from ..figures import live as live_fig
 from ..monitor.course import SharedMonitor
-from ..monitor.service import Feed, example_capture, publishers
+from ..monitor.service import Feed, publishers
 from ..monitor.thresholds import thresholds
 
 ZEROS = (("cross_tenant_blocks", "cross-tenant blocks", "block hashes two named tenants stored or hit"),
@@ -74,7 +75,7 @@ def _lines(text: str) -> list[str]:
 
 def _capture(path: str) -> Path:
     if not path.strip():
-        return example_capture(Path(tempfile.gettempdir()) / "kvviz-live-example.jsonl")
+        return example_file(Path(tempfile.gettempdir()) / "kvviz-example")
     if not Path(path).is_file():
         raise CaptureError(f"{path}: no such file")
     return Path(path)
