@@ -37,6 +37,8 @@ def test_the_run_page_counts_the_telemetry_finding_made_after_the_last_step(empt
     at.segmented_control(key="insp_view").set_value("Leaks").run()
     said = [m.value for m in at.markdown if "telemetry_mismatch]" in m.value]
     assert len(said) == 1 and "C's reply reported 0 cached tokens" in said[0] and "(A's K/V)" in said[0], said
+    at.segmented_control(key="insp_view").set_value("Cache").run()  # its hit rate is the engine's own count
+    assert any("1 request was served cached K/V they do not count" in w.value for w in at.warning)
 
 
 @pytest.mark.slow

@@ -173,7 +173,7 @@ def test_lint_exit_statuses_clean_breached_and_unreadable(tmp_path):
     assert bad.returncode == 1, bad.stderr
     assert [(b["kind"], b["count"], b["first_step"]) for b in json.loads(bad.stdout)] == [
         ("remove_unstored", 1, 4), ("seq_gap", 5, 4)]
-    assert "2 breaches of 2 kinds" in bad.stderr
+    assert "6 breaches of 2 kinds" in bad.stderr  # 1 removal and 5 messages lost
     table = kvviz("lint", broken)
     assert table.returncode == 1 and table.stdout.splitlines()[0].split() == [
         "kind", "replica", "count", "first_step", "first_seq", "detail"]

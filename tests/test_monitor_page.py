@@ -12,6 +12,7 @@ import pytest
 
 from kvviz.capture.capture_file import CaptureWriter
 from kvviz.capture.synthetic import fleet_messages
+from kvviz.serve.local import free_port
 from kvviz.ui.live_page import shared
 
 from .apptest import AppTest
@@ -119,4 +120,17 @@ def test_a_capture_that_fails_on_its_first_line_says_why_and_draws_no_figures(st
     assert [e.value.split(": ")[0] for e in at.error] == ["The app's monitor stopped following bad.jsonl at 1x "
                                                           "after 0 messages"]
     assert "bad.jsonl: line 1: not valid JSON" in at.error[0].value
+    assert not at.metric and not at.get("plotly_chart")
+
+
+def test_publishers_that_never_answer_are_said_and_draw_no_empty_figures(stopped):
+    at = live_page()
+    at.radio(key="live_source").set_value("Publishers").run()
+    at.text_area(key="live_endpoints").set_value(f"a=tcp://127.0.0.1:{free_port()}")
+    at.button(key="live_go").click().run()
+    assert shared().running()
+    time.sleep(1.5)  # a fold or two
+    at.run()
+    assert any("following 1 publisher: 0 connected, 0 messages so far" in m.value for m in at.markdown)
+    assert any("No publisher has answered yet" in w.value for w in at.warning)
     assert not at.metric and not at.get("plotly_chart")

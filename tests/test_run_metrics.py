@@ -90,7 +90,7 @@ def test_the_run_page_turns_a_crossed_metric_red():
     assert [m.value for m in at.metric] == ["50.0%", "99.0%", "90.0%", "0.0%", "n/a", "0"]
     badges = [m.value for m in at.markdown]
     assert [b.startswith(":red-badge") for b in badges] == [False, True, False, False, False, False]
-    assert "above 0.95" in badges[1]
+    assert "above 95%" in badges[1]
 
 
 def test_findings_turn_red_though_no_attention_metric_moved():
@@ -105,4 +105,5 @@ def test_findings_turn_red_though_no_attention_metric_moved():
     assert at.metric[-1].proto.delta == "+2 this step"
     badges = [m.value for m in at.markdown]
     assert [b.startswith(":red-badge") for b in badges] == [False, False, False, False, False, True]
-    assert badges[0] == ":gray-badge[no alert: threshold 0]"
+    assert badges[0] == ":gray-badge[no alert set (threshold 0%)]"
+    assert badges[2] == ":green-badge[ok: alert below 80%]" and badges[4] == ":green-badge[ok: alert above 0.001]"

@@ -49,6 +49,12 @@ def breaches(con: duckdb.DuckDBPyConnection, run_id: str) -> pd.DataFrame:
     return df.assign(_o=order).sort_values(["_o", "replica"]).drop(columns="_o").reset_index(drop=True)[COLUMNS]
 
 
+def counted(found: pd.DataFrame) -> str:
+    """'N breaches of K kinds': every occurrence the linter counted (a row is a kind on a replica)."""
+    times, kinds = int(found["count"].sum()), found.kind.nunique()
+    return f"{times:,} breach{'es' if times != 1 else ''} of {kinds} kind{'s' if kinds != 1 else ''}"
+
+
 def warning(found: pd.DataFrame, view: str) -> str | None:
     """The breaches that distort `view`, in one paragraph (None: none do)."""
     kinds = VIEW_KINDS.get(view, ())

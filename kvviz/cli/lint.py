@@ -17,7 +17,7 @@ SHOWN = ["kind", "replica", "count", "first_step", "first_seq", "detail"]
 
 
 def cmd_lint(args: argparse.Namespace) -> int:
-    from ..analysis.breaches import breaches, linted
+    from ..analysis.breaches import breaches, counted, linted
     from ..capture.lint import ADVISORY
     from ..store import RunStore
 
@@ -42,11 +42,10 @@ def cmd_lint(args: argparse.Namespace) -> int:
                            "capture imported before kvviz linted them: lint its file)")
     if len(found) or args.format != "table":
         print_rows(SHOWN, [tuple(r) for r in found[SHOWN].itertuples(index=False)], args.format)
-    kinds, advisory = found.kind.nunique(), found.kind.isin(ADVISORY)
+    advisory = found.kind.isin(ADVISORY)
     print(f"kvviz: lint: {args.capture}: " + (
         "clean: no breach of the KV-event contract" if found.empty else
-        f"{len(found)} breach{'es' if len(found) > 1 else ''} of {kinds} kind{'s' if kinds > 1 else ''} "
-        "(docs/capture-format.md says what each distorts)"
+        f"{counted(found)} (docs/capture-format.md says what each distorts)"
         + (f"; {int(advisory.sum())} advisory ({', '.join(sorted(set(found.kind[advisory])))}: a healthy short "
            "capture shows it too, so it fails no check)" if advisory.any() else "")), file=sys.stderr)
     return 1 if (~advisory).any() else 0

@@ -21,9 +21,7 @@ def table(found: pd.DataFrame | None) -> None:
         if found is not None:
             st.caption("Its KV-event stream keeps the contract its consumers trust: no breach was found on import.")
         return
-    kinds = found.kind.nunique()
-    with st.expander(f":material/report: The stream breaks the KV-event contract: {len(found)} breach"
-                     f"{'es' if len(found) > 1 else ''} of {kinds} kind{'s' if kinds > 1 else ''}"):
+    with st.expander(f":material/report: The stream breaks the KV-event contract: {breaches.counted(found)}"):
         st.caption("Found on import (`python -m kvviz lint` says the same; SQL: capture_breaches). Each is counted, "
                    "not refused: the views below use the rest of the stream, and say where a breach distorts them. "
                    "Step: the message of the first occurrence.")

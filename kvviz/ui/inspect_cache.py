@@ -33,6 +33,13 @@ def render(con, info: RunInfo, step: int) -> None:
     c[3].metric("evicted", len(evicted))
     st.caption("The tiles count the whole run; the chart marks the step shown, and the table lists the lookups "
                "up to it.")
+    (lied,) = con.execute("SELECT count(*) FROM findings WHERE run_id = ? AND kind = 'telemetry_mismatch'",
+                          [info.run_id]).fetchall()[0]
+    if lied:
+        st.warning(f"These lookups are the engine's own counts, which its replies report, and {lied} "
+                   f"request{'s were' if lied > 1 else ' was'} served cached K/V they do not count "
+                   "(telemetry_mismatch): the hit rate and the reasons here leave those tokens out. The Leaks "
+                   "view says what was served and whose it was.", icon=":material/receipt_long:")
     st.plotly_chart(cache_fig.hit_rate(rates, current=step, steps=(info.steps[0], info.steps[-1])), width="stretch",
                     key="insp_hits")
     table = lookups_table(found)

@@ -92,7 +92,17 @@ def _figures() -> None:
                  f"{feed.capture.name} at {'full speed' if not feed.speed else f'{feed.speed:g}x'}")
     monitor = live.monitor
     fed = sum(f.messages for f in monitor.snapshot().replicas.values()) if monitor is not None else 0
-    if live.running():
+    if live.running() and feed.sources:
+        figures = monitor.snapshot().replicas.values()
+        up = sum(f.connected for f in figures)
+        st.write(f"The app's monitor is following {following}: {up} connected, {fed:,} message"
+                 f"{'s' * (fed != 1)} so far.")
+        if not up and not fed:
+            st.warning("No publisher has answered yet: kvviz keeps trying (a server whose KV events are off, or "
+                       "an address or port that is wrong, never answers). Nothing to draw until one does.",
+                       icon=":material/cloud_off:")
+            return
+    elif live.running():
         st.write(f"The app's monitor is following {following}.")
     elif monitor is not None and monitor.ended == "failed":
         st.error(f"The app's monitor stopped following {following} after {fed:,} message{'s' * (fed != 1)}: "
@@ -126,7 +136,9 @@ def _figures() -> None:
         col.metric(name, unknown if value is None or pd.isna(value) else f"{value:.0%}",
                    delta=f"past the alert threshold ({'over' if above else 'under'} {limit:.0%})" if past else None,
                    delta_color="inverse" if past else "off",
-                   help=f"The alert fires {'over' if above else 'under'} {limit:.0%} (kvviz/monitor/rules.yml)"
+                   help=("Hit tokens of the tokens stored in the last second (the capture views give a whole "
+                         "capture's; the alert rule takes 5 minutes). " if field == "hit_ratio" else "")
+                   + f"The alert fires {'over' if above else 'under'} {limit:.0%} (kvviz/monitor/rules.yml)"
                    + (". No hit has been published: vLLM reports hits only with kv_cache_report_mode=\"full\", so "
                       "the events cannot tell what the cache served" if unknown != "-" else "")
                    + (f". Nothing was stored in the last second: this is the rate of the last second that stored, at "

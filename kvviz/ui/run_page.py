@@ -333,12 +333,13 @@ def _show_metrics(values: dict, history: dict, limits: dict[str, float], finding
         shown = "n/a" if v is None else f"{v:.4f}" if metric.key == "max_foreign" else f"{v:.1%}"
         course = [x for x in history[metric.key][-80:] if x is not None]
         col.metric(metric.label, shown, help=metric.help, border=True, chart_data=course if len(course) > 1 else None)
+        said = f"{limit:g}" if metric.key == "max_foreign" else f"{limit:.0%}"  # as the tile shows its value
         if metric.crossed(v, limit):
-            col.markdown(f":red-badge[:material/warning: {metric.alert_when} {limit:g}]")
+            col.markdown(f":red-badge[:material/warning: {metric.alert_when} {said}]")
         elif metric.alert_when == "below" and limit <= 0:
-            col.markdown(":gray-badge[no alert: threshold 0]")
+            col.markdown(":gray-badge[no alert set (threshold 0%)]")
         else:
-            col.markdown(f":green-badge[ok: alert {metric.alert_when} {limit:g}]")
+            col.markdown(f":green-badge[ok: alert {metric.alert_when} {said}]")
     found = findings[-1] if findings else 0
     new = found - findings[-2] if len(findings) > 1 else found
     cols[-1].metric("findings", found, delta=f"+{new} this step" if new else None, delta_color="inverse", border=True,
