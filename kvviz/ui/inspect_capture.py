@@ -403,7 +403,13 @@ def _tier_salts(con, info: RunInfo) -> None:
                "cached without a salt in that tier. Hits named: the tenants whose hits that tier served.")
 
 
-def _untold(segments: dict[str, int]) -> str:
-    """'3 stored segments continue tenant-a's chain, naming no salt' (a clause per chain's tenant)."""
-    return ", ".join(f"{n:,} stored segment{'s' if n > 1 else ''} continue{'' if n > 1 else 's'} "
-                     f"{cross_reads.tenant(t)}'s chain" for t, n in segments.items()) + ", naming no salt"
+def _untold(segments: dict[str, int], named: int = 3) -> str:
+    """'3 stored segments continue tenant-a's chain, naming no salt': a clause for each of the `named`
+    busiest chains' tenants, the rest summed."""
+    busiest = sorted(segments.items(), key=lambda kv: -kv[1])
+    clauses = [f"{n:,} stored segment{'s' if n > 1 else ''} continue{'' if n > 1 else 's'} "
+               f"{cross_reads.tenant(t)}'s chain" for t, n in busiest[:named]]
+    if rest := busiest[named:]:
+        clauses.append(f"and {sum(n for _, n in rest):,} more continue those of {len(rest)} other tenant"
+                       f"{'s' if len(rest) > 1 else ''}")
+    return ", ".join(clauses) + ", naming no salt"

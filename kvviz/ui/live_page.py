@@ -53,20 +53,16 @@ def _controls(live: SharedMonitor) -> None:
                                     value=1.0, key="live_speed")
         capacity = st.number_input("KV blocks per replica (for utilisation; 0: not known)", min_value=0, value=0,
                                    key="live_capacity")
-        go, stop = st.columns(2)
-        refused = None
-        if go.button("Start", key="live_go", type="primary"):
+        if st.button("Start", key="live_go", type="primary", help="in place of what is followed now"):
             try:
                 feed = (publishers(_lines(endpoints), _lines(replays)) if source == "Publishers" else
                         Feed(capture=_capture(path), speed=speed))
-            except CaptureError as e:  # said under the buttons, which both stay drawn
-                refused = str(e)
+            except CaptureError as e:  # said under the button; what was followed goes on
+                st.error(str(e))
             else:
                 live.start(feed, {"*": int(capacity)} if capacity else None)
-        if stop.button("Stop", key="live_stop", disabled=not live.running()):
-            live.stop()
-        if refused:
-            st.error(refused)
+    if st.button("Stop", key="live_stop", disabled=not live.running()):  # outside: the expander folds while running
+        live.stop()
 
 
 def _lines(text: str) -> list[str]:

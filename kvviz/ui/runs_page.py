@@ -14,6 +14,8 @@ from ..store.chrome import export_chrome
 from ..store.trace import export_run
 from .common import BREACHES, EMPTY, db_path, open_run, reader, runs_or_hint, store
 
+FIRST = ["run_id", "status", "model", "scenario", "fault", "findings", "breaches", "leak_rate"]
+
 
 def render() -> None:
     st.title("Runs")
@@ -23,7 +25,8 @@ def render() -> None:
     st.caption(f"{len(listing)} runs in `{db_path()}`. Select one to open, export or delete it; two to compare.")
     gen = st.session_state.get("runs_gen", 0)  # a new table (no selection) after every delete
     event = st.dataframe(listing, hide_index=True, width="stretch", on_select="rerun", selection_mode="multi-row",
-                         key=f"runs_table_{gen}", placeholder=EMPTY,
+                         key=f"runs_table_{gen}", placeholder=EMPTY, column_order=FIRST + [
+                             c for c in listing.columns if c not in FIRST],  # what tells runs apart, in view
                          column_config={"created_at": st.column_config.DatetimeColumn("created"),
                                         "breaches": BREACHES})
     picked = [listing.run_id.iloc[i] for i in event.selection.rows] if event else []
