@@ -574,6 +574,7 @@ def test_sql_page_runs_a_select_and_shows_a_refusal(with_runs):
     at.button[0].click().run()  # the form's submit button
     rows = at.dataframe[0].value
     assert list(rows.fault.fillna("none")) == ["none", "boundary"]
+    assert at.dataframe[0].proto.placeholder == "—", "a NULL is drawn as the other pages draw it, not None"
     at.text_area(key="sql_text").input("DROP TABLE runs")
     at.button[0].click().run()
     assert any("only SELECT queries are allowed" in e.value and "DROP" in e.value for e in at.error)

@@ -14,7 +14,7 @@ from ..analysis.runs import CAPTURE_MODELS
 from ..runners import explain_jobs
 from ..store import SqlError
 from ..store.sql import run_query
-from .common import empty_store_hint, has_db, reader, store
+from .common import EMPTY, empty_store_hint, has_db, reader, store
 
 # the run a per-step example looks at: after a scenario replay the newest run is its clean control, which shows nothing
 LEAKING_ENGINE_RUN = (f"WHERE run_id = (SELECT run_id FROM runs WHERE model NOT IN {CAPTURE_MODELS}  -- not a capture\n"
@@ -100,7 +100,7 @@ def render() -> None:
 def _result(df: pd.DataFrame, truncated: bool) -> None:
     st.caption(f"{len(df):,} row{'' if len(df) == 1 else 's'}" +
                (f" (the first {MAX_ROWS:,}; more exist)" if truncated else ""))
-    st.dataframe(df, hide_index=True, width="stretch")
+    st.dataframe(df, hide_index=True, width="stretch", placeholder=EMPTY)
     numeric = [c for c in df.columns if pd.api.types.is_numeric_dtype(df[c])]
     if len(df) > 1 and not numeric:
         st.caption("No quick chart: no column holds a number (a list, such as quantile_cont's, charts once "
