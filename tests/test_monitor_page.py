@@ -59,7 +59,7 @@ def replayed(path: Path, capacity: int) -> AppTest:
     at.button(key="live_go").click().run()
     live = shared()
     end = time.monotonic() + 60
-    while live.running() or len(live.course) < 2:  # the replay ends; a point after it
+    while not live.settled():  # the replay ends, and a point after it
         assert time.monotonic() < end, "the replay did not end"
         time.sleep(0.2)
     return at.run()
@@ -82,6 +82,9 @@ def test_a_replayed_stream_with_cross_tenant_blocks_is_marked_and_every_session_
     assert any("The app's monitor replayed all of cross.jsonl at full speed: " in m.value for m in other.markdown)
     replicas = other.dataframe[0].value
     assert len(replicas) and not replicas["followed"].any()  # the replay is over: no replica is followed
+    points = len(shared().course)
+    time.sleep(1.5)
+    assert len(shared().course) == points, "a feed that ended adds no flat points to the chart"
 
 
 @pytest.mark.slow

@@ -82,6 +82,10 @@ class SharedMonitor:
     def running(self) -> bool:
         return self.monitor is not None and self.monitor.thread is not None and self.monitor.thread.is_alive()
 
+    def settled(self) -> bool:
+        """The feed has ended and its last figures are in the course, which grows no more."""
+        return not self.running() and (self._sampler is None or not self._sampler.is_alive())
+
     def _halt(self) -> None:
         self._stop.set()
         if self.monitor is not None:
@@ -90,9 +94,14 @@ class SharedMonitor:
             self._sampler.join(5)
 
     def _sample(self, monitor: Monitor, stop: threading.Event) -> None:
+        """A point a second while the feed goes on, and one more once it has ended (then the course stays
+        as the feed left it: a flat point a second would push what it showed out of the hour kept)."""
         before, last = None, time.monotonic()
         while not stop.wait(self.every):
+            ended = not monitor.thread.is_alive()
             monitor.state.flush()
             snap, now = monitor.snapshot(), time.monotonic()
             self.course.append(point(snap, before, time.time(), now - last))
             before, last = snap, now
+            if ended:
+                return

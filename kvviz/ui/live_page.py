@@ -110,9 +110,6 @@ def _figures() -> None:
     else:
         st.write(f"The app's monitor stopped following {following} (Stop pressed).")
     course = pd.DataFrame(list(live.course))
-    if not live.running() and not course.empty and (course.messages_per_s > 0).any():
-        # a feed that ended keeps being sampled, a flat point a second: the chart stops where its messages did
-        course = course.iloc[:course.index[course.messages_per_s > 0][-1] + 2]
     if course.empty:
         st.info("The first figures come within a second.")
         return
