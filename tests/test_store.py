@@ -569,6 +569,7 @@ def test_a_run_deleted_while_it_records_stops_writing_and_says_so(tmp_path):
     [
         ("SELECT nope FROM runs", 'Referenced column "nope" not found in FROM clause; Candidate bindings:'),
         ("SELECT * FROM runz", 'Table with name runz does not exist; Did you mean "runs"?'),
+        ("SELECT * FROM tabls", "Table with name tabls does not exist (line 1"),  # not DuckDB's own pg_tablespace
     ],
 )
 def test_sql_errors_read_as_a_sentence_without_duckdbs_stage_names(sql, said):

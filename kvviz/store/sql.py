@@ -55,6 +55,7 @@ def _one_line(e: duckdb.Error) -> str:
     # DuckDB names its internal stage ("Binder Error: ", "Catalog Error: ") and ends its first clause with
     # "!": neither means anything to the reader, so one clause, then the hint after a semicolon.
     said = re.sub(r"^[A-Za-z]+ Error: ", "", said).replace("! ", "; ", 1).rstrip("!")
+    said = re.sub(r'; Did you mean "(?:\w+\.)?(?:duckdb_|pg_|information_schema)[^"]*"\?', "", said)  # DuckDB's own
     for text, caret in zip(lines, lines[1:], strict=False):
         if text.startswith("LINE ") and "^" in caret:
             prefix = text[:text.index(": ") + 2]
