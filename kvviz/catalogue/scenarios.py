@@ -112,8 +112,8 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
     Scenario("passphrase", "The seed's passphrase experiment",
              "Requests 红 橙 黄 and 绿 青 蓝 (and an English pair) share one key axis, isolated by the "
              "block-diagonal AND causal mask alone. Run it to see A's last prompt token attend only to its own "
-             "slots; the boundary scenario (or any run with its fault set to boundary: --fault boundary) shows it reach "
-             "into B's.",
+             "slots; the boundary scenario (or any run with its fault set to boundary: --fault boundary) shows "
+             "it reach into B's.",
              {"requests": [_req("A", "红 橙 黄"), _req("B", "绿 青 蓝"),
                            _req("C", "red orange yellow"), _req("D", "green cyan blue")],
               "engine": _engine(isolation="masked")}),
