@@ -11,12 +11,12 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
-from ..capture.synthetic import example_file
 from ..errors import CaptureError
 from ..figures import live as live_fig
 from ..monitor.course import SharedMonitor
 from ..monitor.service import Feed, publishers
 from ..monitor.thresholds import thresholds
+from ..runners.uploads import example_capture
 
 ZEROS = (("cross_tenant_blocks", "cross-tenant blocks", "block hashes two named tenants stored or hit"),
          ("breaches", "contract breach occurrences", "each occurrence of one of kvviz lint's kinds, as the stream "
@@ -71,7 +71,7 @@ def _lines(text: str) -> list[str]:
 
 def _capture(path: str) -> Path:
     if not path.strip():
-        return example_file(Path(tempfile.gettempdir()) / "kvviz-example")
+        return example_capture(Path(tempfile.gettempdir()) / "kvviz")
     if not Path(path).is_file():
         raise CaptureError(f"{path}: no such file")
     return Path(path)

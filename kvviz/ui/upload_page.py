@@ -9,7 +9,6 @@ from pathlib import Path
 import streamlit as st
 
 from ..analysis.breaches import ADVISORY, breaches, linted
-from ..capture.synthetic import EXAMPLE_NAME
 from ..errors import KvvizError
 from ..runners.uploads import earlier_import, example_capture, import_file, refused, save_upload
 from .common import db_path, open_run, reader, store
@@ -43,7 +42,7 @@ def render() -> None:
         if st.button("Import the example capture", key="upload_example", icon=":material/science:"):
             with st.spinner("Writing the example capture..."):
                 saved = example_capture(_folder())
-            _import(EXAMPLE_NAME, saved)
+            _import(saved.name, saved)
     elif st.button(f"Import {up.name}", type="primary", key="upload_go", icon=":material/upload:"):
         _import(up.name, save_upload(up.name, up.getvalue(), _folder()))
     run_id = st.session_state.get("upload_run")
