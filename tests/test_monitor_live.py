@@ -41,11 +41,12 @@ def subscribed(pub: ZmqPublisher, stream: ReplicaState, first: bytes) -> None:
     """Send seq 0 until the capture has it (its count, kept as messages arrive): a PUB socket drops what
     it sends before the subscription reaches it, and a message without a sequence number (sent next
     here) is never replayed."""
+    before = stream.count + stream.invalid
     for _ in range(15):
         pub.send(0, b"", first)
         end = time.monotonic() + 1.0
         while time.monotonic() < end:
-            if stream.count or stream.invalid:
+            if stream.count + stream.invalid > before:
                 return
             time.sleep(0.02)
     raise AssertionError("the monitor never received the first message")
@@ -70,8 +71,8 @@ def test_a_restart_undecodable_messages_and_an_unreachable_publisher_are_counted
         pub.close()
         pub = ZmqPublisher(f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{replay_port}")  # seq from 0 again
         wait_for(lambda: state.streams["a"].connected)
-        time.sleep(0.3)  # the new PUB's subscription settles
-        for seq in range(3):
+        subscribed(pub, state.streams["a"], batch(stored_map([200], None, [1, 2], salt="t1")))
+        for seq in range(1, 3):
             pub.send(seq, b"", batch(stored_map([200 + seq], None, [1, 2], salt="t1")))
         wait_for(lambda: value(metrics(port), "kvviz_kv_event_messages_total", "a") == 8)
         samples = metrics(port)
