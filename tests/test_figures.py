@@ -611,6 +611,8 @@ def test_the_what_if_curve_and_the_isolation_bars_draw_what_they_are_given():
     bound = whatif.hit_rate_curve(points, own_capacity=32, unbounded=64, inferred=True)  # a capture's lower bound
     assert bound.data[2].name == "at least 32 blocks held at once" and list(bound.data[2].x) == [32, 32]
     assert (bound.data[2].line.dash, fig.data[2].line.dash) == ("dashdot", "dash")
+    same = pd.concat([points, points[points.policy == "lru"].assign(policy="lfu")])  # LFU's points are LRU's
+    assert [t.name for t in whatif.hit_rate_curve(same).data] == ["LRU (vLLM's order) = LFU", "Belady (optimal)"]
     costs = pd.DataFrame({"tenant": ["a", "b"], "hit rate shared": [0.5, 0.4], "hit rate salted": [0.5, 0.1]})
     bars = whatif.isolation_cost(costs)
     assert [list(t.y) for t in bars.data] == [[0.5, 0.4], [0.5, 0.1]] and bars.layout.barmode == "group"

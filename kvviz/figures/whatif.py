@@ -21,12 +21,17 @@ def hit_rate_curve(points: pd.DataFrame, *, own_capacity: int | None = None, unb
     the unbounded one (every distinct block) marked where known. inferred: own_capacity is no known size
     but a lower bound from the events (the most blocks held at once), marked apart as that."""
     fig = go.Figure()
+    curves: dict[tuple, list[str]] = {}  # policies whose points are all equal draw one line, named for all
     for policy, df in points.groupby("policy", sort=False):
-        colour, dash = POLICY_STYLE.get(policy, ("#888888", "dot"))
         df = df.sort_values("capacity")
+        curves.setdefault((tuple(df.capacity), tuple(df.hit_rate)), []).append(policy)
+    for (capacity, hit_rate), policies in curves.items():
+        colour, dash = POLICY_STYLE.get(policies[0], ("#888888", "dot"))
+        df = pd.DataFrame({"capacity": capacity, "hit_rate": hit_rate})
         tokens = "" if block_size is None else "<br>%{customdata:,} tokens"
         fig.add_trace(go.Scatter(
-            x=df.capacity, y=df.hit_rate, mode="lines+markers", name=POLICY_NAMES.get(policy, policy),
+            x=df.capacity, y=df.hit_rate, mode="lines+markers",
+            name=" = ".join(POLICY_NAMES.get(p, p) for p in policies),
             line={"color": colour, "dash": dash}, marker={"size": 5},
             customdata=None if block_size is None else df.capacity * block_size,
             hovertemplate=f"%{{x:,}} blocks{tokens}<br>hit rate %{{y:.2%}}<extra>%{{fullData.name}}</extra>"))

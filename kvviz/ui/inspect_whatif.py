@@ -30,7 +30,7 @@ HELP = ("The run's lookups replayed, one request at a time in the order the cach
 
 def render(info: RunInfo) -> None:
     st.caption(HELP)
-    left, mid, right = st.columns([4, 2, 2])
+    left, mid, right = st.columns([6, 2, 1.5], vertical_alignment="bottom")  # five policy chips fit
     policies = left.multiselect("Policies", list(ALL_POLICIES), default=list(DEFAULT_POLICIES), key="wi_policies",
                                 format_func=lambda p: fig.POLICY_NAMES.get(p, p))
     points = mid.number_input("Capacities", 4, 60, 20, key="wi_points",
