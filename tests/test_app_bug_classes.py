@@ -32,7 +32,8 @@ def test_the_run_page_counts_the_telemetry_finding_made_after_the_last_step(empt
     assert "1 finding." in at.success[0].value, at.success[0].value  # not "0 findings", nor "1 findings"
     assert any("telemetry_mismatch" in w.value and "after the last step" in w.value
                and "hit rate below counts what the replies reported" in w.value for w in at.warning)
-    assert {m.label: m.value for m in at.metric}["findings"] == "1"
+    findings = next(m for m in at.metric if m.label == "findings")
+    assert findings.value == "1" and findings.proto.delta == "+1 after the last step"
     at = page("inspector", run_id=run_id)
     at.segmented_control(key="insp_view").set_value("Leaks").run()
     said = [m.value for m in at.markdown if "telemetry_mismatch]" in m.value]

@@ -143,7 +143,7 @@ def _finished(limits: dict[str, float]) -> None:
         open_run(done["run_id"])
     values, held = _settled(last, done["steps"])
     found = done["found"] + ([total] if total > last.findings else [])
-    _show_metrics(values, last.history, limits, found, last.cross_tenant)
+    _show_metrics(values, last.history, limits, found, last.cross_tenant, late=total > last.findings)
     if held is not None:
         st.caption(f"The last step freed every block, so block and slot utilisation show step {held}, the last "
                    "that held blocks.")
@@ -323,7 +323,7 @@ def _thresholds() -> dict[str, float]:
 
 
 def _show_metrics(values: dict, history: dict, limits: dict[str, float], findings: list[int],
-                  cross_tenant: str | None = None) -> None:
+                  cross_tenant: str | None = None, late: bool = False) -> None:
     """One tile per metric with its course so far, red with a warning once it crosses its threshold;
     then the findings so far (their count after each step), of every kind; a cross-tenant read moves
     no attention metric, so it is said in words below the tiles."""
@@ -342,7 +342,8 @@ def _show_metrics(values: dict, history: dict, limits: dict[str, float], finding
             col.markdown(f":green-badge[ok: alert {metric.alert_when} {said}]")
     found = findings[-1] if findings else 0
     new = found - findings[-2] if len(findings) > 1 else found
-    cols[-1].metric("findings", found, delta=f"+{new} this step" if new else None, delta_color="inverse", border=True,
+    when = "after the last step" if late else "this step"  # late: the replies' telemetry, checked at the end
+    cols[-1].metric("findings", found, delta=f"+{new} {when}" if new else None, delta_color="inverse", border=True,
                     chart_data=findings[-80:] if len(findings) > 1 else None,
                     help="what the oracles reported so far, of every kind: attention on other requests' keys, "
                          "blocks another tenant wrote that a request read (a finding per block), duplicates, "
