@@ -77,38 +77,44 @@ def _capture(path: str) -> Path:
     return Path(path)
 
 
+def _said(live: SharedMonitor) -> bool:
+    """What the monitor follows and how far it got; False where there is nothing to draw (a feed that
+    failed before its first message, publishers none of which has answered)."""
+    feed, monitor = live.feed, live.monitor
+    following = (f"{len(feed.sources)} publisher{'s' if len(feed.sources) != 1 else ''}" if feed.sources else
+                 f"{feed.capture.name} at {'full speed' if not feed.speed else f'{feed.speed:g}x'}")
+    figures = monitor.snapshot().replicas.values() if monitor is not None else []
+    fed = sum(f.messages for f in figures)
+    messages = f"{fed:,} message{'s' * (fed != 1)}"
+    if live.running() and feed.sources:
+        up = sum(f.connected for f in figures)
+        st.write(f"The app's monitor is following {following}: {up} connected, {messages} so far.")
+        if not up and not fed:
+            st.warning("No publisher has answered yet: kvviz keeps trying (a server whose KV events are off, or "
+                       "an address or port that is wrong, never answers). Nothing to draw until one does.",
+                       icon=":material/cloud_off:")
+            return False
+    elif live.running():
+        st.write(f"The app's monitor is following {following}.")
+    elif monitor is not None and monitor.ended == "failed":
+        st.error(f"The app's monitor stopped following {following} after {messages}: {monitor.error}")
+        return bool(fed)
+    elif monitor is not None and monitor.ended == "finished":
+        st.write(f"The app's monitor replayed all of {following}: {messages}.")
+    else:
+        st.write(f"The app's monitor stopped following {following} (Stop pressed).")
+    return True
+
+
 @st.fragment(run_every=1.0)
 def _figures() -> None:
     live = shared()
     if live.feed is None:
         st.info("Nothing followed yet: give publishers or a capture above and press Start.")
         return
-    feed = live.feed
-    following = (f"{len(feed.sources)} publisher{'s' if len(feed.sources) != 1 else ''}" if feed.sources else
-                 f"{feed.capture.name} at {'full speed' if not feed.speed else f'{feed.speed:g}x'}")
-    monitor = live.monitor
-    fed = sum(f.messages for f in monitor.snapshot().replicas.values()) if monitor is not None else 0
-    if live.running() and feed.sources:
-        figures = monitor.snapshot().replicas.values()
-        up = sum(f.connected for f in figures)
-        st.write(f"The app's monitor is following {following}: {up} connected, {fed:,} message"
-                 f"{'s' * (fed != 1)} so far.")
-        if not up and not fed:
-            st.warning("No publisher has answered yet: kvviz keeps trying (a server whose KV events are off, or "
-                       "an address or port that is wrong, never answers). Nothing to draw until one does.",
-                       icon=":material/cloud_off:")
-            return
-    elif live.running():
-        st.write(f"The app's monitor is following {following}.")
-    elif monitor is not None and monitor.ended == "failed":
-        st.error(f"The app's monitor stopped following {following} after {fed:,} message{'s' * (fed != 1)}: "
-                 f"{monitor.error}")
-        if not fed:
-            return
-    elif monitor is not None and monitor.ended == "finished":
-        st.write(f"The app's monitor replayed all of {following}: {fed:,} message{'s' * (fed != 1)}.")
-    else:
-        st.write(f"The app's monitor stopped following {following} (Stop pressed).")
+    feed, monitor = live.feed, live.monitor
+    if not _said(live):
+        return
     course = pd.DataFrame(list(live.course))
     if course.empty:
         st.info("The first figures come within a second.")
