@@ -142,9 +142,9 @@ def open_run(run_id: str) -> None:
 
 
 BREACHES = st.column_config.NumberColumn(
-    "breaches", help="A capture's breaches of the KV-event contract found on import (kinds per replica; advisory "
-    "ones aside): its hit rate, occupancy or tenant counts are distorted by them (the inspector says which). 0: "
-    "clean; empty: not a capture linted on import.")
+    "breach kinds", help="A capture's breaches of the KV-event contract found on import, counted as kinds on "
+    "each replica, advisory ones aside (the inspector counts every occurrence): its hit rate, occupancy or tenant "
+    "counts are distorted by them (the inspector says which). 0: clean; empty: not a capture linted on import.")
 
 
 def runs_or_hint():
