@@ -36,6 +36,8 @@ WHERE NOT EXISTS (
       AND (s.step > o.step OR s.step = o.step AND s.event_index > o.event_index))
 ORDER BY step, event_index
 """
+# The hashes this slice stores anew.
+STORED = "SELECT block_hash FROM kv_events WHERE kind = 'BlockStored' AND NOT coalesce(repeat, false)"
 # This slice's stores of a parent some earlier slice's child was waiting for (the waiting table's keys).
 ARRIVED = """
 SELECT DISTINCT w.key
@@ -54,6 +56,7 @@ class LiveLint:
     """Add each slice after it is linted; `slice` returns what it adds: (replica, kind) -> count."""
     waiting: int = 100_000
     children: OrderedDict = field(default_factory=OrderedDict)  # KEY -> children waiting for that parent
+    parents: Counter = field(default_factory=Counter)  # parent hash -> waiting keys with it
     roots: dict[tuple[str, str], list[int]] = field(default_factory=dict)  # (replica, medium) -> [salted, unsalted]
     forgotten: int = 0  # waiting children dropped past the bound: their parents, if stored, are not counted
 
@@ -65,17 +68,30 @@ class LiveLint:
         return found
 
     def _parents(self, con: duckdb.DuckDBPyConnection, found: Counter) -> None:
-        if self.children:
-            keys = list(self.children)
+        """Children whose parent this slice stores, then this slice's own children still waiting. A monitor
+        started mid-stream keeps the bound full (every parent stored before it is unseen), so a slice is
+        matched by its stored hashes first: only the keys whose parent hash it stores are joined exactly."""
+        stored = con.execute(STORED).fetchnumpy()["block_hash"].tolist() if self.children else []
+        if hits := {h for h in stored if h in self.parents}:
+            keys = [k for k in self.children if k[4] in hits]
             table = pa.Table.from_pylist([dict(zip(KEY.names, k, strict=True)) for k in keys], schema=KEY)
             con.register("waiting", table.append_column("key", pa.array(range(len(keys)), type=pa.int64())))
             for (key,) in con.execute(ARRIVED).fetchall():
-                found[(keys[key][0], "parent_after_child")] += self.children.pop(keys[key])
+                found[(keys[key][0], "parent_after_child")] += self._drop(keys[key])
             con.unregister("waiting")
         for key in con.execute(WAITING).fetchall():
+            if key not in self.children:
+                self.parents[key[4]] += 1
             self.children[key] = self.children.get(key, 0) + 1
             if len(self.children) > self.waiting:
-                self.forgotten += self.children.popitem(last=False)[1]
+                self.forgotten += self._drop(next(iter(self.children)))
+
+    def _drop(self, key: tuple) -> int:
+        """Stop waiting for a key's parent; returns how many children waited for it."""
+        self.parents[key[4]] -= 1
+        if not self.parents[key[4]]:
+            del self.parents[key[4]]
+        return self.children.pop(key)
 
     def _salts(self, con: duckdb.DuckDBPyConnection, found: Counter) -> None:
         """A medium mixed once both kinds of chain began on it: every unsalted chain on it counts, those
@@ -93,4 +109,4 @@ class LiveLint:
     def restarted(self, replica: str) -> None:
         """A publisher's new life: its children from before can no longer meet their parents."""
         for key in [k for k in self.children if k[0] == replica]:
-            del self.children[key]
+            self._drop(key)
